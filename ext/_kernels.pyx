@@ -1,0 +1,568 @@
+# cython: language_level=3
+"""Compute kernels of the forward pass.
+
+Design:
+- Each kernel is a `nogil` loop over independent outputs (rows, heads, tokens)
+  parallelised with OpenMP `prange(..., num_threads=n_threads)`. No prange body
+  holds a reduction: every output is reduced inside one iteration, in an order
+  fixed by the shapes alone (see `_kernels_impl.h`). So results are bit-identical
+  for any `n_threads`, any alignment of the weight buffer, and any batch size;
+  placement may change speed, never output.
+- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) and stay in that format;
+  they are dequantised on the fly and accumulated in f32. Activations, the KV
+  cache and routing are f32.
+- Outputs are allocated by the caller and written in full. The thin Python
+  wrappers validate shape, dtype and C-contiguity and raise `ValueError`;
+  nothing inside `nogil` raises or allocates (except the small pointer tables of
+  `expert_ffn`).
+
+Shape legend: T tokens, H hidden_size, R rows of a weight, C columns, E
+num_experts, K top_k, N token-expert pairs, I expert intermediate_size,
+nH attention heads, nKV key/value heads, D head_dim, S KV-cache capacity.
+"""
+cimport cython
+from cython.parallel cimport prange, threadid
+from libc.math cimport expf, sqrtf, INFINITY
+from libc.stdint cimport uint16_t, int32_t, int64_t, uintptr_t
+from libc.stdlib cimport malloc, free
+
+import numpy as np
+cimport numpy as cnp
+
+import ml_dtypes
+
+cnp.import_array()
+
+cdef extern from "_kernels_impl.h" nogil:
+    int MOED_F32
+    int MOED_F16
+    int MOED_BF16
+    size_t moed_dtype_size(int dtype)
+    float moed_dot(int dtype, const void *w, const float *x, Py_ssize_t n)
+    void moed_dot4(int dtype, const void *w, const float *x, Py_ssize_t ldx,
+                   Py_ssize_t n, float *out)
+    void moed_dequant_row(int dtype, const void *w, float *out, Py_ssize_t n)
+    void moed_axpy(float a, const float *x, float *y, Py_ssize_t n)
+    float moed_silu(float g)
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    static int moed_openmp_flag(void) { return 1; }
+    #else
+    static int moed_openmp_flag(void) { return 0; }
+    #endif
+    """
+    int moed_openmp_flag() nogil
+
+
+def openmp_enabled():
+    """True when the kernels were built with OpenMP (else `n_threads` is ignored)."""
+    return bool(moed_openmp_flag())
+
+
+# ---------------------------------------------------------------- validation
+
+cdef inline object _shape(cnp.ndarray a):
+    return (<object>a).shape
+
+
+cdef int _wcode(cnp.ndarray a, str name) except -1:
+    """Format code of a weight array; rejects anything not f32/f16/bf16."""
+    dt = a.dtype
+    if dt == _BF16:
+        return MOED_BF16
+    if dt == _F16:
+        return MOED_F16
+    if dt == _F32:
+        return MOED_F32
+    raise ValueError(f"{name}: unsupported weight dtype {dt} (f32, f16, bf16)")
+
+
+cdef inline void _need_c(cnp.ndarray a, str name) except *:
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(f"{name}: must be C-contiguous")
+
+
+cdef inline void _need_f32(cnp.ndarray a, str name, int ndim) except *:
+    if a.dtype != _F32:
+        raise ValueError(f"{name}: dtype must be float32, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {_shape(a)}")
+    _need_c(a, name)
+
+
+cdef inline void _need_writable(cnp.ndarray a, str name) except *:
+    if not a.flags.writeable:
+        raise ValueError(f"{name}: output must be writable")
+
+
+cdef inline void _need_threads(int n_threads) except *:
+    if n_threads < 1:
+        raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+
+
+# ------------------------------------------------------------------- matmul
+
+cdef inline void _matmul_row(int code, const char *w_row, Py_ssize_t R,
+                             Py_ssize_t C, const float *x, Py_ssize_t T, float *out,
+                             Py_ssize_t r) noexcept nogil:
+    """out[t, r] = w_row . x[t] for t < T, four tokens per pass over the row."""
+    cdef float o4[4]
+    cdef Py_ssize_t t = 0
+    while t + 4 <= T:
+        moed_dot4(code, w_row, x + t * C, C, C, o4)
+        out[t * R + r] = o4[0]
+        out[(t + 1) * R + r] = o4[1]
+        out[(t + 2) * R + r] = o4[2]
+        out[(t + 3) * R + r] = o4[3]
+        t = t + 4
+    while t < T:
+        out[t * R + r] = moed_dot(code, w_row, x + t * C, C)
+        t = t + 1
+
+
+cdef void _matmul(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
+                  const float *x, Py_ssize_t T, float *out,
+                  int n_threads) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef size_t row_bytes = C * moed_dtype_size(code)
+    for r in prange(R, num_threads=n_threads, schedule="static"):
+        _matmul_row(code, w + r * row_bytes, R, C, x, T, out, r)
+
+
+def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+    """out = x @ w.T with w dequantised on the fly.
+
+    Args:
+        w: [R, C] float32, float16 or bfloat16, C-contiguous (may be read-only,
+            e.g. a memory map; any alignment).
+        x: [T, C] float32, C-contiguous.
+        out: [T, R] float32, C-contiguous, writable; fully overwritten.
+        n_threads: OpenMP threads (rows are split between them).
+
+    Row t of `out` is bit-equal whatever T is (mat-mat rows equal mat-vec).
+    Raises ValueError on a shape, dtype or contiguity mismatch.
+    """
+    cdef int code = _wcode(w, "w")
+    _need_c(w, "w")
+    _need_f32(x, "x", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_threads(n_threads)
+    if w.ndim != 2:
+        raise ValueError(f"w: expected 2 dimensions, got shape {_shape(w)}")
+    cdef Py_ssize_t R = w.shape[0], C = w.shape[1], T = x.shape[0]
+    if x.shape[1] != C:
+        raise ValueError(f"x: shape {_shape(x)} does not match w {_shape(w)}")
+    if out.shape[0] != T or out.shape[1] != R:
+        raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {R})")
+    cdef const char *wp = <const char *>cnp.PyArray_DATA(w)
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    with nogil:
+        _matmul(code, wp, R, C, xp, T, op, n_threads)
+
+
+def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
+    """out[t] = f32(w[ids[t]]): embedding lookup.
+
+    Args:
+        w: [V, H] float32/float16/bfloat16, C-contiguous.
+        ids: [T] int64 row indices, each in [0, V).
+        out: [T, H] float32, writable.
+    Raises ValueError on shape/dtype mismatch or an id out of range.
+    """
+    cdef int code = _wcode(w, "w")
+    _need_c(w, "w")
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    if ids.dtype != np.int64 or ids.ndim != 1:
+        raise ValueError("ids: expected a 1-D int64 array")
+    cdef Py_ssize_t V = w.shape[0], H = w.shape[1], T = ids.shape[0]
+    if out.shape[0] != T or out.shape[1] != H:
+        raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {H})")
+    cdef const int64_t[::1] idv = ids
+    cdef Py_ssize_t t
+    for t in range(T):
+        if idv[t] < 0 or idv[t] >= V:
+            raise ValueError(f"token id {idv[t]} out of range [0, {V})")
+    cdef const char *wp = <const char *>cnp.PyArray_DATA(w)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef size_t row_bytes = H * moed_dtype_size(code)
+    with nogil:
+        for t in range(T):
+            moed_dequant_row(code, wp + idv[t] * row_bytes, op + t * H, H)
+
+
+# ------------------------------------------------------------------ rmsnorm
+
+def rmsnorm(cnp.ndarray x, cnp.ndarray weight, float eps, cnp.ndarray out,
+            int n_threads=1):
+    """out = weight * (x / sqrt(mean(x**2) + eps)) row by row.
+
+    Formula: RMSNorm (Zhang & Sennrich 2019) as transformers' *RMSNorm computes
+    it in f32: x * rsqrt(variance + eps), then times weight.
+
+    Args:
+        x: [T, H] float32. weight: [H] float32. out: [T, H] float32 (may be x).
+    """
+    _need_f32(x, "x", 2)
+    _need_f32(weight, "weight", 1)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_threads(n_threads)
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1]
+    if weight.shape[0] != H or out.shape[0] != T or out.shape[1] != H:
+        raise ValueError(f"rmsnorm: x {_shape(x)}, weight {_shape(weight)}, out {_shape(out)}")
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(weight)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t t, j
+    cdef float ss, r
+    for t in prange(T, nogil=True, num_threads=n_threads, schedule="static"):
+        ss = moed_dot(MOED_F32, xp + t * H, xp + t * H, H)
+        r = 1.0 / sqrtf(ss / H + eps)
+        for j in range(H):
+            op[t * H + j] = wp[j] * (xp[t * H + j] * r)
+
+
+# --------------------------------------------------------------------- rope
+
+def rope(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin):
+    """Rotary position embedding in place, rotate-half layout (GPT-NeoX / HF).
+
+    For each token t, head h and i < D/2:
+        x'[i]       = x[i] * cos[t, i] - x[i + D/2] * sin[t, i]
+        x'[i + D/2] = x[i + D/2] * cos[t, i] + x[i] * sin[t, i]
+    as transformers' `apply_rotary_pos_emb` with `rotate_half`.
+
+    Args:
+        x: [T, nHeads, D] float32, modified in place.
+        cos, sin: [T, D/2] float32 (angles = position * inv_freq).
+    """
+    _need_f32(x, "x", 3)
+    _need_f32(cos, "cos", 2)
+    _need_f32(sin, "sin", 2)
+    _need_writable(x, "x")
+    cdef Py_ssize_t T = x.shape[0], NH = x.shape[1], D = x.shape[2], half = D // 2
+    if D % 2 or cos.shape[0] != T or cos.shape[1] != half or sin.shape[0] != T \
+            or sin.shape[1] != half:
+        raise ValueError(f"rope: x {_shape(x)}, cos {_shape(cos)}, sin {_shape(sin)}")
+    cdef float *xp = <float *>cnp.PyArray_DATA(x)
+    cdef const float *cp = <const float *>cnp.PyArray_DATA(cos)
+    cdef const float *sp = <const float *>cnp.PyArray_DATA(sin)
+    cdef Py_ssize_t t, h, i
+    cdef float a, b, c, s
+    cdef float *row
+    with nogil:
+        for t in range(T):
+            for h in range(NH):
+                row = xp + (t * NH + h) * D
+                for i in range(half):
+                    a = row[i]
+                    b = row[i + half]
+                    c = cp[t * half + i]
+                    s = sp[t * half + i]
+                    row[i] = a * c - b * s
+                    row[i + half] = b * c + a * s
+
+
+# ---------------------------------------------------------------- attention
+
+cdef void _attend_one(const float *q, const float *k, const float *v,
+                      Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t D, float scale,
+                      float *scores, float *out) noexcept nogil:
+    """Softmax attention of one query over keys lo..hi-1 (inclusive of lo)."""
+    cdef Py_ssize_t s, d
+    cdef float m = -INFINITY, total = 0.0, p
+    for s in range(lo, hi):
+        scores[s] = moed_dot(MOED_F32, q, k + s * D, D) * scale
+        if scores[s] > m:
+            m = scores[s]
+    for s in range(lo, hi):
+        scores[s] = expf(scores[s] - m)
+        total = total + scores[s]
+    for d in range(D):
+        out[d] = 0.0
+    for s in range(lo, hi):
+        p = scores[s] / total
+        moed_axpy(p, v + s * D, out, D)
+
+
+def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
+              Py_ssize_t pos0, Py_ssize_t window, float scale, cnp.ndarray out,
+              cnp.ndarray scratch, int n_threads=1):
+    """Causal (optionally sliding-window) attention of T queries over the cache.
+
+    Query t sits at absolute position pos0 + t and attends to cached positions
+    p with max(0, pos0 + t - window + 1) <= p <= pos0 + t (window <= 0: no
+    window) — transformers' sliding mask keeps kv_idx > q_idx - sliding_window.
+    Query head h reads key/value head h // (nH / nKV) (grouped-query attention).
+    Work is split over (token, head) pairs; each output is reduced in one place.
+
+    Args:
+        q: [T, nH, D] float32 (after RoPE).
+        k_cache, v_cache: [nKV, S, D] float32; positions < pos0 + T filled.
+        pos0: position of the first query. window: sliding window, <= 0 for none.
+        scale: score multiplier (1/sqrt(D) in every family here).
+        out: [T, nH, D] float32, writable.
+        scratch: [n_threads, S] float32 scores buffer, owned by the caller.
+    Raises ValueError on shape mismatch or if pos0 + T exceeds S.
+    """
+    _need_f32(q, "q", 3)
+    _need_f32(k_cache, "k_cache", 3)
+    _need_f32(v_cache, "v_cache", 3)
+    _need_f32(out, "out", 3)
+    _need_f32(scratch, "scratch", 2)
+    _need_writable(out, "out")
+    _need_threads(n_threads)
+    cdef Py_ssize_t T = q.shape[0], NH = q.shape[1], D = q.shape[2]
+    cdef Py_ssize_t NKV = k_cache.shape[0], S = k_cache.shape[1]
+    if k_cache.shape[2] != D or _shape(v_cache) != _shape(k_cache):
+        raise ValueError(f"attention: q {_shape(q)}, k {_shape(k_cache)}, v {_shape(v_cache)}")
+    if NKV == 0 or NH % NKV:
+        raise ValueError(f"attention: {NH} query heads not a multiple of {NKV} kv heads")
+    if _shape(out) != _shape(q):
+        raise ValueError(f"attention: out {_shape(out)} != q {_shape(q)}")
+    if pos0 < 0 or pos0 + T > S:
+        raise ValueError(f"attention: positions {pos0}..{pos0 + T} exceed cache {S}")
+    if scratch.shape[0] < n_threads or scratch.shape[1] < S:
+        raise ValueError(f"attention: scratch {_shape(scratch)} < ({n_threads}, {S})")
+    cdef const float *qp = <const float *>cnp.PyArray_DATA(q)
+    cdef const float *kp = <const float *>cnp.PyArray_DATA(k_cache)
+    cdef const float *vp = <const float *>cnp.PyArray_DATA(v_cache)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef float *sp = <float *>cnp.PyArray_DATA(scratch)
+    cdef Py_ssize_t sstride = scratch.shape[1]
+    cdef Py_ssize_t group = NH // NKV
+    cdef Py_ssize_t f, t, h, kvh, p, lo
+    for f in prange(T * NH, nogil=True, num_threads=n_threads, schedule="static"):
+        t = f // NH
+        h = f % NH
+        kvh = h // group
+        p = pos0 + t
+        lo = 0
+        if window > 0 and p - window + 1 > 0:
+            lo = p - window + 1
+        _attend_one(qp + f * D, kp + kvh * S * D, vp + kvh * S * D, lo, p + 1, D,
+                    scale, sp + threadid() * sstride, op + f * D)
+
+
+# ------------------------------------------------------------------ routing
+
+def route(cnp.ndarray router_logits, int top_k, bint renormalize,
+          cnp.ndarray ids, cnp.ndarray weights):
+    """Softmax top-k routing, per token.
+
+    probs = softmax(router_logits) in f32 over all E experts; the top_k largest
+    are selected in descending order, a tie going to the lower expert id; when
+    `renormalize` (HF `norm_topk_prob`, always on for Mixtral) the selected
+    probabilities are divided by their sum. Source: transformers'
+    `*TopKRouter.forward` of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+
+    Args:
+        router_logits: [T, E] float32.
+        ids: [T, K] int32 output, experts in rank order.
+        weights: [T, K] float32 output.
+    """
+    _need_f32(router_logits, "router_logits", 2)
+    _need_f32(weights, "weights", 2)
+    if ids.dtype != np.int32 or ids.ndim != 2:
+        raise ValueError("ids: expected a 2-D int32 array")
+    _need_c(ids, "ids")
+    cdef Py_ssize_t T = router_logits.shape[0], E = router_logits.shape[1]
+    if top_k < 1 or top_k > E:
+        raise ValueError(f"top_k {top_k} not in [1, {E}]")
+    if ids.shape[0] != T or ids.shape[1] != top_k or weights.shape[0] != T \
+            or weights.shape[1] != top_k:
+        raise ValueError(f"route: ids {_shape(ids)}, weights {_shape(weights)}, expected ({T}, {top_k})")
+    cdef float[:, ::1] probs = np.empty((T, E), dtype=np.float32)
+    cdef const float[:, ::1] lg = router_logits
+    cdef int32_t[:, ::1] idv = ids
+    cdef float[:, ::1] wv = weights
+    cdef Py_ssize_t t, e, r, best
+    cdef float m, total, bv
+    with nogil:
+        for t in range(T):
+            m = -INFINITY
+            for e in range(E):
+                if lg[t, e] > m:
+                    m = lg[t, e]
+            total = 0.0
+            for e in range(E):
+                probs[t, e] = expf(lg[t, e] - m)
+                total = total + probs[t, e]
+            for e in range(E):
+                probs[t, e] = probs[t, e] / total
+            for r in range(top_k):
+                best = -1
+                bv = -INFINITY
+                for e in range(E):
+                    if probs[t, e] > bv or (best < 0 and probs[t, e] >= bv):
+                        bv = probs[t, e]
+                        best = e
+                idv[t, r] = <int32_t>best
+                wv[t, r] = bv
+                probs[t, best] = -INFINITY
+            if renormalize:
+                total = 0.0
+                for r in range(top_k):
+                    total = total + wv[t, r]
+                for r in range(top_k):
+                    wv[t, r] = wv[t, r] / total
+
+
+# ------------------------------------------------------------- expert FFN
+
+cdef void _gate_up_rows(int code, const char *wg, const char *wu, Py_ssize_t i,
+                        Py_ssize_t H, Py_ssize_t I, const float *x, Py_ssize_t n,
+                        float *hbuf) noexcept nogil:
+    """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the n tokens x_j."""
+    cdef size_t row_bytes = H * moed_dtype_size(code)
+    cdef const char *g = wg + i * row_bytes
+    cdef const char *u = wu + i * row_bytes
+    cdef float g4[4]
+    cdef float u4[4]
+    cdef Py_ssize_t j = 0, q
+    while j + 4 <= n:
+        moed_dot4(code, g, x + j * H, H, H, g4)
+        moed_dot4(code, u, x + j * H, H, H, u4)
+        for q in range(4):
+            hbuf[(j + q) * I + i] = moed_silu(g4[q]) * u4[q]
+        j = j + 4
+    while j < n:
+        hbuf[j * I + i] = moed_silu(moed_dot(code, g, x + j * H, H)) \
+            * moed_dot(code, u, x + j * H, H)
+        j = j + 1
+
+
+def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
+               cnp.ndarray group_start, cnp.ndarray hbuf, cnp.ndarray out,
+               int n_threads=1):
+    """SwiGLU expert FFNs for groups of tokens: y = down(silu(gate x) * up x).
+
+    Expert k (weights gates[k], ups[k], downs[k]) is applied to the token rows
+    x[group_start[k]:group_start[k+1]], writing the matching rows of `out`.
+    Each (expert, output row) is one unit of parallel work; the weighted sum
+    over experts is done afterwards by `combine_experts`, in top-k rank order.
+
+    Args:
+        gates, ups: K arrays [I, H]; downs: K arrays [H, I]; all the same dtype
+            (f32, f16 or bf16), C-contiguous, any alignment, may be read-only.
+        x: [N, H] float32 gathered token rows, grouped by expert.
+        group_start: [K + 1] int64, 0 = group_start[0] <= ... <= group_start[K] = N.
+        hbuf: [N, I] float32 scratch (the activations silu(gate x) * up x).
+        out: [N, H] float32, writable.
+    Raises ValueError on any shape or dtype mismatch, naming the expert index.
+    """
+    cdef Py_ssize_t K = len(gates)
+    if len(ups) != K or len(downs) != K:
+        raise ValueError("expert_ffn: gates, ups and downs differ in length")
+    _need_f32(x, "x", 2)
+    _need_f32(hbuf, "hbuf", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_writable(hbuf, "hbuf")
+    _need_threads(n_threads)
+    if group_start.dtype != np.int64 or group_start.ndim != 1 or group_start.shape[0] != K + 1:
+        raise ValueError(f"group_start: expected int64 [{K + 1}]")
+    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
+    if K == 0:
+        return
+    cdef Py_ssize_t I = (<cnp.ndarray>gates[0]).shape[0]
+    if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
+        raise ValueError(f"expert_ffn: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
+    cdef const int64_t[::1] gs = group_start
+    if gs[0] != 0 or gs[K] != N:
+        raise ValueError(f"group_start must run from 0 to {N}")
+    cdef int code = _wcode(<cnp.ndarray>gates[0], "gates[0]")
+    cdef int k
+    cdef cnp.ndarray a
+    for k in range(K):
+        if gs[k + 1] < gs[k]:
+            raise ValueError("group_start must be non-decreasing")
+        for a, name, shape in ((gates[k], "gates", (I, H)), (ups[k], "ups", (I, H)),
+                               (downs[k], "downs", (H, I))):
+            if _wcode(a, f"{name}[{k}]") != code:
+                raise ValueError(f"{name}[{k}]: dtype {a.dtype} differs from gates[0]")
+            if a.ndim != 2 or a.shape[0] != shape[0] or a.shape[1] != shape[1]:
+                raise ValueError(f"{name}[{k}]: shape {_shape(a)}, expected {shape}")
+            _need_c(a, f"{name}[{k}]")
+    cdef const char **gp = <const char **>malloc(3 * K * sizeof(char *))
+    if gp == NULL:
+        raise MemoryError()
+    cdef const char **up = gp + K
+    cdef const char **dp = gp + 2 * K
+    for k in range(K):
+        gp[k] = <const char *>cnp.PyArray_DATA(gates[k])
+        up[k] = <const char *>cnp.PyArray_DATA(ups[k])
+        dp[k] = <const char *>cnp.PyArray_DATA(downs[k])
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t f, i, n, row0
+    cdef size_t drow_bytes = I * moed_dtype_size(code)
+    try:
+        with nogil:
+            for f in prange(K * I, num_threads=n_threads, schedule="static"):
+                k = <int>(f // I)
+                i = f % I
+                row0 = gs[k]
+                n = gs[k + 1] - row0
+                if n > 0:
+                    _gate_up_rows(code, gp[k], up[k], i, H, I, xp + row0 * H, n,
+                                  hp + row0 * I)
+            for f in prange(K * H, num_threads=n_threads, schedule="static"):
+                k = <int>(f // H)
+                i = f % H
+                row0 = gs[k]
+                n = gs[k + 1] - row0
+                if n > 0:
+                    _matmul_row(code, dp[k] + i * drow_bytes, H, I, hp + row0 * I, n,
+                                op + row0 * H, i)
+    finally:
+        free(gp)
+
+
+def combine_experts(cnp.ndarray y, cnp.ndarray rows, cnp.ndarray weights,
+                    cnp.ndarray out):
+    """out[t] = sum over rank r of weights[t, r] * y[rows[t, r]], in rank order.
+
+    The sum starts from weights[t, 0] * y[rows[t, 0]] and adds ranks 1..K-1 in
+    order, so it does not depend on which experts were computed together.
+
+    Args:
+        y: [N, H] float32 expert outputs. rows: [T, K] int64 row of y per token
+            and rank (-1 skips the rank). weights: [T, K] float32.
+        out: [T, H] float32, writable, overwritten.
+    """
+    _need_f32(y, "y", 2)
+    _need_f32(weights, "weights", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    if rows.dtype != np.int64 or rows.ndim != 2:
+        raise ValueError("rows: expected a 2-D int64 array")
+    cdef Py_ssize_t T = rows.shape[0], K = rows.shape[1], N = y.shape[0], H = y.shape[1]
+    if weights.shape[0] != T or weights.shape[1] != K or out.shape[0] != T or out.shape[1] != H:
+        raise ValueError(f"combine_experts: rows {_shape(rows)}, weights {_shape(weights)}, out {_shape(out)}")
+    cdef const int64_t[:, ::1] rv = rows
+    cdef Py_ssize_t t, r, j
+    for t in range(T):
+        for r in range(K):
+            if rv[t, r] >= N:
+                raise ValueError(f"rows[{t}, {r}] = {rv[t, r]} >= {N}")
+    cdef const float *yp = <const float *>cnp.PyArray_DATA(y)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(weights)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    with nogil:
+        for t in range(T):
+            for j in range(H):
+                op[t * H + j] = 0.0
+            for r in range(K):
+                if rv[t, r] >= 0:
+                    moed_axpy(wp[t * K + r], yp + rv[t, r] * H, op + t * H, H)

@@ -1,0 +1,65 @@
+"""Build the Cython kernels in ext/.
+
+OpenMP is used when the compiler accepts ``-fopenmp``; otherwise the kernels build
+sequentially (prange degrades to a plain loop). By default the code is compiled for
+the machine it is installed on (``-march=native``); set ``MOED_PORTABLE=1`` for a
+build that runs on any CPU of the architecture. ``MOED_DEBUG=1`` turns on Cython's
+bounds and wraparound checks.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def _compiler_accepts(flags: list[str]) -> bool:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc.split()[0]) is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 0;}\n"
+                    if "-fopenmp" in flags else "int main(void){return 0;}\n")
+        cmd = cc.split() + flags + [src, "-o", os.path.join(tmp, "probe")]
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+compile_args = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno"]
+link_args: list[str] = []
+if os.environ.get("MOED_PORTABLE", "") not in ("", "0") or sys.platform == "darwin":
+    pass
+elif _compiler_accepts(["-march=native"]):
+    compile_args.append("-march=native")
+if _compiler_accepts(["-fopenmp"]):
+    compile_args.append("-fopenmp")
+    link_args.append("-fopenmp")
+else:
+    print("moed: compiler lacks OpenMP; building sequential kernels", file=sys.stderr)
+
+debug = os.environ.get("MOED_DEBUG", "") not in ("", "0")
+directives = {
+    "language_level": 3,
+    "boundscheck": debug,
+    "wraparound": debug,
+    "cdivision": True,
+    "initializedcheck": debug,
+}
+
+extensions = [
+    Extension(
+        "ext._kernels",
+        ["ext/_kernels.pyx"],
+        include_dirs=[numpy.get_include(), "ext"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+]
+
+setup(ext_modules=cythonize(extensions, compiler_directives=directives))
