@@ -39,8 +39,9 @@ cdef extern from "_kernels_impl.h" nogil:
     int MOED_BF16
     size_t moed_dtype_size(int dtype)
     float moed_dot(int dtype, const void *w, const float *x, Py_ssize_t n)
-    void moed_dot4(int dtype, const void *w, const float *x, Py_ssize_t ldx,
-                   Py_ssize_t n, float *out)
+    int MOED_ROWS
+    void moed_dot_rows(int dtype, const char *w, size_t ldw, int nrows, const float *x,
+                       Py_ssize_t n, float *out)
     void moed_dequant_row(int dtype, const void *w, float *out, Py_ssize_t n)
     void moed_axpy(float a, const float *x, float *y, Py_ssize_t n)
     float moed_silu(float g)
@@ -106,33 +107,41 @@ cdef inline void _need_threads(int n_threads) except *:
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
 
 
+# Below this many multiply-adds a call runs on one thread: waking OpenMP workers
+# costs more than it saves. Results do not depend on the thread count.
+cdef enum:
+    MIN_PARALLEL_WORK = 65536
+
+
+cdef inline int _threads_for(Py_ssize_t work, int n_threads) noexcept nogil:
+    return n_threads if work >= MIN_PARALLEL_WORK else 1
+
+
 # ------------------------------------------------------------------- matmul
 
-cdef inline void _matmul_row(int code, const char *w_row, Py_ssize_t R,
-                             Py_ssize_t C, const float *x, Py_ssize_t T, float *out,
-                             Py_ssize_t r) noexcept nogil:
-    """out[t, r] = w_row . x[t] for t < T, four tokens per pass over the row."""
-    cdef float o4[4]
-    cdef Py_ssize_t t = 0
-    while t + 4 <= T:
-        moed_dot4(code, w_row, x + t * C, C, C, o4)
-        out[t * R + r] = o4[0]
-        out[(t + 1) * R + r] = o4[1]
-        out[(t + 2) * R + r] = o4[2]
-        out[(t + 3) * R + r] = o4[3]
-        t = t + 4
-    while t < T:
-        out[t * R + r] = moed_dot(code, w_row, x + t * C, C)
-        t = t + 1
+cdef inline void _matmul_rows(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
+                              const float *x, Py_ssize_t T, float *out,
+                              Py_ssize_t g) noexcept nogil:
+    """out[t, r] = w_r . x[t] for the rows r of group g (MOED_ROWS rows) and t < T.
+
+    The group's rows stay in cache while the T tokens pass over them."""
+    cdef float o[8]
+    cdef size_t row_bytes = C * moed_dtype_size(code)
+    cdef Py_ssize_t r0 = g * MOED_ROWS, t, q
+    cdef int nr = <int>(R - r0) if R - r0 < MOED_ROWS else MOED_ROWS
+    for t in range(T):
+        moed_dot_rows(code, w + r0 * row_bytes, row_bytes, nr, x + t * C, C, o)
+        for q in range(nr):
+            out[t * R + r0 + q] = o[q]
 
 
 cdef void _matmul(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
                   const float *x, Py_ssize_t T, float *out,
                   int n_threads) noexcept nogil:
-    cdef Py_ssize_t r
-    cdef size_t row_bytes = C * moed_dtype_size(code)
-    for r in prange(R, num_threads=n_threads, schedule="static"):
-        _matmul_row(code, w + r * row_bytes, R, C, x, T, out, r)
+    cdef Py_ssize_t g
+    for g in prange((R + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
+                    schedule="static"):
+        _matmul_rows(code, w, R, C, x, T, out, g)
 
 
 def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
@@ -165,7 +174,7 @@ def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     with nogil:
-        _matmul(code, wp, R, C, xp, T, op, n_threads)
+        _matmul(code, wp, R, C, xp, T, op, _threads_for(R * C * T, n_threads))
 
 
 def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
@@ -224,6 +233,7 @@ def rmsnorm(cnp.ndarray x, cnp.ndarray weight, float eps, cnp.ndarray out,
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef Py_ssize_t t, j
     cdef float ss, r
+    n_threads = _threads_for(T * H * 8, n_threads)
     for t in prange(T, nogil=True, num_threads=n_threads, schedule="static"):
         ss = moed_dot(MOED_F32, xp + t * H, xp + t * H, H)
         r = 1.0 / sqrtf(ss / H + eps)
@@ -341,6 +351,7 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
     cdef Py_ssize_t sstride = scratch.shape[1]
     cdef Py_ssize_t group = NH // NKV
     cdef Py_ssize_t f, t, h, kvh, p, lo
+    n_threads = _threads_for(T * NH * (pos0 + T) * D * 2, n_threads)
     for f in prange(T * NH, nogil=True, num_threads=n_threads, schedule="static"):
         t = f // NH
         h = f % NH
@@ -419,26 +430,21 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
 
 # ------------------------------------------------------------- expert FFN
 
-cdef void _gate_up_rows(int code, const char *wg, const char *wu, Py_ssize_t i,
+cdef void _gate_up_rows(int code, const char *wg, const char *wu, Py_ssize_t g,
                         Py_ssize_t H, Py_ssize_t I, const float *x, Py_ssize_t n,
                         float *hbuf) noexcept nogil:
-    """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the n tokens x_j."""
+    """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the rows i of group g
+    and the n tokens x_j."""
     cdef size_t row_bytes = H * moed_dtype_size(code)
-    cdef const char *g = wg + i * row_bytes
-    cdef const char *u = wu + i * row_bytes
-    cdef float g4[4]
-    cdef float u4[4]
-    cdef Py_ssize_t j = 0, q
-    while j + 4 <= n:
-        moed_dot4(code, g, x + j * H, H, H, g4)
-        moed_dot4(code, u, x + j * H, H, H, u4)
-        for q in range(4):
-            hbuf[(j + q) * I + i] = moed_silu(g4[q]) * u4[q]
-        j = j + 4
-    while j < n:
-        hbuf[j * I + i] = moed_silu(moed_dot(code, g, x + j * H, H)) \
-            * moed_dot(code, u, x + j * H, H)
-        j = j + 1
+    cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
+    cdef float go[8]
+    cdef float uo[8]
+    for j in range(n):
+        moed_dot_rows(code, wg + i0 * row_bytes, row_bytes, nr, x + j * H, H, go)
+        moed_dot_rows(code, wu + i0 * row_bytes, row_bytes, nr, x + j * H, H, uo)
+        for q in range(nr):
+            hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
 
 
 def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
@@ -505,26 +511,25 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t f, i, n, row0
-    cdef size_t drow_bytes = I * moed_dtype_size(code)
+    cdef Py_ssize_t f, n, row0
+    cdef Py_ssize_t GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
+    cdef Py_ssize_t GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
+    n_threads = _threads_for(3 * N * H * I, n_threads)
     try:
         with nogil:
-            for f in prange(K * I, num_threads=n_threads, schedule="static"):
-                k = <int>(f // I)
-                i = f % I
+            for f in prange(K * GI, num_threads=n_threads, schedule="static"):
+                k = <int>(f // GI)
                 row0 = gs[k]
                 n = gs[k + 1] - row0
                 if n > 0:
-                    _gate_up_rows(code, gp[k], up[k], i, H, I, xp + row0 * H, n,
+                    _gate_up_rows(code, gp[k], up[k], f % GI, H, I, xp + row0 * H, n,
                                   hp + row0 * I)
-            for f in prange(K * H, num_threads=n_threads, schedule="static"):
-                k = <int>(f // H)
-                i = f % H
+            for f in prange(K * GH, num_threads=n_threads, schedule="static"):
+                k = <int>(f // GH)
                 row0 = gs[k]
                 n = gs[k + 1] - row0
                 if n > 0:
-                    _matmul_row(code, dp[k] + i * drow_bytes, H, I, hp + row0 * I, n,
-                                op + row0 * H, i)
+                    _matmul_rows(code, dp[k], H, I, hp + row0 * I, n, op + row0 * H, f % GH)
     finally:
         free(gp)
 

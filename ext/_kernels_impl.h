@@ -4,11 +4,11 @@
  * Design:
  * - Every dot product of length n sums in the same order for the same n, whatever
  *   the thread count, the alignment of either operand, or how many other rows or
- *   tokens are computed in the same call. The order is: 32 lanes (two 16-wide
- *   vectors, lane l takes elements j with j mod 32 == l, for j below
- *   n - n mod 16... see below), then a fixed pairwise tree over the lanes, then a
- *   sequential scalar tail. Nothing depends on the address of the data: loads are
- *   unaligned (memcpy into GCC vector values), so there is no alignment peeling.
+ *   tokens are computed in the same call: lanes of 16-wide vector accumulators,
+ *   then a fixed pairwise tree over the lanes, then a sequential scalar tail (the
+ *   exact orders are given above each function). Nothing depends on the address
+ *   of the data: loads are unaligned (memcpy into GCC vector values), so there is
+ *   no alignment peeling.
  * - GCC vector extensions give the lane semantics explicitly; the compiler maps
  *   them to AVX-512, AVX2 or SSE as the target allows. The build uses
  *   -ffp-contract=off so a multiply and an add are never fused differently in two
@@ -118,53 +118,110 @@ MOED_DEFINE_DOT(moed_dot_f32, MOED_F32)
 MOED_DEFINE_DOT(moed_dot_f16, MOED_F16)
 MOED_DEFINE_DOT(moed_dot_bf16, MOED_BF16)
 
-/* Four dot products sharing one weight row: out[t] = w . x[t] for t < 4, x[t] at
- * x + t * ldx. Each out[t] is computed with exactly the order of the single dot,
- * so it is bit-equal to moed_dot_*(w, x + t*ldx, n). */
-#define MOED_DEFINE_DOT4(NAME, DT)                                               \
-    static inline void NAME(const void *w, const float *x, ptrdiff_t ldx,       \
+/* Up to MOED_ROWS weight rows against one f32 vector: out[r] = w_r . x.
+ *
+ * Several rows per pass give the core independent load streams, which is what
+ * keeps a memory-bound mat-vec near the DRAM bandwidth. Each row is reduced
+ * alone, in an order fixed by n: 32 elements per step into two 16-lane
+ * accumulators a0/a1, then hsum(a0 + a1), then the n mod 32 tail one by one.
+ * For f32/f16, a0 takes elements j..j+15 and a1 j+16..j+31 of each step. For
+ * bf16, one 64-byte load holds 32 values as 16 pairs; the even-indexed values
+ * (v << 16) go to a0 against x's even elements and the odd ones (v & 0xffff0000)
+ * to a1 against x's odd elements, x being de-interleaved by a fixed shuffle.
+ * So a row's result does not depend on nrows, on the row's neighbours, on
+ * alignment, or on the thread that computes it. */
+#define MOED_ROWS 4
+
+typedef uint32_t moed_vpair __attribute__((vector_size(64)));   /* 16 x (2 x bf16) */
+
+static inline void moed_split_bf16(const uint16_t *p, moed_vf *even, moed_vf *odd) {
+    moed_vpair u;
+    memcpy(&u, p, sizeof u);
+    moed_vpair lo = u << 16, hi = u & 0xffff0000u;
+    memcpy(even, &lo, sizeof *even);
+    memcpy(odd, &hi, sizeof *odd);
+}
+
+static inline __attribute__((always_inline)) void moed_dot_rows_bf16(const char *w, size_t ldw, int nrows, const float *x,
+                                      ptrdiff_t n, float *out) {
+    moed_vf a0[MOED_ROWS] = {{0}}, a1[MOED_ROWS] = {{0}};
+    ptrdiff_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        moed_vf x0 = moed_load_f32(x + j), x1 = moed_load_f32(x + j + 16);
+        moed_vf xe = __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14,
+                                             16, 18, 20, 22, 24, 26, 28, 30);
+        moed_vf xo = __builtin_shufflevector(x0, x1, 1, 3, 5, 7, 9, 11, 13, 15,
+                                             17, 19, 21, 23, 25, 27, 29, 31);
+        for (int r = 0; r < nrows; r++) {
+            moed_vf e, o;
+            moed_split_bf16((const uint16_t *)(w + r * ldw) + j, &e, &o);
+            a0[r] = a0[r] + e * xe;
+            a1[r] = a1[r] + o * xo;
+        }
+    }
+    for (int r = 0; r < nrows; r++) {
+        const uint16_t *wr = (const uint16_t *)(w + r * ldw);
+        float s = moed_hsum(a0[r] + a1[r]);
+        for (ptrdiff_t k = j; k < n; k++) s = s + moed_bf16_to_f32(wr[k]) * x[k];
+        out[r] = s;
+    }
+}
+
+#define MOED_DEFINE_DOT_ROWS(NAME, DT)                                           \
+    static inline __attribute__((always_inline)) void NAME(const char *w, size_t ldw, int nrows, const float *x, \
                             ptrdiff_t n, float *out) {                           \
-        moed_vf a0[4] = {{0}}, a1[4] = {{0}};                                    \
+        moed_vf a0[MOED_ROWS] = {{0}}, a1[MOED_ROWS] = {{0}};                    \
         ptrdiff_t j = 0;                                                         \
         for (; j + 32 <= n; j += 32) {                                           \
-            moed_vf w0 = MOED_LOADW(DT, w, j), w1 = MOED_LOADW(DT, w, j + 16);   \
-            for (int t = 0; t < 4; t++) {                                        \
-                a0[t] = a0[t] + w0 * moed_load_f32(x + t * ldx + j);             \
-                a1[t] = a1[t] + w1 * moed_load_f32(x + t * ldx + j + 16);        \
+            moed_vf x0 = moed_load_f32(x + j), x1 = moed_load_f32(x + j + 16);   \
+            for (int r = 0; r < nrows; r++) {                                    \
+                const void *wr = w + r * ldw;                                    \
+                a0[r] = a0[r] + MOED_LOADW(DT, wr, j) * x0;                      \
+                a1[r] = a1[r] + MOED_LOADW(DT, wr, j + 16) * x1;                 \
             }                                                                    \
         }                                                                        \
-        ptrdiff_t j16 = j;                                                       \
-        if (j + 16 <= n) {                                                       \
-            moed_vf w0 = MOED_LOADW(DT, w, j);                                   \
-            for (int t = 0; t < 4; t++)                                          \
-                a0[t] = a0[t] + w0 * moed_load_f32(x + t * ldx + j);             \
-            j16 = j + 16;                                                        \
-        }                                                                        \
-        for (int t = 0; t < 4; t++) {                                            \
-            float s = moed_hsum(a0[t] + a1[t]);                                  \
-            const float *xt = x + t * ldx;                                       \
-            for (ptrdiff_t k = j16; k < n; k++)                                  \
-                s = s + moed_scalarw(DT, w, k) * xt[k];                          \
-            out[t] = s;                                                          \
+        for (int r = 0; r < nrows; r++) {                                        \
+            const void *wr = w + r * ldw;                                        \
+            float s = moed_hsum(a0[r] + a1[r]);                                  \
+            for (ptrdiff_t k = j; k < n; k++) s = s + moed_scalarw(DT, wr, k) * x[k]; \
+            out[r] = s;                                                          \
         }                                                                        \
     }
 
-MOED_DEFINE_DOT4(moed_dot4_f32, MOED_F32)
-MOED_DEFINE_DOT4(moed_dot4_f16, MOED_F16)
-MOED_DEFINE_DOT4(moed_dot4_bf16, MOED_BF16)
+MOED_DEFINE_DOT_ROWS(moed_dot_rows_f32, MOED_F32)
+MOED_DEFINE_DOT_ROWS(moed_dot_rows_f16, MOED_F16)
+
+/* out[r] = w_r . x for nrows <= MOED_ROWS rows spaced ldw bytes apart. */
+static void moed_dot_rows4(int dtype, const char *w, size_t ldw, const float *x,
+                           ptrdiff_t n, float *out) {
+    if (dtype == MOED_BF16) moed_dot_rows_bf16(w, ldw, MOED_ROWS, x, n, out);
+    else if (dtype == MOED_F16) moed_dot_rows_f16(w, ldw, MOED_ROWS, x, n, out);
+    else moed_dot_rows_f32(w, ldw, MOED_ROWS, x, n, out);
+}
+
+static void moed_dot_rows1(int dtype, const char *w, const float *x, ptrdiff_t n,
+                           float *out) {
+    if (dtype == MOED_BF16) moed_dot_rows_bf16(w, 0, 1, x, n, out);
+    else if (dtype == MOED_F16) moed_dot_rows_f16(w, 0, 1, x, n, out);
+    else moed_dot_rows_f32(w, 0, 1, x, n, out);
+}
+
+/* out[r] = w_r . x for nrows <= MOED_ROWS rows spaced ldw bytes apart: groups of
+ * MOED_ROWS share a pass, leftovers go one by one (same per-row arithmetic). */
+static inline void moed_dot_rows(int dtype, const char *w, size_t ldw, int nrows,
+                                 const float *x, ptrdiff_t n, float *out) {
+    if (nrows == MOED_ROWS) {
+        moed_dot_rows4(dtype, w, ldw, x, n, out);
+        return;
+    }
+    for (int r = 0; r < nrows; r++) moed_dot_rows1(dtype, w + r * ldw, x, n, out + r);
+}
 
 /* Dispatch on the weight format. */
 static inline float moed_dot(int dtype, const void *w, const float *x, ptrdiff_t n) {
     if (dtype == MOED_BF16) return moed_dot_bf16(w, x, n);
     if (dtype == MOED_F16) return moed_dot_f16(w, x, n);
     return moed_dot_f32(w, x, n);
-}
-
-static inline void moed_dot4(int dtype, const void *w, const float *x, ptrdiff_t ldx,
-                             ptrdiff_t n, float *out) {
-    if (dtype == MOED_BF16) moed_dot4_bf16(w, x, ldx, n, out);
-    else if (dtype == MOED_F16) moed_dot4_f16(w, x, ldx, n, out);
-    else moed_dot4_f32(w, x, ldx, n, out);
 }
 
 /* out[j] = dequantised w[j] for j < n. */

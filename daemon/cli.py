@@ -1,0 +1,214 @@
+"""The `moed` command line.
+
+Every command keeps stdout for its result (generated text, JSON, a path) and sends
+logs and progress to stderr; progress bars appear only when stderr is a terminal.
+Exit status: 0 on success, 1 when the input (model directory, config, prompt) is
+at fault, 2 for a usage error (argparse's convention).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger("moed")
+
+
+class _Progress:
+    """A one-line progress bar on stderr when it is a TTY; silent otherwise."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {done / 2**20:8.1f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024): 512M, 2G, 65536."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = units.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if t[-1:] in units else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 512M, 2G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ext.generate import Generation
+    from ext.model import Model
+    from ext.sampling import SamplingParams
+    from ext.tokenizer import Tokenizer, stop_token_ids
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              seed=args.seed)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.from_model_dir(args.model)
+    model = Model.load(args.model, n_threads=args.threads, experts=args.experts)
+    log.info("model loaded: %s (%s, %d layers, %d experts, top_k %d) in %.2f s, %d threads",
+             args.model, model.config.model_type, model.config.num_hidden_layers,
+             model.config.num_experts, model.config.top_k, time.perf_counter() - t0, model.n_threads)
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    gen = Generation(model, prompt_ids, max_tokens=args.max_tokens, sampling=sampling,
+                     stop_ids=stop_token_ids(args.model))
+    decoder = tokenizer.stream_decoder()
+    out = sys.stdout
+    for token in gen:
+        piece = decoder.step(token)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(decoder.finish() + "\n")
+    out.flush()
+    log.info("generated %d tokens (finish_reason=%s, prompt %d tokens): time to first token "
+             "%.3f s, decode %.2f tokens/s, seed %d", gen.completion_tokens, gen.finish_reason,
+             len(prompt_ids), gen.time_to_first_token_s, gen.decode_tokens_per_s,
+             gen.sampler.seed if gen.sampler.seed is not None else -1)
+    model.close()
+    return 0
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from ext.makemodel import make_model
+
+    out = make_model(args.out, arch=args.arch, layers=args.layers, experts=args.experts,
+                     top_k=args.top_k, hidden=args.hidden, intermediate=args.intermediate,
+                     dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,
+                     vocab_size=args.vocab_size, heads=args.heads, kv_heads=args.kv_heads,
+                     initializer_range=args.initializer_range, overwrite=args.force,
+                     progress=_Progress(f"writing {args.out}"))
+    print(json.dumps({"model": str(out)}))
+    return 0
+
+
+def _configure_logging(level: str) -> None:
+    """Send moed's log records to the current stderr (replacing an earlier handler)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moed",
+        description="Serve Mixture-of-Experts language models whose experts stream from disk.",
+        epilog="Run 'moed COMMAND --help' for a command's options.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="verbosity of the log on stderr (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser(
+        "generate", help="generate text from a prompt, in-process (no daemon)",
+        description="Load a Hugging Face MoE model directory and stream the continuation of "
+                    "PROMPT to stdout. Logs and timings go to stderr.",
+        epilog="example: moed generate --model ./demo-model --max-tokens 64 'def fibonacci('")
+    g.add_argument("prompt", metavar="PROMPT",
+                   help="raw text to continue; with --chat, one user message")
+    g.add_argument("--model", required=True, metavar="DIR",
+                   help="model directory: config.json, tokenizer.json, *.safetensors")
+    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+                   help="most new tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 for greedy decoding (default), else sampling temperature")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling mass in (0, 1] (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K most likely tokens (default: 0, off)")
+    g.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed; the same seed gives the same tokens")
+    g.add_argument("--chat", action="store_true",
+                   help="put PROMPT through the model's chat template as a user message")
+    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="compute threads (default: CPUs available)")
+    g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
+                   help="where routed experts live: memory-mapped shards (default) or "
+                        "all read into RAM at start")
+    g.set_defaults(func=_cmd_generate)
+
+    m = sub.add_parser(
+        "make-model", help="write a random-weight MoE checkpoint in Hugging Face layout",
+        description="Write a checkpoint with random weights (config.json, tokenizer, sharded "
+                    "safetensors with an index) that transformers and moed both load. For "
+                    "tests and benchmarks: the text it generates is noise.",
+        epilog="example: moed make-model --arch qwen3_moe --layers 4 --experts 16 --top-k 4 "
+               "--hidden 256 --intermediate 128 --out ./demo-model")
+    m.add_argument("--arch", required=True, choices=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"],
+                   help="model family (config.json model_type)")
+    m.add_argument("--layers", type=_positive_int, required=True, help="num_hidden_layers")
+    m.add_argument("--experts", type=_positive_int, required=True, help="routed experts per layer")
+    m.add_argument("--top-k", type=_positive_int, required=True, help="experts per token")
+    m.add_argument("--hidden", type=_positive_int, required=True, help="hidden_size")
+    m.add_argument("--intermediate", type=_positive_int, required=True,
+                   help="each expert's intermediate size")
+    m.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="bf16",
+                   help="stored dtype (default: bf16)")
+    m.add_argument("--shard-size", type=_size, default=_size("2G"), metavar="BYTES",
+                   help="largest shard, e.g. 64M or 2G (default: 2G)")
+    m.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    m.add_argument("--vocab-size", type=_positive_int, default=None,
+                   help="tokenizer vocabulary (default: 512)")
+    m.add_argument("--heads", type=_positive_int, default=None, help="attention heads")
+    m.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads")
+    m.add_argument("--initializer-range", type=float, default=0.02,
+                   help="standard deviation of the random weights (default: 0.02)")
+    m.add_argument("--force", action="store_true", help="replace an existing checkpoint in --out")
+    m.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    m.set_defaults(func=_cmd_make_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
+    from ext.checkpoint import CheckpointError
+    from ext.config import ConfigError
+    from ext.tokenizer import ChatTemplateError, TokenizerFilesError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, ConfigError, TokenizerFilesError, ChatTemplateError,
+            ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"moed {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

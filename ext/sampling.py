@@ -1,0 +1,148 @@
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus).
+
+Conventions: logits are a 1-D array [V] (V = vocab_size), float32 from the forward
+pass; token ids are Python ints in [0, V). Ordering is fully determined: every sort is
+descending by (scaled) logit with ties broken by the lower token id (a stable sort of
+the negated values), so a given (logits, params, seed) always yields the same tokens —
+independent of thread counts or batch composition, as DESIGN.md requires.
+
+The draw: one `Generator.random()` float64 u in [0, 1) per sampled token, from
+`numpy.random.Generator(numpy.random.PCG64(seed))`, mapped through the inverse CDF of
+the kept tokens taken in that sorted order. Greedy decoding (temperature 0) draws
+nothing, so it leaves the stream where it was.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token.
+
+    Attributes:
+        temperature: >= 0. 0 means greedy argmax; otherwise logits are divided by it.
+        top_p: in (0, 1]. Keep the smallest most-likely prefix whose probability mass
+            is >= top_p (always at least one token). 1.0 disables the filter.
+        top_k: >= 0. Keep the top_k most likely tokens before top_p; 0 disables it.
+        seed: seed of the PCG64 stream; None draws one from os.urandom.
+
+    Raises:
+        ValueError: a field is out of range; the message names the field.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+                and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int)
+                                          and not isinstance(self.seed, bool)
+                                          and self.seed >= 0):
+            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
+
+
+class Sampler:
+    """Stateful sampler for one sequence: owns the random stream.
+
+    Attributes:
+        params: the SamplingParams it was built with.
+        seed: the seed actually used (params.seed, or the one drawn from os.urandom),
+            so a run with seed=None can be replayed.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.seed = (int.from_bytes(os.urandom(8), "little") if params.seed is None
+                     else params.seed)
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Pick the next token id.
+
+        Args:
+            logits: [V] float array (float32 normally; read only, not modified).
+                -inf masks a token; NaN is rejected.
+
+        Returns:
+            A token id in [0, V).
+
+        Raises:
+            ValueError: logits not 1-D, empty, containing NaN or +inf, or all -inf.
+        """
+        logits = np.asarray(logits)
+        if logits.ndim != 1 or logits.size == 0:
+            raise ValueError(f"logits must be a non-empty 1-D array, got shape {logits.shape}")
+        z = logits.astype(np.float64)  # [V]
+        if np.isnan(z).any() or np.isposinf(z).any():
+            raise ValueError("logits contain NaN or +inf")
+        best = int(np.argmax(z))  # first maximum = lowest id among ties
+        if z[best] == -np.inf:
+            raise ValueError("all logits are -inf")
+        p = self.params
+        if p.temperature == 0:
+            return best
+
+        # Scale by temperature after shifting so the maximum is 0: same order as
+        # logits / temperature, but no overflow for tiny temperatures.
+        z = (z - z[best]) / p.temperature  # [V], max 0
+        weights = np.exp(z)  # [V] unnormalised probabilities, 0 where masked/underflowed
+        if 0 < p.top_k < z.size:
+            # Everything tied with the k-th largest value is a candidate; sorting the
+            # candidates (in id order) then keeps the lower ids among ties.
+            kth = np.partition(z, z.size - p.top_k)[z.size - p.top_k]
+            order = _sort_descending(z, np.flatnonzero(z >= kth))[:p.top_k]  # [k]
+        else:
+            order = _sort_descending(z, np.flatnonzero(weights > 0))  # [N]
+        probs = weights[order]  # [N] descending, probs[0] == 1
+        nonzero = int(np.count_nonzero(probs))  # zero weights form a suffix
+        probs, order = probs[:nonzero] / probs[:nonzero].sum(), order[:nonzero]
+        if p.top_p < 1.0:
+            cumulative = np.cumsum(probs)
+            keep = int(np.searchsorted(cumulative, p.top_p, side="left")) + 1
+            probs = probs[:keep]
+            order = order[:keep]
+        cdf = np.cumsum(probs)  # [N], renormalised below by its last entry
+        u = self._rng.random() * cdf[-1]
+        index = min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)
+        return int(order[index])
+
+
+def _sort_descending(z: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Sort ids by z[ids] descending, ties by lower id.
+
+    Same result as `ids[np.argsort(-z[ids], kind="stable")]` for ascending ids, but
+    uses numpy's faster unstable sort and then re-sorts only the runs of tied values.
+
+    Args:
+        z: [V] float64 scores.
+        ids: [N] int64 ascending token ids to order.
+
+    Returns:
+        [N] int64 token ids.
+    """
+    order = ids[np.argsort(-z[ids])]  # [N]
+    values = z[order]
+    tied = values[1:] == values[:-1]  # [N-1]
+    if tied.any():
+        in_run = np.zeros(order.size, dtype=bool)
+        in_run[1:] |= tied
+        in_run[:-1] |= tied
+        run = order[in_run]
+        # Runs are contiguous and already in descending value order, so sorting the
+        # tied positions by (value desc, id asc) only reorders ids inside each run.
+        order[in_run] = run[np.lexsort((run, -z[run]))]
+    return order

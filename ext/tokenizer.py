@@ -1,0 +1,362 @@
+"""Tokenizer and chat-template glue for Hugging Face model directories.
+
+Reads the files a Hub checkpoint ships — `tokenizer.json` (the `tokenizers` pipeline),
+`tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`), an optional
+`chat_template.jinja`, `generation_config.json` and `config.json` (EOS ids) — and
+reproduces what transformers does with them:
+
+* token ids are Python ints; text is `str`;
+* chat templates render in `jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
+  lstrip_blocks=True)` with the `loopcontrols` extension, a `{% generation %}` block that
+  renders its body, a `tojson` filter that does not escape HTML
+  (`json.dumps(..., ensure_ascii=False)`), and the globals `raise_exception` and
+  `strftime_now` — as in `transformers.utils.chat_template_utils`;
+* the rendered chat already contains any BOS the template writes, so encode it with
+  `add_special_tokens=False` (transformers does the same).
+
+Every error about the files is a `TokenizerFilesError` (a `ValueError`) that names the
+file; every error about a chat template is a `ChatTemplateError` (a `ValueError`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+CONFIG_FILE = "config.json"
+
+
+class ChatTemplateError(ValueError):
+    """A chat template is missing, does not compile, or raised while rendering."""
+
+
+class TokenizerFilesError(ValueError):
+    """A tokenizer or config file is missing or malformed; the message names the file."""
+
+
+class StreamDecoder:
+    """Incremental detokenizer for one generated sequence.
+
+    Feed token ids one at a time with `step`; the concatenation of everything `step`
+    and `finish` return equals `Tokenizer.decode(all_ids)` (special tokens skipped).
+    Bytes of a UTF-8 character split over several byte-level tokens are held back
+    until the character is complete, so no replacement character is emitted for a
+    character that is still arriving. Backed by `tokenizers.decoders.DecodeStream`.
+    Not thread-safe; one instance per sequence.
+    """
+
+    def __init__(self, backend: _BackendTokenizer) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._emitted_chars = 0
+
+    def step(self, token_id: int) -> str:
+        """Add one token id; return the newly completed text ("" if none yet).
+
+        Raises:
+            TypeError / OverflowError / Exception from `tokenizers`: token_id is not a
+                valid id of this vocabulary.
+        """
+        self._ids.append(token_id)
+        text = self._stream.step(self._backend, token_id)
+        if text is None:
+            return ""
+        self._emitted_chars += len(text)
+        return text
+
+    def finish(self) -> str:
+        """Return text still held back at the end of the sequence (e.g. a cut-off
+        multi-byte character, decoded with replacement characters), and "" otherwise."""
+        full = self._backend.decode(self._ids, skip_special_tokens=True)
+        rest = full[self._emitted_chars:]
+        self._emitted_chars = len(full)
+        return rest
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body unchanged.
+
+    transformers uses this tag to mark assistant tokens for training masks; for
+    inference only the text matters.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict | None:
+    """Parse a JSON object file; None if it does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerFilesError(f"{path}: cannot read: {exc}") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TokenizerFilesError(f"{path}: invalid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise TokenizerFilesError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _token_content(value: Any, path: Path, key: str) -> str | None:
+    """A special-token entry: a string, {"content": str, ...} (AddedToken) or null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerFilesError(f"{path}: {key} must be a string or an object with 'content'")
+
+
+def _pick_template(value: Any, path: Path) -> str | None:
+    """`chat_template` is a string, or a list of {"name", "template"}: take "default"."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {}
+        for entry in value:
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise TokenizerFilesError(f"{path}: chat_template list entries need 'name' and 'template' strings")
+            named[entry["name"]] = entry["template"]
+        if "default" not in named:
+            raise ChatTemplateError(f"{path}: chat_template has no 'default' entry (has {sorted(named)})")
+        return named["default"]
+    raise TokenizerFilesError(f"{path}: chat_template must be a string or a list")
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode, streaming decode, chat template.
+
+    Build it with `Tokenizer.from_model_dir`. Immutable after construction and safe
+    to share between threads for `encode`/`decode`/`apply_chat_template`
+    (each `stream_decoder()` belongs to one sequence).
+
+    Attributes:
+        bos_token, eos_token: special-token strings from tokenizer_config.json, or None.
+        bos_token_id, eos_token_id: their ids, or None when unnamed or unknown.
+        add_bos_token: tokenizer_config.json `add_bos_token`, or None if absent.
+        chat_template: the template source, or None.
+    """
+
+    def __init__(self, backend: _BackendTokenizer, *, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None,
+                 add_bos_token: bool | None = None,
+                 config_path: Path | None = None) -> None:
+        """Wrap a `tokenizers.Tokenizer`.
+
+        Args:
+            backend: the loaded tokenizer.json pipeline.
+            chat_template: Jinja source or None.
+            special_tokens: e.g. {"bos_token": "<s>", "eos_token": "</s>"}; passed to the
+                chat template as variables.
+            add_bos_token: when True, `encode(..., add_special_tokens=True)` makes sure
+                the ids start with bos_token_id even if tokenizer.json's post-processor
+                does not add it.
+            config_path: where these settings came from, for error messages.
+        """
+        self._backend = backend
+        self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._config_path = config_path or Path(TOKENIZER_CONFIG_FILE)
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        self.add_bos_token = add_bos_token
+        self.bos_token = self._special.get("bos_token")
+        self.eos_token = self._special.get("eos_token")
+        self.bos_token_id = None if self.bos_token is None else backend.token_to_id(self.bos_token)
+        self.eos_token_id = None if self.eos_token is None else backend.token_to_id(self.eos_token)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json (optional) and chat_template.jinja
+        (optional; when present it takes precedence over tokenizer_config.json's
+        `chat_template`, as in transformers).
+
+        Raises:
+            TokenizerFilesError: tokenizer.json missing or not a valid tokenizer;
+                tokenizer_config.json not valid JSON or with malformed entries.
+            ChatTemplateError: `chat_template` is a list without a "default" entry.
+        """
+        model_dir = Path(model_dir)
+        path = model_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise TokenizerFilesError(f"{path}: missing")
+        try:
+            backend = _BackendTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception on parse errors
+            raise TokenizerFilesError(f"{path}: not a valid tokenizer file: {exc}") from exc
+        config_path = model_dir / TOKENIZER_CONFIG_FILE
+        config = _read_json(config_path) or {}
+        special = {key: _token_content(config.get(key), config_path, key)
+                   for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        template = _pick_template(config.get("chat_template"), config_path)
+        jinja_path = model_dir / CHAT_TEMPLATE_FILE
+        if jinja_path.is_file():
+            template = jinja_path.read_text(encoding="utf-8")
+        add_bos = config.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise TokenizerFilesError(f"{config_path}: add_bos_token must be a boolean")
+        return cls(backend, chat_template=template, special_tokens=special,
+                   add_bos_token=add_bos, config_path=config_path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry (e.g. "<|im_end|>"), or None if unknown."""
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize text. Special-token strings inside text become their ids.
+
+        With add_special_tokens, tokenizer.json's post-processor runs (e.g. adds BOS),
+        and if tokenizer_config.json sets `add_bos_token: true` a missing leading BOS
+        is prepended.
+        """
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Detokenize ids; invalid UTF-8 becomes U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A new incremental decoder for one sequence (see `StreamDecoder`)."""
+        return StreamDecoder(self._backend)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on.
+
+        Args:
+            messages: [{"role": "system"|"user"|"assistant"|..., "content": str}, ...]
+                passed to the template as `messages`.
+            add_generation_prompt: template variable; ChatML templates then end with
+                the header of the assistant's turn.
+            **kwargs: further template variables (e.g. `tools`, `documents`).
+
+        Returns:
+            The rendered text; encode it with add_special_tokens=False.
+
+        Raises:
+            ChatTemplateError: no template (names tokenizer_config.json), the template
+                does not compile, calls raise_exception, or fails while rendering.
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"{self._config_path}: no chat_template (nor {CHAT_TEMPLATE_FILE}); "
+                "this model has no chat format")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        variables = {**self._special, **kwargs, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}
+        try:
+            return self._template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _eos_ids(value: Any, path: Path) -> set[int] | None:
+    """`eos_token_id` as a set: int -> {int}, list -> set, null/absent -> None."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return set(value)
+    raise TokenizerFilesError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def stop_token_ids(model_dir: str | Path) -> set[int]:
+    """Token ids that end generation for the model in model_dir.
+
+    Precedence (the rule transformers' `generate` follows, plus the tokenizer):
+      1. generation_config.json `eos_token_id` (int or list) if the file exists and the
+         entry is non-null — it replaces config.json's;
+      2. otherwise config.json `eos_token_id` (int or list), if present;
+      3. in both cases the id of tokenizer_config.json's `eos_token` is added when the
+         file names one and tokenizer.json knows it (chat models often end a turn with
+         a token that only the tokenizer config names).
+    Missing files contribute nothing; the result may be empty.
+
+    Raises:
+        TokenizerFilesError: a file exists but is not valid JSON, or its eos_token_id
+            is neither an int nor a list of ints; tokenizer.json invalid when needed.
+    """
+    model_dir = Path(model_dir)
+    ids: set[int] | None = None
+    for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+        path = model_dir / name
+        config = _read_json(path)
+        if config is not None:
+            ids = _eos_ids(config.get("eos_token_id"), path)
+            if ids is not None:
+                break
+    ids = set() if ids is None else ids
+    config_path = model_dir / TOKENIZER_CONFIG_FILE
+    tokenizer_config = _read_json(config_path)
+    if tokenizer_config is not None:
+        eos = _token_content(tokenizer_config.get("eos_token"), config_path, "eos_token")
+        if eos is not None and (model_dir / TOKENIZER_FILE).is_file():
+            eos_id = Tokenizer.from_model_dir(model_dir).token_to_id(eos)
+            if eos_id is not None:
+                ids.add(eos_id)
+    return ids
