@@ -3,8 +3,8 @@
 OpenMP is used when the compiler accepts ``-fopenmp``; otherwise the kernels build
 sequentially (prange degrades to a plain loop). By default the code is compiled for
 the machine it is installed on (``-march=native``); set ``MOED_PORTABLE=1`` for a
-build that runs on any CPU of the architecture. ``MOED_DEBUG=1`` turns on Cython's
-bounds and wraparound checks.
+build that runs on any CPU of the architecture. ``MOED_OPENMP=0`` forces the
+sequential build. ``MOED_DEBUG=1`` turns on Cython's bounds and wraparound checks.
 """
 import os
 import shutil
@@ -36,7 +36,9 @@ if os.environ.get("MOED_PORTABLE", "") not in ("", "0") or sys.platform == "darw
     pass
 elif _compiler_accepts(["-march=native"]):
     compile_args.append("-march=native")
-if _compiler_accepts(["-fopenmp"]):
+if os.environ.get("MOED_OPENMP", "1") == "0":
+    print("moed: MOED_OPENMP=0; building sequential kernels", file=sys.stderr)
+elif _compiler_accepts(["-fopenmp"]):
     compile_args.append("-fopenmp")
     link_args.append("-fopenmp")
 else:

@@ -190,6 +190,8 @@ def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
     _need_c(w, "w")
     _need_f32(out, "out", 2)
     _need_writable(out, "out")
+    if w.ndim != 2:
+        raise ValueError(f"w: expected 2 dimensions, got shape {_shape(w)}")
     if ids.dtype != np.int64 or ids.ndim != 1:
         raise ValueError("ids: expected a 1-D int64 array")
     cdef Py_ssize_t V = w.shape[0], H = w.shape[1], T = ids.shape[0]
@@ -330,6 +332,7 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
     _need_f32(out, "out", 3)
     _need_f32(scratch, "scratch", 2)
     _need_writable(out, "out")
+    _need_writable(scratch, "scratch")
     _need_threads(n_threads)
     cdef Py_ssize_t T = q.shape[0], NH = q.shape[1], D = q.shape[2]
     cdef Py_ssize_t NKV = k_cache.shape[0], S = k_cache.shape[1]
@@ -389,6 +392,10 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
     cdef Py_ssize_t T = router_logits.shape[0], E = router_logits.shape[1]
     if top_k < 1 or top_k > E:
         raise ValueError(f"top_k {top_k} not in [1, {E}]")
+    _need_writable(ids, "ids")
+    _need_writable(weights, "weights")
+    if not np.isfinite(router_logits).all():
+        raise ValueError("router_logits contain NaN or inf")
     if ids.shape[0] != T or ids.shape[1] != top_k or weights.shape[0] != T \
             or weights.shape[1] != top_k:
         raise ValueError(f"route: ids {_shape(ids)}, weights {_shape(weights)}, expected ({T}, {top_k})")
@@ -469,6 +476,10 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     cdef Py_ssize_t K = len(gates)
     if len(ups) != K or len(downs) != K:
         raise ValueError("expert_ffn: gates, ups and downs differ in length")
+    for name, arrays in (("gates", gates), ("ups", ups), ("downs", downs)):
+        for idx, item in enumerate(arrays):
+            if not isinstance(item, np.ndarray):
+                raise ValueError(f"{name}[{idx}]: expected a numpy array, got {type(item).__name__}")
     _need_f32(x, "x", 2)
     _need_f32(hbuf, "hbuf", 2)
     _need_f32(out, "out", 2)
@@ -479,6 +490,8 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
         raise ValueError(f"group_start: expected int64 [{K + 1}]")
     cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
     if K == 0:
+        if N:
+            raise ValueError(f"expert_ffn: {N} token rows but no experts")
         return
     cdef Py_ssize_t I = (<cnp.ndarray>gates[0]).shape[0]
     if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
@@ -559,8 +572,8 @@ def combine_experts(cnp.ndarray y, cnp.ndarray rows, cnp.ndarray weights,
     cdef Py_ssize_t t, r, j
     for t in range(T):
         for r in range(K):
-            if rv[t, r] >= N:
-                raise ValueError(f"rows[{t}, {r}] = {rv[t, r]} >= {N}")
+            if rv[t, r] >= N or rv[t, r] < -1:
+                raise ValueError(f"rows[{t}, {r}] = {rv[t, r]} not in [-1, {N})")
     cdef const float *yp = <const float *>cnp.PyArray_DATA(y)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(weights)
     cdef float *op = <float *>cnp.PyArray_DATA(out)

@@ -215,6 +215,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         raise ConfigError(path, None, "expected a JSON object")
     r = _Reader(path, raw)
     model_type = raw.get("model_type")
+    if model_type is None:
+        raise MissingConfigFieldError(path, "model_type", "is required and missing")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -310,6 +312,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(path, None, "file not found") from None
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot be read: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(path, None, f"not valid JSON: {e}") from None
     return parse_config(raw, path)
