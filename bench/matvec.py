@@ -4,7 +4,8 @@ Prints one JSON object to stdout. Shape 4096 x 14336 (Mixtral's w1 transposed: t
 rows are 14336 outputs of length 4096), 2 threads for moed; numpy's BLAS uses its
 own thread pool (as many threads as it is allowed). Runs are interleaved (moed,
 numpy, moed, ...) and the median of each is reported, with the ratio of weight
-bytes moved per second.
+bytes moved per second. Before every run the caches are flushed (the weights
+stream from DRAM, as a model's do) and both thread pools are left to go idle.
 
     python bench/matvec.py [--repeats 15] [--threads 2]
 """
@@ -27,6 +28,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="moed compute threads (default 2)")
     parser.add_argument("--rows", type=int, default=14336)
     parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--flush-mib", type=int, default=512,
+                        help="bytes written between runs to evict the caches (default 512 MiB)")
+    parser.add_argument("--pause", type=float, default=0.5,
+                        help="seconds of idle between runs (default 0.5)")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
@@ -39,11 +44,22 @@ def main() -> None:
     ref = w32 @ x[0]
     max_rel_err = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
 
+    flush = np.zeros(args.flush_mib << 17)  # float64: MiB * 2**20 / 8
+
+    def cold() -> None:
+        """Evict both matrices from the caches and let both thread pools go idle
+        (OpenBLAS and OpenMP workers spin for a while after a call, stealing the
+        cores from whoever runs next)."""
+        np.add(flush, 1.0, out=flush)
+        time.sleep(args.pause)
+
     t_moed, t_numpy = [], []
     for _ in range(args.repeats):
+        cold()
         t0 = time.perf_counter()
         _kernels.matmul(w_bf16, x, out, args.threads)
         t_moed.append(time.perf_counter() - t0)
+        cold()
         t0 = time.perf_counter()
         np.dot(w32, x[0])
         t_numpy.append(time.perf_counter() - t0)
@@ -60,6 +76,8 @@ def main() -> None:
         "moed_median_ms": round(statistics.median(t_moed) * 1e3, 3),
         "numpy_median_ms": round(statistics.median(t_numpy) * 1e3, 3),
         "max_rel_err_vs_f32": max_rel_err,
+        "moed_gb_per_s_spread": [round(w_bf16.nbytes / t / 1e9, 2) for t in (max(t_moed), min(t_moed))],
+        "numpy_gb_per_s_spread": [round(w32.nbytes / t / 1e9, 2) for t in (max(t_numpy), min(t_numpy))],
     }, indent=2))
 
 

@@ -153,6 +153,26 @@ class Sequence:
         return self.kv.length
 
 
+def _group_by_expert(ids: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Group the (token, rank) pairs of a [T, K] routing by expert.
+
+    Returns (experts, group_start, order): the distinct expert ids, ascending;
+    group_start [len(experts) + 1] int64 with pairs of experts[g] at positions
+    group_start[g]:group_start[g+1] of `order`; order [T*K] int64, the flat
+    (token * K + rank) index of each pair, stable within an expert. One token
+    (decode) has K distinct experts: each group is one pair.
+    """
+    flat = ids.reshape(-1)                                       # [N]
+    if ids.shape[0] == 1:
+        order = np.argsort(flat)
+        return flat[order].tolist(), np.arange(flat.size + 1, dtype=np.int64), order
+    order = np.argsort(flat, kind="stable")
+    experts, counts = np.unique(flat, return_counts=True)
+    group_start = np.zeros(experts.size + 1, np.int64)
+    np.cumsum(counts, out=group_start[1:])
+    return experts.tolist(), group_start, order
+
+
 class Model:
     """A loaded MoE decoder. Not thread-safe: one engine thread drives it.
 
@@ -362,22 +382,18 @@ class Model:
         K_.matmul(layer.router, h, logits, nt)                   # [T, E]
         ids, weights = ws.ids[:T], ws.weights[:T]
         K_.route(logits, K, c.norm_topk_prob, ids, weights)      # [T, K] in rank order
-        flat = ids.reshape(-1)                                   # [N]
-        order = np.argsort(flat, kind="stable")                  # pairs grouped by expert
-        experts, counts = np.unique(flat, return_counts=True)
-        group_start = np.zeros(experts.size + 1, np.int64)
-        np.cumsum(counts, out=group_start[1:])
-        N = flat.size
+        experts, group_start, order = _group_by_expert(ids)
+        N = T * K
         xg = ws.xg[:N]
         np.take(h, order // K, axis=0, out=xg)                   # [N, H] grouped by expert
         y = ws.y[:N]
-        weights_of = self.experts.acquire(l, experts.tolist())   # the expert fetch
+        weights_of = self.experts.acquire(l, experts)            # the expert fetch
         try:
             K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
                           [w.down for w in weights_of], xg, group_start,
                           ws.hbuf(N, c.moe_intermediate_size), y, nt)
         finally:
-            self.experts.release(l, experts.tolist())
+            self.experts.release(l, experts)
         rows = np.empty(N, np.int64)
         rows[order] = np.arange(N)                               # row of y per (token, rank)
         out = ws.o[:T]
