@@ -26,8 +26,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="interleaved runs of each (default 15)")
     parser.add_argument("--threads", type=int, default=2, help="moed compute threads (default 2)")
-    parser.add_argument("--rows", type=int, default=14336)
-    parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--rows", type=int, default=14336, help="weight rows (default 14336)")
+    parser.add_argument("--cols", type=int, default=4096, help="weight columns (default 4096)")
     parser.add_argument("--flush-mib", type=int, default=512,
                         help="bytes written between runs to evict the caches (default 512 MiB)")
     parser.add_argument("--pause", type=float, default=0.5,

@@ -61,14 +61,35 @@ def _size(text: str) -> int:
     return value
 
 
+class UsageError(Exception):
+    """A command-line value that argparse's types cannot check alone (exit 2)."""
+
+
+def _model_dir(path: str) -> str:
+    """An existing directory, else a usage error naming it."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"--model: {path} does not exist")
+    if not p.is_dir():
+        raise UsageError(f"--model: {path} is not a directory (expected a model directory "
+                         "with config.json, tokenizer.json and *.safetensors)")
+    return path
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from ext.generate import Generation
     from ext.model import Model
     from ext.sampling import SamplingParams
     from ext.tokenizer import Tokenizer, stop_token_ids
 
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              seed=args.seed)
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                  top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+    _model_dir(args.model)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
     model = Model.load(args.model, n_threads=args.threads, experts=args.experts)
@@ -92,9 +113,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     out.write(decoder.finish() + "\n")
     out.flush()
     log.info("generated %d tokens (finish_reason=%s, prompt %d tokens): time to first token "
-             "%.3f s, decode %.2f tokens/s, seed %d", gen.completion_tokens, gen.finish_reason,
+             "%.3f s, decode %.2f tokens/s%s", gen.completion_tokens, gen.finish_reason,
              len(prompt_ids), gen.time_to_first_token_s, gen.decode_tokens_per_s,
-             gen.sampler.seed if gen.sampler.seed is not None else -1)
+             f", seed {gen.sampler.seed}" if sampling.temperature > 0 else " (greedy)")
     model.close()
     return 0
 
@@ -122,16 +143,25 @@ def _configure_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        moed_version = version("moed")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        moed_version = "unknown"
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS,
+                        choices=["debug", "info", "warning", "error"],
+                        help="verbosity of the log on stderr (default: info)")
     parser = argparse.ArgumentParser(
-        prog="moed",
+        prog="moed", parents=[common],
         description="Serve Mixture-of-Experts language models whose experts stream from disk.",
         epilog="Run 'moed COMMAND --help' for a command's options.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="verbosity of the log on stderr (default: info)")
+    parser.add_argument("--version", action="version", version=f"moed {moed_version}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser(
-        "generate", help="generate text from a prompt, in-process (no daemon)",
+        "generate", parents=[common], help="generate text from a prompt, in-process (no daemon)",
         description="Load a Hugging Face MoE model directory and stream the continuation of "
                     "PROMPT to stdout. Logs and timings go to stderr.",
         epilog="example: moed generate --model ./demo-model --max-tokens 64 'def fibonacci('")
@@ -159,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     m = sub.add_parser(
-        "make-model", help="write a random-weight MoE checkpoint in Hugging Face layout",
+        "make-model", parents=[common], help="write a random-weight MoE checkpoint in Hugging Face layout",
         description="Write a checkpoint with random weights (config.json, tokenizer, sharded "
                     "safetensors with an index) that transformers and moed both load. For "
                     "tests and benchmarks: the text it generates is noise.",
@@ -193,13 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging(args.log_level)
+    _configure_logging(getattr(args, "log_level", "info"))
     from ext.checkpoint import CheckpointError
     from ext.config import ConfigError
     from ext.tokenizer import ChatTemplateError, TokenizerFilesError
 
     try:
         return args.func(args)
+    except UsageError as e:
+        parser.error(str(e))  # exits 2, like argparse's own checks
     except (CheckpointError, ConfigError, TokenizerFilesError, ChatTemplateError,
             ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"moed {args.command}: error: {e}", file=sys.stderr)

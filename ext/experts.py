@@ -126,9 +126,13 @@ class ExpertProvider(ABC):
     Contract: `acquire(layer, experts)` returns, in the order asked, one
     `ExpertWeights` per expert id, valid until `release(layer, experts)` with
     the same arguments; the forward pass calls each pair exactly once per MoE
-    layer and step. `hint` tells the provider which experts are likely needed
-    next (a prefetch opportunity); it never blocks and may be ignored.
+    layer and step. When `wants_hints` is True, the forward pass also calls
+    `hint` after each layer's attention with the next MoE layer's router applied
+    to the current hidden state — a prefetch opportunity; it must not block and
+    never changes what `acquire` returns.
     """
+
+    wants_hints: bool = False
 
     @abstractmethod
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
@@ -137,8 +141,14 @@ class ExpertProvider(ABC):
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """The arrays of the matching `acquire` are no longer used."""
 
-    def hint(self, layer: int, experts: Sequence[int]) -> None:
-        """`experts` of `layer` will probably be acquired soon."""
+    def hint(self, layer: int, router_logits: np.ndarray) -> None:
+        """Layer `layer` will probably need the experts these scores favour.
+
+        Args:
+            layer: the MoE layer the prediction is for.
+            router_logits: [T, E] float32, that layer's router applied to the
+                current hidden state (a view valid only during the call).
+        """
 
     def close(self) -> None:
         """Free buffers and file handles."""

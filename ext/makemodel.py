@@ -241,7 +241,8 @@ def make_model(
     elif arch != "qwen3_moe" and head_dim * heads != hidden:
         raise ValueError(f"{arch} needs head_dim * heads == hidden, got {head_dim} * {heads} != {hidden}")
     if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"head_dim must be a positive even number (RoPE pairs), got {head_dim}")
+        raise ValueError(f"head_dim = hidden / heads = {hidden} / {heads} = {head_dim} must be a positive "
+                         f"even number (RoPE rotates pairs); choose heads so that it is")
     if shared_intermediate is not None and arch != "qwen2_moe":
         raise ValueError(f"shared_intermediate applies to qwen2_moe only, not {arch}")
     if arch == "qwen2_moe":
@@ -250,6 +251,8 @@ def make_model(
             raise ValueError(f"shared_intermediate must be positive, got {shared_intermediate}")
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     _clear_checkpoint(out, overwrite)
 
@@ -282,7 +285,7 @@ def _clear_checkpoint(out: Path, overwrite: bool) -> None:
                "config.json", "generation_config.json", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json")]
     if old and not overwrite:
-        raise FileExistsError(f"{out} already holds a checkpoint ({old[0].name}); pass overwrite=True")
+        raise FileExistsError(f"{out} already holds a checkpoint ({old[0].name}); use --force (overwrite=True) to replace it")
     for path in old:
         path.unlink()
 

@@ -121,6 +121,7 @@ class _Workspace:
         self.attn = np.empty((chunk, q_dim), F32)
         self.o = np.empty((chunk, H), F32)
         self.router_logits = np.empty((chunk, c.num_experts), F32)
+        self.hint_logits = np.empty((chunk, c.num_experts), F32)
         self.ids = np.empty((chunk, K), np.int32)
         self.weights = np.empty((chunk, K), F32)
         self.xg = np.empty((chunk * K, H), F32)
@@ -188,6 +189,10 @@ class Model:
         self.n_threads = n_threads
         self._load_dense()
         self.ws = _Workspace(config, PREFILL_CHUNK, n_threads)
+        moe = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
+        # The first MoE layer after each layer (None after the last one).
+        self.next_moe_layer = [next((m for m in moe if m > l), None)
+                               for l in range(config.num_hidden_layers)]
         D = config.head_dim
         self.inv_freq = (F32(1.0) / (F32(config.rope_theta) ** (np.arange(0, D, 2, dtype=F32) / F32(D)))).astype(F32)
         self.scale = float(D) ** -0.5
@@ -330,6 +335,8 @@ class Model:
             K_.rmsnorm(x, layer.input_norm, c.rms_norm_eps, h, nt)
             x += self._attention(l, layer, kv, h, pos0)
             K_.rmsnorm(x, layer.post_norm, c.rms_norm_eps, h, nt)
+            if self.experts.wants_hints:
+                self._hint_next_layer(l, h)
             if layer.router is not None:
                 x += self._moe(l, layer, h)
             else:
@@ -338,6 +345,17 @@ class Model:
         out = np.empty_like(x)
         K_.rmsnorm(x, self.final_norm, c.rms_norm_eps, out, nt)
         return out
+
+    def _hint_next_layer(self, l: int, h: np.ndarray) -> None:
+        """Apply the next MoE layer's router to the current hidden state [T, H]
+        and pass the scores to the provider, so its experts can be read while
+        this layer computes. Output is unaffected whatever the provider does."""
+        nxt = self.next_moe_layer[l]
+        if nxt is None:
+            return
+        logits = self.ws.hint_logits[:h.shape[0]]
+        K_.matmul(self.layers[nxt].router, h, logits, self.n_threads)   # [T, E]
+        self.experts.hint(nxt, logits)
 
     def _attention(self, l: int, layer: LayerWeights, kv: KVCache, h: np.ndarray,
                    pos0: int) -> np.ndarray:

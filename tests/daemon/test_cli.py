@@ -68,11 +68,36 @@ def test_chat_uses_the_template(model_dir, capsys):
     assert capsys.readouterr().out == expected + "\n"
 
 
-def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
-    assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 1
+def test_missing_model_dir_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path / "nope"), "hi"])
+    assert e.value.code == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert "nope" in err and "error" in err
+    assert "nope does not exist" in err
+
+
+def test_model_dir_without_tokenizer_names_the_file(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "hi"]) == 1
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_bad_sampling_value_is_a_usage_error_before_loading(model_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(model_dir), "--top-p", "1.5", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--top-p" in err and "model loaded" not in err
+
+
+def test_log_level_after_the_command_and_version(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "2",
+                 "--log-level", "warning", "hi"]) == 0
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("moed ")
 
 
 def test_corrupt_shard_names_the_file(model_dir, tmp_path, capsys):
