@@ -1,0 +1,251 @@
+"""The persisted usage statistics: one versioned JSON file per model in the state directory.
+
+File: ``<state_dir>/usage-<fingerprint[:16]>.json`` holding
+``{"version": 1, "fingerprint": <full model fingerprint>, "written_unix": <seconds>,
+"tokens": <tokens counted into the file, all writers together>, "payload": {...}}``.
+The payload is opaque here: the scheduler owns its content and its merge rule.
+
+Guarantees. Writes are atomic (temp file in the same directory, write, flush, fsync,
+rename over, fsync of the directory), so a crash at any instant leaves the old file or the
+new one, never a torn one. Every read-modify-write runs under an exclusive ``flock`` on
+``usage-<fingerprint[:16]>.lock``, so two processes serving the same model merge their
+counts instead of overwriting each other: ``save(merge)`` hands ``merge`` the payload
+currently on disk. A file that is corrupt (not JSON, truncated, wrong shape) is renamed to
+``*.corrupt-<UTC timestamp>``; one of another version or another model to
+``*.foreign-<UTC timestamp>``; a warning is logged on "moed.state" and learning starts
+fresh. Content is never trusted and never fatal; OSErrors of the directory itself
+(permissions, a full disk) are raised to the caller.
+
+Blocking: ``load`` and ``save`` block on the lock and on fsync; the daemon calls them from
+an executor, not on the event loop.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import logging
+import math
+import os
+import pwd
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("moed.state")
+
+VERSION = 1
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+FAULT_STEPS = ("tmp_written", "fsynced", "renamed")  # where the _fault hook is called
+
+
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    """Where state lives when ``--state-dir`` is not given.
+
+    ``$STATE_DIRECTORY`` (its first entry; systemd sets a colon-separated list from
+    ``StateDirectory=``), else ``$XDG_STATE_HOME/moed`` (ignored unless absolute, per the
+    XDG base directory spec), else ``$HOME/.local/state/moed`` (home from the password
+    database when HOME is unset). ``env`` is the environment, passed in by the caller.
+    """
+    state_directory = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state_directory:
+        return Path(state_directory)
+    xdg = env.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "moed"
+    home = env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
+    return Path(home) / ".local" / "state" / "moed"
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """A validated state file: the envelope fields and the caller's payload."""
+
+    fingerprint: str
+    written_unix: float
+    tokens: int
+    payload: dict
+
+
+class _Invalid(Exception):
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind = kind  # "corrupt" or "foreign"
+
+
+class StateStore:
+    """Load and save the usage-statistics file of one model.
+
+    ``state_dir``: the directory (created with mode 0o700 if missing). ``fingerprint``:
+    the model fingerprint (``Checkpoint.fingerprint()``), at least 16 characters.
+    ``clock``: seconds since the epoch, for ``written_unix`` and set-aside names.
+    ``_fault``: test hook called with each step of FAULT_STEPS during ``save``.
+    """
+
+    def __init__(self, state_dir: Path, fingerprint: str, *,
+                 clock: Callable[[], float] = time.time,
+                 _fault: Callable[[str], None] | None = None):
+        if len(fingerprint) < 16:
+            raise ValueError(f"fingerprint {fingerprint!r} is shorter than 16 characters")
+        self.state_dir = Path(state_dir)
+        self.fingerprint = fingerprint
+        self.state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        stem = f"usage-{fingerprint[:16]}"
+        self.path = self.state_dir / f"{stem}.json"
+        self.lock_path = self.state_dir / f"{stem}.lock"
+        self._tmp_prefix = f".{stem}.json.tmp-"
+        self._clock = clock
+        self._fault = _fault
+
+    # -- reading
+
+    def load(self) -> dict | None:
+        """The payload on disk, or None (no file, or a bad one that was set aside)."""
+        record = self.load_record()
+        return None if record is None else record.payload
+
+    def load_record(self) -> StateRecord | None:
+        """The whole validated file, or None (see ``load``). Takes the lock briefly."""
+        with self._locked():
+            return self._read_validated()
+
+    def _read_validated(self) -> StateRecord | None:
+        """Read and check the file; set a bad one aside. Call with the lock held."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return self._parse(raw)
+        except _Invalid as bad:
+            self._set_aside(bad)
+            return None
+
+    def _parse(self, raw: bytes) -> StateRecord:
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise _Invalid("corrupt", f"not UTF-8 JSON ({e})") from None
+        if not isinstance(doc, dict) or "version" not in doc:
+            raise _Invalid("corrupt", "not a moed state object")
+        if doc["version"] != VERSION:
+            raise _Invalid("foreign", f"version {doc['version']!r}, this moed reads {VERSION}")
+        if doc.get("fingerprint") != self.fingerprint:
+            raise _Invalid("foreign", f"model fingerprint {doc.get('fingerprint')!r}, "
+                                      f"serving {self.fingerprint!r}")
+        written, tokens, payload = (doc.get(k) for k in ("written_unix", "tokens", "payload"))
+        if not (isinstance(written, (int, float)) and not isinstance(written, bool)
+                and math.isfinite(written)):
+            raise _Invalid("corrupt", f"written_unix {written!r} is not a number")
+        if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
+            raise _Invalid("corrupt", f"tokens {tokens!r} is not a count")
+        if not isinstance(payload, dict):
+            raise _Invalid("corrupt", "payload is not an object")
+        return StateRecord(self.fingerprint, float(written), tokens, payload)
+
+    def _set_aside(self, bad: _Invalid) -> None:
+        stamp = datetime.datetime.fromtimestamp(self._clock(), datetime.timezone.utc)
+        base = f"{self.path.name}.{bad.kind}-{stamp:%Y%m%dT%H%M%S.%fZ}"
+        target = self.state_dir / base
+        n = 0
+        while target.exists():
+            n += 1
+            target = self.state_dir / f"{base}-{n}"
+        try:
+            os.rename(self.path, target)
+        except OSError as e:
+            log.warning("state_file_unusable path=%s reason=%s; could not move it aside (%s); "
+                        "learning starts fresh", self.path, bad, e)
+            return
+        log.warning("state_file_set_aside path=%s kind=%s reason=%s moved_to=%s; "
+                    "learning starts fresh", self.path, bad.kind, bad, target)
+
+    # -- writing
+
+    def save(self, merge: Callable[[dict | None], dict], *, tokens: int = 0) -> StateRecord:
+        """Read-merge-write the file under the lock; returns what was written.
+
+        ``merge(current)`` gets the payload now on disk (None if absent or set aside) and
+        returns the payload to write (a JSON-serialisable dict; NaN and infinities are
+        refused). ``tokens``: tokens this writer served since its last save, added to the
+        file's running total. Raises ValueError/TypeError for a payload JSON cannot hold
+        (nothing is written then) and OSError for failures of the directory.
+        """
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        with self._locked():
+            self._remove_stale_temps()
+            current = self._read_validated()
+            payload = merge(None if current is None else current.payload)
+            if not isinstance(payload, dict):
+                raise TypeError(f"merge returned {type(payload).__name__}, not a dict")
+            record = StateRecord(self.fingerprint, self._clock(),
+                                 (0 if current is None else current.tokens) + tokens, payload)
+            data = json.dumps({"version": VERSION, "fingerprint": record.fingerprint,
+                               "written_unix": record.written_unix, "tokens": record.tokens,
+                               "payload": record.payload},
+                              allow_nan=False, separators=(",", ":")).encode()
+            self._write_atomically(data)
+        return record
+
+    def _write_atomically(self, data: bytes) -> None:
+        tmp = self.state_dir / f"{self._tmp_prefix}{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                self._step("tmp_written")
+                os.fsync(f.fileno())
+                self._step("fsynced")
+            os.rename(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._step("renamed")
+        self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files of writers that died mid-save (only a lock holder writes one)."""
+        for entry in os.scandir(self.state_dir):
+            if entry.name.startswith(self._tmp_prefix):
+                os.unlink(entry.path)
+
+    def _step(self, name: str) -> None:
+        if self._fault is not None:
+            self._fault(name)
+
+    def _locked(self) -> _FileLock:
+        return _FileLock(self.lock_path)
+
+
+class _FileLock:
+    """An exclusive ``flock`` on a lock file, held for a ``with`` block.
+
+    flock locks belong to the open file description, so two opens exclude each other
+    even within one process, and the kernel drops the lock when its holder dies.
+    """
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._fd = -1
+
+    def __enter__(self) -> None:
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)  # closing the last fd of the description releases the lock
