@@ -92,7 +92,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _model_dir(args.model)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
-    model = Model.load(args.model, n_threads=args.threads, experts=args.experts)
+    model, session = _load_model(args)
     log.info("model loaded: %s (%s, %d layers, %d experts, top_k %d) in %.2f s, %d threads",
              args.model, model.config.model_type, model.config.num_hidden_layers,
              model.config.num_experts, model.config.top_k, time.perf_counter() - t0, model.n_threads)
@@ -116,8 +116,71 @@ def _cmd_generate(args: argparse.Namespace) -> int:
              "%.3f s, decode %.2f tokens/s%s", gen.completion_tokens, gen.finish_reason,
              len(prompt_ids), gen.time_to_first_token_s, gen.decode_tokens_per_s,
              f", seed {gen.sampler.seed}" if sampling.temperature > 0 else " (greedy)")
+    if session is not None:
+        session.finish(log)
     model.close()
     return 0
+
+
+class _StreamingSession:
+    """The streaming provider of one command plus its state file (usage learned across runs)."""
+
+    def __init__(self, provider, store, fingerprint: str):
+        self.provider = provider
+        self.store = store
+        self.fingerprint = fingerprint
+
+    def finish(self, logger: logging.Logger) -> None:
+        from daemon.streaming import flush_usage
+
+        snap = self.provider.cache.snapshot()
+        io = self.provider.io.stats()
+        logger.info("expert cache: hit rate %.3f (%d hits, %d prefetch hits, %d misses), "
+                    "%d bytes read, io wait %.3f s, io path %s", snap.hit_rate, sum(snap.hits),
+                    sum(snap.prefetch_hits), sum(snap.misses), sum(io.bytes_issued.values()),
+                    self.provider.io_wait_s, io.io_path)
+        try:
+            flush_usage(self.store, self.provider.usage, self.fingerprint)
+        except OSError as e:
+            logger.warning("state_save_failed: %s", e)
+
+
+def _load_model(args: argparse.Namespace):
+    """The model with the expert provider the options ask for; (model, session or None)."""
+    import os
+
+    from ext.checkpoint import Checkpoint
+    from ext.config import load_config
+    from ext.experts import ExpertLayout
+    from ext.model import Model
+
+    if args.expert_cache_bytes is None:
+        return Model.load(args.model, n_threads=args.threads, experts=args.experts), None
+    from pathlib import Path
+
+    from daemon.state import StateStore, default_state_dir
+    from daemon.streaming import StreamingExpertProvider, StreamingOptions, load_usage_counts
+
+    config = load_config(args.model)
+    checkpoint = Checkpoint(args.model)
+    layout = ExpertLayout(checkpoint, config)
+    options = StreamingOptions(cache_bytes=args.expert_cache_bytes, prefetch=not args.no_prefetch,
+                               io_workers=args.io_workers, pin_fraction=args.pin_fraction)
+    fingerprint = checkpoint.fingerprint()
+    store = StateStore(Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
+                       fingerprint)
+    moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
+    counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
+                               options.half_life_tokens)
+    provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
+    model = Model(config, checkpoint, layout, provider, args.threads or _threads())
+    return model, _StreamingSession(provider, store, fingerprint)
+
+
+def _threads() -> int:
+    from ext.model import default_threads
+
+    return default_threads()
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -140,6 +203,17 @@ def _configure_logging(level: str) -> None:
     log.handlers[:] = [handler]
     log.setLevel(level.upper())
     log.propagate = False
+
+
+def _cmd_replay_trace(args: argparse.Namespace) -> int:
+    from scheduler.replay import replay_trace
+
+    policies = args.policy or ["default", "lru", "belady"]
+    kwargs = {} if args.pin_fraction is None else {"pin_fraction": args.pin_fraction}
+    result = replay_trace(args.trace, args.slots_per_layer, policies,
+                          warm_tokens=args.warm_tokens, **kwargs)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,8 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="compute threads (default: CPUs available)")
     g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
-                   help="where routed experts live: memory-mapped shards (default) or "
-                        "all read into RAM at start")
+                   help="without --expert-cache-bytes: memory-mapped shards (default) or "
+                        "all experts read into RAM at start")
+    g.add_argument("--expert-cache-bytes", type=_size, default=None, metavar="SIZE",
+                   help="stream routed experts from disk into a cache of SIZE bytes (K/M/G "
+                        "suffixes), learning pins across runs; at least top_k experts per "
+                        "MoE layer")
+    g.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where learned expert usage is kept (default: $STATE_DIRECTORY, "
+                        "else ~/.local/state/moed)")
+    g.add_argument("--no-prefetch", action="store_true",
+                   help="with --expert-cache-bytes: do not read predicted experts ahead")
+    g.add_argument("--io-workers", type=_positive_int, default=2, metavar="N",
+                   help="with --expert-cache-bytes: reader threads (default: 2)")
+    g.add_argument("--pin-fraction", type=float, default=0.5, metavar="F",
+                   help="with --expert-cache-bytes: share of the spare cache pinned to the "
+                        "experts learned as hot (default: 0.5)")
     g.set_defaults(func=_cmd_generate)
 
     m = sub.add_parser(
@@ -217,6 +305,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="replace an existing checkpoint in --out")
     m.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     m.set_defaults(func=_cmd_make_model)
+
+    r = sub.add_parser(
+        "replay-trace", parents=[common],
+        help="replay a routing trace through the expert cache policies (no compute)",
+        description="Replay a routing trace (JSON Lines, one token per line: "
+                    '{"tok": n, "layers": [[expert ids], ...]}) through the scheduler\'s own '
+                    "cache policies and print their hit rates as JSON. Tokens before "
+                    "--warm-tokens are only observed (moed learns its pins from them); from "
+                    "there caches start empty, moed's learned pins are loaded, and hits are "
+                    "counted. Caches are per layer; Belady is the offline optimum.",
+        epilog="example: moed replay-trace ../shared/traces/kimi_linear_decode/trace_kimi_300.jsonl "
+               "--slots-per-layer 16")
+    r.add_argument("trace", metavar="TRACE", help="routing trace, JSON Lines")
+    r.add_argument("--slots-per-layer", type=_positive_int, required=True, metavar="N",
+                   help="cache size in experts per MoE layer (at least top_k)")
+    r.add_argument("--policy", action="append", metavar="P",
+                   help="policy to replay (repeatable; default: default, lru, belady)")
+    r.add_argument("--warm-tokens", type=int, default=None, metavar="W",
+                   help="tokens observed before counting starts (default: half the trace)")
+    r.add_argument("--pin-fraction", type=float, default=None, metavar="F",
+                   help="share of the slots moed pins from what it learned (default: the "
+                        "scheduler's measured choice)")
+    r.set_defaults(func=_cmd_replay_trace)
     return parser
 
 
@@ -224,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(getattr(args, "log_level", "info"))
+    from daemon.io import ExpertReadError
     from ext.checkpoint import CheckpointError
     from ext.config import ConfigError
     from ext.tokenizer import ChatTemplateError, TokenizerFilesError
@@ -232,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except UsageError as e:
         parser.error(str(e))  # exits 2, like argparse's own checks
-    except (CheckpointError, ConfigError, TokenizerFilesError, ChatTemplateError,
+    except (CheckpointError, ConfigError, TokenizerFilesError, ChatTemplateError, ExpertReadError,
             ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"moed {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -138,6 +138,14 @@ class ExpertProvider(ABC):
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         """Weights for `experts` of `layer`; raises KeyError for an unknown address."""
 
+    def max_acquire(self, layer: int) -> int | None:
+        """Most experts of `layer` one `acquire` may ask for (None: no limit). A prefill
+        chunk whose experts outnumber it is computed in batches of at most this many."""
+        return None
+
+    def begin_step(self, tokens: int) -> None:
+        """`tokens` new positions are about to run through the model (time, in tokens)."""
+
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """The arrays of the matching `acquire` are no longer used."""
 

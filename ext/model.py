@@ -324,6 +324,7 @@ class Model:
         """Embed → layers → final norm for T <= PREFILL_CHUNK tokens; returns [T, H]."""
         c, ws, nt = self.config, self.ws, self.n_threads
         T, pos0 = ids.size, kv.length
+        self.experts.begin_step(T)
         x = ws.x[:T]                                             # [T, H] residual stream
         K_.dequantize_rows(self.embed, ids, x)
         positions = np.arange(pos0, pos0 + T, dtype=F32)
@@ -405,13 +406,18 @@ class Model:
         xg = ws.xg[:N]
         np.take(h, order // K, axis=0, out=xg)                   # [N, H] grouped by expert
         y = ws.y[:N]
-        weights_of = self.experts.acquire(l, experts)            # the expert fetch
-        try:
-            K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
-                          [w.down for w in weights_of], xg, group_start,
-                          ws.hbuf(N, c.moe_intermediate_size), y, nt)
-        finally:
-            self.experts.release(l, experts)
+        limit = self.experts.max_acquire(l) or len(experts)
+        for g0 in range(0, len(experts), limit):                 # batches the cache can hold
+            g1 = min(g0 + limit, len(experts))
+            batch = experts[g0:g1]
+            r0, r1 = int(group_start[g0]), int(group_start[g1])
+            weights_of = self.experts.acquire(l, batch)          # the expert fetch
+            try:
+                K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
+                              [w.down for w in weights_of], xg[r0:r1], group_start[g0:g1 + 1] - r0,
+                              ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
+            finally:
+                self.experts.release(l, batch)
         rows = np.empty(N, np.int64)
         rows[order] = np.arange(N)                               # row of y per (token, rank)
         out = ws.o[:T]

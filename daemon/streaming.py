@@ -1,0 +1,284 @@
+"""The streaming expert provider: routed experts read from the shards into a RAM slot cache.
+
+This is where policy (scheduler/: which slot, what to evict, what to pin, usage) meets
+mechanism (daemon/io.py: slot buffers, io worker threads, preadv). It implements
+`ext.experts.ExpertProvider`, so the forward pass is unchanged:
+
+    acquire(layer, experts)  demand: hits are used in place, misses are read now (demand
+                             reads go ahead of every queued prefetch), reads already in
+                             flight are waited for; returns read-only views into slots.
+    hint(layer, logits)      prefetch: the next MoE layer's router applied to the current
+                             hidden state; its top candidates (usage priors break ties)
+                             that are neither resident nor in flight are read in the
+                             background, into slots whose occupants are colder.
+    begin_step(tokens)       time moves on (usage decay, pin re-evaluation).
+
+All cache bookkeeping happens on the calling (engine) thread; io threads only fill
+buffers and resolve futures, whose completion the engine notices on its next call.
+Placement never changes output: the bytes in a slot are the bytes of the shard.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from daemon.io import (DEMAND, PIN_LOAD, PREFETCH, ExpertReadError, IoPool, ReadPlan, SlotArena,
+                       plans_for, probe_direct_io)
+from ext.config import ModelConfig
+from ext.experts import ExpertLayout, ExpertProvider, ExpertWeights
+from scheduler.cache import OUTCOME_INFLIGHT, OUTCOME_MISS, CacheBudgetError, ExpertCache
+from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
+from scheduler.usage import UsageStats
+
+log = logging.getLogger("moed.streaming")
+
+DEFAULT_HALF_LIFE_TOKENS = 2048.0
+PIN_REEVALUATE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    """Knobs of the streaming cache (all placement: none changes output).
+
+    cache_bytes: the expert cache's byte budget, cut into slots of the largest expert's
+        aligned size. pin_fraction: share of the slots above the minimum (top_k per MoE
+        layer) given to the pinned tier. prefetch: read predicted experts ahead.
+    prefetch_width: candidates per layer and step (default top_k + 2). io_workers:
+        reader threads. direct: O_DIRECT (None: probe with a real aligned read).
+    policy: the dynamic tier's eviction policy name (scheduler.eviction).
+    half_life_tokens: usage decay. mlock: lock the slot memory when allowed.
+    """
+
+    cache_bytes: int
+    pin_fraction: float = 0.5
+    prefetch: bool = True
+    prefetch_width: int | None = None
+    io_workers: int = 2
+    direct: bool | None = None
+    policy: str = "default"
+    half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS
+    mlock: bool = False
+
+
+def minimum_cache_bytes(layout: ExpertLayout, config: ModelConfig) -> int:
+    """Smallest budget the cache accepts: top_k slots per MoE layer."""
+    slot = max(p.slot_bytes for p in plans_for(layout).values())
+    return config.top_k * sum(config.moe_layers) * slot
+
+
+class StreamingExpertProvider(ExpertProvider):
+    """Experts streamed from disk into a byte-budget slot cache with pins and prefetch.
+
+    Raises CacheBudgetError when options.cache_bytes is below `minimum_cache_bytes`
+    (the message gives the minimum in bytes).
+    """
+
+    def __init__(self, layout: ExpertLayout, config: ModelConfig, options: StreamingOptions,
+                 usage_counts: np.ndarray | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.config = config
+        self.options = options
+        self.clock = clock
+        self.moe_layers = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
+        self.plans: dict[tuple[int, int], ReadPlan] = plans_for(layout)
+        self.slot_bytes = max(p.slot_bytes for p in self.plans.values())
+        total_slots = options.cache_bytes // self.slot_bytes
+        minimum = config.top_k * len(self.moe_layers)
+        if total_slots < minimum:
+            raise CacheBudgetError(
+                f"expert cache of {options.cache_bytes} bytes holds {total_slots} experts; the "
+                f"minimum is top_k {config.top_k} x {len(self.moe_layers)} MoE layers = {minimum} "
+                f"slots of {self.slot_bytes} bytes = {minimum * self.slot_bytes} bytes")
+        total_slots = min(total_slots, len(self.plans))  # more slots than experts is waste
+        spare = max(0, total_slots - minimum)
+        pinned_slots = int(spare * options.pin_fraction) if usage_counts is not None else 0
+        self.cache = ExpertCache(self.moe_layers, config.num_experts, config.top_k, total_slots,
+                                 pinned_slots=pinned_slots, policy=options.policy)
+        self.usage = UsageStats(self.moe_layers, config.num_experts, options.half_life_tokens)
+        if usage_counts is not None:
+            self.usage.set_counts(usage_counts)
+        first_shard = next(iter(self.plans.values())).spans[0].path
+        direct = probe_direct_io(first_shard) if options.direct is None else options.direct
+        self.arena = SlotArena(total_slots, self.slot_bytes, lock=options.mlock)
+        self.io = IoPool(options.io_workers, direct)
+        self.wants_hints = options.prefetch
+        self.width = options.prefetch_width or config.top_k + 2
+        self.pin_policy = PinPolicy(self.slot_bytes)
+        self.token = 0
+        self._inflight: dict[int, Future] = {}           # slot -> read in flight
+        self._prefetch_layer: dict[int, int] = {}        # slot -> layer, prefetches in flight
+        self._views: dict[int, tuple[tuple[int, int], ExpertWeights]] = {}
+        self.io_wait_s = 0.0
+        self.bytes_submitted = {DEMAND: 0, PREFETCH: 0, PIN_LOAD: 0}  # aligned lengths
+        self.read_failures = 0
+        if pinned_slots:
+            self._apply_pins(select_pins(self.usage.counts(), self.slot_bytes,
+                                         pinned_slots * self.slot_bytes))
+        log.info("expert cache: %d slots of %d bytes (%d pinned), io path %s, %d io workers, "
+                 "prefetch %s", total_slots, self.slot_bytes, pinned_slots, self.io.io_path,
+                 options.io_workers, "on" if options.prefetch else "off")
+
+    # ------------------------------------------------------------ provider API
+
+    def max_acquire(self, layer: int) -> int:
+        """Demand can always get this layer's dynamic slots minus its prefetches in flight."""
+        loading = sum(1 for s in self._prefetch_layer.values() if s == layer)
+        return max(self.config.top_k, self.cache.dynamic_slots(layer) - loading)
+
+    def begin_step(self, tokens: int) -> None:
+        """`tokens` new positions are about to run through the model."""
+        before = self.token
+        self.token += tokens
+        self.usage.advance(tokens)
+        if self.cache.pinned_slots and before // PIN_REEVALUATE_TOKENS != self.token // PIN_REEVALUATE_TOKENS:
+            self._reevaluate_pins()
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        self._reap()
+        accesses = self.cache.request(layer, experts, self.token)
+        for a in accesses:
+            if a.outcome == OUTCOME_MISS:
+                self._submit(layer, a.expert, a.slot, DEMAND)
+        t0 = self.clock()
+        error: ExpertReadError | None = None
+        for a in accesses:
+            if a.outcome in (OUTCOME_MISS, OUTCOME_INFLIGHT):
+                future = self._inflight.pop(a.slot)
+                self._prefetch_layer.pop(a.slot, None)
+                try:
+                    future.result()
+                    self.cache.loaded(a.slot)
+                except ExpertReadError as e:
+                    self.cache.failed(a.slot)
+                    self.read_failures += 1
+                    error = error or e
+        self.io_wait_s += self.clock() - t0
+        if error is not None:
+            self.cache.release(layer, experts)
+            raise error
+        self.usage.observe(layer, list(experts))
+        return [self._weights(layer, a.expert, a.slot) for a in accesses]
+
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        self.cache.release(layer, experts)
+
+    def hint(self, layer: int, router_logits: np.ndarray) -> None:
+        if not self.wants_hints:
+            return
+        self._reap()
+        z = router_logits - router_logits.max(axis=1, keepdims=True)
+        probs = np.exp(z)
+        probs /= probs.sum(axis=1, keepdims=True)
+        score = probs.max(axis=0)                                  # [E] best over the tokens
+        prior = self.usage.counts()[self.moe_layers.index(layer)]
+        order = np.lexsort((np.arange(score.size), -prior, -score))[: self.width]
+        k = self.config.top_k
+        for e in order.tolist():
+            slot = self.cache.prefetch(layer, e, self.token, min(1.0, float(score[e]) * k))
+            if slot is not None:
+                self._submit(layer, e, slot, PREFETCH)
+                self._prefetch_layer[slot] = layer
+
+    def close(self) -> None:
+        self.io.close()
+        self._reap()
+        self._views.clear()
+        self.arena.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _submit(self, layer: int, expert: int, slot: int, reason: str) -> None:
+        """Queue the read of (layer, expert) into `slot`; count its aligned bytes."""
+        plan = self.plans[(layer, expert)]
+        self._inflight[slot] = self.io.submit(plan, self.arena.buffer(slot), reason)
+        self.bytes_submitted[reason] += plan.slot_bytes
+
+    def _weights(self, layer: int, expert: int, slot: int) -> ExpertWeights:
+        key = (layer, expert)
+        cached = self._views.get(slot)
+        if cached is None or cached[0] != key:
+            cached = (key, self.plans[key].views(self.arena.buffer(slot)))
+            self._views[slot] = cached
+        return cached[1]
+
+    def _reap(self) -> None:
+        """Mark finished background reads (prefetch, pin loads) loaded or failed."""
+        done = [s for s, f in self._inflight.items() if f.done()]
+        for slot in done:
+            future = self._inflight.pop(slot)
+            self._prefetch_layer.pop(slot, None)
+            if future.exception() is None:
+                self.cache.loaded(slot)
+            else:
+                self.cache.failed(slot)
+                self.read_failures += 1
+                log.warning("expert_read_failed: %s", future.exception())
+
+    def _apply_pins(self, pins) -> None:
+        for load in self.cache.set_pins(pins_to_layer_ids(pins, self.moe_layers)):
+            self._submit(load.layer, load.expert, load.slot, PIN_LOAD)
+
+    def _reevaluate_pins(self) -> None:
+        current = {(self.moe_layers.index(l), e) for l, e in self.cache.pins}
+        add, remove = self.pin_policy.reevaluate(current, self.usage.counts(),
+                                                 self.cache.pinned_slots * self.slot_bytes)
+        if add or remove:
+            self._apply_pins((current - set(remove)) | set(add))
+
+
+# ---------------------------------------------------------------- persistence
+
+
+def load_usage_counts(store, moe_layers: Sequence[int], num_experts: int, fingerprint: str,
+                      half_life_tokens: float) -> np.ndarray | None:
+    """Learned counts [L, E] from the state file, or None (absent, set aside, unusable).
+
+    store: a daemon.state.StateStore. A payload that does not fit this model is
+    ignored with a warning, never trusted.
+    """
+    from scheduler.usage import UsageFormatError
+
+    payload = store.load()
+    if payload is None:
+        return None
+    try:
+        stats = UsageStats.from_dict(payload, moe_layers, num_experts, fingerprint, half_life_tokens)
+    except UsageFormatError as e:
+        log.warning("usage_state_ignored: %s", e)
+        return None
+    return stats.counts()
+
+
+def flush_usage(store, usage: UsageStats, fingerprint: str) -> None:
+    """Merge what this process observed since its last flush into the state file.
+
+    Under the store's lock: file counts decayed by our tokens since the last flush,
+    plus our delta (scheduler.usage.merge_counts), so two processes serving the same
+    model add up instead of overwriting each other. The merged counts become ours.
+    """
+    from scheduler.usage import UsageFormatError, merge_counts
+
+    delta, tokens = usage.take_delta()
+    merged_counts: list[np.ndarray] = []
+
+    def merge(current: dict | None) -> dict:
+        counts = usage.counts()
+        if current is not None:
+            try:
+                on_disk = UsageStats.from_dict(current, usage.moe_layers, usage.num_experts,
+                                               fingerprint).counts()
+                counts = merge_counts(on_disk, tokens, delta, usage.half_life_tokens)
+            except UsageFormatError as e:
+                log.warning("usage_state_replaced: %s", e)
+        merged_counts.append(counts)
+        payload = usage.to_dict(fingerprint)
+        payload["counts"] = counts.tolist()
+        return payload
+
+    store.save(merge, tokens=tokens)
+    usage.set_counts(merged_counts[-1])

@@ -1,0 +1,522 @@
+"""The expert cache's slot policy: which expert sits in which slot, and what to evict.
+
+Conventions (the whole module):
+  L = len(moe_layers) MoE layers, E = num_experts, K = top_k. `layer` arguments are model
+  layer ids (entries of `moe_layers`). `token` is the decode step, passed in (time is in
+  tokens; nothing here reads a clock), non-decreasing.
+  Slots are ints in [0, total_slots). The daemon owns the memory: slot s is its s-th
+  buffer, each sized for the largest expert, living as long as the cache. This object
+  only says which (layer, expert) a slot holds and when it may be reused.
+
+Tiers. *Pinned* slots (pinned_slots of them, shared by all layers) hold the pin set
+(`set_pins`) and are never evicted by traffic or prefetch. *Dynamic* slots belong to one
+layer each — (total_slots - pinned_slots) split evenly, the first layers taking the
+remainder, at least K per layer — and are evicted by the layer's policy
+(scheduler/eviction.py). A slot's tier can be retagged by `set_pins` (an expert moves
+between tiers without a read; the per-layer dynamic count never changes).
+
+Slot states. FREE; LOADING: reserved for a read in flight — never handed out to another
+expert, never evicted, until `loaded` (-> READY) or `failed` (-> FREE); READY. Each
+slot also has a user count: slots returned by `request` are in use until `release`, and
+an in-use slot is never evicted.
+
+Guarantee: a demand `request` succeeds whenever the layer has enough dynamic slots that
+are FREE or READY and not in use. Prefetches never hold more than
+(dynamic slots of the layer - K) slots LOADING, so K dynamic slots always remain for demand.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from scheduler.eviction import EvictionPolicy, PolicyFactory, policy_factory
+
+OUTCOME_HIT = "hit"            # READY: use it
+OUTCOME_INFLIGHT = "inflight"  # LOADING (prefetch or pin load): wait for that read
+OUTCOME_MISS = "miss"          # slot reserved LOADING: the caller issues the read
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    LOADING = 1
+    READY = 2
+
+
+class Tier(IntEnum):
+    PINNED = 0
+    DYNAMIC = 1
+
+
+class CacheBudgetError(ValueError):
+    """The slot budget cannot hold top_k experts per MoE layer (message gives the minimum)."""
+
+
+class CacheFullError(RuntimeError):
+    """A demand request needs more slots than the layer has FREE or evictable."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """One expert of a demand request: its slot and what the caller must do with it."""
+    expert: int
+    slot: int
+    outcome: str   # OUTCOME_HIT | OUTCOME_INFLIGHT | OUTCOME_MISS
+
+
+@dataclass(frozen=True)
+class PinLoad:
+    """A read to issue for the pinned tier: `layer`'s `expert` into `slot`; then loaded/failed."""
+    slot: int
+    layer: int
+    expert: int
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """Counters and occupancy at one instant; per-layer tuples are in moe_layers order.
+
+    hits: needed experts found READY. prefetch_hits: found LOADING (a prefetch or pin read
+    already in flight). misses: needed experts that had to be read on demand.
+    evictions_dynamic: experts evicted from the layer's dynamic slots (traffic or
+    prefetch). evictions_pinned: pinned experts dropped from the pin set and freed.
+    prefetches_wasted: prefetched experts evicted or failed before any use;
+    prefetches_unused: prefetched experts resident now, not used yet (the issue's
+    "wasted" is the sum of the two).
+    """
+    policy: str
+    moe_layers: tuple[int, ...]
+    pinned_slots: int
+    dynamic_slots: tuple[int, ...]
+    hits: tuple[int, ...]
+    prefetch_hits: tuple[int, ...]
+    misses: tuple[int, ...]
+    evictions_dynamic: tuple[int, ...]
+    evictions_pinned: tuple[int, ...]
+    resident_dynamic: tuple[int, ...]
+    resident_pinned: tuple[int, ...]
+    loading: tuple[int, ...]
+    prefetches_issued: tuple[int, ...]
+    prefetches_used: tuple[int, ...]
+    prefetches_wasted: tuple[int, ...]
+    prefetches_unused: tuple[int, ...]
+
+    @property
+    def lookups(self) -> int:
+        return sum(self.hits) + sum(self.prefetch_hits) + sum(self.misses)
+
+    @property
+    def hit_rate(self) -> float:
+        """READY hits over all lookups (0.0 before the first lookup)."""
+        return sum(self.hits) / self.lookups if self.lookups else 0.0
+
+
+class ExpertCache:
+    """Slot bookkeeping and eviction for the expert cache (policy only, no buffers).
+
+    moe_layers: the model's MoE layer ids. num_experts: routed experts per layer.
+    top_k: experts per token per layer. total_slots: the byte budget in slots.
+    pinned_slots: slots of the pinned tier (global). policy: a name of
+    scheduler.eviction.POLICIES or "default", or a factory (layer_index, capacity) ->
+    EvictionPolicy (offline evaluation, e.g. Belady).
+    Raises CacheBudgetError when total_slots < top_k * L (the message gives that minimum)
+    or pinned_slots leaves fewer than top_k dynamic slots per layer; ValueError on other
+    bad arguments.
+    """
+
+    def __init__(self, moe_layers: Sequence[int], num_experts: int, top_k: int, total_slots: int,
+                 pinned_slots: int = 0, policy: str | PolicyFactory = "default"):
+        moe_layers = [int(x) for x in moe_layers]
+        if not moe_layers or len(set(moe_layers)) != len(moe_layers):
+            raise ValueError(f"moe_layers must be non-empty and distinct, got {moe_layers}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+        if pinned_slots < 0:
+            raise ValueError(f"pinned_slots must be >= 0, got {pinned_slots}")
+        n_layers = len(moe_layers)
+        minimum = top_k * n_layers
+        if total_slots < minimum:
+            raise CacheBudgetError(f"expert cache of {total_slots} slots is below the minimum of {minimum} "
+                                   f"(top_k {top_k} x {n_layers} MoE layers)")
+        per_layer, extra = divmod(total_slots - pinned_slots, n_layers)
+        if per_layer < top_k:
+            raise CacheBudgetError(f"{pinned_slots} pinned slots leave {per_layer} dynamic slots per layer; "
+                                   f"at least top_k={top_k} are needed, so pinned_slots <= "
+                                   f"{total_slots - minimum}")
+        self.moe_layers = tuple(moe_layers)
+        self.num_experts = int(num_experts)
+        self.top_k = int(top_k)
+        self.total_slots = int(total_slots)
+        self.pinned_slots = int(pinned_slots)
+        self._index = {layer: i for i, layer in enumerate(moe_layers)}
+        self._dyn_count = [per_layer + (1 if i < extra else 0) for i in range(n_layers)]
+
+        if isinstance(policy, str):
+            self.policy_name = policy
+            factory = policy_factory(policy, num_experts)
+        else:
+            self.policy_name = getattr(policy, "name", "custom")
+            factory = policy
+        self._policies: list[EvictionPolicy] = [factory(i, n) for i, n in enumerate(self._dyn_count)]
+
+        # Per-slot state. Initial layout: pinned tier first, then each layer's dynamic slots.
+        n = self.total_slots
+        self._state = [SlotState.FREE] * n
+        self._tier = [Tier.PINNED] * pinned_slots + [Tier.DYNAMIC] * (n - pinned_slots)
+        self._owner = [-1] * n                          # layer index of a dynamic slot
+        self._key: list[tuple[int, int] | None] = [None] * n   # (layer_index, expert) held
+        self._users = [0] * n
+        self._prefetched = [False] * n                  # holds a prefetch not yet used
+        self._prefetch_loading = [False] * n            # dynamic, LOADING for a prefetch
+        self._where: dict[tuple[int, int], int] = {}    # (layer_index, expert) -> slot
+        self._pin_slots = set(range(pinned_slots))
+        self._free_pin = set(range(pinned_slots))
+        self._dyn_slots: list[set[int]] = []
+        start = pinned_slots
+        for i, count in enumerate(self._dyn_count):
+            slots = set(range(start, start + count))
+            for s in slots:
+                self._owner[s] = i
+            self._dyn_slots.append(slots)
+            start += count
+        self._free_dyn = [set(s) for s in self._dyn_slots]
+        self._prefetch_inflight = [0] * n_layers
+        self._pins: set[tuple[int, int]] = set()
+        self._now = 0
+
+        zeros = lambda: [0] * n_layers  # noqa: E731
+        self._hits, self._prefetch_hits, self._misses = zeros(), zeros(), zeros()
+        self._evictions_dynamic, self._evictions_pinned = zeros(), zeros()
+        self._prefetches_issued, self._prefetches_used, self._prefetches_wasted = zeros(), zeros(), zeros()
+
+    # -- demand ------------------------------------------------------------------------
+    def request(self, layer: int, experts: Sequence[int], token: int) -> list[Access]:
+        """Slots for the experts one step of `layer` needs now, in the order given.
+
+        experts: distinct expert ids (top_k of them for one token; a prefill chunk may
+        pass the union of its tokens' experts). Every returned slot is in use (never
+        evicted) until `release(layer, experts)`. For each "miss" a slot was reserved
+        LOADING: the caller reads the expert into it, then calls `loaded` or `failed`.
+        Raises CacheFullError — before changing anything — when the misses outnumber the
+        layer's dynamic slots that are FREE or READY and not in use (split the chunk);
+        KeyError for an unknown layer; ValueError for bad or repeated expert ids.
+        """
+        li = self._layer_index(layer)
+        experts = self._check_experts(experts, distinct=True)
+        self._now = max(self._now, token)
+        misses = [e for e in experts if (li, e) not in self._where]
+        if misses:
+            wanted = set(experts)
+            available = len(self._free_dyn[li]) + sum(
+                1 for s in self._dyn_slots[li]
+                if self._state[s] == SlotState.READY and self._users[s] == 0 and self._key[s][1] not in wanted)
+            if len(misses) > available:
+                raise CacheFullError(f"layer {layer}: {len(misses)} experts to read but only {available} of "
+                                     f"{self._dyn_count[li]} dynamic slots are free or evictable "
+                                     "(the others are being read or in use)")
+        policy = self._policies[li]
+        policy.step(token, experts)
+        slot_of: dict[int, tuple[int, str]] = {}
+        for e in experts:                     # resident ones first: pin them before evicting
+            s = self._where.get((li, e))
+            if s is None:
+                continue
+            self._users[s] += 1
+            if self._state[s] == SlotState.READY:
+                slot_of[e] = (s, OUTCOME_HIT)
+                self._hits[li] += 1
+            else:
+                slot_of[e] = (s, OUTCOME_INFLIGHT)
+                self._prefetch_hits[li] += 1
+            if self._prefetched[s]:
+                self._prefetched[s] = False
+                self._prefetches_used[li] += 1
+            if self._tier[s] == Tier.DYNAMIC:
+                policy.hit(e, token)
+        for e in misses:
+            s = self._take_dynamic_slot(li, token, incoming=e)
+            self._reserve(s, li, e, users=1, prefetch=False)
+            policy.admit(e, token, demand=True)
+            slot_of[e] = (s, OUTCOME_MISS)
+            self._misses[li] += 1
+        return [Access(e, *slot_of[e]) for e in experts]
+
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        """End the use of `experts` begun by `request` (their slots become evictable).
+
+        Experts no longer resident (their read failed) are skipped. Raises ValueError when
+        a resident expert is not in use (release without request).
+        """
+        li = self._layer_index(layer)
+        for e in self._check_experts(experts, distinct=True):
+            s = self._where.get((li, e))
+            if s is None:
+                continue
+            if self._users[s] == 0:
+                raise ValueError(f"layer {layer} expert {e} (slot {s}) is released but not in use")
+            self._users[s] -= 1
+
+    # -- reads -------------------------------------------------------------------------
+    def loaded(self, slot: int) -> None:
+        """The read into `slot` completed: LOADING -> READY. ValueError if not LOADING."""
+        self._check_loading(slot)
+        self._state[slot] = SlotState.READY
+        self._clear_prefetch_loading(slot)
+
+    def failed(self, slot: int) -> None:
+        """The read into `slot` failed: the slot becomes FREE; nothing else changes.
+
+        The expert is no longer resident (a pinned one leaves the pin set until the next
+        `set_pins`); a prefetch that failed unused counts as wasted. ValueError if the
+        slot is not LOADING.
+        """
+        self._check_loading(slot)
+        li, e = self._key[slot]
+        if self._prefetched[slot]:
+            self._prefetches_wasted[li] += 1
+        self._clear_prefetch_loading(slot)
+        if self._tier[slot] == Tier.DYNAMIC:
+            self._policies[li].drop(e)
+        else:
+            self._pins.discard((li, e))
+        self._free(slot)
+
+    # -- prefetch ----------------------------------------------------------------------
+    def prefetch(self, layer: int, expert: int, token: int, score: float) -> int | None:
+        """Reserve a dynamic slot of `layer` for a prefetch read of `expert`, or None.
+
+        score: the prefetcher's estimate that the expert is needed (probability of use,
+        0..1, the scale of EvictionPolicy.value). None when the expert is resident or in
+        flight, when the layer already has (dynamic slots - top_k) prefetches in flight,
+        or when there is no FREE slot and the policy's victim — never pinned, in use or
+        LOADING — has a value above `score`. On success the slot is LOADING: the caller
+        reads the expert, then calls `loaded` or `failed`.
+        """
+        li = self._layer_index(layer)
+        (expert,) = self._check_experts([expert], distinct=True)
+        self._now = max(self._now, token)
+        if (li, expert) in self._where:
+            return None
+        if self._prefetch_inflight[li] >= self._dyn_count[li] - self.top_k:
+            return None
+        policy = self._policies[li]
+        if not self._free_dyn[li]:
+            victim = policy.victim(token, self._evictable(li), incoming=expert)
+            if victim is None or policy.value(victim, token) > score:
+                return None
+        s = self._take_dynamic_slot(li, token, incoming=expert)
+        self._reserve(s, li, expert, users=0, prefetch=True)
+        policy.admit(expert, token, demand=False, score=score)
+        self._prefetches_issued[li] += 1
+        return s
+
+    # -- pins --------------------------------------------------------------------------
+    def set_pins(self, pins: Iterable[tuple[int, int]]) -> list[PinLoad]:
+        """Make the pinned tier hold `pins` ((layer id, expert) pairs); returns reads to issue.
+
+        1. A pinned expert no longer in `pins` is demoted to its layer's dynamic tier when
+           that layer has a FREE dynamic slot (no read); else it is freed — or, while in
+           use or being read, demoted in place of the layer's policy victim. If neither is
+           possible it stays until a later call.
+        2. A new pin resident in a dynamic slot moves to the pinned tier without a read
+           (slot tiers are swapped); the others get a FREE pinned slot, LOADING, and a
+           PinLoad the caller must read and then report with `loaded` / `failed`.
+        Pins that find no pinned slot this time are left out; `pins` tells what is held.
+        Raises ValueError for more pins than pinned_slots or bad ids; KeyError for an
+        unknown layer.
+        """
+        target = {(self._layer_index(layer), e) for layer, e in pins}
+        for _, e in target:
+            self._check_experts([e], distinct=True)
+        if len(target) > self.pinned_slots:
+            raise ValueError(f"{len(target)} pins exceed the {self.pinned_slots} pinned slots")
+        now = self._now
+        for s in sorted(self._pin_slots):
+            key = self._key[s]
+            if key is None or key in target:
+                continue
+            li, e = key
+            self._pins.discard(key)
+            busy = self._users[s] > 0 or self._state[s] == SlotState.LOADING
+            if not self._free_dyn[li] and busy:
+                victim = self._policies[li].victim(now, self._evictable(li), incoming=e)
+                if victim is not None:
+                    self._evict(self._where[(li, victim)])
+            if self._free_dyn[li]:
+                self._retag(s, min(self._free_dyn[li]))     # s joins the dynamic tier
+                self._policies[li].admit(e, now, demand=False)
+            elif not busy:
+                self._evictions_pinned[li] += 1
+                if self._prefetched[s]:
+                    self._prefetches_wasted[li] += 1
+                self._free(s)
+        loads = []
+        for key in sorted(target - self._pins):
+            li, e = key
+            s = self._where.get(key)
+            if s is not None and self._tier[s] == Tier.PINNED:
+                self._pins.add(key)
+                continue
+            if not self._free_pin:
+                continue
+            p = min(self._free_pin)
+            if s is not None:                     # resident in a dynamic slot: no read
+                self._policies[li].drop(e)
+                self._retag(p, s)
+            else:
+                self._reserve(p, li, e, users=0, prefetch=False)
+                loads.append(PinLoad(p, self.moe_layers[li], e))
+            self._pins.add(key)
+        return loads
+
+    @property
+    def pins(self) -> frozenset[tuple[int, int]]:
+        """The pins held now (resident or loading), as (layer id, expert)."""
+        return frozenset((self.moe_layers[li], e) for li, e in self._pins)
+
+    # -- inspection --------------------------------------------------------------------
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        """The slot holding (or loading) `layer`'s `expert`, or None."""
+        return self._where.get((self._layer_index(layer), expert))
+
+    def state(self, slot: int) -> SlotState:
+        return self._state[slot]
+
+    def tier(self, slot: int) -> Tier:
+        return self._tier[slot]
+
+    def users(self, slot: int) -> int:
+        return self._users[slot]
+
+    def held(self, slot: int) -> tuple[int, int] | None:
+        """(layer id, expert) held by `slot`, or None when FREE."""
+        key = self._key[slot]
+        return None if key is None else (self.moe_layers[key[0]], key[1])
+
+    def value(self, layer: int, expert: int, token: int) -> float | None:
+        """The layer policy's value of a dynamically cached expert (None when not there).
+
+        Same scale as `prefetch`'s score: a prefetch only evicts a victim whose value is
+        <= its score.
+        """
+        li = self._layer_index(layer)
+        s = self._where.get((li, expert))
+        if s is None or self._tier[s] != Tier.DYNAMIC:
+            return None
+        return self._policies[li].value(expert, token)
+
+    def dynamic_slots(self, layer: int) -> int:
+        return self._dyn_count[self._layer_index(layer)]
+
+    def snapshot(self) -> CacheSnapshot:
+        """The counters and per-tier occupancy now (a plain, immutable copy)."""
+        n_layers = len(self.moe_layers)
+        res_dyn, res_pin, loading, unused = ([0] * n_layers for _ in range(4))
+        for (li, _), s in self._where.items():
+            (res_dyn if self._tier[s] == Tier.DYNAMIC else res_pin)[li] += 1
+            loading[li] += self._state[s] == SlotState.LOADING
+            unused[li] += self._prefetched[s]
+        return CacheSnapshot(
+            policy=self.policy_name, moe_layers=self.moe_layers, pinned_slots=self.pinned_slots,
+            dynamic_slots=tuple(self._dyn_count), hits=tuple(self._hits),
+            prefetch_hits=tuple(self._prefetch_hits), misses=tuple(self._misses),
+            evictions_dynamic=tuple(self._evictions_dynamic), evictions_pinned=tuple(self._evictions_pinned),
+            resident_dynamic=tuple(res_dyn), resident_pinned=tuple(res_pin), loading=tuple(loading),
+            prefetches_issued=tuple(self._prefetches_issued), prefetches_used=tuple(self._prefetches_used),
+            prefetches_wasted=tuple(self._prefetches_wasted), prefetches_unused=tuple(unused))
+
+    # -- internals ---------------------------------------------------------------------
+    def _layer_index(self, layer: int) -> int:
+        try:
+            return self._index[layer]
+        except KeyError:
+            raise KeyError(f"layer {layer} is not a MoE layer {list(self.moe_layers)}") from None
+
+    def _check_experts(self, experts: Sequence[int], distinct: bool) -> list[int]:
+        ids = [int(e) for e in experts]
+        bad = [e for e in ids if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"expert ids {bad} outside [0, {self.num_experts})")
+        if distinct and len(set(ids)) != len(ids):
+            raise ValueError(f"expert ids must be distinct, got {ids}")
+        return ids
+
+    def _check_loading(self, slot: int) -> None:
+        if not 0 <= slot < self.total_slots or self._state[slot] != SlotState.LOADING:
+            state = self._state[slot].name if 0 <= slot < self.total_slots else "out of range"
+            raise ValueError(f"slot {slot} has no read in flight ({state})")
+
+    def _evictable(self, li: int):
+        def evictable(expert: int) -> bool:
+            s = self._where[(li, expert)]
+            return self._state[s] == SlotState.READY and self._users[s] == 0
+        return evictable
+
+    def _take_dynamic_slot(self, li: int, token: int, incoming: int) -> int:
+        """A FREE dynamic slot of layer li, evicting the policy's victim if needed."""
+        if not self._free_dyn[li]:
+            victim = self._policies[li].victim(token, self._evictable(li), incoming=incoming)
+            if victim is None:
+                raise CacheFullError(f"layer {self.moe_layers[li]}: no dynamic slot is free or evictable")
+            self._evict(self._where[(li, victim)])
+        s = min(self._free_dyn[li])
+        self._free_dyn[li].discard(s)
+        return s
+
+    def _evict(self, slot: int) -> None:
+        """Evict the READY, unused expert of dynamic `slot`; the slot becomes FREE."""
+        li, e = self._key[slot]
+        assert self._tier[slot] == Tier.DYNAMIC and self._state[slot] == SlotState.READY
+        assert self._users[slot] == 0
+        self._evictions_dynamic[li] += 1
+        if self._prefetched[slot]:
+            self._prefetches_wasted[li] += 1
+        self._policies[li].evict(e, self._now)
+        self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        del self._where[self._key[slot]]
+        self._key[slot] = None
+        self._state[slot] = SlotState.FREE
+        self._users[slot] = 0
+        self._prefetched[slot] = False
+        if self._tier[slot] == Tier.DYNAMIC:
+            self._free_dyn[self._owner[slot]].add(slot)
+        else:
+            self._free_pin.add(slot)
+
+    def _reserve(self, slot: int, li: int, expert: int, users: int, prefetch: bool) -> None:
+        self._free_pin.discard(slot)
+        self._state[slot] = SlotState.LOADING
+        self._key[slot] = (li, expert)
+        self._where[(li, expert)] = slot
+        self._users[slot] = users
+        self._prefetched[slot] = prefetch
+        if prefetch:
+            self._prefetch_loading[slot] = True
+            self._prefetch_inflight[li] += 1
+
+    def _clear_prefetch_loading(self, slot: int) -> None:
+        if self._prefetch_loading[slot]:
+            self._prefetch_loading[slot] = False
+            self._prefetch_inflight[self._owner[slot]] -= 1
+
+    def _retag(self, pinned_slot: int, dynamic_slot: int) -> None:
+        """Swap the tiers of two slots: pinned_slot joins dynamic_slot's layer and vice versa.
+
+        Contents, states and users stay with the slots (no read, no copy).
+        """
+        li = self._owner[dynamic_slot]
+        self._clear_prefetch_loading(dynamic_slot)
+        self._tier[pinned_slot], self._owner[pinned_slot] = Tier.DYNAMIC, li
+        self._tier[dynamic_slot], self._owner[dynamic_slot] = Tier.PINNED, -1
+        self._pin_slots.remove(pinned_slot)
+        self._pin_slots.add(dynamic_slot)
+        self._dyn_slots[li].remove(dynamic_slot)
+        self._dyn_slots[li].add(pinned_slot)
+        if dynamic_slot in self._free_dyn[li]:
+            self._free_dyn[li].remove(dynamic_slot)
+            self._free_pin.add(dynamic_slot)
+        if pinned_slot in self._free_pin:
+            self._free_pin.remove(pinned_slot)
+            self._free_dyn[li].add(pinned_slot)

@@ -1,0 +1,261 @@
+"""Per (layer, expert) exponentially decayed activation counts.
+
+Conventions (the whole module):
+  L = len(moe_layers) MoE layers, E = num_experts routed experts per layer.
+  `layer` arguments are model layer ids (entries of `moe_layers`); rows of every
+  [L, E] array are layer *indices* (positions in `moe_layers`).
+  Time is counted in tokens and passed in (`advance`); nothing here reads a clock.
+
+Decay: a count observed `n` tokens ago weighs 2 ** (-n / half_life_tokens), so after
+half_life_tokens tokens a count is halved. The decay is applied lazily: values are stored
+divided by a global scale (the decay accumulated since the last renormalisation), so
+`advance` is O(1); the stored values are folded back before the scale underflows.
+
+Merging across processes (DESIGN.md "Usage statistics and pin set"; issue 3): each
+process flushes only what it gathered since its own previous flush,
+
+    merged = decay(file_counts, tokens) + delta,     decay(c, n) = c * 2 ** (-n / H)
+
+where (delta, tokens) = `UsageStats.take_delta()`: delta holds the activations observed
+since the previous take, each decayed to now, and tokens is the number of tokens this
+process advanced since then. With one process the file holds its counts at the previous
+flush, so `merged` equals its current `counts()` exactly; with two, nothing is counted
+twice because each delta is taken (and reset) exactly once.
+
+The state file itself (path, fingerprint, atomic write, lock) is the daemon's; this module
+defines the payload (`to_dict` / `from_dict`) and validates it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+FORMAT_NAME = "moed-usage"
+FORMAT_VERSION = 1
+# Fold the lazy scale back into the stored values before 1/scale gets anywhere near
+# float64 overflow (values would otherwise grow like 2 ** (tokens / H)).
+_RENORMALISE_BELOW = 2.0 ** -200
+
+
+class UsageFormatError(ValueError):
+    """A usage payload that must not be trusted; the message names the bad field."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"usage payload field {field!r}: {problem}")
+        self.field = field
+
+
+def decay(counts: np.ndarray, tokens: float, half_life_tokens: float) -> np.ndarray:
+    """Return `counts` decayed by `tokens` tokens: counts * 2 ** (-tokens / half_life_tokens).
+
+    counts: float array of any shape (not modified). tokens >= 0. Raises ValueError on a
+    negative `tokens` or a non-positive half-life.
+    """
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if not half_life_tokens > 0:
+        raise ValueError(f"half_life_tokens must be > 0, got {half_life_tokens}")
+    return np.asarray(counts, dtype=np.float64) * 2.0 ** (-float(tokens) / half_life_tokens)
+
+
+def merge_counts(file_counts: np.ndarray, tokens_since_file_written: float,
+                 delta: np.ndarray, half_life_tokens: float) -> np.ndarray:
+    """The counts to write back on a flush: decay(file_counts, tokens) + delta.
+
+    file_counts: [L, E] float64 as read from the state file. tokens_since_file_written:
+    this process's tokens since its previous flush (second value of `take_delta`).
+    delta: [L, E] from `take_delta`. Returns a new [L, E] float64 array.
+    Raises ValueError when the shapes differ.
+    """
+    file_counts = np.asarray(file_counts, dtype=np.float64)
+    delta = np.asarray(delta, dtype=np.float64)
+    if file_counts.shape != delta.shape:
+        raise ValueError(f"file counts {file_counts.shape} and delta {delta.shape} differ in shape")
+    return decay(file_counts, tokens_since_file_written, half_life_tokens) + delta
+
+
+class UsageStats:
+    """Decayed activation counts per (layer, expert), with a flushable delta.
+
+    moe_layers: the model's MoE layer ids, in order (rows of every array).
+    num_experts: routed experts per layer. half_life_tokens: > 0, in tokens.
+    Raises ValueError on an empty or duplicated layer list, num_experts < 1 or a
+    non-positive half-life.
+    """
+
+    def __init__(self, moe_layers: Sequence[int], num_experts: int, half_life_tokens: float):
+        moe_layers = [int(x) for x in moe_layers]
+        if not moe_layers or len(set(moe_layers)) != len(moe_layers):
+            raise ValueError(f"moe_layers must be non-empty and distinct, got {moe_layers}")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not (half_life_tokens > 0 and math.isfinite(half_life_tokens)):
+            raise ValueError(f"half_life_tokens must be a positive number, got {half_life_tokens}")
+        self.moe_layers = tuple(moe_layers)
+        self.num_experts = int(num_experts)
+        self.half_life_tokens = float(half_life_tokens)
+        self._row = {layer: i for i, layer in enumerate(self.moe_layers)}
+        shape = (len(self.moe_layers), self.num_experts)
+        self._stored = np.zeros(shape)        # value / scale            [L, E]
+        self._delta_stored = np.zeros(shape)  # since last take / scale  [L, E]
+        self._scale = 1.0                     # 2 ** (-tokens / H) since renormalisation
+        self._tokens_since_take = 0
+        self.tokens_observed = 0              # tokens advanced over this object's life
+
+    # -- recording ---------------------------------------------------------------------
+    def observe(self, layer: int, experts: Sequence[int] | np.ndarray,
+                tokens: int | Sequence[int] | np.ndarray = 1) -> None:
+        """Count activations of `experts` at `layer` in the current step.
+
+        experts: expert ids (normally distinct; a repeated id is counted each time).
+        tokens: how many tokens chose each expert in this step — one int for all, or an
+        array of the same length as `experts` (batch-union prefill). Call once per layer
+        per step, then `advance` by the step's tokens.
+        Raises KeyError for an unknown layer, ValueError for an out-of-range expert, a
+        length mismatch or a negative / non-finite count.
+        """
+        row = self._layer_row(layer)
+        ids = np.asarray(experts, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
+            raise ValueError(f"expert ids must be in [0, {self.num_experts}), got {ids.tolist()}")
+        n = np.broadcast_to(np.asarray(tokens, dtype=np.float64), ids.shape) \
+            if np.ndim(tokens) == 0 else np.asarray(tokens, dtype=np.float64).reshape(-1)
+        if n.shape != ids.shape:
+            raise ValueError(f"tokens has {n.size} entries for {ids.size} experts")
+        if not np.all(np.isfinite(n)) or np.any(n < 0):
+            raise ValueError(f"token counts must be finite and >= 0, got {n.tolist()}")
+        add = n / self._scale
+        np.add.at(self._stored[row], ids, add)
+        np.add.at(self._delta_stored[row], ids, add)
+
+    def advance(self, tokens: int) -> None:
+        """Move time forward by `tokens` tokens (>= 0): every count decays."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        self._scale *= 2.0 ** (-tokens / self.half_life_tokens)
+        self._tokens_since_take += int(tokens)
+        self.tokens_observed += int(tokens)
+        if self._scale < _RENORMALISE_BELOW:
+            self._stored *= self._scale
+            self._delta_stored *= self._scale
+            self._scale = 1.0
+
+    # -- reading -----------------------------------------------------------------------
+    def counts(self) -> np.ndarray:
+        """Current decayed counts, a new [L, E] float64 array (rows = layer indices)."""
+        return self._stored * self._scale
+
+    def take_delta(self) -> tuple[np.ndarray, int]:
+        """(delta [L, E] float64, tokens) gathered since the previous take; resets both.
+
+        delta: activations observed since the previous take, decayed to now. tokens: the
+        tokens advanced since then. Feed both to `merge_counts` when flushing.
+        """
+        delta = self._delta_stored * self._scale
+        tokens = self._tokens_since_take
+        self._delta_stored = np.zeros_like(self._delta_stored)
+        self._tokens_since_take = 0
+        return delta, tokens
+
+    def set_counts(self, counts: np.ndarray) -> None:
+        """Replace the current counts (e.g. by the merged file after a flush).
+
+        The pending delta is untouched. Raises ValueError on a wrong shape or on
+        negative / non-finite values.
+        """
+        counts = np.asarray(counts, dtype=np.float64)
+        if counts.shape != self._stored.shape:
+            raise ValueError(f"counts shape {counts.shape}, expected {self._stored.shape}")
+        if not np.all(np.isfinite(counts)) or np.any(counts < 0):
+            raise ValueError("counts must be finite and >= 0")
+        self._stored = counts / self._scale
+
+    def _layer_row(self, layer: int) -> int:
+        try:
+            return self._row[layer]
+        except KeyError:
+            raise KeyError(f"layer {layer} is not a MoE layer {list(self.moe_layers)}") from None
+
+    # -- serialisation -----------------------------------------------------------------
+    def to_dict(self, fingerprint: str | None = None) -> dict[str, Any]:
+        """A JSON-ready payload of the current counts (version FORMAT_VERSION).
+
+        Keys: format, version, fingerprint (the model fingerprint, or None),
+        moe_layers, num_experts, half_life_tokens, tokens_observed, counts ([L][E] floats).
+        """
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "moe_layers": list(self.moe_layers),
+            "num_experts": self.num_experts,
+            "half_life_tokens": self.half_life_tokens,
+            "tokens_observed": self.tokens_observed,
+            "counts": self.counts().tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, payload: Any, moe_layers: Sequence[int] | None = None,
+                  num_experts: int | None = None, fingerprint: str | None = None,
+                  half_life_tokens: float | None = None) -> UsageStats:
+        """Validate a payload of `to_dict` and rebuild the statistics from it.
+
+        moe_layers / num_experts / fingerprint: what the running model expects; when
+        given, the payload must match. half_life_tokens: the configured half-life to use
+        from now on (default: the payload's). The delta starts empty.
+        Raises UsageFormatError (naming the field) for: not a dict, wrong format or
+        version, another model's fingerprint, unknown or missing layers, wrong
+        num_experts, counts of the wrong shape or with NaN / inf / negative values.
+        """
+        if not isinstance(payload, dict):
+            raise UsageFormatError("<root>", f"expected an object, got {type(payload).__name__}")
+        if payload.get("format") != FORMAT_NAME:
+            raise UsageFormatError("format", f"expected {FORMAT_NAME!r}, got {payload.get('format')!r}")
+        version = payload.get("version")
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            raise UsageFormatError("version", f"expected {FORMAT_VERSION}, got {version!r}")
+        if fingerprint is not None and payload.get("fingerprint") != fingerprint:
+            raise UsageFormatError("fingerprint", f"belongs to model {payload.get('fingerprint')!r}, "
+                                   f"not {fingerprint!r}")
+        layers = payload.get("moe_layers")
+        if not (isinstance(layers, list) and layers and all(_is_int(x) for x in layers)
+                and len(set(layers)) == len(layers)):
+            raise UsageFormatError("moe_layers", f"expected distinct integer layer ids, got {layers!r}")
+        if moe_layers is not None:
+            unknown = sorted(set(layers) - set(moe_layers))
+            missing = sorted(set(moe_layers) - set(layers))
+            if unknown or missing or list(layers) != list(moe_layers):
+                raise UsageFormatError("moe_layers", f"unknown layers {unknown}, missing layers "
+                                       f"{missing} (expected {list(moe_layers)})")
+        n_exp = payload.get("num_experts")
+        if not (_is_int(n_exp) and n_exp >= 1):
+            raise UsageFormatError("num_experts", f"expected a positive integer, got {n_exp!r}")
+        if num_experts is not None and n_exp != num_experts:
+            raise UsageFormatError("num_experts", f"payload has {n_exp}, model has {num_experts}")
+        hl = payload.get("half_life_tokens")
+        if not (isinstance(hl, (int, float)) and not isinstance(hl, bool) and math.isfinite(hl) and hl > 0):
+            raise UsageFormatError("half_life_tokens", f"expected a positive number, got {hl!r}")
+        seen = payload.get("tokens_observed", 0)
+        if not (_is_int(seen) and seen >= 0):
+            raise UsageFormatError("tokens_observed", f"expected an integer >= 0, got {seen!r}")
+        try:
+            counts = np.asarray(payload.get("counts"), dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise UsageFormatError("counts", f"not a numeric [layers][experts] array ({exc})") from None
+        if counts.shape != (len(layers), n_exp):
+            raise UsageFormatError("counts", f"shape {counts.shape}, expected {(len(layers), n_exp)}")
+        if not np.all(np.isfinite(counts)):
+            raise UsageFormatError("counts", "contains NaN or infinite values")
+        if np.any(counts < 0):
+            raise UsageFormatError("counts", "contains negative values")
+        stats = cls(layers, n_exp, hl if half_life_tokens is None else half_life_tokens)
+        stats.set_counts(counts)
+        stats.tokens_observed = int(seen)
+        return stats
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
