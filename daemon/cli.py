@@ -47,6 +47,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_THREADS = 1024
+
+
+def _thread_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_THREADS}, got {value}")
+    return value
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _size(text: str) -> int:
     """Bytes, with an optional K/M/G suffix (powers of 1024): 512M, 2G, 65536."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -54,7 +70,7 @@ def _size(text: str) -> int:
     mult = units.get(t[-1:], 1)
     try:
         value = int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 512M, 2G)") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
@@ -90,6 +106,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
     _model_dir(args.model)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("PROMPT is not valid UTF-8") from None
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
     model, session = _load_model(args)
@@ -241,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: moed generate --model ./demo-model --max-tokens 64 'def fibonacci('")
     g.add_argument("prompt", metavar="PROMPT",
                    help="raw text to continue; with --chat, one user message")
-    g.add_argument("--model", required=True, metavar="DIR",
+    g.add_argument("--model", required=True, metavar="DIR", type=_nonempty,
                    help="model directory: config.json, tokenizer.json, *.safetensors")
     g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
                    help="most new tokens to generate (default: 128)")
@@ -255,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random seed; the same seed gives the same tokens")
     g.add_argument("--chat", action="store_true",
                    help="put PROMPT through the model's chat template as a user message")
-    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--threads", type=_thread_count, default=None, metavar="N",
                    help="compute threads (default: CPUs available)")
     g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
                    help="without --expert-cache-bytes: memory-mapped shards (default) or "
@@ -269,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else ~/.local/state/moed)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="with --expert-cache-bytes: do not read predicted experts ahead")
-    g.add_argument("--io-workers", type=_positive_int, default=2, metavar="N",
+    g.add_argument("--io-workers", type=_thread_count, default=2, metavar="N",
                    help="with --expert-cache-bytes: reader threads (default: 2)")
     g.add_argument("--pin-fraction", type=float, default=0.5, metavar="F",
                    help="with --expert-cache-bytes: share of the spare cache pinned to the "
@@ -303,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--initializer-range", type=float, default=0.02,
                    help="standard deviation of the random weights (default: 0.02)")
     m.add_argument("--force", action="store_true", help="replace an existing checkpoint in --out")
-    m.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    m.add_argument("--out", required=True, metavar="DIR", type=_nonempty, help="directory to write")
     m.set_defaults(func=_cmd_make_model)
 
     r = sub.add_parser(
@@ -350,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:
         return 0
+    except OSError as e:  # an unwritable stdout or --out, an unreadable file
+        print(f"moed {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except MemoryError as e:
+        print(f"moed {args.command}: error: out of memory: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .files import MetadataFileError, read_json
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -167,6 +169,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as e:
         raise HeaderError(f"header is not valid UTF-8 JSON: {e}", path=path) from None
+    except RecursionError:
+        raise HeaderError("header JSON is nested too deeply", path=path) from None
     if not isinstance(header, dict):
         raise HeaderError("header JSON is not an object", path=path)
     if not isinstance(header.get("__metadata__", {}), dict):
@@ -194,6 +198,16 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _read_header_checked(path: str) -> dict[str, TensorInfo]:
+    """`read_header` of a shard that must be a regular, readable file."""
+    try:
+        if not os.path.isfile(path):
+            raise HeaderError("not a regular file", path=path)
+        return read_header(path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e.strerror or e}", path=path) from None
+
+
 class Checkpoint:
     """A validated HF model directory: every tensor's shard, byte range, dtype and shape.
 
@@ -217,6 +231,8 @@ class Checkpoint:
     def __init__(self, model_dir: str | os.PathLike):
         self.model_dir = Path(os.path.abspath(os.fspath(model_dir)))
         index_path, single_path = self.model_dir / INDEX_NAME, self.model_dir / SINGLE_NAME
+        if index_path.exists() and not index_path.is_file():
+            raise HeaderError("not a regular file", path=index_path)
         if index_path.exists():
             weight_map = self._read_index(index_path)
             shard_of = {name: str(self.model_dir / shard) for name, shard in weight_map.items()}
@@ -224,9 +240,11 @@ class Checkpoint:
             for shard in self.shards:
                 if not os.path.isfile(shard):
                     first = min(n for n, s in shard_of.items() if s == shard)
-                    raise MissingShardError("shard file named by the index does not exist",
+                    what = ("is not a regular file" if os.path.lexists(shard)
+                            else "does not exist")
+                    raise MissingShardError(f"shard file named by the index {what}",
                                             path=shard, tensor=first)
-            headers = {shard: read_header(shard) for shard in self.shards}
+            headers = {shard: _read_header_checked(shard) for shard in self.shards}
             tensors = {}
             for name, shard in shard_of.items():
                 if name not in headers[shard]:
@@ -235,7 +253,7 @@ class Checkpoint:
                 tensors[name] = headers[shard][name]
         elif single_path.exists():
             self.shards = [str(single_path)]
-            tensors = read_header(single_path)
+            tensors = _read_header_checked(str(single_path))
         else:
             raise CheckpointError(f"neither {INDEX_NAME} nor {SINGLE_NAME} found",
                                   path=self.model_dir)
@@ -247,9 +265,9 @@ class Checkpoint:
     @staticmethod
     def _read_index(index_path: Path) -> dict[str, str]:
         try:
-            index = json.loads(index_path.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise HeaderError(f"index is not valid UTF-8 JSON: {e}", path=index_path) from None
+            index = read_json(index_path)
+        except MetadataFileError as e:
+            raise HeaderError(str(e).removeprefix(f"{index_path}: "), path=index_path) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise HeaderError('index has no "weight_map" object', path=index_path)

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .files import MetadataFileError, read_json
+
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MAX_LAYERS = 4096  # sanity bound: a config beyond it is corrupt, not a model
 
 
 class ConfigError(ValueError):
@@ -145,8 +148,8 @@ def _rope_theta(r: _Reader, default: float) -> float:
     else:
         theta = r.raw.get("rope_theta", default)
         field = "rope_theta"
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(r.path, field, f"expected a positive number, got {theta!r}")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < math.inf:
+        raise ConfigError(r.path, field, f"expected a positive finite number, got {theta!r}")
     return float(theta)
 
 
@@ -226,6 +229,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
 
     hidden = r.positive("hidden_size")
     n_layers = r.positive("num_hidden_layers")
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(path, "num_hidden_layers", f"{n_layers} exceeds the {MAX_LAYERS} moed accepts")
     n_heads = r.positive("num_attention_heads")
     n_kv = r.positive("num_key_value_heads", n_heads)
     if n_heads % n_kv:
@@ -264,8 +269,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         raise UnsupportedConfigError(path, "attention_bias", "attention biases are not supported for this family")
     qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(model_type, "none")
     clip_qkv = r.get("clip_qkv", float, None) if model_type == "olmoe" else None
-    if clip_qkv is not None and clip_qkv <= 0:
-        raise ConfigError(path, "clip_qkv", f"must be positive, got {clip_qkv}")
+    if clip_qkv is not None and not 0 < clip_qkv < math.inf:
+        raise ConfigError(path, "clip_qkv", f"must be a positive finite number, got {clip_qkv}")
 
     default_theta = {"mixtral": 1e6, "qwen2_moe": 1e4, "qwen3_moe": 1e4, "olmoe": 1e4}[model_type]
     default_eps = {"mixtral": 1e-5, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6, "olmoe": 1e-5}[model_type]
@@ -309,11 +314,11 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     """
     path = Path(model_dir) / "config.json"
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json(path)
     except FileNotFoundError:
         raise ConfigError(path, None, "file not found") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot be read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(path, None, f"not valid JSON: {e}") from None
+    except MetadataFileError as e:
+        raise ConfigError(path, None, str(e).removeprefix(f"{path}: ")) from None
     return parse_config(raw, path)

@@ -64,7 +64,8 @@ class Generation:
 
     def _run(self) -> Iterator[int]:
         model = self.model
-        seq = model.new_sequence(capacity=len(self.prompt_ids) + self.max_tokens)
+        # The KV cache grows by doubling; do not reserve a huge max_tokens up front.
+        seq = model.new_sequence(capacity=len(self.prompt_ids) + min(self.max_tokens, 1024))
         t0 = self.clock()
         logits = model.forward(seq, np.asarray(self.prompt_ids, np.int64))
         for i in range(self.max_tokens):

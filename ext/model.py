@@ -400,7 +400,11 @@ class Model:
         logits = ws.router_logits[:T]
         K_.matmul(layer.router, h, logits, nt)                   # [T, E]
         ids, weights = ws.ids[:T], ws.weights[:T]
-        K_.route(logits, K, c.norm_topk_prob, ids, weights)      # [T, K] in rank order
+        try:
+            K_.route(logits, K, c.norm_topk_prob, ids, weights)  # [T, K] in rank order
+        except ValueError as e:
+            raise ValueError(f"layer {l}: {e} (the weights of this layer's router or of the "
+                             "layers before it hold NaN or inf)") from None
         experts, group_start, order = _group_by_expert(ids)
         N = T * K
         xg = ws.xg[:N]

@@ -30,6 +30,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .files import MetadataFileError, read_json, read_text
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -136,15 +138,11 @@ def _compile_template(source: str) -> jinja2.Template:
 def _read_json(path: Path) -> dict | None:
     """Parse a JSON object file; None if it does not exist."""
     try:
-        text = path.read_text(encoding="utf-8")
+        obj = read_json(path)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokenizerFilesError(f"{path}: cannot read: {exc}") from exc
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TokenizerFilesError(f"{path}: invalid JSON: {exc}") from exc
+    except (OSError, MetadataFileError) as exc:
+        raise TokenizerFilesError(str(exc)) from None
     if not isinstance(obj, dict):
         raise TokenizerFilesError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -230,8 +228,12 @@ class Tokenizer:
         """
         model_dir = Path(model_dir)
         path = model_dir / TOKENIZER_FILE
-        if not path.is_file():
-            raise TokenizerFilesError(f"{path}: missing")
+        try:
+            read_text(path)  # exists, is a regular file of sane size, is UTF-8
+        except FileNotFoundError:
+            raise TokenizerFilesError(f"{path}: missing") from None
+        except MetadataFileError as exc:
+            raise TokenizerFilesError(str(exc)) from None
         try:
             backend = _BackendTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises plain Exception on parse errors
@@ -242,8 +244,12 @@ class Tokenizer:
                    for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
         template = _pick_template(config.get("chat_template"), config_path)
         jinja_path = model_dir / CHAT_TEMPLATE_FILE
-        if jinja_path.is_file():
-            template = jinja_path.read_text(encoding="utf-8")
+        try:
+            template = read_text(jinja_path)
+        except FileNotFoundError:
+            pass
+        except MetadataFileError as exc:
+            raise TokenizerFilesError(str(exc)) from None
         add_bos = config.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):
             raise TokenizerFilesError(f"{config_path}: add_bos_token must be a boolean")
@@ -312,6 +318,11 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+                MemoryError, AttributeError) as exc:
+            # A template is code from the model directory: any failure inside it is the
+            # template's fault, reported as such, never a crash.
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _eos_ids(value: Any, path: Path) -> set[int] | None:

@@ -488,10 +488,11 @@ def test_attention_bias_is_rejected_where_unsupported(family):
     assert parse_config(_minimal(family, attention_bias=False)).qkv_bias is False
 
 
-@pytest.mark.parametrize("content", [b"{\"model_type\": \"mixtral\",", b"", b"\xff\xfe{}"])
-def test_invalid_json_file(tmp_path, content):
+@pytest.mark.parametrize("content,message", [(b"{\"model_type\": \"mixtral\",", "invalid JSON"),
+                                             (b"", "invalid JSON"), (b"\xff\xfe{}", "not UTF-8")])
+def test_invalid_json_file(tmp_path, content, message):
     (tmp_path / "config.json").write_bytes(content)
-    err = _raises(ConfigError, tmp_path, "not valid JSON")
+    err = _raises(ConfigError, tmp_path, message)
     assert err.field is None and err.path == str(tmp_path / "config.json")
 
 
