@@ -1,0 +1,51 @@
+"""`moed bench`: the report's keys, its identities, and the naive mode's definition."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from daemon.bench import BenchConfig, flops_per_token, run_bench
+from daemon.cli import main
+from ext.config import load_config
+from ext.makemodel import make_model
+
+KEYS = {"tokens_per_second", "hit_rate", "bytes_read_per_token", "prefetch_recall",
+        "prefetch_wasted_bytes", "io_wait_share", "roofline_tokens_per_second", "io_path"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("bench") / "m", arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=64, intermediate=32, shard_size=40_000,
+                      initializer_range=0.2)
+
+
+def test_report_has_every_figure_for_both_modes(model_dir):
+    report = run_bench(BenchConfig(model=str(model_dir), cache_bytes=6 * 3 * 8192, tokens=8,
+                                   repeats=1, threads=1, io_workers=2))
+    assert KEYS <= set(report) and KEYS <= set(report["naive"])
+    naive = report["naive"]
+    # naive: no prefetch at all; moed's figures are fractions where they should be
+    assert naive["prefetch_recall"] == 0.0 and naive["prefetch_wasted_bytes"] == 0.0
+    for mode in (report, naive):
+        assert 0.0 <= mode["hit_rate"] <= 1.0
+        assert mode["bytes_read_per_token"] >= 0
+        assert mode["roofline_tokens_per_second"] > 0
+    assert report["speedup_vs_naive"] == pytest.approx(
+        report["tokens_per_second"] / naive["tokens_per_second"])
+
+
+def test_flops_per_token_counts_top_k_experts_only(model_dir):
+    c = load_config(model_dir)
+    H, D, I = c.hidden_size, c.head_dim, c.moe_intermediate_size
+    attn = H * D * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    per_layer = attn + c.num_experts * H + c.top_k * 3 * H * I
+    assert flops_per_token(c) == 2.0 * (2 * per_layer + c.vocab_size * H)
+
+
+def test_cli_prints_json_only_on_stdout(model_dir, capsys):
+    assert main(["bench", "--model", str(model_dir), "--expert-cache-bytes", "200K",
+                 "--tokens", "4", "--repeats", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert KEYS <= set(json.loads(out))
