@@ -211,6 +211,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
                      dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,
                      vocab_size=args.vocab_size, heads=args.heads, kv_heads=args.kv_heads,
                      initializer_range=args.initializer_range, overwrite=args.force,
+                     routing_skew=args.routing_skew,
                      progress=_Progress(f"writing {args.out}"))
     print(json.dumps({"model": str(out)}))
     return 0
@@ -349,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads")
     m.add_argument("--initializer-range", type=float, default=0.02,
                    help="standard deviation of the random weights (default: 0.02)")
+    m.add_argument("--routing-skew", type=float, default=None, metavar="S",
+                   help="build routers whose expert popularity per layer follows Zipf(S) (about 1 "
+                        "on real code workloads) with realistic reuse between consecutive "
+                        "tokens; default: plain random weights")
     m.add_argument("--force", action="store_true", help="replace an existing checkpoint in --out")
     m.add_argument("--out", required=True, metavar="DIR", type=_nonempty, help="directory to write")
     m.set_defaults(func=_cmd_make_model)
