@@ -18,8 +18,10 @@ Figures (decode phase only, prefill excluded; per generated token):
     prefetch_precision      prefetches used / prefetches issued
     prefetch_wasted_bytes   bytes of prefetches evicted or left unused
     io_wait_share           time the engine waited on reads / decode time
+    bytes_needed_per_token  experts needed and not ready at their step's start (demand
+                            misses + prefetches used) x slot bytes: what had to be read
     roofline_tokens_per_second
-                            1 / max(bytes_read_per_token / disk bandwidth,
+                            1 / max(bytes_needed_per_token / disk bandwidth,
                                     flops_per_token / kernel throughput), both measured in
                             this run: bandwidth with expert-sized reads through an io pool
                             of the same workers, throughput with the expert FFN kernel.
@@ -58,6 +60,7 @@ class BenchConfig:
     io_workers: int = 2
     repeats: int = 3
     direct: bool | None = None
+    prefetch_width: int | None = None
 
 
 def drop_page_cache(paths) -> None:
@@ -150,10 +153,12 @@ def _run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
     steps = bench.tokens - 1
     lookups = d["hits"] + d["prefetch_hits"] + d["misses"]
     covered = d["prefetches_used"]
+    needed = (d["misses"] + covered) * provider.slot_bytes  # reads no policy could avoid here
     return {
         "tokens_per_second": steps / elapsed,
         "hit_rate": d["hits"] / lookups if lookups else 0.0,
         "bytes_read_per_token": d["bytes_read"] / steps,
+        "bytes_needed_per_token": needed / steps,
         "prefetch_recall": covered / (covered + d["misses"]) if covered + d["misses"] else 0.0,
         "prefetch_precision": covered / d["prefetches_issued"] if d["prefetches_issued"] else 0.0,
         "prefetch_wasted_bytes": d["prefetches_wasted"] * provider.slot_bytes,
@@ -185,6 +190,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, io_workers=bench.io_workers,
                                 direct=direct, prefetch=mode == "moed",
                                 policy="default" if mode == "moed" else "lru",
+                                prefetch_width=bench.prefetch_width,
                                 pin_fraction=0.25 if mode == "moed" else 0.0)
         provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
         return Model(config, checkpoint, layout, provider, bench.threads)
@@ -211,7 +217,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
     def summary(mode: str) -> dict:
         rs = runs[mode]
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        med["roofline_tokens_per_second"] = 1.0 / max(med["bytes_read_per_token"] / bandwidth,
+        med["roofline_tokens_per_second"] = 1.0 / max(med["bytes_needed_per_token"] / bandwidth,
                                                       fpt / flops)
         med["tokens_per_second_runs"] = [round(r["tokens_per_second"], 3) for r in rs]
         med["io_path"] = "direct" if direct else "buffered"

@@ -48,7 +48,8 @@ class StreamingOptions:
     cache_bytes: the expert cache's byte budget, cut into slots of the largest expert's
         aligned size. pin_fraction: share of the slots above the minimum (top_k per MoE
         layer) given to the pinned tier. prefetch: read predicted experts ahead.
-    prefetch_width: candidates per layer and step (default top_k + 2). io_workers:
+    prefetch_width: candidates per layer and step (default top_k: on a disk-bound
+        Zipf-1 checkpoint top_k + 2 read 13 % more bytes for 1 % more hits). io_workers:
         reader threads. direct: O_DIRECT (None: probe with a real aligned read).
     policy: the dynamic tier's eviction policy name (scheduler.eviction).
     half_life_tokens: usage decay. mlock: lock the slot memory when allowed.
@@ -107,7 +108,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.arena = SlotArena(total_slots, self.slot_bytes, lock=options.mlock)
         self.io = IoPool(options.io_workers, direct)
         self.wants_hints = options.prefetch
-        self.width = options.prefetch_width or config.top_k + 2
+        self.width = options.prefetch_width or config.top_k
         self.pin_policy = PinPolicy(self.slot_bytes)
         self.token = 0
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
