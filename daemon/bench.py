@@ -61,6 +61,7 @@ class BenchConfig:
     repeats: int = 3
     direct: bool | None = None
     prefetch_width: int | None = None
+    prefetch: bool = True
 
 
 def drop_page_cache(paths) -> None:
@@ -188,7 +189,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
 
     def model_for(mode: str, counts) -> Model:
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, io_workers=bench.io_workers,
-                                direct=direct, prefetch=mode == "moed",
+                                direct=direct, prefetch=mode == "moed" and bench.prefetch,
                                 policy="default" if mode == "moed" else "lru",
                                 prefetch_width=bench.prefetch_width,
                                 pin_fraction=0.25 if mode == "moed" else 0.0)

@@ -235,7 +235,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bench = BenchConfig(model=args.model, cache_bytes=args.expert_cache_bytes, tokens=args.tokens,
                         prompt_ids=prompt, temperature=args.temperature, seed=args.seed,
                         threads=args.threads or _threads(), io_workers=args.io_workers,
-                        repeats=args.repeats)
+                        repeats=args.repeats, prefetch=not args.no_prefetch)
     report = run_bench(bench, progress=_Steps("bench runs"))
     print(json.dumps(report, indent=2))
     return 0
@@ -380,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute threads (default: CPUs available)")
     b.add_argument("--io-workers", type=_thread_count, default=2, metavar="N",
                    help="reader threads (default: 2)")
+    b.add_argument("--no-prefetch", action="store_true",
+                   help="moed mode without prefetch (isolates the eviction policy and pins)")
     b.set_defaults(func=_cmd_bench)
 
     r = sub.add_parser(
