@@ -57,6 +57,13 @@ def _thread_count(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def _nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
@@ -159,6 +166,8 @@ class _StreamingSession:
                     "%d bytes read, io wait %.3f s, io path %s", snap.hit_rate, sum(snap.hits),
                     sum(snap.prefetch_hits), sum(snap.misses), sum(io.bytes_issued.values()),
                     self.provider.io_wait_s, io.io_path)
+        if self.store is None:
+            return
         try:
             flush_usage(self.store, self.provider.usage, self.fingerprint)
         except OSError as e:
@@ -187,11 +196,16 @@ def _load_model(args: argparse.Namespace):
     options = StreamingOptions(cache_bytes=args.expert_cache_bytes, prefetch=not args.no_prefetch,
                                io_workers=args.io_workers, pin_fraction=args.pin_fraction)
     fingerprint = checkpoint.fingerprint()
-    store = StateStore(Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
-                       fingerprint)
     moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
-    counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
-                               options.half_life_tokens)
+    counts = None
+    try:  # learned usage only speeds things up: an unusable state dir is a warning
+        store = StateStore(Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
+                           fingerprint)
+        counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
+                                   options.half_life_tokens)
+    except OSError as e:
+        log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
+        store = None
     provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
     model = Model(config, checkpoint, layout, provider, args.threads or _threads())
     return model, _StreamingSession(provider, store, fingerprint)
@@ -319,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --expert-cache-bytes: do not read predicted experts ahead")
     g.add_argument("--io-workers", type=_thread_count, default=2, metavar="N",
                    help="with --expert-cache-bytes: reader threads (default: 2)")
-    g.add_argument("--pin-fraction", type=float, default=0.5, metavar="F",
+    g.add_argument("--pin-fraction", type=_fraction, default=0.5, metavar="F",
                    help="with --expert-cache-bytes: share of the spare cache pinned to the "
                         "experts learned as hot (default: 0.5)")
     g.set_defaults(func=_cmd_generate)

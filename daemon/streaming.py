@@ -65,6 +65,14 @@ class StreamingOptions:
     half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS
     mlock: bool = False
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.pin_fraction <= 1.0:  # also rejects NaN
+            raise ValueError(f"pin_fraction must be in [0, 1], got {self.pin_fraction}")
+        if self.io_workers < 1:
+            raise ValueError(f"io_workers must be >= 1, got {self.io_workers}")
+        if not self.half_life_tokens > 0:
+            raise ValueError(f"half_life_tokens must be > 0, got {self.half_life_tokens}")
+
 
 def minimum_cache_bytes(layout: ExpertLayout, config: ModelConfig) -> int:
     """Smallest budget the cache accepts: top_k slots per MoE layer."""

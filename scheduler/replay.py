@@ -50,6 +50,9 @@ DEFAULT_USAGE_HALF_LIFE = 1000.0
 BASELINES = ("lru", "belady")   # start empty, no pins
 
 
+MAX_EXPERTS = 1 << 16  # ids at or above this are a corrupt trace, not a model
+
+
 class TraceFormatError(ValueError):
     """A trace line that is not `{"tok": n, "layers": [[ids], ...]}` (message has the line)."""
 
@@ -76,13 +79,16 @@ def load_trace(path: str | Path, top_k: int | None = None) -> list[list[list[int
             if tokens and len(layers) != len(tokens[0]):
                 raise TraceFormatError(f"{path}:{lineno}: {len(layers)} layers, earlier lines have {len(tokens[0])}")
             if top_k is None:
-                top_k = len(layers[0])
+                top_k = len(layers[0]) if isinstance(layers[0], list) else 0
+                if top_k < 1:
+                    raise TraceFormatError(f"{path}:{lineno}: layer 0 lists no expert ids")
             for i, ids in enumerate(layers):
                 ok = (isinstance(ids, list) and len(ids) == top_k and len(set(ids)) == top_k
-                      and all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids))
+                      and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < MAX_EXPERTS
+                              for e in ids))
                 if not ok:
-                    raise TraceFormatError(f"{path}:{lineno}: layer {i} must list {top_k} distinct expert ids, "
-                                           f"got {ids!r}")
+                    raise TraceFormatError(f"{path}:{lineno}: layer {i} must list {top_k} distinct expert ids "
+                                           f"in [0, {MAX_EXPERTS}), got {ids!r}")
             tokens.append(layers)
     if not tokens:
         raise TraceFormatError(f"{path}: empty trace")
@@ -119,6 +125,7 @@ def replay_trace(path: str | Path, slots_per_layer: int, policies: Sequence[str]
     if max_id >= num_experts:
         raise ValueError(f"trace uses expert {max_id} but num_experts is {num_experts}")
     moe_layers = list(range(n_layers))
+    slots_per_layer = min(slots_per_layer, num_experts)  # more slots than experts is waste
     total_slots = slots_per_layer * n_layers
 
     usage = UsageStats(moe_layers, num_experts, usage_half_life_tokens)

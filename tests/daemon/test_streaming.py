@@ -151,3 +151,23 @@ def test_bytes_read_equal_the_io_workers_count(model_dir):
     assert provider.bytes_submitted["demand"] > 0 and provider.bytes_submitted["prefetch"] > 0
     misses = sum(provider.cache.snapshot().misses)
     assert stats.reads_completed["demand"] == misses
+
+
+@pytest.mark.parametrize("field,value", [("pin_fraction", float("nan")), ("pin_fraction", 1.1),
+                                         ("pin_fraction", -0.1), ("io_workers", 0)])
+def test_bad_options_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        StreamingOptions(cache_bytes=1 << 20, **{field: value})
+
+
+def test_unusable_state_dir_warns_and_generation_goes_on(model_dir, tmp_path, capsys):
+    from daemon.cli import main
+
+    not_a_dir = tmp_path / "afile"
+    not_a_dir.write_text("")
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "4",
+                 "--expert-cache-bytes", str(10 * _slot_bytes(model_dir)),
+                 "--state-dir", str(not_a_dir), "hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() != "" or out == "\n"
+    assert "state_dir_unusable" in err

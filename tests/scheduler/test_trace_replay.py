@@ -182,3 +182,16 @@ def test_kimi_trace_default_beats_lru_at_other_sizes_and_warm_ups(slots, warm):
     rates = {name: r["hit_rate"] for name, r in result["policies"].items()}
     assert rates["default"] >= rates["lru"] + 0.02
     assert rates["default"] >= rates["lrfu"]
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"tok": 0, "layers": [[1, 100000000]]}', "in \\[0, 65536\\)"),
+    ('{"tok": 0, "layers": [[], []]}', "lists no expert ids"),
+])
+def test_absurd_trace_lines_are_refused_before_any_allocation(tmp_path, line, message):
+    from scheduler.replay import TraceFormatError, load_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(TraceFormatError, match=message):
+        load_trace(path)
