@@ -2,6 +2,7 @@
 slot memory."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -239,7 +240,12 @@ def _gated_pool(direct: bool = False):
     return IoPool(1, direct=direct, _before_read=hook), started, gate, order
 
 
-def test_demand_reads_overtake_queued_prefetches(shared_model):
+@contextlib.contextmanager
+def _queued_behind_a_busy_worker(shared_model, reasons):
+    """One worker held on a prefetch of plans[0], then plans[1:] queued with `reasons`.
+
+    Yields (pool, plans, first, futures, gate, order); set `gate` to let the worker go.
+    """
     ckpt, layout = _open(shared_model)
     with ckpt:
         plans = list(plans_for(layout).values())
@@ -248,45 +254,43 @@ def test_demand_reads_overtake_queued_prefetches(shared_model):
             with pool:
                 first = pool.submit(plans[0], arena.buffer(0), PREFETCH)
                 assert started.wait(WAIT)  # the only worker is busy with plans[0]
-                reasons = [PIN_LOAD, PREFETCH, PREFETCH, DEMAND, PIN_LOAD, DEMAND, PREFETCH]
                 futures = [pool.submit(p, arena.buffer(i + 1), r)
                            for i, (p, r) in enumerate(zip(plans[1:], reasons))]
-                assert pool.stats().queue_depth == len(reasons)
-                assert pool.stats().in_flight == 1
-                gate.set()
-                for f in [first, *futures]:
-                    f.result(WAIT)
-            key = [(p.layer, p.expert) for p in plans]
-            assert order == [(key[0], PREFETCH),
-                             (key[4], DEMAND), (key[6], DEMAND),       # demand first, FIFO
-                             (key[2], PREFETCH), (key[3], PREFETCH), (key[7], PREFETCH),
-                             (key[1], PIN_LOAD), (key[5], PIN_LOAD)]
+                yield pool, plans, first, futures, gate, order
+
+
+def test_demand_reads_overtake_queued_prefetches(shared_model):
+    reasons = [PIN_LOAD, PREFETCH, PREFETCH, DEMAND, PIN_LOAD, DEMAND, PREFETCH]
+    with _queued_behind_a_busy_worker(shared_model, reasons) as (pool, plans, first, futures,
+                                                                 gate, order):
+        assert pool.stats().queue_depth == len(reasons)
+        assert pool.stats().in_flight == 1
+        gate.set()
+        for f in [first, *futures]:
+            f.result(WAIT)
+    key = [(p.layer, p.expert) for p in plans]
+    assert order == [(key[0], PREFETCH),
+                     (key[4], DEMAND), (key[6], DEMAND),       # demand first, FIFO
+                     (key[2], PREFETCH), (key[3], PREFETCH), (key[7], PREFETCH),
+                     (key[1], PIN_LOAD), (key[5], PIN_LOAD)]
 
 
 def test_cancel_pending_drops_only_queued_prefetches(shared_model):
-    ckpt, layout = _open(shared_model)
-    with ckpt:
-        plans = list(plans_for(layout).values())
-        with SlotArena(len(plans), max_slot_bytes(layout)) as arena:
-            pool, started, gate, order = _gated_pool()
-            with pool:
-                first = pool.submit(plans[0], arena.buffer(0), PREFETCH)
-                assert started.wait(WAIT)
-                reasons = [PREFETCH, DEMAND, PREFETCH, PIN_LOAD]
-                futures = [pool.submit(p, arena.buffer(i + 1), r)
-                           for i, (p, r) in enumerate(zip(plans[1:], reasons))]
-                assert pool.cancel_pending(PREFETCH) == 2
-                gate.set()
-                assert first.result(WAIT) > 0  # already running: not cancelled
-                assert [f.cancelled() for f in futures] == [True, False, True, False]
-                for f in (futures[1], futures[3]):
-                    f.result(WAIT)
-            assert [r for _, r in order] == [PREFETCH, DEMAND, PIN_LOAD]
-            stats = pool.stats()
-            assert stats.cancelled == 2
-            assert stats.bytes_issued == {DEMAND: plans[2].slot_bytes,
-                                          PREFETCH: plans[0].slot_bytes,
-                                          PIN_LOAD: plans[4].slot_bytes}
+    reasons = [PREFETCH, DEMAND, PREFETCH, PIN_LOAD]
+    with _queued_behind_a_busy_worker(shared_model, reasons) as (pool, plans, first, futures,
+                                                                 gate, order):
+        assert pool.cancel_pending(PREFETCH) == 2
+        gate.set()
+        assert first.result(WAIT) > 0  # already running: not cancelled
+        assert [f.cancelled() for f in futures] == [True, False, True, False]
+        for f in (futures[1], futures[3]):
+            f.result(WAIT)
+    assert [r for _, r in order] == [PREFETCH, DEMAND, PIN_LOAD]
+    stats = pool.stats()
+    assert stats.cancelled == 2
+    assert stats.bytes_issued == {DEMAND: plans[2].slot_bytes,
+                                  PREFETCH: plans[0].slot_bytes,
+                                  PIN_LOAD: plans[4].slot_bytes}
 
 
 def test_counters_equal_the_aligned_bytes_issued(shared_model):
