@@ -104,14 +104,14 @@ def _model_dir(path: str) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from ext.generate import Generation
     from ext.model import Model
-    from ext.sampling import SamplingParams
+    from ext.sampling import SamplingParamError, SamplingParams
     from ext.tokenizer import Tokenizer, stop_token_ids
 
     try:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed)
-    except ValueError as e:
-        raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+    except SamplingParamError as e:
+        raise UsageError(f"--{e.field.replace('_', '-')}: {e}") from None
     _model_dir(args.model)
     try:
         args.prompt.encode("utf-8")

@@ -20,6 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter out of range; `.field` names it (e.g. "top_p")."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token.
@@ -43,16 +51,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise SamplingParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
                 and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+            raise SamplingParamError("top_k", f"top_k must be an int >= 0, got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int)
                                           and not isinstance(self.seed, bool)
                                           and self.seed >= 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
+            raise SamplingParamError("seed", f"seed must be None or an int >= 0, got {self.seed!r}")
 
 
 class Sampler:
