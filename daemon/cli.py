@@ -289,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default=argparse.SUPPRESS,
                         choices=["debug", "info", "warning", "error"],
                         help="verbosity of the log on stderr (default: info)")
+    machine = argparse.ArgumentParser(add_help=False)  # options of commands that run the model
+    machine.add_argument("--threads", type=_thread_count, default=None, metavar="N",
+                         help="compute threads (default: CPUs available)")
+    machine.add_argument("--io-workers", type=_thread_count, default=2, metavar="N",
+                         help="reader threads for experts streamed from disk (default: 2)")
     parser = argparse.ArgumentParser(
         prog="moed", parents=[common],
         description="Serve Mixture-of-Experts language models whose experts stream from disk.",
@@ -297,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser(
-        "generate", parents=[common], help="generate text from a prompt, in-process (no daemon)",
+        "generate", parents=[common, machine], help="generate text from a prompt, in-process (no daemon)",
         description="Load a Hugging Face MoE model directory and stream the continuation of "
                     "PROMPT to stdout. Logs and timings go to stderr.",
         epilog="example: moed generate --model ./demo-model --max-tokens 64 'def fibonacci('")
@@ -317,8 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random seed; the same seed gives the same tokens")
     g.add_argument("--chat", action="store_true",
                    help="put PROMPT through the model's chat template as a user message")
-    g.add_argument("--threads", type=_thread_count, default=None, metavar="N",
-                   help="compute threads (default: CPUs available)")
     g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
                    help="without --expert-cache-bytes: memory-mapped shards (default) or "
                         "all experts read into RAM at start")
@@ -331,8 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "else ~/.local/state/moed)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="with --expert-cache-bytes: do not read predicted experts ahead")
-    g.add_argument("--io-workers", type=_thread_count, default=2, metavar="N",
-                   help="with --expert-cache-bytes: reader threads (default: 2)")
     g.add_argument("--pin-fraction", type=_fraction, default=0.5, metavar="F",
                    help="with --expert-cache-bytes: share of the spare cache pinned to the "
                         "experts learned as hot (default: 0.5)")
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_make_model)
 
     b = sub.add_parser(
-        "bench", parents=[common],
+        "bench", parents=[common, machine],
         help="measure decode speed of the expert cache against its naive mode and the roofline",
         description="Generate --tokens tokens several times from a cold expert cache: the naive "
                     "mode (LRU, no pins, no prefetch) and moed's (learned pins from a warm-up "
@@ -390,10 +391,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt", default="", help="prompt text (default: a fixed token pattern)")
     b.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    b.add_argument("--threads", type=_thread_count, default=None, metavar="N",
-                   help="compute threads (default: CPUs available)")
-    b.add_argument("--io-workers", type=_thread_count, default=2, metavar="N",
-                   help="reader threads (default: 2)")
     b.add_argument("--no-prefetch", action="store_true",
                    help="moed mode without prefetch (isolates the eviction policy and pins)")
     b.set_defaults(func=_cmd_bench)
