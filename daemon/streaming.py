@@ -103,6 +103,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.options = options
         self.clock = clock
         self.moe_layers = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
+        self._row = {layer: i for i, layer in enumerate(self.moe_layers)}  # layer -> usage row
         self.plans: dict[tuple[int, int], ReadPlan] = plans_for(layout)
         self.slot_bytes = max(p.slot_bytes for p in self.plans.values())
         total_slots = options.cache_bytes // self.slot_bytes
@@ -193,7 +194,7 @@ class StreamingExpertProvider(ExpertProvider):
         probs = np.exp(z)
         probs /= probs.sum(axis=1, keepdims=True)
         score = probs.max(axis=0)                                  # [E] best over the tokens
-        prior = self.usage.counts()[self.moe_layers.index(layer)]
+        prior = self.usage.counts()[self._row[layer]]
         order = np.lexsort((np.arange(score.size), -prior, -score))[: self.width]
         scale = self.options.prefetch_score_scale
         for e in order.tolist():
@@ -242,7 +243,7 @@ class StreamingExpertProvider(ExpertProvider):
             self._submit(load.layer, load.expert, load.slot, PIN_LOAD)
 
     def _reevaluate_pins(self) -> None:
-        current = {(self.moe_layers.index(l), e) for l, e in self.cache.pins}
+        current = {(self._row[l], e) for l, e in self.cache.pins}
         add, remove = self.pin_policy.reevaluate(current, self.usage.counts(),
                                                  self.cache.pinned_slots * self.slot_bytes)
         if add or remove:
