@@ -177,38 +177,37 @@ class _StreamingSession:
 def _load_model(args: argparse.Namespace):
     """The model with the expert provider the options ask for; (model, session or None)."""
     import os
+    from pathlib import Path
 
-    from ext.checkpoint import Checkpoint
-    from ext.config import load_config
-    from ext.experts import ExpertLayout
     from ext.model import Model
 
     if args.expert_cache_bytes is None:
         return Model.load(args.model, n_threads=args.threads, experts=args.experts), None
-    from pathlib import Path
-
     from daemon.state import StateStore, default_state_dir
     from daemon.streaming import StreamingExpertProvider, StreamingOptions, load_usage_counts
 
-    config = load_config(args.model)
-    checkpoint = Checkpoint(args.model)
-    layout = ExpertLayout(checkpoint, config)
     options = StreamingOptions(cache_bytes=args.expert_cache_bytes, prefetch=not args.no_prefetch,
                                io_workers=args.io_workers, pin_fraction=args.pin_fraction)
-    fingerprint = checkpoint.fingerprint()
-    moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
-    counts = None
-    try:  # learned usage only speeds things up: an unusable state dir is a warning
-        store = StateStore(Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
-                           fingerprint)
-        counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
-                                   options.half_life_tokens)
-    except OSError as e:
-        log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
-        store = None
-    provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
-    model = Model(config, checkpoint, layout, provider, args.threads or _threads())
-    return model, _StreamingSession(provider, store, fingerprint)
+    sessions = []
+
+    def streaming(checkpoint, layout, config):
+        fingerprint = checkpoint.fingerprint()
+        moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
+        counts, store = None, None
+        try:  # learned usage only speeds things up: an unusable state dir is a warning
+            store = StateStore(Path(args.state_dir) if args.state_dir
+                               else default_state_dir(os.environ), fingerprint)
+            counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
+                                       options.half_life_tokens)
+        except OSError as e:
+            log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
+            store = None
+        provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
+        sessions.append(_StreamingSession(provider, store, fingerprint))
+        return provider
+
+    model = Model.load(args.model, n_threads=args.threads, experts=streaming)
+    return model, sessions[0]
 
 
 def _threads() -> int:

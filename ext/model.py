@@ -17,6 +17,7 @@ prompt, or where the expert weights sit in memory.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,14 +200,15 @@ class Model:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, n_threads: int | None = None,
-             experts: str | ExpertProvider = "mmap") -> Model:
+             experts: str | ExpertProvider | Callable[..., ExpertProvider] = "mmap") -> Model:
         """Open and validate a model directory, load the dense weights.
 
         Args:
             model_dir: a Hugging Face model directory (config.json, shards).
             n_threads: compute threads (default: CPUs available to the process).
             experts: "mmap" (page-cache maps, nothing read up front), "resident"
-                (all experts read into RAM) or an ExpertProvider.
+                (all experts read into RAM), an ExpertProvider, or a factory called
+                as experts(checkpoint, layout, config) once those are open.
         Raises:
             ConfigError / CheckpointError subclasses naming the field, file or tensor.
         """
@@ -219,6 +221,8 @@ class Model:
             provider = ResidentExpertProvider(checkpoint, layout)
         elif isinstance(experts, ExpertProvider):
             provider = experts
+        elif callable(experts):
+            provider = experts(checkpoint, layout, config)
         else:
             raise ValueError(f"experts must be 'mmap', 'resident' or an ExpertProvider, got {experts!r}")
         return cls(config, checkpoint, layout, provider, n_threads or default_threads())
