@@ -62,7 +62,8 @@ class BenchConfig:
     direct: bool | None = None
     prefetch_width: int | None = None
     prefetch: bool = True
-    prefetch_score_scale: float = 1.0
+    prefetch_min_precision: float = StreamingOptions.prefetch_min_precision
+    pin_fraction: float = StreamingOptions.pin_fraction
 
 
 def drop_page_cache(paths) -> None:
@@ -193,8 +194,8 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
                                 direct=direct, prefetch=mode == "moed" and bench.prefetch,
                                 policy="default" if mode == "moed" else "lru",
                                 prefetch_width=bench.prefetch_width,
-                                prefetch_score_scale=bench.prefetch_score_scale,
-                                pin_fraction=0.25 if mode == "moed" else 0.0)
+                                prefetch_min_precision=bench.prefetch_min_precision,
+                                pin_fraction=bench.pin_fraction if mode == "moed" else 0.0)
         provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
         return Model(config, checkpoint, layout, provider, bench.threads)
 

@@ -33,6 +33,7 @@ from ext.config import ModelConfig
 from ext.experts import ExpertLayout, ExpertProvider, ExpertWeights
 from scheduler.cache import OUTCOME_INFLIGHT, OUTCOME_MISS, CacheBudgetError, ExpertCache
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
+from scheduler.prefetch import RankCalibration
 from scheduler.usage import UsageStats
 
 log = logging.getLogger("moed.streaming")
@@ -52,12 +53,13 @@ class StreamingOptions:
         Zipf-1 checkpoint top_k + 2 read 13 % more bytes for 1 % more hits). io_workers:
         reader threads. direct: O_DIRECT (None: probe with a real aligned read).
     policy: the dynamic tier's eviction policy name (scheduler.eviction).
-    prefetch_score_scale: a prefetch may evict a resident whose policy value
-        (probability of use per token) is at most the candidate's predicted router
-        probability times this (capped at 1). Default 1.0, measured on a disk-bound
-        Zipf-1 checkpoint (3.2 GB of experts, 768 MiB cache, 48 tokens x 2): scale 8
-        read 208 MB/token at 5.97 tok/s, scale 2 154 MB at 6.20, scale 1 149 MB at
-        6.25 — a prefetch that evicts a warm resident costs a later miss.
+    prefetch_min_precision: a candidate is read only when the predictor's measured
+        precision at its rank (scheduler.prefetch.RankCalibration) is at least this,
+        and it may only evict a resident whose policy value (probability of use per
+        token) is at most that precision. Default 0.9, measured with `moed bench` on a
+        disk-bound Zipf-1 checkpoint (3.2 GB of experts, 768 MiB cache, 64 tokens x 3):
+        0.5 read 179 MB/token (1.17x naive), 0.8 151 MB (1.12x), 0.9 144 MB (1.23x),
+        0.95 143 MB (1.09x) — a wrong prefetch costs a read and the slot it evicted.
     half_life_tokens: usage decay. mlock: lock the slot memory when allowed.
     """
 
@@ -70,15 +72,15 @@ class StreamingOptions:
     policy: str = "default"
     half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS
     mlock: bool = False
-    prefetch_score_scale: float = 1.0
+    prefetch_min_precision: float = 0.9
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pin_fraction <= 1.0:  # also rejects NaN
             raise ValueError(f"pin_fraction must be in [0, 1], got {self.pin_fraction}")
         if self.io_workers < 1:
             raise ValueError(f"io_workers must be >= 1, got {self.io_workers}")
-        if not self.prefetch_score_scale > 0:
-            raise ValueError(f"prefetch_score_scale must be > 0, got {self.prefetch_score_scale}")
+        if not 0.0 <= self.prefetch_min_precision <= 1.0:
+            raise ValueError(f"prefetch_min_precision must be in [0, 1], got {self.prefetch_min_precision}")
         if not self.half_life_tokens > 0:
             raise ValueError(f"half_life_tokens must be > 0, got {self.half_life_tokens}")
 
@@ -127,6 +129,9 @@ class StreamingExpertProvider(ExpertProvider):
         self.io = IoPool(options.io_workers, direct)
         self.wants_hints = options.prefetch
         self.width = options.prefetch_width or config.top_k
+        # The predictor's precision by rank, for single-token steps and for prefill chunks.
+        self.calibration = {True: RankCalibration(self.width), False: RankCalibration(self.width)}
+        self._predicted: dict[int, tuple[list[int], bool, set[int]]] = {}  # layer -> (ranked, decode, needed)
         self.pin_policy = PinPolicy(self.slot_bytes)
         self.token = 0
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
@@ -152,6 +157,9 @@ class StreamingExpertProvider(ExpertProvider):
     def begin_step(self, tokens: int) -> None:
         """`tokens` new positions are about to run through the model."""
         before = self.token
+        for ranked, decode, needed in self._predicted.values():
+            self.calibration[decode].observe(ranked, needed)
+        self._predicted.clear()
         self.token += tokens
         self.usage.advance(tokens)
         if self.cache.pinned_slots and before // PIN_REEVALUATE_TOKENS != self.token // PIN_REEVALUATE_TOKENS:
@@ -181,6 +189,9 @@ class StreamingExpertProvider(ExpertProvider):
             self.cache.release(layer, experts)
             raise error
         self.usage.observe(layer, list(experts))
+        predicted = self._predicted.get(layer)
+        if predicted is not None:
+            predicted[2].update(int(e) for e in experts)
         return [self._weights(layer, a.expert, a.slot) for a in accesses]
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
@@ -195,10 +206,15 @@ class StreamingExpertProvider(ExpertProvider):
         probs /= probs.sum(axis=1, keepdims=True)
         score = probs.max(axis=0)                                  # [E] best over the tokens
         prior = self.usage.counts()[self._row[layer]]
-        order = np.lexsort((np.arange(score.size), -prior, -score))[: self.width]
-        scale = self.options.prefetch_score_scale
-        for e in order.tolist():
-            slot = self.cache.prefetch(layer, e, self.token, min(1.0, float(score[e]) * scale))
+        ranked = np.lexsort((np.arange(score.size), -prior, -score))[: self.width].tolist()
+        decode = router_logits.shape[0] == 1
+        self._predicted[layer] = (ranked, decode, set())
+        calibration = self.calibration[decode]
+        for rank, e in enumerate(ranked):
+            precision = calibration.precision(rank)
+            if precision < self.options.prefetch_min_precision:
+                continue
+            slot = self.cache.prefetch(layer, e, self.token, precision)
             if slot is not None:
                 self._submit(layer, e, slot, PREFETCH)
                 self._prefetch_layer[slot] = layer

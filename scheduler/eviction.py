@@ -37,7 +37,7 @@ Policies (`POLICIES`, by name):
           observed). value = (1 - a) * r_short + a * r_long with r_h = CRF_h * (1 - 2**(-1/h))
           the decayed use rate (in [0, 1], uses per token); victim = lowest value, ties to
           the least recent then the higher id. A prefetched expert not yet used counts at
-          least its prefetch score.
+          least its prefetch score during the step it was prefetched for.
   predictive
           lrfu plus a next-step predictor learned online from the layer's own steps: the
           decayed frequency with which each expert followed each other expert at the next
@@ -273,7 +273,7 @@ class LRFUPolicy(EvictionPolicy):
         self._crf_long = [0.0] * num_experts
         self._last = [-1] * num_experts                  # token of the last use; -1: never
         self._resident: dict[int, None] = {}
-        self._boost: dict[int, float] = {}               # prefetched, unused: its score
+        self._boost: dict[int, tuple[float, int]] = {}   # prefetched, unused: (score, token)
 
     def step(self, token, experts):
         for e in experts:
@@ -291,7 +291,7 @@ class LRFUPolicy(EvictionPolicy):
     def admit(self, expert, token, demand, score=0.0):
         self._resident[expert] = None
         if not demand:
-            self._boost[expert] = float(score)
+            self._boost[expert] = (float(score), token)
 
     def hit(self, expert, token):
         self._boost.pop(expert, None)
@@ -323,7 +323,12 @@ class LRFUPolicy(EvictionPolicy):
                 + self._wl * self._crf_long[expert] * self._dl ** age)
 
     def value(self, expert, token):
-        return max(self.rate(expert, token), self._boost.get(expert, 0.0))
+        return max(self.rate(expert, token), self._boosted(expert, token))
+
+    def _boosted(self, expert: int, token: int) -> float:
+        """A prefetch's score counts for the step it was made for, not after."""
+        boost = self._boost.get(expert)
+        return boost[0] if boost is not None and token <= boost[1] else 0.0
 
 
 class PredictivePolicy(LRFUPolicy):
@@ -387,7 +392,7 @@ class PredictivePolicy(LRFUPolicy):
     def value(self, expert, token):
         mixed = ((1.0 - self._predict_weight) * self.rate(expert, token)
                  + self._predict_weight * float(self.p_next()[expert]))
-        return max(mixed, self._boost.get(expert, 0.0))
+        return max(mixed, self._boosted(expert, token))
 
 
 class BeladyPolicy(EvictionPolicy):

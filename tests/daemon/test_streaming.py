@@ -71,8 +71,9 @@ def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, sl
                                                         n_threads, io_workers):
     slot = _slot_bytes(model_dir)
     n = {"min": 2 * 3, "quarter": 3 * 8 // 4, "all": 3 * 8}[slots]
+    # A floor of 0 makes every candidate a prefetch: the riskiest placement for the rule.
     model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot, prefetch=prefetch,
-                       io_workers=io_workers)
+                       io_workers=io_workers, prefetch_min_precision=0.0)
     tokens, logits = _run(model)
     assert tokens == reference[0]
     for got, want in zip(logits, reference[1]):
@@ -140,7 +141,7 @@ def test_usage_survives_a_restart_and_the_second_session_hits(model_dir, tmp_pat
 def test_bytes_read_equal_the_io_workers_count(model_dir):
     """bytes_read = issued aligned lengths, demand plus prefetch, as the io workers count them."""
     slot = _slot_bytes(model_dir)
-    model = _streaming(model_dir, cache_bytes=8 * slot, prefetch=True)
+    model = _streaming(model_dir, cache_bytes=8 * slot, prefetch=True, prefetch_min_precision=0.0)
     _run(model)
     provider = model.experts
     provider.io.close()  # let queued prefetches finish before comparing counters
@@ -171,3 +172,35 @@ def test_unusable_state_dir_warns_and_generation_goes_on(model_dir, tmp_path, ca
     out, err = capsys.readouterr()
     assert out.strip() != "" or out == "\n"
     assert "state_dir_unusable" in err
+
+
+@pytest.mark.parametrize("min_precision,expect_prefetches", [(0.0, True), (1.0, False)])
+def test_prefetch_is_gated_by_the_predictors_measured_precision(model_dir, reference, min_precision,
+                                                               expect_prefetches):
+    """Every decode step scores the next-layer prediction; a precision floor of 1 is never
+    reached (the Beta prior keeps estimates below 1), so nothing is prefetched."""
+    model = _streaming(model_dir, cache_bytes=2 * minimum_cache_bytes(*_layout_config(model_dir)),
+                       prefetch_min_precision=min_precision)
+    try:
+        tokens, _ = _run(model)
+        provider = model.experts
+        moe_layers = len(provider.moe_layers)
+        # One prediction per MoE layer after the first, per step; the last step's are still open.
+        assert provider.calibration[True].observations == (STEPS - 1) * (moe_layers - 1)
+        assert provider.calibration[False].observations == moe_layers - 1   # the prompt
+        assert all(0.0 < p < 1.0 for p in provider.calibration[True].precisions())
+        issued = sum(provider.cache.snapshot().prefetches_issued)
+        assert (issued > 0) == expect_prefetches
+        assert tokens == reference[0]
+    finally:
+        model.close()
+
+
+def _layout_config(model_dir: Path):
+    config = load_config(model_dir)
+    return ExpertLayout(Checkpoint(model_dir), config), config
+
+
+def test_prefetch_min_precision_is_validated():
+    with pytest.raises(ValueError, match="prefetch_min_precision"):
+        StreamingOptions(cache_bytes=1, prefetch_min_precision=1.5)

@@ -72,6 +72,19 @@ def test_lrfu_counts_a_prefetch_at_its_score_until_used():
     assert p.value(1, 2) < 0.9
 
 
+@pytest.mark.parametrize("policy", [LRFUPolicy, PredictivePolicy])
+def test_an_unused_prefetch_loses_its_score_after_its_step(policy):
+    """A wrong prediction must not stay 'hot' forever: the score covers one step."""
+    p, res = policy(8, 4), set()
+    _use(p, 0, [0], res)
+    _use(p, 1, [0], res)
+    p.admit(1, 1, demand=False, score=0.9)         # predicted for step 1, never used
+    assert p.value(1, 1) == pytest.approx(0.9)
+    _use(p, 2, [0], res)
+    assert p.value(1, 2) == 0.0
+    assert p.victim(2, ANY) == 1
+
+
 def test_predictive_learns_which_expert_follows_which():
     """A 4-step cycle in which 0 is followed by 1 and never by 3."""
     cycle = [[0, 4], [1, 5], [2, 4], [3, 5]]
