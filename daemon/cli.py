@@ -72,16 +72,12 @@ def _nonempty(text: str) -> str:
 
 def _size(text: str) -> int:
     """Bytes, with an optional K/M/G suffix (powers of 1024): 512M, 2G, 65536."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = units.get(t[-1:], 1)
+    from daemon.config import parse_size
+
     try:
-        value = int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 512M, 2G)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class UsageError(Exception):
@@ -144,70 +140,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
              len(prompt_ids), gen.time_to_first_token_s, gen.decode_tokens_per_s,
              f", seed {gen.sampler.seed}" if sampling.temperature > 0 else " (greedy)")
     if session is not None:
-        session.finish(log)
+        log.info("expert cache: %s", json.dumps(session.summary()))
+        try:
+            session.flush()
+        except OSError as e:
+            log.warning("state_save_failed: %s", e)
     model.close()
     return 0
-
-
-class _StreamingSession:
-    """The streaming provider of one command plus its state file (usage learned across runs)."""
-
-    def __init__(self, provider, store, fingerprint: str):
-        self.provider = provider
-        self.store = store
-        self.fingerprint = fingerprint
-
-    def finish(self, logger: logging.Logger) -> None:
-        from daemon.streaming import flush_usage
-
-        snap = self.provider.cache.snapshot()
-        io = self.provider.io.stats()
-        logger.info("expert cache: hit rate %.3f (%d hits, %d prefetch hits, %d misses), "
-                    "%d bytes read, io wait %.3f s, io path %s", snap.hit_rate, sum(snap.hits),
-                    sum(snap.prefetch_hits), sum(snap.misses), sum(io.bytes_issued.values()),
-                    self.provider.io_wait_s, io.io_path)
-        if self.store is None:
-            return
-        try:
-            flush_usage(self.store, self.provider.usage, self.fingerprint)
-        except OSError as e:
-            logger.warning("state_save_failed: %s", e)
 
 
 def _load_model(args: argparse.Namespace):
     """The model with the expert provider the options ask for; (model, session or None)."""
     import os
-    from pathlib import Path
 
-    from ext.model import Model
+    from daemon.session import open_model
 
-    if args.expert_cache_bytes is None:
-        return Model.load(args.model, n_threads=args.threads, experts=args.experts), None
-    from daemon.state import StateStore, default_state_dir
-    from daemon.streaming import StreamingExpertProvider, StreamingOptions, load_usage_counts
-
-    options = StreamingOptions(cache_bytes=args.expert_cache_bytes, prefetch=not args.no_prefetch,
-                               io_workers=args.io_workers, pin_fraction=args.pin_fraction)
-    sessions = []
-
-    def streaming(checkpoint, layout, config):
-        fingerprint = checkpoint.fingerprint()
-        moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
-        counts, store = None, None
-        try:  # learned usage only speeds things up: an unusable state dir is a warning
-            store = StateStore(Path(args.state_dir) if args.state_dir
-                               else default_state_dir(os.environ), fingerprint)
-            counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
-                                       options.half_life_tokens)
-        except OSError as e:
-            log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
-            store = None
-        provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
-        sessions.append(_StreamingSession(provider, store, fingerprint))
-        return provider
-
-    model = Model.load(args.model, n_threads=args.threads, experts=streaming)
-    return model, sessions[0]
+    return open_model(args.model, threads=args.threads, cache_bytes=args.expert_cache_bytes,
+                      experts=args.experts, io_workers=args.io_workers,
+                      prefetch=not args.no_prefetch, pin_fraction=args.pin_fraction,
+                      state_dir=args.state_dir, environ=os.environ)
 
 
 def _threads() -> int:
@@ -231,12 +182,35 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _configure_logging(level: str) -> None:
-    """Send moed's log records to the current stderr (replacing an earlier handler)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(level.upper())
-    log.propagate = False
+    """Send moed's logs to the current stderr: JSON lines, or readable text on a terminal."""
+    from telemetry.logs import configure
+
+    configure(level)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from daemon.config import load_config
+    from daemon.server import serve
+
+    config, warnings = load_config(args, os.environ)
+    _configure_logging(config.log_level)
+    for w in warnings:
+        log.warning("config_warning: %s", w)
+    config.require_model()
+    log.info("config: %s", json.dumps(config.to_dict()))
+    return serve(config, reload=lambda: load_config(args, os.environ)[0], environ=os.environ,
+                 version=_version())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moed")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -278,12 +252,9 @@ def _cmd_replay_trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import PackageNotFoundError, version
+    from daemon.config import add_arguments
 
-    try:
-        moed_version = version("moed")
-    except PackageNotFoundError:  # running from a source tree that is not installed
-        moed_version = "unknown"
+    moed_version = _version()
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS,
                         choices=["debug", "info", "warning", "error"],
@@ -416,6 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the slots moed pins from what it learned (default: the "
                         "scheduler's measured choice)")
     r.set_defaults(func=_cmd_replay_trace)
+
+    s = sub.add_parser(
+        "serve", parents=[common],
+        help="run the daemon: OpenAI-compatible HTTP on a Unix socket",
+        description="Serve a model to local programs over a Unix socket (OpenAI-compatible "
+                    "/v1/completions and /v1/chat/completions, streaming with SSE), with the "
+                    "expert cache, learned pins and prefetch. Runs until SIGTERM or Ctrl-C; "
+                    "SIGHUP re-reads the configuration. Logs go to stderr.",
+        epilog="example: moed serve --model ./demo-model --socket /tmp/moed.sock "
+               "--expert-cache-bytes 64M\n"
+               "then:    curl --unix-socket /tmp/moed.sock http://localhost/v1/models",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(s, exclude={"log_level"})
+    s.set_defaults(func=_cmd_serve)
     return parser
 
 
@@ -423,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(getattr(args, "log_level", "info"))
+    from daemon.config import ConfigError as ServeConfigError
     from daemon.io import ExpertReadError
     from ext.checkpoint import CheckpointError
     from ext.config import ConfigError
@@ -432,8 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except UsageError as e:
         parser.error(str(e))  # exits 2, like argparse's own checks
-    except (CheckpointError, ConfigError, TokenizerFilesError, ChatTemplateError, ExpertReadError,
-            ValueError, FileNotFoundError, FileExistsError) as e:
+    except (CheckpointError, ConfigError, ServeConfigError, TokenizerFilesError, ChatTemplateError,
+            ExpertReadError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"moed {args.command}: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -219,6 +219,19 @@ class StreamingExpertProvider(ExpertProvider):
                 self._submit(layer, e, slot, PREFETCH)
                 self._prefetch_layer[slot] = layer
 
+    def reset_learning(self) -> int:
+        """Forget the learned usage and drop every pin (experts stay cached); pins dropped."""
+        dropped = len(self.cache.pins)
+        self.usage.set_counts(np.zeros_like(self.usage.counts()))
+        self.usage.take_delta()
+        self.cache.set_pins([])
+        return dropped
+
+    def counters(self) -> tuple[int, int, int]:
+        """(needed experts found resident or in flight, demand misses, bytes submitted) so far."""
+        hits, misses = self.cache.totals()
+        return hits, misses, sum(self.bytes_submitted.values())
+
     def close(self) -> None:
         self.io.close()
         self._reap()

@@ -308,15 +308,13 @@ class Model:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
-            raise ValueError(f"token id {bad} out of range [0, {self.config.vocab_size})")
+        self._check_ids(ids)
         seq.kv.reserve(ids.size)
         outs = []
         for start in range(0, ids.size, PREFILL_CHUNK):
             chunk = ids[start:start + PREFILL_CHUNK]
             last = start + chunk.size == ids.size
-            h = self._forward_chunk(seq.kv, chunk)
+            h = self._forward_rows([(seq.kv, 0, chunk.size)], chunk)
             if all_logits or last:
                 rows = h if all_logits else h[-1:]
                 logits = np.empty((rows.shape[0], self.config.vocab_size), F32)
@@ -324,21 +322,69 @@ class Model:
                 outs.append(logits)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-    def _forward_chunk(self, kv: KVCache, ids: np.ndarray) -> np.ndarray:
-        """Embed → layers → final norm for T <= PREFILL_CHUNK tokens; returns [T, H]."""
+    def forward_batch(self, seqs: list[Sequence], token_ids) -> np.ndarray:
+        """One decode step for several sequences at once: token_ids[b] follows seqs[b].
+
+        The rows share every weight read — the union of their experts is acquired
+        once per MoE layer — and each row's logits are bit-identical to
+        `forward(seqs[b], [token_ids[b]])` (row-wise kernels with fixed reduction
+        order; attention reads only the row's own KV cache).
+
+        Args:
+            seqs: 1..PREFILL_CHUNK distinct sequences; each KV cache grows by one.
+            token_ids: [len(seqs)] ints in [0, vocab_size).
+        Returns:
+            [len(seqs), V] float32 logits (a new array).
+        Raises:
+            ValueError: no sequences, more than PREFILL_CHUNK, a sequence given twice,
+                a length mismatch, an id out of range, or a context exceeded (checked
+                for every sequence before any changes).
+        """
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if not seqs or len(seqs) > PREFILL_CHUNK:
+            raise ValueError(f"forward_batch takes 1 to {PREFILL_CHUNK} sequences, got {len(seqs)}")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("forward_batch got the same sequence twice")
+        if ids.size != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences but {ids.size} token ids")
+        self._check_ids(ids)
+        for seq in seqs:
+            if seq.kv.length + 1 > seq.kv.max_capacity:
+                raise ValueError(f"sequence of {seq.kv.length + 1} tokens exceeds the context of "
+                                 f"{seq.kv.max_capacity}")
+        for seq in seqs:
+            seq.kv.reserve(1)
+        h = self._forward_rows([(seq.kv, b, b + 1) for b, seq in enumerate(seqs)], ids)
+        logits = np.empty((len(seqs), self.config.vocab_size), F32)
+        K_.matmul(self.lm_head, h, logits, self.n_threads)
+        return logits
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
+            raise ValueError(f"token id {bad} out of range [0, {self.config.vocab_size})")
+
+    def _forward_rows(self, segments: list[tuple[KVCache, int, int]], ids: np.ndarray) -> np.ndarray:
+        """Embed → layers → final norm for T <= PREFILL_CHUNK rows; returns [T, H].
+
+        segments: (kv, r0, r1) — rows r0:r1 of `ids` continue that KV cache, in order,
+        from its current length. One segment is a prefill chunk; one per row is a
+        batched decode step.
+        """
         c, ws, nt = self.config, self.ws, self.n_threads
-        T, pos0 = ids.size, kv.length
+        T = ids.size
         self.experts.begin_step(T)
         x = ws.x[:T]                                             # [T, H] residual stream
         K_.dequantize_rows(self.embed, ids, x)
-        positions = np.arange(pos0, pos0 + T, dtype=F32)
+        positions = np.concatenate([np.arange(kv.length, kv.length + r1 - r0, dtype=F32)
+                                    for kv, r0, r1 in segments])
         np.multiply.outer(positions, self.inv_freq, out=ws.cos[:T])   # angles [T, D/2]
         np.sin(ws.cos[:T], out=ws.sin[:T])
         np.cos(ws.cos[:T], out=ws.cos[:T])
         for l, layer in enumerate(self.layers):
             h = ws.h[:T]
             K_.rmsnorm(x, layer.input_norm, c.rms_norm_eps, h, nt)
-            x += self._attention(l, layer, kv, h, pos0)
+            x += self._attention(l, layer, segments, h)
             K_.rmsnorm(x, layer.post_norm, c.rms_norm_eps, h, nt)
             if self.experts.wants_hints:
                 self._hint_next_layer(l, h)
@@ -346,7 +392,8 @@ class Model:
                 x += self._moe(l, layer, h)
             else:
                 x += self._dense_mlp(layer.mlp, h, ws.shared[:T])
-        kv.length += T
+        for kv, r0, r1 in segments:
+            kv.length += r1 - r0
         out = np.empty_like(x)
         K_.rmsnorm(x, self.final_norm, c.rms_norm_eps, out, nt)
         return out
@@ -362,8 +409,8 @@ class Model:
         K_.matmul(self.layers[nxt].router, h, logits, self.n_threads)   # [T, E]
         self.experts.hint(nxt, logits)
 
-    def _attention(self, l: int, layer: LayerWeights, kv: KVCache, h: np.ndarray,
-                   pos0: int) -> np.ndarray:
+    def _attention(self, l: int, layer: LayerWeights, segments: list[tuple[KVCache, int, int]],
+                   h: np.ndarray) -> np.ndarray:
         c, ws, nt = self.config, self.ws, self.n_threads
         T, D = h.shape[0], c.head_dim
         nH, nKV = c.num_attention_heads, c.num_key_value_heads
@@ -387,14 +434,17 @@ class Model:
         q3, k3 = q.reshape(T, nH, D), k.reshape(T, nKV, D)
         K_.rope(q3, ws.cos[:T], ws.sin[:T])
         K_.rope(k3, ws.cos[:T], ws.sin[:T])
-        kv.k[l][:, pos0:pos0 + T] = k3.transpose(1, 0, 2)       # cache [nKV, S, D]
-        kv.v[l][:, pos0:pos0 + T] = v.reshape(T, nKV, D).transpose(1, 0, 2)
-        attn = ws.attn[:T]
+        v3 = v.reshape(T, nKV, D)
+        attn3 = ws.attn[:T].reshape(T, nH, D)
         window = c.sliding_windows[l] or 0
-        K_.attention(q3, kv.k[l], kv.v[l], pos0, window, self.scale, attn.reshape(T, nH, D),
-                     ws.scores(nt, kv.capacity), nt)
+        for kv, r0, r1 in segments:                              # each row sees its own cache
+            pos0 = kv.length
+            kv.k[l][:, pos0:pos0 + r1 - r0] = k3[r0:r1].transpose(1, 0, 2)   # cache [nKV, S, D]
+            kv.v[l][:, pos0:pos0 + r1 - r0] = v3[r0:r1].transpose(1, 0, 2)
+            K_.attention(q3[r0:r1], kv.k[l], kv.v[l], pos0, window, self.scale, attn3[r0:r1],
+                         ws.scores(nt, kv.capacity), nt)
         o = ws.o[:T]
-        K_.matmul(layer.o, attn, o, nt)                          # [T, H]
+        K_.matmul(layer.o, ws.attn[:T], o, nt)                   # [T, H]
         return o
 
     def _moe(self, l: int, layer: LayerWeights, h: np.ndarray) -> np.ndarray:

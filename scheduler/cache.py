@@ -405,6 +405,10 @@ class ExpertCache:
             return None
         return self._policies[li].value(expert, token)
 
+    def totals(self) -> tuple[int, int]:
+        """(hits + prefetch_hits, misses) over all layers: the cheap part of `snapshot`."""
+        return sum(self._hits) + sum(self._prefetch_hits), sum(self._misses)
+
     def dynamic_slots(self, layer: int) -> int:
         return self._dyn_count[self._layer_index(layer)]
 

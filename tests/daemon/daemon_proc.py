@@ -1,0 +1,163 @@
+"""Start the real `moed serve` as a subprocess and talk to it over its Unix socket.
+
+Used by the daemon's end-to-end tests. No sleeps: readiness is the daemon's own READY
+log line (`"event": "ready"`) read from its stderr, and exit is `Popen.wait`.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+MOED = str(Path(sys.executable).with_name("moed"))
+READY_TIMEOUT_S = 120.0
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket (the standard library, no extra client)."""
+
+    def __init__(self, path: str, timeout: float = 60.0):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+def short_dir(prefix: str = "moed") -> str:
+    """A short temporary directory: Unix socket paths are limited to 107 bytes."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+class Daemon:
+    """A running `moed serve`; `events` are its JSON log lines, parsed, as they arrive."""
+
+    def __init__(self, model: Path | str, workdir: str, *args: str, env: dict | None = None,
+                 socket_path: str | None = None, wait_ready: bool = True, user: int | None = None,
+                 launcher: Sequence[str] = (), moed: Sequence[str] = (MOED,),
+                 state_dir: str | None = None):
+        """launcher: a command that execs the rest (e.g. systemd-socket-activate -l PATH,
+        prlimit ...). moed: how to run moed (default the venv's entry point). state_dir:
+        default WORKDIR/state."""
+        self.workdir = workdir
+        self.socket = socket_path or os.path.join(workdir, "moed.sock")
+        self.state_dir = state_dir or os.path.join(workdir, "state")
+        cmd = [*launcher, *moed, "serve", "--model", str(model), "--socket", self.socket,
+               "--state-dir", self.state_dir, "--metrics-address", "127.0.0.1:0", *args]
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
+        environ.update(env or {})
+        environ.setdefault("MOED_CONFIG", os.path.join(workdir, "none.toml"))
+        if not os.path.exists(environ["MOED_CONFIG"]):
+            Path(environ["MOED_CONFIG"]).write_text("")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=environ, text=True, user=user)
+        self.events: list[dict] = []
+        self.stderr_lines: list[str] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if wait_ready:
+            self.wait_event("ready")
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self._cond:
+                self.stderr_lines.append(line)
+                try:
+                    self.events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+                self._cond.notify_all()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def mark(self) -> int:
+        """How many log lines have been parsed so far (a `start` for `wait_event`)."""
+        with self._cond:
+            return len(self.events)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """Wait for the process to end by itself (no signal) and its stderr to be read."""
+        code = self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return code
+
+    def wait_line(self, text: str, timeout: float = READY_TIMEOUT_S) -> str:
+        """Block until a stderr line containing `text` (JSON or not) appears; returns it."""
+        def find():
+            return next((line for line in self.stderr_lines if text in line), None)
+        with self._cond:
+            self._cond.wait_for(lambda: find() is not None or self._closed, timeout)
+            found = find()
+        if found is None:
+            raise AssertionError(f"no stderr line with {text!r}; stderr:\n"
+                                 + "".join(self.stderr_lines[-40:]))
+        return found
+
+    def wait_event(self, event: str, timeout: float = READY_TIMEOUT_S, start: int = 0,
+                   **match) -> dict:
+        """Block until a log line with this event (and fields) appears; returns it.
+
+        start: ignore the first `start` log lines (see `mark`)."""
+        def find():
+            for e in self.events[start:]:
+                if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
+                    return e
+            return None
+        with self._cond:
+            ok = self._cond.wait_for(lambda: find() is not None or self._closed,
+                                     timeout)
+            found = find()
+        if not ok or found is None:
+            raise AssertionError(f"no {event!r} log line {match or ''}; stderr:\n"
+                                 + "".join(self.stderr_lines[-40:]))
+        return found
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None,
+                timeout: float = 60.0) -> tuple[int, dict, bytes]:
+        """One HTTP request over the socket; (status, headers, body bytes)."""
+        conn = UnixHTTPConnection(self.socket, timeout)
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                       **(headers or {})})
+        resp = conn.getresponse()
+        out = resp.read()
+        conn.close()
+        return resp.status, dict(resp.getheaders()), out
+
+    def json(self, method: str, path: str, body=None, **kw) -> tuple[int, dict]:
+        status, _, data = self.request(method, path, body, **kw)
+        return status, json.loads(data)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return code
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._reader.join()
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
