@@ -97,22 +97,36 @@ def _model_dir(path: str) -> str:
     return path
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from ext.generate import Generation
-    from ext.model import Model
+def _sampling(args: argparse.Namespace):
+    """SamplingParams from the command's flags; a usage error naming the flag at fault."""
     from ext.sampling import SamplingParamError, SamplingParams
-    from ext.tokenizer import Tokenizer, stop_token_ids
 
     try:
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, seed=args.seed)
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed)
     except SamplingParamError as e:
         raise UsageError(f"--{e.field.replace('_', '-')}: {e}") from None
-    _model_dir(args.model)
+
+
+def _utf8_prompt(prompt: str) -> None:
     try:
-        args.prompt.encode("utf-8")
+        prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise UsageError("PROMPT is not valid UTF-8") from None
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.model is None:
+        return _generate_over_socket(args)
+    from ext.generate import Generation
+    from ext.model import Model
+    from ext.tokenizer import Tokenizer, stop_token_ids
+
+    sampling = _sampling(args)
+    if args.socket is not None:
+        raise UsageError("--socket asks the daemon and --model runs in this process: give one")
+    _model_dir(args.model)
+    _utf8_prompt(args.prompt)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
     model, session = _load_model(args)
@@ -159,6 +173,232 @@ def _load_model(args: argparse.Namespace):
                       experts=args.experts, io_workers=args.io_workers,
                       prefetch=not args.no_prefetch, pin_fraction=args.pin_fraction,
                       state_dir=args.state_dir, environ=os.environ)
+
+
+# ---------------------------------------------------------------- commands that ask the daemon
+
+# generate's in-process-only options (dest -> flag); over the socket the daemon's own apply.
+_IN_PROCESS_ONLY = {"threads": "--threads", "io_workers": "--io-workers", "experts": "--experts",
+                    "expert_cache_bytes": "--expert-cache-bytes", "state_dir": "--state-dir",
+                    "no_prefetch": "--no-prefetch", "pin_fraction": "--pin-fraction"}
+
+
+def _socket(args: argparse.Namespace) -> str:
+    import os
+
+    from daemon.client import default_socket
+
+    return args.socket or default_socket(os.environ)
+
+
+class _TextOut:
+    """Pieces of an answer written to stdout as they arrive; remembers whether a line is open."""
+
+    def __init__(self):
+        self.open = False
+
+    def __call__(self, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        self.open = True
+
+    def end_line(self) -> None:
+        if self.open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        self.open = False
+
+
+def _ask(args: argparse.Namespace, call):
+    """Run `call(client)` (a coroutine) against the daemon; its result.
+
+    DaemonError (including "nothing answers on the socket") propagates with a one-line
+    message; `_client_command` turns it into exit status 1.
+    """
+    import asyncio
+
+    from daemon.client import Client
+
+    async def run():
+        async with Client(_socket(args)) as client:
+            return await call(client)
+    return asyncio.run(run())
+
+
+def _client_command(fn):
+    """Wrap a command that talks to the daemon: its errors print one line and exit 1."""
+    def command(args: argparse.Namespace) -> int:
+        from daemon.client import DaemonError
+
+        try:
+            return fn(args)
+        except DaemonError as e:
+            print(f"moed {args.command}: error: {e}", file=sys.stderr)
+            return 1
+    return command
+
+
+def _request_body(args: argparse.Namespace, *, prompt: str | None = None,
+                  messages: list[dict] | None = None) -> dict:
+    from daemon.client import completion_request
+
+    return completion_request(prompt=prompt, messages=messages, max_tokens=args.max_tokens,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              seed=args.seed)
+
+
+@_client_command
+def _generate_over_socket(args: argparse.Namespace) -> int:
+    given = [flag for dest, flag in _IN_PROCESS_ONLY.items()
+             if getattr(args, dest) != args.in_process_defaults[dest]]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --model (generation in this "
+                         "process); the daemon serves with its own settings")
+    _sampling(args)
+    _utf8_prompt(args.prompt)
+    if args.chat:
+        path = "/v1/chat/completions"
+        body = _request_body(args, messages=[{"role": "user", "content": args.prompt}])
+    else:
+        path, body = "/v1/completions", _request_body(args, prompt=args.prompt)
+    text = _TextOut()
+    try:
+        result = _ask(args, lambda client: client.stream(path, body, text))
+    except BaseException:
+        text.end_line()
+        raise
+    sys.stdout.write("\n")      # like the in-process mode: the answer ends with a newline
+    sys.stdout.flush()
+    tokens = result.completion_tokens
+    log.info("generated %s tokens (finish_reason=%s) through %s: first text after %s, "
+             "%.2f s in all", "?" if tokens is None else tokens, result.finish_reason,
+             _socket(args), "-" if result.time_to_first_text_s is None
+             else f"{result.time_to_first_text_s:.3f} s", result.duration_s)
+    return 0
+
+
+CHAT_COMMANDS = "/exit (or Ctrl-D) ends the chat, /reset forgets the conversation"
+
+
+@_client_command
+def _cmd_chat(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    from daemon.client import Client, DaemonError, DaemonUnavailableError
+
+    _sampling(args)
+    socket_path = _socket(args)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(system)
+
+    async def connect() -> Client:
+        return Client(socket_path)
+
+    with asyncio.Runner() as runner:
+        client = runner.run(connect())
+        try:
+            models = runner.run(client.get("/v1/models"))
+            if interactive:
+                name = (models.get("data") or [{}])[0].get("id", "?")
+                print(f"moed chat with {name} at {socket_path}; {CHAT_COMMANDS}.", file=sys.stderr)
+            while (line := _read_turn(interactive)) is not None:
+                line = line.strip()
+                if not line:
+                    continue
+                if line in ("/exit", "/quit"):
+                    break
+                if line == "/reset":
+                    history = list(system)
+                    if interactive:
+                        print("(conversation forgotten)", file=sys.stderr)
+                    continue
+                history.append({"role": "user", "content": line})
+                text = _TextOut()
+                try:
+                    result = runner.run(client.stream("/v1/chat/completions",
+                                                      _request_body(args, messages=history), text))
+                except KeyboardInterrupt:
+                    if not interactive:
+                        raise
+                    text.end_line()
+                    print("(interrupted)", file=sys.stderr)
+                    history.pop()
+                    continue
+                except DaemonUnavailableError:
+                    raise
+                except DaemonError as e:
+                    text.end_line()
+                    if not interactive:
+                        raise
+                    print(f"moed chat: error: {e}", file=sys.stderr)
+                    history.pop()
+                    continue
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                history.append({"role": "assistant", "content": result.text})
+                if result.finish_reason == "length" and interactive:
+                    print(f"(answer cut at --max-tokens {args.max_tokens})", file=sys.stderr)
+        finally:
+            runner.run(client.close())
+    return 0
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The user's next line, or None at end of input."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line or None
+    try:
+        if sys.stdout.isatty():
+            return input("> ")
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+        return input()
+    except EOFError:
+        sys.stderr.write("\n")
+        return None
+    except KeyboardInterrupt:       # Ctrl-C at the prompt ends the chat (exit status 130)
+        sys.stderr.write("\n")
+        raise
+
+
+@_client_command
+def _cmd_stats(args: argparse.Namespace) -> int:
+    print(json.dumps(_ask(args, lambda client: client.get("/v1/moed/stats")), indent=2))
+    return 0
+
+
+@_client_command
+def _cmd_pins(args: argparse.Namespace) -> int:
+    if args.reset:
+        answer = _ask(args, lambda client: client.post("/v1/moed/pins/reset"))
+    else:
+        answer = _ask(args, lambda client: client.get("/v1/moed/pins"))
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
+@_client_command
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from daemon.demo import DemoError, DemoOptions, default_cache_dir, run_demo
+
+    options = DemoOptions(cache_dir=Path(args.dir) if args.dir else default_cache_dir(os.environ),
+                          keep=args.keep, max_tokens=args.max_tokens, environ=os.environ)
+    try:
+        return run_demo(options, out=sys.stdout,
+                        note=lambda message: print(f"moed demo: {message}", file=sys.stderr,
+                                                   flush=True))
+    except DemoError as e:
+        print(f"moed demo: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _threads() -> int:
@@ -251,6 +491,31 @@ def _cmd_replay_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ExamplesFormatter(argparse.HelpFormatter):
+    """Wraps one-paragraph text (the description) but keeps text of several lines (the
+    examples in an epilog) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int,
+                            per: str = "continuation") -> None:
+    """--max-tokens, --temperature, --top-p, --top-k, --seed (greedy by default)."""
+    parser.add_argument("--max-tokens", type=_positive_int, default=max_tokens, metavar="N",
+                        help=f"most new tokens per {per} (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="0 for greedy decoding (default), else sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="nucleus sampling mass in (0, 1] (default: 1, off)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="sample among the K most likely tokens (default: 0, off)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="random seed; the same seed gives the same tokens")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from daemon.config import add_arguments
 
@@ -271,25 +536,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moed {moed_version}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    d = sub.add_parser(
+        "demo", parents=[common],
+        help="try moed: start a daemon on a small demo model and stream an answer from it",
+        description="Show moed at work with nothing but the install: prepare a small demo "
+                    "model (random weights, so the text is noise; written once into the cache "
+                    "directory, then reused), start moed serve on a private socket with an "
+                    "expert cache of about a quarter of the model's experts, stream a chat "
+                    "answer from it, print what the cache did (hit rate, bytes read from disk, "
+                    "tokens/s, pinned experts, metrics address) and stop the daemon. The "
+                    "daemon remembers which experts were used: run the demo again and it "
+                    "starts with them pinned. Progress goes to stderr; the answer and the "
+                    "summary to stdout.",
+        epilog="examples:\n"
+               "  moed demo\n"
+               "  moed demo --keep          (then: moed chat --socket PATH, as it prints)\n"
+               "  moed demo --dir ./moed-demo",
+        formatter_class=_ExamplesFormatter)
+    d.add_argument("--dir", default=None, metavar="DIR", type=_nonempty,
+                   help="where the demo model and its learned state are kept (default: "
+                        "$XDG_CACHE_HOME/moed, else ~/.cache/moed)")
+    d.add_argument("--keep", action="store_true",
+                   help="keep the daemon serving after the demo, until Ctrl-C")
+    d.add_argument("--max-tokens", type=_positive_int, default=96, metavar="N",
+                   help="most tokens of the answer (default: 96)")
+    d.set_defaults(func=_cmd_demo)
+
+    client = argparse.ArgumentParser(add_help=False)  # options of commands that ask the daemon
+    client.add_argument("--socket", default=None, metavar="PATH", type=_nonempty,
+                        help="the daemon's Unix socket (default: $MOED_SOCKET, else "
+                             "/run/moed/moed.sock)")
+
     g = sub.add_parser(
-        "generate", parents=[common, machine], help="generate text from a prompt, in-process (no daemon)",
-        description="Load a Hugging Face MoE model directory and stream the continuation of "
-                    "PROMPT to stdout. Logs and timings go to stderr.",
-        epilog="example: moed generate --model ./demo-model --max-tokens 64 'def fibonacci('")
+        "generate", parents=[common, machine, client],
+        help="generate text from a prompt, through the daemon (or in-process with --model)",
+        description="Stream the continuation of PROMPT to stdout. Without --model, the moed "
+                    "daemon (moed serve) generates it, asked over its Unix socket; with --model "
+                    "DIR, this process loads the model directory and generates it, no daemon "
+                    "involved (--threads, --io-workers and the expert cache options apply only "
+                    "then). Decoding is greedy unless --temperature is given. Logs and timings "
+                    "go to stderr.",
+        epilog="examples:\n"
+               "  moed generate --max-tokens 64 'def fibonacci('\n"
+               "  moed generate --socket /tmp/moed.sock --chat 'Write a haiku about caches.'\n"
+               "  moed generate --model ./demo-model --max-tokens 64 'def fibonacci('",
+        formatter_class=_ExamplesFormatter)
     g.add_argument("prompt", metavar="PROMPT",
                    help="raw text to continue; with --chat, one user message")
-    g.add_argument("--model", required=True, metavar="DIR", type=_nonempty,
-                   help="model directory: config.json, tokenizer.json, *.safetensors")
-    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
-                   help="most new tokens to generate (default: 128)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0 for greedy decoding (default), else sampling temperature")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus sampling mass in (0, 1] (default: 1, off)")
-    g.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="sample among the K most likely tokens (default: 0, off)")
-    g.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="random seed; the same seed gives the same tokens")
+    g.add_argument("--model", default=None, metavar="DIR", type=_nonempty,
+                   help="generate in this process from this model directory (config.json, "
+                        "tokenizer.json, *.safetensors) instead of asking the daemon")
+    _add_sampling_arguments(g, max_tokens=128)
     g.add_argument("--chat", action="store_true",
                    help="put PROMPT through the model's chat template as a user message")
     g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
@@ -307,7 +604,52 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pin-fraction", type=_fraction, default=0.5, metavar="F",
                    help="with --expert-cache-bytes: share of the spare cache pinned to the "
                         "experts learned as hot (default: 0.5)")
-    g.set_defaults(func=_cmd_generate)
+    g.set_defaults(func=_cmd_generate,
+                   in_process_defaults={dest: g.get_default(dest) for dest in _IN_PROCESS_ONLY})
+
+    c = sub.add_parser(
+        "chat", parents=[common, client], help="chat with the daemon's model on the terminal",
+        description="A chat on the terminal with the model the daemon serves: each line you type "
+                    "is a user message, the answer streams back, and the conversation so far is "
+                    "sent with every message (through the model's chat template). "
+                    f"{CHAT_COMMANDS}. Reads standard input, so a file or a pipe of "
+                    "messages works too (one answer per line on stdout). Decoding is greedy "
+                    "unless --temperature is given.",
+        epilog="examples:\n"
+               "  moed chat\n"
+               "  moed chat --socket /tmp/moed.sock --system 'Answer in one sentence.'\n"
+               "  printf 'Hello!\\nAnd what can you do?\\n' | moed chat --max-tokens 64",
+        formatter_class=_ExamplesFormatter)
+    c.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message put before the conversation")
+    _add_sampling_arguments(c, max_tokens=512, per="answer")
+    c.set_defaults(func=_cmd_chat)
+
+    st = sub.add_parser(
+        "stats", parents=[common, client],
+        help="print the daemon's statistics (expert cache, hit rate, tokens/s) as JSON",
+        description="Ask the daemon for its own statistics (GET /v1/moed/stats): requests "
+                    "running and waiting, tokens/s, the expert cache's tiers, hit rate, hits, "
+                    "misses and bytes read. Prints the JSON on stdout.",
+        epilog="example: moed stats --socket /tmp/moed.sock")
+    st.set_defaults(func=_cmd_stats)
+
+    pn = sub.add_parser(
+        "pins", parents=[common, client],
+        help="print the experts the daemon keeps pinned (or forget what it learned) as JSON",
+        description="Ask the daemon which experts it keeps pinned in its cache, learned from "
+                    "their use (GET /v1/moed/pins: layer, expert, usage score). With --reset, "
+                    "make it forget the learned usage and drop the pins (POST "
+                    "/v1/moed/pins/reset; allowed for the daemon's own user and root). Prints "
+                    "the JSON answer on stdout.",
+        epilog="examples:\n"
+               "  moed pins --socket /tmp/moed.sock\n"
+               "  moed pins --socket /tmp/moed.sock --reset",
+        formatter_class=_ExamplesFormatter)
+    pn.add_argument("--reset", action="store_true",
+                    help="forget the learned expert usage and drop the pin set")
+    pn.set_defaults(func=_cmd_pins)
+
 
     m = sub.add_parser(
         "make-model", parents=[common], help="write a random-weight MoE checkpoint in Hugging Face layout",

@@ -133,8 +133,9 @@ class Daemon:
                 raise
             kind = {404: "not_found_error", 405: "invalid_request_error",
                     413: "invalid_request_error"}.get(e.status, "invalid_request_error")
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 must say
             return error_response(ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
-                                           type=kind))
+                                           type=kind, headers=allow))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -166,7 +167,12 @@ class Daemon:
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"request body of {request.content_length} bytes is over the "
                                 f"limit of {limit} bytes (max_body_bytes)", code="request_too_large")
-        data = await request.content.read(limit + 1)
+        data = bytearray()      # read(n) returns what has arrived: loop until EOF or over
+        while len(data) <= limit:
+            part = await request.content.read(limit + 1 - len(data))
+            if not part:
+                break
+            data += part
         if len(data) > limit:
             raise ApiError(413, f"request body is over the limit of {limit} bytes (max_body_bytes)",
                            code="request_too_large")
@@ -485,6 +491,8 @@ class Daemon:
                         new.expert_cache_bytes, new.pin_fraction, new.prefetch)))
             set_level(new.log_level)
         except (OSError, ValueError) as e:
+            if loaded is not None:   # the new limits went in before the cache refused: undo
+                loaded.engine.set_limits(self.config.max_concurrent_sequences, self.config.max_queue)
             log.error("reload_failed", error=str(e), kept="previous configuration")
             self.notifier.ready()
             return

@@ -85,7 +85,7 @@ class Daemon:
             self._cond.notify_all()
 
     def mark(self) -> int:
-        """How many log lines have been parsed so far (a `start` for `wait_event`)."""
+        """How many log lines have been parsed so far (a `from_index` for `wait_event`)."""
         with self._cond:
             return len(self.events)
 
@@ -93,6 +93,7 @@ class Daemon:
         """Wait for the process to end by itself (no signal) and its stderr to be read."""
         code = self.proc.wait(timeout)
         self._reader.join(timeout)
+        self._close_pipes()
         return code
 
     def wait_line(self, text: str, timeout: float = READY_TIMEOUT_S) -> str:
@@ -107,13 +108,13 @@ class Daemon:
                                  + "".join(self.stderr_lines[-40:]))
         return found
 
-    def wait_event(self, event: str, timeout: float = READY_TIMEOUT_S, start: int = 0,
+    def wait_event(self, event: str, timeout: float = READY_TIMEOUT_S, from_index: int = 0,
                    **match) -> dict:
         """Block until a log line with this event (and fields) appears; returns it.
 
-        start: ignore the first `start` log lines (see `mark`)."""
+        from_index: ignore the log lines before this one (see `mark`)."""
         def find():
-            for e in self.events[start:]:
+            for e in self.events[from_index:]:
                 if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
                     return e
             return None
@@ -150,12 +151,20 @@ class Daemon:
             self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout)
         self._reader.join(timeout)
+        self._close_pipes()
         return code
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
         self._reader.join()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """Close our ends of its stdout and stderr once nothing reads them (no ResourceWarning)."""
+        if not self._reader.is_alive():
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                pipe.close()
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:
