@@ -492,7 +492,8 @@ class Daemon:
             set_level(new.log_level)
         except (OSError, ValueError) as e:
             if loaded is not None:   # the new limits went in before the cache refused: undo
-                loaded.engine.set_limits(self.config.max_concurrent_sequences, self.config.max_queue)
+                old = self.config
+                loaded.engine.set_limits(old.max_concurrent_sequences, old.max_queue)
             log.error("reload_failed", error=str(e), kept="previous configuration")
             self.notifier.ready()
             return
