@@ -380,7 +380,8 @@ class Daemon:
         if self.config.tcp_address is not None:
             tcp = self.config.tcp_address
             await web.TCPSite(runner, tcp.host, tcp.port).start()
-            log.info("tcp_listening", address=str(tcp))
+            host, port = [a for a in runner.addresses if isinstance(a, tuple)][-1][:2]
+            log.info("tcp_listening", address=f"{host}:{port}", api_key=self.config.api_key is not None)
         if self.metrics_app is not None:
             metrics_runner = web.AppRunner(self.metrics_app, access_log=None)
             await metrics_runner.setup()

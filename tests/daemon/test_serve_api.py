@@ -677,3 +677,35 @@ def test_unknown_route_and_wrong_method_are_json(daemon):
     assert_error(status, json.loads(raw), 405)
     assert set(headers["Allow"].split(",")) == {"GET", "HEAD"}
     assert_serving(daemon)
+
+
+def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cache_bytes):
+    """Over TCP: no or wrong Bearer key -> 401, the right key -> served, admin -> 403.
+    The Unix socket needs no key."""
+    import http.client
+
+    d = Daemon(model_dir, short_dir(), "--expert-cache-bytes", str(cache_bytes),
+               "--tcp-address", "127.0.0.1:0", *ONE_THREAD, env={"MOED_API_KEY": "s3cret"})
+    try:
+        host, port = d.wait_event("tcp_listening")["address"].rsplit(":", 1)
+
+        def tcp(method, path, key=None):
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            conn.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            conn.close()
+            return resp.status, body
+
+        status, body = tcp("GET", "/v1/models")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert tcp("GET", "/v1/models", "wrong")[0] == 401
+        status, body = tcp("GET", "/v1/models", "s3cret")
+        assert status == 200 and body["data"][0]["id"] == MODEL
+        status, body = tcp("POST", "/v1/moed/pins/reset", "s3cret")
+        assert status == 403 and body["error"]["type"] == "permission_error"
+        assert d.json("GET", "/v1/models")[0] == 200            # Unix socket: no key needed
+    finally:
+        assert d.stop() == 0
+        d.cleanup()
