@@ -314,7 +314,7 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                               "K/M/G suffixes", True, "experts memory-mapped"),
     "max_concurrent_sequences": _Key(_int(1), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
-    "max_tokens": _Key(_int(1), "N", "largest max_tokens a request may ask for"),
+    "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
     "max_body_bytes": _Key(_size, "SIZE", "largest request body"),
     "request_timeout_s": _Key(_float(0, lo_open=True), "SECONDS", "a request's time limit"),
     "shutdown_grace_s": _Key(_float(0, lo_open=False), "SECONDS",

@@ -274,8 +274,12 @@ class ServeProcess:
 
 def serve_command(model_dir: Path, socket_path: str, state_dir: Path, config_path: Path,
                   cache_bytes: int) -> list[str]:
-    """The `moed serve` command line of the demo daemon (this Python, this moed)."""
-    return [sys.executable, "-m", "daemon.cli", "serve", "--log-level", "info",
+    """The `moed serve` command line of the demo daemon (this Python, this moed).
+
+    -P keeps the current directory off the child's import path: run from a source
+    checkout, its uncompiled ext/ would otherwise hide the installed, compiled one.
+    """
+    return [sys.executable, "-P", "-m", "daemon.cli", "serve", "--log-level", "info",
             "--config", str(config_path), "--model", str(model_dir), "--socket", socket_path,
             "--state-dir", str(state_dir), "--expert-cache-bytes", str(cache_bytes),
             "--metrics-address", "127.0.0.1:0"]
@@ -404,7 +408,8 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
         _write_last_run(last_run, {"hit_rate": stats.get("hit_rate"),
                                    "pinned_experts": len(pins.get("pins") or ()),
                                    "completion_tokens": result.completion_tokens})
-        note("done; run it again to see the pins it learned at work")
+        note("done" if previous is not None else
+             "done; run it again to see the pins it learned at work")
         return 0
     except BaseException:
         if daemon.running:

@@ -361,6 +361,9 @@ class Daemon:
         try:
             if await self.startup():
                 await self.main_loop()
+        except BaseException:
+            self.exit_code = 1
+            raise
         finally:
             await self.shutdown()
         return self.exit_code
@@ -379,7 +382,7 @@ class Daemon:
         await web.SockSite(runner, self.listener.sock).start()
         if self.config.tcp_address is not None:
             tcp = self.config.tcp_address
-            await web.TCPSite(runner, tcp.host, tcp.port).start()
+            await _start_site(web.TCPSite(runner, tcp.host, tcp.port), "tcp_address", tcp)
             host, port = [a for a in runner.addresses if isinstance(a, tuple)][-1][:2]
             log.info("tcp_listening", address=f"{host}:{port}", api_key=self.config.api_key is not None)
         if self.metrics_app is not None:
@@ -387,8 +390,8 @@ class Daemon:
             await metrics_runner.setup()
             self._runners.append(metrics_runner)
             address = self.config.metrics_address
-            site = web.TCPSite(metrics_runner, address.host, address.port)
-            await site.start()
+            await _start_site(web.TCPSite(metrics_runner, address.host, address.port),
+                              "metrics_address", address)
             host, port = metrics_runner.addresses[0][:2]
             self.metrics_bound = f"{host}:{port}"
             log.info("metrics_listening", address=self.metrics_bound)
@@ -457,9 +460,12 @@ class Daemon:
         if loaded is None or loaded.session is None:
             return
         try:
-            await asyncio.wrap_future(loaded.engine.call(loaded.session.flush))
+            saved = await asyncio.wrap_future(loaded.engine.call(loaded.session.flush))
         except OSError as e:
             log.warning("state_save_failed", error=str(e))
+        else:
+            if saved:
+                log.info("state_saved", path=str(loaded.session.store.path))
 
     async def _reloader(self) -> None:
         while True:
@@ -509,6 +515,9 @@ class Daemon:
         if loaded is not None:
             engine = loaded.engine
             engine.stop_accepting()
+            stats = engine.stats()
+            log.info("draining", running=stats.running, waiting=stats.waiting,
+                     grace_s=self.config.shutdown_grace_s)
             finished = await asyncio.to_thread(engine.wait_idle, self.config.shutdown_grace_s)
             if not finished:
                 log.warning("shutdown_grace_expired", grace_s=self.config.shutdown_grace_s)
@@ -522,6 +531,15 @@ class Daemon:
             loaded.engine.model.close()
         self.listener.close()
         log.info("stopped", exit_code=self.exit_code)
+
+
+async def _start_site(site: web.TCPSite, key: str, address) -> None:
+    """Start a TCP listener; a bind error names the config key to change."""
+    try:
+        await site.start()
+    except OSError as e:
+        raise OSError(e.errno, f"{key} {address}: {e.strerror}; set --{key.replace('_', '-')} "
+                               "HOST:PORT (port 0 picks a free port)") from None
 
 
 def _mem_available() -> int | None:

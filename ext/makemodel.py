@@ -403,7 +403,7 @@ def _clear_checkpoint(out: Path, overwrite: bool) -> None:
                "config.json", "generation_config.json", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
     if old and not overwrite:
-        raise FileExistsError(f"{out} already holds a checkpoint ({old[0].name}); use --force (overwrite=True) to replace it")
+        raise FileExistsError(f"{out} already holds a checkpoint ({old[0].name}); use --force to replace it")
     for path in old:
         path.unlink()
 
