@@ -94,8 +94,8 @@ def _boolean(body: dict, key: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict, chat: bool) -> None:
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("'n' > 1 is not supported: moed returns one choice per request", "n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad(f"'n' must be 1 (got {n!r}): moed returns one choice per request", "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("'best_of' > 1 is not supported", "best_of")
@@ -122,6 +122,15 @@ def _unsupported(body: dict, chat: bool) -> None:
                   "response_format")
 
 
+def _unicode(text: str, param: str) -> str:
+    """`text` if it is valid Unicode (no lone surrogates, which JSON can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"'{param}' holds a lone UTF-16 surrogate: not valid Unicode text", param) from None
+    return text
+
+
 def _stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -132,7 +141,7 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
         raise bad("'stop' must be a string or a list of strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
-    return tuple(s for s in stop if s)
+    return tuple(_unicode(s, "stop") for s in stop if s)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -159,7 +168,7 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"'messages[{i}].content' must be a string or a list of text parts", "messages")
-        out.append({"role": role, "content": content})
+        out.append({"role": _unicode(role, "messages"), "content": _unicode(content, "messages")})
     return out
 
 
@@ -222,7 +231,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
+            prompt_ids = tokenizer.encode(_unicode(prompt, "prompt"))
         elif (isinstance(prompt, list) and prompt
               and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             vocab = tokenizer.vocab_size

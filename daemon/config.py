@@ -51,6 +51,8 @@ CONFIG_ENV = "MOED_CONFIG"
 # read by setup.py. They are known, so they do not warn.
 OTHER_ENV = frozenset({CONFIG_ENV, "MOED_PORTABLE", "MOED_OPENMP", "MOED_DEBUG"})
 MAX_THREADS = 1024
+MAX_CONCURRENT_SEQUENCES = 64   # ext.model.PREFILL_CHUNK: the rows of one batched step
+MAX_SECONDS = 1e6    # ~11.6 days: beyond this, waits overflow the platform's timeouts
 UNIX_PATH_MAX = 107  # bytes of sun_path (108) minus its terminating NUL
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_SOURCE = "default"
@@ -312,12 +314,12 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                       "$STATE_DIRECTORY, else ~/.local/state/moed"),
     "expert_cache_bytes": _Key(_size, "SIZE", "stream experts into a cache of SIZE bytes, "
                                               "K/M/G suffixes", True, "experts memory-mapped"),
-    "max_concurrent_sequences": _Key(_int(1), "N", "requests decoded together"),
+    "max_concurrent_sequences": _Key(_int(1, MAX_CONCURRENT_SEQUENCES), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
     "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
     "max_body_bytes": _Key(_size, "SIZE", "largest request body"),
-    "request_timeout_s": _Key(_float(0, lo_open=True), "SECONDS", "a request's time limit"),
-    "shutdown_grace_s": _Key(_float(0, lo_open=False), "SECONDS",
+    "request_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS", "a request's time limit"),
+    "shutdown_grace_s": _Key(_float(0, lo_open=False, hi=MAX_SECONDS), "SECONDS",
                              "time running requests get to finish on SIGTERM"),
     "metrics_address": _Key(_address, "HOST:PORT", "where /metrics is also served over TCP"),
     "tcp_address": _Key(_address, "HOST:PORT", "also serve the API over TCP (non-loopback "

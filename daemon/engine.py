@@ -330,10 +330,14 @@ class Engine:
                 if self._stopping:
                     break
             self._run_calls()
-            self._reap()
-            self._admit()
-            if self._running:
-                self._decode_step()
+            try:
+                self._reap()
+                self._admit()
+                if self._running:
+                    self._decode_step()
+            except Exception as e:  # a bug: fail what was running, keep serving the rest
+                log.exception("engine_step_crashed")
+                self._fail(list(self._running), e)
             with self._cond:
                 if not self._running and not self._waiting:
                     self._idle.set()
@@ -366,7 +370,11 @@ class Engine:
                 if not self._waiting or len(self._running) >= self.max_concurrent_sequences:
                     return
                 handle = self._waiting.popleft()
-            handle.stats.queue_s = self.clock() - handle.submitted
+            now = self.clock()
+            if handle.cancelled or _late(handle, now):   # gone while it waited: no prefill
+                self._finish_handle(handle, "cancelled" if handle.cancelled else "timeout", now)
+                continue
+            handle.stats.queue_s = now - handle.submitted
             self._prefill(handle)
 
     def _prefill(self, handle: RequestHandle) -> None:
@@ -376,24 +384,47 @@ class Engine:
         seq = self.model.new_sequence(capacity=len(req.prompt_ids) + min(max_tokens, 1024))
         r = _Running(handle, seq, Sampler(req.sampling), self.tokenizer.stream_decoder(), max_tokens)
         before = self._expert_counters()
+        ids = np.asarray(req.prompt_ids, np.int64)
         try:
-            logits = self.model.forward(seq, np.asarray(req.prompt_ids, np.int64))
+            # Chunk by chunk (the logits do not depend on the chunking), so that a client
+            # that leaves during a long prompt stops it within one chunk.
+            for start in range(0, ids.size, PREFILL_CHUNK):
+                if handle.cancelled:
+                    handle.stats.steps_after_cancel += 1
+                    self._charge([r], before)
+                    self._finish_handle(handle, "cancelled", self.clock())
+                    return
+                logits = self.model.forward(seq, ids[start:start + PREFILL_CHUNK])
         except (OSError, ValueError) as e:
             self._fail([r], e)
             return
         self._charge([r], before)
         with self._cond:
             self._running.append(r)
-        self._take_token(r, logits[-1])
+        self._sample(r, logits[-1])
 
     def _decode_step(self) -> None:
         rows = list(self._running)
-        before = self._expert_counters()
         try:
-            logits = self.model.forward_batch([r.seq for r in rows], [r.last_token for r in rows])
+            self._step(rows)
         except (OSError, ValueError) as e:
-            self._fail(rows, e)
-            return
+            if len(rows) == 1:
+                self._fail(rows, e)
+                return
+            # A read error (or NaN weights) of one row's experts must not fail its step
+            # mates: run each row alone. Nothing was committed — a KV cache only grows at
+            # the end of a step — and a row's logits do not depend on its company.
+            log.warning("engine_batch_failed_retrying_alone rows=%d error=%s", len(rows), e)
+            for r in rows:
+                try:
+                    self._step([r])
+                except (OSError, ValueError) as e_row:
+                    self._fail([r], e_row)
+
+    def _step(self, rows: list[_Running]) -> None:
+        """One forward over `rows` (their last tokens), then sample each row."""
+        before = self._expert_counters()
+        logits = self.model.forward_batch([r.seq for r in rows], [r.last_token for r in rows])
         self._charge(rows, before)
         self.decode_steps += 1
         self.generated_tokens += len(rows)
@@ -404,7 +435,14 @@ class Engine:
                 r.handle.stats.steps_after_cancel += 1
                 self._finish(r, "cancelled")
                 continue
-            self._take_token(r, row)
+            self._sample(r, row)
+
+    def _sample(self, r: _Running, logits: np.ndarray) -> None:
+        """`_take_token`, failing only this request when its logits are unusable."""
+        try:
+            self._take_token(r, logits)
+        except ValueError as e:                    # NaN / inf logits: corrupt weights
+            self._fail([r], ValueError(f"request {r.handle.request.request_id}: {e}"))
 
     def _take_token(self, r: _Running, logits: np.ndarray) -> None:
         """Sample the next token of `r` from its logits; emit text or finish."""

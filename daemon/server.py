@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from daemon import api
 from daemon.api import ApiError
@@ -45,6 +46,7 @@ FLUSH_INTERVAL_S = 60.0         # learned usage written to the state file this o
 STATUS_INTERVAL_S = 5.0         # systemd STATUS= line refresh
 EXTEND_TIMEOUT_S = 30.0         # EXTEND_TIMEOUT_USEC step while the model loads
 RETRY_AFTER_S = 1
+SHUTDOWN_CONNECTIONS_S = 5.0    # after the drain: open connections get this long to close
 
 
 @dataclass
@@ -128,6 +130,8 @@ class Daemon:
             return await handler(request)
         except ApiError as e:
             return error_response(e)
+        except RequestPayloadError as e:    # e.g. a body whose Content-Encoding is broken
+            return error_response(ApiError(400, f"the request body cannot be read: {e}"))
         except web.HTTPException as e:      # aiohttp's own 404/405/413: OpenAI-shaped
             if e.status < 400:
                 raise
@@ -136,12 +140,18 @@ class Daemon:
             allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 must say
             return error_response(ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
                                            type=kind, headers=allow))
+        except (asyncio.CancelledError, ConnectionError):
+            raise                            # the client went away: nobody to answer
+        except Exception as e:              # a bug: answer in OpenAI's shape, keep serving
+            log.exception("request_failed", path=request.path)
+            return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                           type="server_error", code="internal_error"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if _is_tcp(request) and self.config.api_key:
-            header = request.headers.get("Authorization", "")
-            if header != f"Bearer {self.config.api_key}":
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or key.strip() != self.config.api_key:
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)
@@ -178,8 +188,9 @@ class Daemon:
                            code="request_too_large")
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: huge ints too
+            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: "
+                                f"{str(e)[:200]}") from None
 
     # ------------------------------------------------------------------ routes
 
@@ -205,8 +216,8 @@ class Daemon:
         loaded = self._require_ready()
         body = await self._json(request)
         engine = loaded.engine
-        parsed = api.parse_request(
-            body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
+        parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
+            api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
             stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.config.max_tokens,
             request_timeout_s=self.config.request_timeout_s, now=engine.clock())
         try:
@@ -376,7 +387,8 @@ class Daemon:
         self._stop.set()
 
     async def startup(self) -> bool:
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=SHUTDOWN_CONNECTIONS_S)
         await runner.setup()
         self._runners.append(runner)
         await web.SockSite(runner, self.listener.sock).start()
@@ -478,7 +490,7 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = self._reload()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             log.error("reload_failed", error=str(e), kept="previous configuration")
             self.notifier.ready()
             return

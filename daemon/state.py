@@ -126,7 +126,7 @@ class StateStore:
     def _parse(self, raw: bytes) -> StateRecord:
         try:
             doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise _Invalid("corrupt", f"not UTF-8 JSON ({e})") from None
         if not isinstance(doc, dict) or "version" not in doc:
             raise _Invalid("corrupt", "not a moed state object")

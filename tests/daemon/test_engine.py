@@ -197,3 +197,78 @@ def test_call_runs_between_steps_on_the_engine_thread(model_dir, tokenizer):
     assert name == "moed-engine"
     engine.stop()
     assert np.isfinite(engine.stats().tokens_per_second)
+
+
+def test_a_read_error_in_a_batch_fails_only_the_row_that_needs_it(model_dir, tokenizer):
+    """The failing step is retried row by row: step mates finish with their solo tokens."""
+    reqs = _requests(3)
+    alone_engine = _engine(Model.load(model_dir, n_threads=1), tokenizer)
+    alone = [_run(alone_engine, [r])[0] for r in reqs]
+    alone_engine.stop()
+
+    model = Model.load(model_dir, n_threads=1)
+    real = model.forward_batch
+    poisoned = []                                   # the sequence of request r1, once known
+
+    def forward_batch(seqs, ids):
+        if poisoned and poisoned[0] in seqs:
+            raise OSError(5, "Input/output error (injected: expert of r1)")
+        return real(seqs, ids)
+    model.forward_batch = forward_batch
+    real_forward = model.forward
+
+    def forward(seq, ids):                          # learn which sequence is r1's (prompt)
+        if list(np.asarray(ids)[:3]) == list(reqs[1].prompt_ids[:3]) and not poisoned:
+            poisoned.append(seq)
+        return real_forward(seq, ids)
+    model.forward = forward
+    engine = _engine(model, tokenizer, max_concurrent_sequences=3)
+    got = _run(engine, reqs)
+    engine.stop()
+    assert got[1][2] == "error"
+    for i in (0, 2):
+        assert got[i][:3] == alone[i][:3]
+
+
+def test_nan_logits_fail_only_their_request(model_dir, tokenizer):
+    model = Model.load(model_dir, n_threads=1)
+    real = model.forward_batch
+
+    def forward_batch(seqs, ids):
+        out = real(seqs, ids)
+        out[0, :] = np.nan                          # the first row's weights are corrupt
+        return out
+    model.forward_batch = forward_batch
+    engine = _engine(model, tokenizer, max_concurrent_sequences=1)
+    first = _run(engine, [EngineRequest("nan", (1, 2), max_tokens=5)])[0]
+    assert first[2] == "error" and len(first[1]) == 1     # the prefill's token, then NaN
+    model.forward_batch = real
+    second = _run(engine, [EngineRequest("ok", (1, 2), max_tokens=5)])[0]
+    assert second[2] == "length" and len(second[1]) == 5  # the engine thread lives on
+    engine.stop()
+
+
+def test_requests_cancelled_while_waiting_or_during_prefill_cost_no_more_prefill(model_dir, tokenizer):
+    model = Model.load(model_dir, n_threads=1)
+    real = model.forward
+    chunks = []
+    engine = Engine(model, tokenizer, max_concurrent_sequences=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        waiting = engine.submit(EngineRequest("w", (1, 2, 3), max_tokens=4), loop)
+        waiting.cancel()                            # gone before the engine saw it
+        long = engine.submit(EngineRequest("p", tuple(range(1, 200)), max_tokens=4), loop)
+
+        def forward(seq, ids):
+            chunks.append(len(ids))
+            long.cancel()                           # the client leaves during the first chunk
+            return real(seq, ids)
+        model.forward = forward
+        engine.start()
+        return await _drain(waiting), await _drain(long)
+    (w, p) = asyncio.run(main())
+    engine.stop()
+    assert w[2] == "cancelled" and w[3].completion_tokens == 0
+    assert p[2] == "cancelled" and p[3].completion_tokens == 0
+    assert chunks == [64]                           # one chunk of 199 tokens, not all four

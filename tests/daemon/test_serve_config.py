@@ -476,3 +476,14 @@ def test_example_file_documents_every_key_with_its_default(tmp_path, nowhere):
             assert config.sources[name] == f"config file {on}"
         else:
             assert getattr(config, name) == getattr(defaults, name), name
+
+
+def test_the_concurrency_ceiling_is_the_engines_batch_limit():
+    from daemon.config import MAX_CONCURRENT_SEQUENCES
+    from ext.model import PREFILL_CHUNK
+
+    assert MAX_CONCURRENT_SEQUENCES == PREFILL_CHUNK
+    with pytest.raises(ConfigError, match="max_concurrent_sequences"):
+        ServeConfig(max_concurrent_sequences=PREFILL_CHUNK + 1)
+    with pytest.raises(ConfigError, match="shutdown_grace_s"):
+        ServeConfig(shutdown_grace_s=1e10)

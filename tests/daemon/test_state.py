@@ -129,6 +129,7 @@ CORRUPT = {
                                            .replace(b"]}}", b"]}]}"),
     "negative-tokens": lambda good: good.replace(b'"tokens":4', b'"tokens":-4'),
     "no-written-unix": lambda good: good.replace(b'"written_unix"', b'"written"'),
+    "nested-too-deep": lambda good: b'{"version": 1, "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
 }
 
 
