@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def _start(args, workdir: str) -> tuple[subprocess.Popen, str]:
             break
     else:
         raise RuntimeError(f"moed serve exited with {proc.wait()} before it was ready")
+    # Keep reading its log: a full pipe would block the daemon's next log line.
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
     return proc, sock
 
 
