@@ -229,7 +229,7 @@ def test_progress_reports_every_byte(tmp_path):
 
 def test_existing_checkpoint_needs_overwrite(tmp_path):
     make_model(tmp_path, arch="olmoe", shard_size=20_000, **TINY)
-    with pytest.raises(FileExistsError, match="overwrite"):
+    with pytest.raises(FileExistsError, match="already holds a checkpoint.*--force"):
         make_model(tmp_path, arch="olmoe", **TINY)
     make_model(tmp_path, arch="olmoe", overwrite=True, **TINY)  # now fits one shard
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
