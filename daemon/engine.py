@@ -36,6 +36,7 @@ import numpy as np
 from ext.model import PREFILL_CHUNK, Model, Sequence
 from ext.sampling import Sampler, SamplingParams
 from ext.tokenizer import StreamDecoder, Tokenizer
+from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
 
 log = logging.getLogger("moed.engine")
 
@@ -74,8 +75,9 @@ class EngineRequest:
 class RequestStats:
     """What one request cost, for its response's usage and its log line.
 
-    Times in seconds (clock): queue_s from submit to admission, time_to_first_token_s
-    from submit to the first token, duration_s from submit to the end. Expert figures
+    Times in seconds (clock): queue_s from submit to admission (to the end for a request
+    that never left the queue), time_to_first_token_s from submit to the first token,
+    duration_s from submit to the end. Expert figures
     are those of the steps the request took part in (a step shared by several requests
     counts for each). steps_after_cancel: steps it took part in after `cancel`.
     """
@@ -151,11 +153,18 @@ class _Running:
     held: str = ""                  # text withheld: it may be the start of a stop string
     pending_ids: list[int] = field(default_factory=list)   # tokens whose text is not out yet
     generated: int = 0
+    last_token_at: float | None = None   # clock() when the previous token was sampled
 
 
 @dataclass
 class EngineStats:
-    """A snapshot for /v1/moed/stats and the STATUS line (counts and rates)."""
+    """A snapshot for /v1/moed/stats, /metrics and the STATUS line (counts and rates).
+
+    generated_tokens: rows of decode steps; completion_tokens: tokens returned to
+    clients (prefill's first tokens included); prompt_tokens: prompt tokens of admitted
+    requests. decode_io_wait_seconds: time of decode steps spent waiting for expert
+    reads (the provider's io_wait_s); decode_compute_seconds: the rest of their time.
+    """
 
     running: int
     waiting: int
@@ -165,6 +174,10 @@ class EngineStats:
     tokens_per_second: float
     max_concurrent_sequences: int
     max_queue: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    decode_io_wait_seconds: float = 0.0
+    decode_compute_seconds: float = 0.0
 
 
 @dataclass
@@ -195,14 +208,20 @@ class Engine:
     max_queue: requests that may wait for a place (>= 0).
     on_finish: called as on_finish(handle) on the engine thread when a request ends
         (its stats and finish_reason are final): the canonical log line.
+    on_decode_step: called with each decode step's duration (seconds); on_token_gap:
+        with the time between two consecutive tokens of one request (engine thread).
     Raises ValueError for limits out of range.
     """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, *, max_concurrent_sequences: int = 4,
                  max_queue: int = 64, clock: Callable[[], float] = time.monotonic,
-                 on_finish: Callable[[RequestHandle], None] | None = None):
+                 on_finish: Callable[[RequestHandle], None] | None = None,
+                 on_decode_step: Callable[[float], None] | None = None,
+                 on_token_gap: Callable[[float], None] | None = None):
         self.model = model
         self.on_finish = on_finish
+        self.on_decode_step = on_decode_step
+        self.on_token_gap = on_token_gap
         self.tokenizer = tokenizer
         self.clock = clock
         self._cond = threading.Condition()
@@ -218,6 +237,10 @@ class Engine:
         self.requests_total = 0
         self.decode_steps = 0
         self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.decode_io_wait_seconds = 0.0
+        self.decode_compute_seconds = 0.0
         self._rate = _Rate()
 
     # ------------------------------------------------------------ the asyncio side
@@ -317,7 +340,10 @@ class Engine:
                                generated_tokens=self.generated_tokens,
                                tokens_per_second=self._rate.value(self.clock()),
                                max_concurrent_sequences=self.max_concurrent_sequences,
-                               max_queue=self.max_queue)
+                               max_queue=self.max_queue, prompt_tokens=self.prompt_tokens,
+                               completion_tokens=self.completion_tokens,
+                               decode_io_wait_seconds=self.decode_io_wait_seconds,
+                               decode_compute_seconds=self.decode_compute_seconds)
 
     # ------------------------------------------------------------ the engine thread
 
@@ -360,6 +386,7 @@ class Engine:
         with self._cond:
             for h in [h for h in self._waiting if h.cancelled or _late(h, now)]:
                 self._waiting.remove(h)
+                h.stats.queue_s = now - h.submitted
                 self._finish_handle(h, "cancelled" if h.cancelled else "timeout", now)
         for r in [r for r in self._running if r.handle.cancelled or _late(r.handle, now)]:
             self._finish(r, "cancelled" if r.handle.cancelled else "timeout")
@@ -371,10 +398,10 @@ class Engine:
                     return
                 handle = self._waiting.popleft()
             now = self.clock()
+            handle.stats.queue_s = now - handle.submitted
             if handle.cancelled or _late(handle, now):   # gone while it waited: no prefill
                 self._finish_handle(handle, "cancelled" if handle.cancelled else "timeout", now)
                 continue
-            handle.stats.queue_s = now - handle.submitted
             self._prefill(handle)
 
     def _prefill(self, handle: RequestHandle) -> None:
@@ -385,6 +412,8 @@ class Engine:
         r = _Running(handle, seq, Sampler(req.sampling), self.tokenizer.stream_decoder(), max_tokens)
         before = self._expert_counters()
         ids = np.asarray(req.prompt_ids, np.int64)
+        self.prompt_tokens += ids.size
+        self._set_phase(PHASE_PREFILL)
         try:
             # Chunk by chunk (the logits do not depend on the chunking), so that a client
             # that leaves during a long prompt stops it within one chunk.
@@ -424,11 +453,19 @@ class Engine:
     def _step(self, rows: list[_Running]) -> None:
         """One forward over `rows` (their last tokens), then sample each row."""
         before = self._expert_counters()
+        self._set_phase(PHASE_DECODE)
+        start, wait_before = self.clock(), self._io_wait_s()
         logits = self.model.forward_batch([r.seq for r in rows], [r.last_token for r in rows])
+        now = self.clock()
         self._charge(rows, before)
+        wait = max(0.0, self._io_wait_s() - wait_before)
         self.decode_steps += 1
         self.generated_tokens += len(rows)
-        self._rate.add(self.clock(), len(rows))
+        self.decode_io_wait_seconds += wait
+        self.decode_compute_seconds += max(0.0, now - start - wait)
+        self._rate.add(now, len(rows))
+        if self.on_decode_step is not None:
+            self.on_decode_step(now - start)
         for r, row in zip(rows, logits):
             r.handle.stats.decode_steps += 1
             if r.handle.cancelled:            # the client left while this step ran
@@ -448,13 +485,18 @@ class Engine:
         """Sample the next token of `r` from its logits; emit text or finish."""
         token = r.sampler.sample(logits)
         stats = r.handle.stats
+        now, previous = self.clock(), r.last_token_at
+        r.last_token_at = now
         if stats.time_to_first_token_s is None:
-            stats.time_to_first_token_s = self.clock() - r.handle.submitted
+            stats.time_to_first_token_s = now - r.handle.submitted
         if token in r.handle.request.stop_ids:
             self._finish(r, "stop", flush=True)
             return
+        if previous is not None and self.on_token_gap is not None:
+            self.on_token_gap(now - previous)
         r.generated += 1
         stats.completion_tokens += 1
+        self.completion_tokens += 1
         r.last_token = token
         r.pending_ids.append(token)
         text, stopped = self._stop_strings(r, r.held + r.decoder.step(token))
@@ -521,6 +563,14 @@ class Engine:
                 if r in self._running:
                     self._running.remove(r)
             self._finish_handle(r.handle, "error", now, error=str(e))
+
+    def _set_phase(self, phase: str) -> None:
+        """Tell the expert provider (when it counts per phase) what the next forward is."""
+        if hasattr(self.model.experts, "phase"):
+            self.model.experts.phase = phase
+
+    def _io_wait_s(self) -> float:
+        return getattr(self.model.experts, "io_wait_s", 0.0)
 
     def _expert_counters(self) -> tuple[int, int, int]:
         counters = getattr(self.model.experts, "counters", None)

@@ -54,9 +54,10 @@ DEMAND, PREFETCH, PIN_LOAD = "demand", "prefetch", "pin_load"
 PRIORITY = {DEMAND: 0, PREFETCH: 1, PIN_LOAD: 2}
 REASONS = tuple(PRIORITY)
 
-# Upper bounds (seconds) of the cumulative read-latency buckets in IoStats.
-READ_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                        0.05, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))
+# Upper bounds (seconds) of the cumulative read-latency buckets in IoStats: an NVMe read of
+# one expert takes tens of microseconds to a second (moed_expert_read_seconds).
+READ_SECONDS_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, float("inf"))
 RECENT_READS = 4096  # latencies kept for percentiles (the most recent ones)
 
 

@@ -38,6 +38,7 @@ from daemon.api import ApiError
 from daemon.config import ServeConfig
 from daemon.engine import Engine, EngineClosedError, QueueFullError, RequestHandle
 from daemon.sdnotify import Notifier
+from daemon.stats import collect, status_line
 from telemetry.logs import get_logger, set_level
 
 log = get_logger("server")
@@ -46,6 +47,7 @@ FLUSH_INTERVAL_S = 60.0         # learned usage written to the state file this o
 STATUS_INTERVAL_S = 5.0         # systemd STATUS= line refresh
 EXTEND_TIMEOUT_S = 30.0         # EXTEND_TIMEOUT_USEC step while the model loads
 RETRY_AFTER_S = 1
+SCRAPE_WAIT_S = 2.0             # /metrics waits this long for a fresh snapshot, else the last one
 SHUTDOWN_CONNECTIONS_S = 5.0    # after the drain: open connections get this long to close
 
 
@@ -87,17 +89,22 @@ class Daemon:
     (re-reads file and environment; raises ValueError when invalid) for SIGHUP.
     load: a callable (config) -> Loaded, run in a worker thread (the model load).
     listener: a bound, listening socket (from daemon.listen), with close().
+    telemetry: the daemon's telemetry.metrics.DaemonMetrics (its registry is rendered at
+    /metrics; its collector reads `last_snapshot`), or None.
     """
 
     def __init__(self, config: ServeConfig, *, load, reload, listener, notifier: Notifier,
-                 metrics_app: web.Application | None = None, registry=None):
+                 metrics_app: web.Application | None = None, registry=None, telemetry=None):
         self.config = config
         self._load = load
         self._reload = reload
         self.listener = listener
         self.notifier = notifier
         self.metrics_app = metrics_app
-        self.registry = registry         # prometheus_client registry rendered at /metrics
+        self.telemetry = telemetry
+        self.registry = telemetry.registry if telemetry is not None else registry
+        self.last_snapshot = None        # telemetry.metrics.Snapshot of the latest stats reading
+        self.load_seconds = 0.0
         self.loaded: Loaded | None = None
         self.phase = "loading"           # loading | ready | draining
         self._stop = asyncio.Event()
@@ -113,7 +120,7 @@ class Daemon:
     # ------------------------------------------------------------------ the app
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth])
+        app = web.Application(middlewares=[self._count, self._errors, self._auth])
         app.router.add_get("/health", self.health, name="health")
         app.router.add_get("/v1/models", self.models, name="models")
         app.router.add_post("/v1/completions", self.completions, name="completions")
@@ -123,6 +130,24 @@ class Daemon:
         app.router.add_get("/v1/moed/pins", self.pins, name="pins")
         app.router.add_post("/v1/moed/pins/reset", self.pins_reset, name="pins_reset")
         return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        """Count every response by route name and status (499: the client went away)."""
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            status = 499
+            raise
+        finally:
+            if self.telemetry is not None:
+                self.telemetry.response(request.match_info.route.name, status)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -285,8 +310,27 @@ class Daemon:
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        await self._refresh_snapshot()
         body = generate_latest(self.registry) if self.registry is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def metrics_application(self) -> web.Application:
+        """The app of `metrics_address`: /metrics only, counted like the socket's routes."""
+        app = web.Application(middlewares=[self._count])
+        app.router.add_get("/metrics", self.metrics, name="metrics")
+        return app
+
+    async def _refresh_snapshot(self) -> None:
+        """Take a fresh stats reading for a scrape; after SCRAPE_WAIT_S (a long prefill
+        holds the engine) the scrape renders the previous one."""
+        loaded = self.loaded
+        if loaded is None or self.phase == "loading":
+            return
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(
+                loaded.engine.call(lambda: self.stats_snapshot(loaded))), SCRAPE_WAIT_S)
+        except (TimeoutError, EngineClosedError):
+            pass
 
     async def _on_engine(self, fn):
         loaded = self._require_ready()
@@ -297,39 +341,14 @@ class Daemon:
         return web.json_response(await self._on_engine(lambda: self.stats_snapshot(loaded)))
 
     def stats_snapshot(self, loaded: Loaded) -> dict:
-        """moed's own statistics (runs on the engine thread)."""
-        e = loaded.engine.stats()
-        out = {"requests": {"running": e.running, "waiting": e.waiting, "total": e.requests_total,
-                            "max_concurrent_sequences": e.max_concurrent_sequences,
-                            "max_queue": e.max_queue},
-               "tokens_per_second": e.tokens_per_second, "decode_steps": e.decode_steps,
-               "generated_tokens": e.generated_tokens,
-               "memory": {"budget_bytes": self.config.expert_cache_bytes, "available_bytes": _mem_available()},
-               "model": loaded.model_names[0], "uptime_seconds": time.monotonic() - self.started}
-        provider = loaded.engine.model.experts
-        cache = getattr(provider, "cache", None)
-        if cache is None:
-            out.update(hit_rate=None, cache=None, expert_provider=type(provider).__name__)
-            return out
-        snap = cache.snapshot()
-        io = provider.io.stats()
-        slot = provider.slot_bytes
-        loading = sum(snap.loading)
-        out["cache"] = {
-            "slot_bytes": slot,
-            "pinned": {"slots": snap.pinned_slots, "bytes": snap.pinned_slots * slot,
-                       "resident_slots": sum(snap.resident_pinned), "reserved_slots": 0},
-            "dynamic": {"slots": sum(snap.dynamic_slots), "bytes": sum(snap.dynamic_slots) * slot,
-                        "resident_slots": sum(snap.resident_dynamic), "reserved_slots": loading},
-            "policy": snap.policy}
-        out["hit_rate"] = snap.hit_rate
-        out["experts"] = {"hits": sum(snap.hits), "prefetch_hits": sum(snap.prefetch_hits),
-                          "misses": sum(snap.misses),
-                          "bytes_read": sum(io.bytes_issued.values()),
-                          "read_errors": io.read_errors, "io_path": io.io_path,
-                          "io_workers": io.n_workers,
-                          "prefetches_issued": sum(snap.prefetches_issued),
-                          "prefetches_used": sum(snap.prefetches_used)}
+        """moed's own statistics (runs on the engine thread); the same reading becomes
+        `last_snapshot`, which /metrics exports (daemon.stats)."""
+        snapshot, out = collect(loaded.engine, loaded.session,
+                                memory_budget_bytes=self.config.expert_cache_bytes or 0,
+                                memory_available_bytes=_mem_available(),
+                                model_load_seconds=self.load_seconds)
+        self.last_snapshot = snapshot
+        out.update(model=loaded.model_names[0], uptime_seconds=time.monotonic() - self.started)
         return out
 
     async def pins(self, request: web.Request) -> web.Response:
@@ -408,6 +427,7 @@ class Daemon:
             self.metrics_bound = f"{host}:{port}"
             log.info("metrics_listening", address=self.metrics_bound)
         log.info("socket_listening", socket=self.listener.path)
+        load_started = time.monotonic()
         load = asyncio.ensure_future(asyncio.to_thread(self._load, self.config))
         while not load.done():
             self.notifier.extend_timeout(int(2 * EXTEND_TIMEOUT_S * 1e6))
@@ -423,6 +443,7 @@ class Daemon:
                 return False
         try:
             self.loaded = load.result()
+            self.load_seconds = time.monotonic() - load_started
         except (OSError, ValueError) as e:
             log.error("model_load_failed", error=str(e))
             self.exit_code = 1
@@ -431,7 +452,7 @@ class Daemon:
         self.phase = "ready"
         self.notifier.ready()
         log.info("ready", model=self.loaded.model_names[0], socket=self.listener.path,
-                 load_seconds=round(time.monotonic() - self.started, 3))
+                 load_seconds=round(self.load_seconds, 3))
         return True
 
     async def main_loop(self) -> None:
@@ -454,10 +475,7 @@ class Daemon:
         while True:
             try:
                 snap = await self._on_engine(lambda: self.stats_snapshot(self.loaded))
-                hit = snap.get("hit_rate")
-                self.notifier.status(f"{snap['tokens_per_second']:.1f} tokens/s, "
-                                     f"hit rate {hit:.3f}" if hit is not None else
-                                     f"{snap['tokens_per_second']:.1f} tokens/s")
+                self.notifier.status(status_line(snap))
             except ApiError:
                 pass
             await asyncio.sleep(STATUS_INTERVAL_S)
@@ -568,9 +586,13 @@ def _mem_available() -> int | None:
 # ---------------------------------------------------------------------- wiring
 
 
-def request_finished(handle: RequestHandle) -> None:
-    """The canonical log line of one request (called on the engine thread)."""
+def request_finished(handle: RequestHandle, telemetry=None) -> None:
+    """The canonical log line of one request, and the same numbers into the request
+    histograms of `telemetry` (a DaemonMetrics, or None). Called on the engine thread."""
     s = handle.stats
+    if telemetry is not None:
+        telemetry.request_finished(handle.finish_reason, s.queue_s, s.time_to_first_token_s,
+                                   s.duration_s)
     log.info("request_finished", request_id=handle.request.request_id, endpoint=handle.endpoint,
              finish_reason=handle.finish_reason, prompt_tokens=s.prompt_tokens,
              completion_tokens=s.completion_tokens, queue_seconds=round(s.queue_s, 6),
@@ -581,8 +603,10 @@ def request_finished(handle: RequestHandle) -> None:
              expert_misses=s.expert_misses, expert_bytes_read=s.expert_bytes_read)
 
 
-def load_for_serving(config: ServeConfig, environ: Mapping[str, str]) -> Loaded:
-    """Open the model, tokenizer, learned state and engine that `config` describes."""
+def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=None) -> Loaded:
+    """Open the model, tokenizer, learned state and engine that `config` describes.
+
+    telemetry: the daemon's DaemonMetrics, fed by the engine's hooks (or None)."""
     from daemon.session import open_model
     from ext.tokenizer import Tokenizer, stop_token_ids
 
@@ -595,7 +619,10 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str]) -> Loaded:
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ)
     engine = Engine(model, tokenizer, max_concurrent_sequences=config.max_concurrent_sequences,
-                    max_queue=config.max_queue, on_finish=request_finished)
+                    max_queue=config.max_queue,
+                    on_finish=lambda handle: request_finished(handle, telemetry),
+                    on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
+                    on_token_gap=telemetry.token_gap if telemetry is not None else None)
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
@@ -624,10 +651,11 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     Binding happens first: "another moed serves PATH" and a non-socket path exit 1
     before any model is read.
     """
+    from daemon.io import READ_SECONDS_BUCKETS
     from daemon.listen import ListenError, adopt_fd, bind_unix_socket
     from daemon.sdnotify import listen_fds
     from ext.config import load_config as load_model_config
-    from telemetry.metrics import build_registry
+    from telemetry.metrics import DaemonMetrics
 
     fds = listen_fds(environ)
     try:
@@ -641,20 +669,19 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
         print(f"moed serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        model_type = load_model_config(config.require_model()).model_type
+        model_config = load_model_config(config.require_model())
+        model_type = model_config.model_type
+        moe_layers = [l for l, is_moe in enumerate(model_config.moe_layers) if is_moe]
     except ValueError:
-        model_type = "unknown"          # the load reports the real error
-    registry = build_registry(version=version, model_type=model_type)
-    metrics_app = web.Application()
-
-    async def metrics(request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    metrics_app.router.add_get("/metrics", metrics)
+        model_type, moe_layers = "unknown", []   # the load reports the real error
+    daemon: Daemon | None = None
+    telemetry = DaemonMetrics(version=version, model_type=model_type, moe_layers=moe_layers,
+                              read_seconds_buckets=READ_SECONDS_BUCKETS,
+                              source=lambda: daemon.last_snapshot if daemon is not None else None)
     notifier = Notifier(environ)
-    daemon = Daemon(config, load=lambda c: load_for_serving(c, environ), reload=reload,
-                    listener=listener, notifier=notifier, metrics_app=metrics_app, registry=registry)
+    daemon = Daemon(config, load=lambda c: load_for_serving(c, environ, telemetry), reload=reload,
+                    listener=listener, notifier=notifier, telemetry=telemetry)
+    daemon.metrics_app = daemon.metrics_application()
     try:
         return asyncio.run(daemon.run())
     finally:

@@ -16,9 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from daemon.state import StateStore, default_state_dir
+from daemon.stats import expert_counters
 from daemon.streaming import (StreamingExpertProvider, StreamingOptions, flush_usage,
                               load_usage_counts)
 from ext.model import Model
+from telemetry.metrics import ExpertCounters
 
 log = logging.getLogger("moed.session")
 
@@ -27,6 +29,9 @@ class ExpertSession:
     """The streaming provider of a model plus its state file (usage learned across runs).
 
     store is None when the state directory is unusable (learning then lasts one run).
+    state_saves / state_save_errors: writes of the state file that succeeded / failed.
+    retired: the expert totals of the providers `rebuild` replaced (so totals never
+    go back when the cache is rebuilt).
     """
 
     def __init__(self, model: Model, provider: StreamingExpertProvider, store: StateStore | None,
@@ -36,6 +41,9 @@ class ExpertSession:
         self.store = store
         self.fingerprint = fingerprint
         self.options = options
+        self.state_saves = 0
+        self.state_save_errors = 0
+        self.retired = ExpertCounters()
 
     def flush(self) -> bool:
         """Merge the usage observed since the last flush into the state file.
@@ -45,8 +53,17 @@ class ExpertSession:
         """
         if self.store is None:
             return False
-        flush_usage(self.store, self.provider.usage, self.fingerprint)
+        self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint))
         return True
+
+    def _save(self, write) -> None:
+        """Run one write of the state file, counting it as a save or a save error."""
+        try:
+            write()
+        except OSError:
+            self.state_save_errors += 1
+            raise
+        self.state_saves += 1
 
     def reset(self) -> int:
         """Forget learned usage and drop the pin set, in memory and in the state file.
@@ -57,7 +74,8 @@ class ExpertSession:
         dropped = self.provider.reset_learning()
         if self.store is not None:
             usage = self.provider.usage
-            self.store.save(lambda _current: usage.to_dict(self.fingerprint), tokens=0)
+            self._save(lambda: self.store.save(lambda _current: usage.to_dict(self.fingerprint),
+                                               tokens=0))
         return dropped
 
     def rebuild(self, cache_bytes: int | None = None, pin_fraction: float | None = None,
@@ -77,6 +95,7 @@ class ExpertSession:
         self.model.experts = provider
         self.provider, self.options = provider, options
         old.close()
+        self.retired = self.retired + expert_counters(old)
         log.info("expert cache rebuilt: %d bytes, pin fraction %.2f, prefetch %s",
                  options.cache_bytes, options.pin_fraction, "on" if options.prefetch else "off")
 

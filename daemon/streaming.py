@@ -12,6 +12,8 @@ mechanism (daemon/io.py: slot buffers, io worker threads, preadv). It implements
                              that are neither resident nor in flight are read in the
                              background, into slots whose occupants are colder.
     begin_step(tokens)       time moves on (usage decay, pin re-evaluation).
+    phase                    "prefill" or "decode" (set by the engine before a forward):
+                             the cache counts each lookup under it.
 
 All cache bookkeeping happens on the calling (engine) thread; io threads only fill
 buffers and resolve futures, whose completion the engine notices on its next call.
@@ -31,7 +33,8 @@ from daemon.io import (DEMAND, PIN_LOAD, PREFETCH, ExpertReadError, IoPool, Read
                        plans_for, probe_direct_io)
 from ext.config import ModelConfig
 from ext.experts import ExpertLayout, ExpertProvider, ExpertWeights
-from scheduler.cache import OUTCOME_INFLIGHT, OUTCOME_MISS, CacheBudgetError, ExpertCache
+from scheduler.cache import (OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_DECODE, CacheBudgetError,
+                             ExpertCache)
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
 from scheduler.usage import UsageStats
@@ -118,8 +121,11 @@ class StreamingExpertProvider(ExpertProvider):
         total_slots = min(total_slots, len(self.plans))  # more slots than experts is waste
         spare = max(0, total_slots - minimum)
         pinned_slots = int(spare * options.pin_fraction) if usage_counts is not None else 0
+        expert_bytes = [[self.plans[(l, e)].slot_bytes for e in range(config.num_experts)]
+                        for l in self.moe_layers]
         self.cache = ExpertCache(self.moe_layers, config.num_experts, config.top_k, total_slots,
-                                 pinned_slots=pinned_slots, policy=options.policy)
+                                 pinned_slots=pinned_slots, policy=options.policy,
+                                 expert_bytes=expert_bytes)
         self.usage = UsageStats(self.moe_layers, config.num_experts, options.half_life_tokens)
         if usage_counts is not None:
             self.usage.set_counts(usage_counts)
@@ -134,6 +140,8 @@ class StreamingExpertProvider(ExpertProvider):
         self._predicted: dict[int, tuple[list[int], bool, set[int]]] = {}  # layer -> (ranked, decode, needed)
         self.pin_policy = PinPolicy(self.slot_bytes)
         self.token = 0
+        self.phase = PHASE_DECODE
+        self.pin_swaps = 0                               # experts pinned by re-evaluation
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
         self._prefetch_layer: dict[int, int] = {}        # slot -> layer, prefetches in flight
         self._views: dict[int, tuple[tuple[int, int], ExpertWeights]] = {}
@@ -167,7 +175,7 @@ class StreamingExpertProvider(ExpertProvider):
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         self._reap()
-        accesses = self.cache.request(layer, experts, self.token)
+        accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
         for a in accesses:
             if a.outcome == OUTCOME_MISS:
                 self._submit(layer, a.expert, a.slot, DEMAND)
@@ -277,6 +285,7 @@ class StreamingExpertProvider(ExpertProvider):
                                                  self.cache.pinned_slots * self.slot_bytes)
         if add or remove:
             self._apply_pins((current - set(remove)) | set(add))
+            self.pin_swaps += len(add)
 
 
 # ---------------------------------------------------------------- persistence

@@ -20,6 +20,9 @@ expert, never evicted, until `loaded` (-> READY) or `failed` (-> FREE); READY. E
 slot also has a user count: slots returned by `request` are in use until `release`, and
 an in-use slot is never evicted.
 
+Phases. Each demand lookup is counted under the phase the caller names: "prefill" (a
+prompt chunk) or "decode" (one new token per sequence); the totals are their sums.
+
 Guarantee: a demand `request` succeeds whenever the layer has enough dynamic slots that
 are FREE or READY and not in use. Prefetches never hold more than
 (dynamic slots of the layer - K) slots LOADING, so K dynamic slots always remain for demand.
@@ -35,6 +38,9 @@ from scheduler.eviction import EvictionPolicy, PolicyFactory, policy_factory
 OUTCOME_HIT = "hit"            # READY: use it
 OUTCOME_INFLIGHT = "inflight"  # LOADING (prefetch or pin load): wait for that read
 OUTCOME_MISS = "miss"          # slot reserved LOADING: the caller issues the read
+
+PHASE_PREFILL, PHASE_DECODE = "prefill", "decode"
+PHASES = (PHASE_PREFILL, PHASE_DECODE)
 
 
 class SlotState(IntEnum):
@@ -77,12 +83,14 @@ class CacheSnapshot:
     """Counters and occupancy at one instant; per-layer tuples are in moe_layers order.
 
     hits: needed experts found READY. prefetch_hits: found LOADING (a prefetch or pin read
-    already in flight). misses: needed experts that had to be read on demand.
+    already in flight). misses: needed experts that had to be read on demand. Each is the
+    sum over PHASES of the matching `*_by_phase[phase]` tuple.
     evictions_dynamic: experts evicted from the layer's dynamic slots (traffic or
     prefetch). evictions_pinned: pinned experts dropped from the pin set and freed.
     prefetches_wasted: prefetched experts evicted or failed before any use;
     prefetches_unused: prefetched experts resident now, not used yet (the issue's
-    "wasted" is the sum of the two).
+    "wasted" is the sum of the two). prefetches_wasted_bytes: the `expert_bytes` of the
+    wasted ones (0 when the cache was given no sizes).
     """
     policy: str
     moe_layers: tuple[int, ...]
@@ -100,6 +108,10 @@ class CacheSnapshot:
     prefetches_used: tuple[int, ...]
     prefetches_wasted: tuple[int, ...]
     prefetches_unused: tuple[int, ...]
+    hits_by_phase: dict[str, tuple[int, ...]]
+    prefetch_hits_by_phase: dict[str, tuple[int, ...]]
+    misses_by_phase: dict[str, tuple[int, ...]]
+    prefetches_wasted_bytes: tuple[int, ...]
 
     @property
     def lookups(self) -> int:
@@ -118,14 +130,17 @@ class ExpertCache:
     top_k: experts per token per layer. total_slots: the byte budget in slots.
     pinned_slots: slots of the pinned tier (global). policy: a name of
     scheduler.eviction.POLICIES or "default", or a factory (layer_index, capacity) ->
-    EvictionPolicy (offline evaluation, e.g. Belady).
+    EvictionPolicy (offline evaluation, e.g. Belady). expert_bytes: optional [L][E]
+    bytes read per expert (its aligned read length), used only to count wasted prefetch
+    bytes.
     Raises CacheBudgetError when total_slots < top_k * L (the message gives that minimum)
     or pinned_slots leaves fewer than top_k dynamic slots per layer; ValueError on other
     bad arguments.
     """
 
     def __init__(self, moe_layers: Sequence[int], num_experts: int, top_k: int, total_slots: int,
-                 pinned_slots: int = 0, policy: str | PolicyFactory = "default"):
+                 pinned_slots: int = 0, policy: str | PolicyFactory = "default",
+                 expert_bytes: Sequence[Sequence[int]] | None = None):
         moe_layers = [int(x) for x in moe_layers]
         if not moe_layers or len(set(moe_layers)) != len(moe_layers):
             raise ValueError(f"moe_layers must be non-empty and distinct, got {moe_layers}")
@@ -185,22 +200,34 @@ class ExpertCache:
         self._now = 0
 
         zeros = lambda: [0] * n_layers  # noqa: E731
-        self._hits, self._prefetch_hits, self._misses = zeros(), zeros(), zeros()
+        self._hits = {p: zeros() for p in PHASES}
+        self._prefetch_hits = {p: zeros() for p in PHASES}
+        self._misses = {p: zeros() for p in PHASES}
+        if expert_bytes is not None and (len(expert_bytes) != n_layers
+                                         or any(len(row) != num_experts for row in expert_bytes)):
+            raise ValueError(f"expert_bytes must be [{n_layers}][{num_experts}]")
+        self._expert_bytes = expert_bytes
+        self._prefetches_wasted_bytes = zeros()
         self._evictions_dynamic, self._evictions_pinned = zeros(), zeros()
         self._prefetches_issued, self._prefetches_used, self._prefetches_wasted = zeros(), zeros(), zeros()
 
     # -- demand ------------------------------------------------------------------------
-    def request(self, layer: int, experts: Sequence[int], token: int) -> list[Access]:
+    def request(self, layer: int, experts: Sequence[int], token: int,
+                phase: str = PHASE_DECODE) -> list[Access]:
         """Slots for the experts one step of `layer` needs now, in the order given.
 
         experts: distinct expert ids (top_k of them for one token; a prefill chunk may
         pass the union of its tokens' experts). Every returned slot is in use (never
         evicted) until `release(layer, experts)`. For each "miss" a slot was reserved
         LOADING: the caller reads the expert into it, then calls `loaded` or `failed`.
+        phase: PHASE_PREFILL or PHASE_DECODE, the step's kind (counted per phase).
         Raises CacheFullError — before changing anything — when the misses outnumber the
         layer's dynamic slots that are FREE or READY and not in use (split the chunk);
-        KeyError for an unknown layer; ValueError for bad or repeated expert ids.
+        KeyError for an unknown layer; ValueError for bad or repeated expert ids or an
+        unknown phase.
         """
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         li = self._layer_index(layer)
         experts = self._check_experts(experts, distinct=True)
         self._now = max(self._now, token)
@@ -224,10 +251,10 @@ class ExpertCache:
             self._users[s] += 1
             if self._state[s] == SlotState.READY:
                 slot_of[e] = (s, OUTCOME_HIT)
-                self._hits[li] += 1
+                self._hits[phase][li] += 1
             else:
                 slot_of[e] = (s, OUTCOME_INFLIGHT)
-                self._prefetch_hits[li] += 1
+                self._prefetch_hits[phase][li] += 1
             if self._prefetched[s]:
                 self._prefetched[s] = False
                 self._prefetches_used[li] += 1
@@ -238,7 +265,7 @@ class ExpertCache:
             self._reserve(s, li, e, users=1, prefetch=False)
             policy.admit(e, token, demand=True)
             slot_of[e] = (s, OUTCOME_MISS)
-            self._misses[li] += 1
+            self._misses[phase][li] += 1
         return [Access(e, *slot_of[e]) for e in experts]
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
@@ -273,7 +300,7 @@ class ExpertCache:
         self._check_loading(slot)
         li, e = self._key[slot]
         if self._prefetched[slot]:
-            self._prefetches_wasted[li] += 1
+            self._waste(li, e)
         self._clear_prefetch_loading(slot)
         if self._tier[slot] == Tier.DYNAMIC:
             self._policies[li].drop(e)
@@ -348,7 +375,7 @@ class ExpertCache:
             elif not busy:
                 self._evictions_pinned[li] += 1
                 if self._prefetched[s]:
-                    self._prefetches_wasted[li] += 1
+                    self._waste(li, e)
                 self._free(s)
         loads = []
         for key in sorted(target - self._pins):
@@ -407,7 +434,8 @@ class ExpertCache:
 
     def totals(self) -> tuple[int, int]:
         """(hits + prefetch_hits, misses) over all layers: the cheap part of `snapshot`."""
-        return sum(self._hits) + sum(self._prefetch_hits), sum(self._misses)
+        return (sum(map(sum, self._hits.values())) + sum(map(sum, self._prefetch_hits.values())),
+                sum(map(sum, self._misses.values())))
 
     def dynamic_slots(self, layer: int) -> int:
         return self._dyn_count[self._layer_index(layer)]
@@ -420,14 +448,19 @@ class ExpertCache:
             (res_dyn if self._tier[s] == Tier.DYNAMIC else res_pin)[li] += 1
             loading[li] += self._state[s] == SlotState.LOADING
             unused[li] += self._prefetched[s]
+        by_phase = lambda counts: {p: tuple(counts[p]) for p in PHASES}  # noqa: E731
+        total = lambda counts: tuple(map(sum, zip(*counts.values())))  # noqa: E731
         return CacheSnapshot(
             policy=self.policy_name, moe_layers=self.moe_layers, pinned_slots=self.pinned_slots,
-            dynamic_slots=tuple(self._dyn_count), hits=tuple(self._hits),
-            prefetch_hits=tuple(self._prefetch_hits), misses=tuple(self._misses),
+            dynamic_slots=tuple(self._dyn_count), hits=total(self._hits),
+            prefetch_hits=total(self._prefetch_hits), misses=total(self._misses),
             evictions_dynamic=tuple(self._evictions_dynamic), evictions_pinned=tuple(self._evictions_pinned),
             resident_dynamic=tuple(res_dyn), resident_pinned=tuple(res_pin), loading=tuple(loading),
             prefetches_issued=tuple(self._prefetches_issued), prefetches_used=tuple(self._prefetches_used),
-            prefetches_wasted=tuple(self._prefetches_wasted), prefetches_unused=tuple(unused))
+            prefetches_wasted=tuple(self._prefetches_wasted), prefetches_unused=tuple(unused),
+            hits_by_phase=by_phase(self._hits), prefetch_hits_by_phase=by_phase(self._prefetch_hits),
+            misses_by_phase=by_phase(self._misses),
+            prefetches_wasted_bytes=tuple(self._prefetches_wasted_bytes))
 
     # -- internals ---------------------------------------------------------------------
     def _layer_index(self, layer: int) -> int:
@@ -474,9 +507,15 @@ class ExpertCache:
         assert self._users[slot] == 0
         self._evictions_dynamic[li] += 1
         if self._prefetched[slot]:
-            self._prefetches_wasted[li] += 1
+            self._waste(li, e)
         self._policies[li].evict(e, self._now)
         self._free(slot)
+
+    def _waste(self, li: int, expert: int) -> None:
+        """A prefetched expert leaves (evicted, freed or failed) before any use."""
+        self._prefetches_wasted[li] += 1
+        if self._expert_bytes is not None:
+            self._prefetches_wasted_bytes[li] += int(self._expert_bytes[li][expert])
 
     def _free(self, slot: int) -> None:
         del self._where[self._key[slot]]

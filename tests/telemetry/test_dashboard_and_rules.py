@@ -1,0 +1,646 @@
+"""The Grafana dashboard and the Prometheus alert rules, checked with the tools that use them.
+
+- `promtool check rules` accepts telemetry/prometheus/alerts.yml; `promtool test rules`
+  passes telemetry/prometheus/alerts_test.yml, which has a firing and a silent case for
+  every alert, and fails when an alert is made to never or to always fire (so each case
+  can fail).
+- The dashboard's shape: the rows and panels the operators need, the datasource as a
+  variable, no overlapping panels, no unknown template variable.
+- Live: a real Prometheus on loopback scrapes a running moed every second; after a few
+  requests every query of every panel runs through Prometheus' HTTP API with Grafana's
+  variables substituted ($__rate_interval -> 4s, $__interval -> 1s, $__range -> 5m,
+  template variables -> .*). Each must parse; the serving and expert panels must return
+  numbers. A misspelt metric parses and returns nothing, so every metric a panel or a rule
+  names must also appear in moed's own scrape. The rules load into that Prometheus and
+  evaluate without error.
+
+Grafana itself is not installed here: the dashboard is checked this way and never
+rendered. promtool and prometheus come from Debian's `prometheus` package (.ci/run
+installs it); without them these tests fail, they do not skip. No sleeps: Prometheus'
+readiness is its own log line; scrapes and rule evaluations are awaited by polling its
+API against a deadline.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon.streaming import minimum_cache_bytes
+from ext.checkpoint import Checkpoint
+from ext.config import load_config
+from ext.experts import ExpertLayout
+from ext.makemodel import make_model
+from metrics_scrape import parse as parse_scrape
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))  # daemon_proc
+from daemon_proc import Daemon, short_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "telemetry" / "grafana" / "moed.json"
+RULES = ROOT / "telemetry" / "prometheus" / "alerts.yml"
+RULES_TEST = ROOT / "telemetry" / "prometheus" / "alerts_test.yml"
+
+ROWS = ("Serving", "Experts", "Prefetch", "Engine", "Memory", "Tuner")
+ROWS_WITH_DATA = ("Serving", "Experts")     # after a few requests these must show numbers
+PANELS = {                                  # row -> panels the issue asks for (by title)
+    "Serving": {"Request rate", "Errors", "Running and waiting", "Time to first token",
+                "Inter-token latency"},
+    "Experts": {"Expert cache hit ratio", "Hit ratio per layer", "Expert bytes read per second",
+                "Expert bytes read per token", "Expert read latency", "Evictions",
+                "Pin swaps in range"},
+    "Prefetch": {"Prefetch issued vs used", "Prefetch bytes: read vs wasted"},
+    "Engine": {"IO wait vs compute", "Threads"},
+    "Memory": {"Memory budget vs available vs resident", "Resident set size"},
+    "Tuner": {"Tuner trials in range", "Tuner trials"},
+}
+ALERTS = {"MoedDown", "MoedHighErrorRatio", "MoedExpertHitRatioCollapse", "MoedExpertReadErrors",
+          "MoedMemoryHeadroomLow", "MoedQueueSaturated"}
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+GRAFANA_VARIABLES = {"__rate_interval": "4s", "__interval": "1s", "__range": "5m"}
+PROMETHEUS_MADE = {"up"}                    # series Prometheus writes itself, not in moed's scrape
+DEADLINE_S = 90.0
+
+
+def tool(name: str) -> str:
+    """The path of a Prometheus tool; fails (not skips) when it is missing."""
+    path = shutil.which(name)
+    assert path, (f"{name} is not installed: install Debian's `prometheus` package "
+                  "(.ci/run does when promtool is missing)")
+    return path
+
+
+# ---------------------------------------------------------------------- PromQL metric names
+
+_PROMQL_TOKEN = re.compile(r"""
+    (?P<space>\s+)
+  | (?P<comment>\#[^\n]*)
+  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
+  | (?P<range>\[[^\]]*\])
+  | (?P<duration>(?:\d+(?:ms|[smhdwy]))+(?![\w.]))
+  | (?P<number>0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
+  | (?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)
+  | (?P<op>=~|!~|!=|==|>=|<=|[-+*/%^=<>(){},@])
+""", re.VERBOSE)
+# words that are never metric names where they stand (aggregations, set operators, modifiers,
+# literals); the grouping ones may be followed by a parenthesised list of label names
+_GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+_KEYWORDS = _GROUPING | {
+    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk",
+    "topk", "quantile", "limitk", "limit_ratio", "and", "or", "unless", "atan2", "bool", "offset",
+    "inf", "nan"}
+
+
+def promql_tokens(expr: str) -> list[tuple[str, str]]:
+    """(kind, text) of each token of a PromQL expression, without spaces and comments.
+
+    Raises ValueError on a character PromQL does not have."""
+    tokens, pos = [], 0
+    while pos < len(expr):
+        m = _PROMQL_TOKEN.match(expr, pos)
+        if m is None:
+            raise ValueError(f"cannot read PromQL at {expr[pos:pos + 20]!r} in {expr!r}")
+        if m.lastgroup not in ("space", "comment"):
+            tokens.append((m.lastgroup, m.group()))
+        pos = m.end()
+    return tokens
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects.
+
+    Skipped: functions and aggregations (a name followed by "("), keywords, label names and
+    values inside {...} (except a `__name__="..."` matcher, which names a metric), label
+    lists after by/without/on/ignoring/group_left/group_right, ranges, strings, numbers."""
+    tokens = promql_tokens(expr)
+    names, i = set(), 0
+    while i < len(tokens):
+        kind, text = tokens[i]
+        following = tokens[i + 1][1] if i + 1 < len(tokens) else None
+        if text == "{":
+            end = next(j for j in range(i, len(tokens)) if tokens[j][1] == "}")
+            matchers = tokens[i + 1:end]
+            for j in range(len(matchers) - 2):
+                if matchers[j][1] == "__name__" and matchers[j + 1][1] == "=":
+                    names.add(matchers[j + 2][1][1:-1])
+            i = end
+        elif kind == "name":
+            if text.lower() in _GROUPING and following == "(":
+                i = next(j for j in range(i, len(tokens)) if tokens[j][1] == ")")
+            elif text.lower() not in _KEYWORDS and following != "(":
+                names.add(text)
+        i += 1
+    return names
+
+
+@pytest.mark.parametrize("expr, names", [
+    ('histogram_quantile(0.99, sum by (le) (rate(moed_a_seconds_bucket{instance=~".*", '
+     'le!="+Inf"}[5m])))', {"moed_a_seconds_bucket"}),
+    ("sum(rate(a_total[5m])) by (job) / on (job) group_left (version) b_info offset 1h",
+     {"a_total", "b_info"}),
+    ('up{job="moed"} == bool 0 unless ignoring(instance) c', {"up", "c"}),
+    ("time() - process_start_time_seconds", {"process_start_time_seconds"}),
+    ('label_replace(m, "dst", "not_a_metric", "src", "(.*)")', {"m"}),
+    ("topk(3, x) or vector(1) and absent(y) @ start()", {"x", "y"}),
+    ('{__name__="by_name", job="j"} + 1e3 * 0x1F - Inf + NaN', {"by_name"}),
+    ("sum without (layer) (z[1h:5m])  # a comment naming w\n", {"z"}),
+    ("max_over_time(deriv(q[10m])[30m:1m]) > 0.5 * min(r) without (tier)", {"q", "r"}),
+    ("a * on(x) group_left b", {"a", "b"}),
+    ("rate (spaced_total [4s])", {"spaced_total"}),
+])
+def test_metric_names_finds_metrics_and_only_metrics(expr, names):
+    assert metric_names(expr) == names
+
+
+def test_promql_tokens_refuse_what_is_not_promql():
+    with pytest.raises(ValueError, match="cannot read PromQL"):
+        promql_tokens("a ; b")
+
+
+# ---------------------------------------------------------------------- the dashboard
+
+
+def load_dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
+def rows_and_panels(dashboard: dict) -> list[tuple[str, dict]]:
+    """(row title, panel) of every non-row panel, in order, rows collapsed or not."""
+    out, row = [], None
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+            out += [(row, p) for p in panel.get("panels", [])]
+        else:
+            out.append((row, panel))
+    return out
+
+
+def template_names(dashboard: dict) -> set[str]:
+    return {v["name"] for v in dashboard["templating"]["list"]}
+
+
+def substitute(expr: str, templates: set[str]) -> str:
+    """An expression as Grafana would send it: $__rate_interval -> 4s, $__interval -> 1s,
+    $__range -> 5m, template variables ($name, ${name}, ${name:format}) -> .*; `$1` (a
+    label_replace group) stays as it is.
+
+    Raises KeyError on a variable that is neither Grafana's nor the dashboard's."""
+    def one(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name.isdigit():
+            return m.group()
+        if name in GRAFANA_VARIABLES:
+            return GRAFANA_VARIABLES[name]
+        if name in templates:
+            return ".*"
+        raise KeyError(f"unknown variable ${name} in {expr!r}")
+    return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", one, expr)
+
+
+@dataclass(frozen=True)
+class Query:
+    row: str
+    panel: str
+    ref: str
+    expr: str              # substituted
+
+    def __str__(self) -> str:
+        return f"{self.row} / {self.panel} / {self.ref}: {self.expr}"
+
+
+def dashboard_queries(dashboard: dict) -> list[Query]:
+    templates = template_names(dashboard)
+    return [Query(row, panel["title"], target["refId"], substitute(target["expr"], templates))
+            for row, panel in rows_and_panels(dashboard) for target in panel["targets"]]
+
+
+def variable_queries(dashboard: dict) -> list[str]:
+    """The queries of the dashboard's query variables (Grafana's label_values(metric, label))."""
+    out = []
+    for v in dashboard["templating"]["list"]:
+        if v["type"] == "query":
+            out.append(v["query"]["query"] if isinstance(v["query"], dict) else v["query"])
+    return out
+
+
+def test_substitute_replaces_every_variable():
+    templates = {"instance"}
+    assert (substitute('rate(x{instance=~"$instance"}[$__rate_interval]) + '
+                       'increase(y{i=~"${instance:regex}"}[$__range]) + z[$__interval]', templates)
+            == 'rate(x{instance=~".*"}[4s]) + increase(y{i=~".*"}[5m]) + z[1s]')
+    assert (substitute('label_replace(x, "class", "$1", "status", "(.)..")', templates)
+            == 'label_replace(x, "class", "$1", "status", "(.)..")')
+    with pytest.raises(KeyError, match="unknown variable"):
+        substitute('x{job=~"$job"}', templates)
+
+
+def test_dashboard_has_the_rows_and_panels_operators_need():
+    dashboard = load_dashboard()
+    assert [p["title"] for p in dashboard["panels"] if p["type"] == "row"] == list(ROWS)
+    titles: dict[str, set[str]] = {}
+    for row, panel in rows_and_panels(dashboard):
+        titles.setdefault(row, set()).add(panel["title"])
+    for row, wanted in PANELS.items():
+        assert wanted <= titles[row], (row, wanted - titles[row])
+    heatmap = next(p for _, p in rows_and_panels(dashboard) if p["title"] == "Hit ratio per layer")
+    assert heatmap["type"] == "heatmap"
+    assert "by (layer)" in heatmap["targets"][0]["expr"]
+    assert heatmap["targets"][0]["legendFormat"] == "{{layer}}"
+
+
+@pytest.mark.parametrize("title, metric", [
+    ("Time to first token", "moed_time_to_first_token_seconds_bucket"),
+    ("Inter-token latency", "moed_inter_token_latency_seconds_bucket"),
+    ("Expert read latency", "moed_expert_read_seconds_bucket"),
+])
+def test_latency_panels_are_p50_p90_p99_of_histograms(title, metric):
+    panel = next(p for _, p in rows_and_panels(load_dashboard()) if p["title"] == title)
+    quantiles = []
+    for target in panel["targets"]:
+        m = re.fullmatch(r"histogram_quantile\(([0-9.]+), sum by \(le\) \(rate\((\w+)\{.*\}\[\$__rate_interval\]\)\)\)",
+                         target["expr"])
+        assert m, target["expr"]
+        assert m.group(2) == metric
+        quantiles.append(float(m.group(1)))
+    assert quantiles == [0.5, 0.9, 0.99]
+
+
+def test_dashboard_datasource_is_a_variable_everywhere():
+    dashboard = load_dashboard()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for row, panel in rows_and_panels(dashboard):
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE, (panel["title"], target["refId"])
+    for v in variables.values():
+        if v["type"] == "query":
+            assert v["datasource"] == DATASOURCE
+            assert v["includeAll"] and v["allValue"] == ".*"
+
+
+def test_dashboard_panels_have_unique_ids_and_do_not_overlap():
+    dashboard = load_dashboard()
+    ids = [p["id"] for p in dashboard["panels"]] + [p["id"] for _, p in rows_and_panels(dashboard)
+                                                     if p not in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, panel["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, (panel["title"], cells.get((x, y)))
+                cells[(x, y)] = panel["title"]
+    refs = [(p["title"], t["refId"]) for _, p in rows_and_panels(dashboard) for t in p["targets"]]
+    assert len(refs) == len(set(refs))
+
+
+def test_every_dashboard_query_names_moed_metrics_and_no_unknown_variable():
+    queries = dashboard_queries(load_dashboard())     # substitute raises on an unknown variable
+    assert len(queries) > 40
+    for q in queries:
+        assert not re.search(r"\$(?!\d)", q.expr), q
+        assert metric_names(q.expr), q
+
+
+# ---------------------------------------------------------------------- the alert rules
+
+
+def load_rules() -> list[dict]:
+    groups = yaml.safe_load(RULES.read_text(encoding="utf-8"))["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_promtool_check_rules_accepts_the_rules():
+    out = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in out.stdout
+
+
+def test_every_alert_has_a_duration_a_severity_and_annotations():
+    rules = load_rules()
+    assert {r["alert"] for r in rules} == ALERTS
+    for rule in rules:
+        assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
+        assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description"}, rule["alert"]
+        assert all(rule["annotations"].values()), rule["alert"]
+    assert "up{job=\"moed\"}" in next(r["expr"] for r in rules if r["alert"] == "MoedDown")
+
+
+def rule_test_cases() -> list[tuple[str, str, bool]]:
+    """(alertname, eval_time, fires) of every alert_rule_test entry of alerts_test.yml."""
+    tests = yaml.safe_load(RULES_TEST.read_text(encoding="utf-8"))["tests"]
+    return [(case["alertname"], case["eval_time"], bool(case["exp_alerts"]))
+            for test in tests for case in test["alert_rule_test"]]
+
+
+def promtool_test(directory: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([tool("promtool"), "test", "rules", "alerts_test.yml"], cwd=directory,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_promtool_test_rules_passes_with_a_firing_and_a_silent_case_per_alert():
+    cases = rule_test_cases()
+    assert {name for name, _, fires in cases if fires} == ALERTS
+    assert {name for name, _, fires in cases if not fires} == ALERTS
+    out = promtool_test(RULES.parent)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+@pytest.mark.parametrize("mutation, expr", [("never", "vector(1) > 2"), ("always", "vector(1)")])
+def test_rule_tests_fail_when_the_alerts_never_or_always_fire(tmp_path, mutation, expr):
+    """Every firing case fails when its alert never fires; every alert has a silent case
+    that fails when it always fires. So each case checks something."""
+    document = yaml.safe_load(RULES.read_text(encoding="utf-8"))
+    for group in document["groups"]:
+        for rule in group["rules"]:
+            rule["expr"] = expr
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(document), encoding="utf-8")
+    shutil.copy(RULES_TEST, tmp_path / "alerts_test.yml")
+    out = promtool_test(tmp_path)
+    assert out.returncode != 0
+    failed = set(re.findall(r"alertname: (\w+), time: (\w+),", out.stdout + out.stderr))
+    cases = rule_test_cases()
+    if mutation == "never":
+        assert {(name, t) for name, t, fires in cases if fires} <= failed
+    else:
+        assert {name for name, t, fires in cases if not fires and (name, t) in failed} == ALERTS
+
+
+def rule_metric_names() -> set[str]:
+    return set().union(*(metric_names(rule["expr"]) for rule in load_rules()))
+
+
+def dashboard_metric_names() -> set[str]:
+    dashboard = load_dashboard()
+    names = set().union(*(metric_names(q.expr) for q in dashboard_queries(dashboard)))
+    for query in variable_queries(dashboard):
+        m = re.fullmatch(r"label_values\((\w+), *\w+\)", query)
+        assert m, query
+        names.add(m.group(1))
+    return names
+
+
+# ---------------------------------------------------------------------- live: moed + Prometheus
+
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback: no proxy
+
+
+def http_get(url: str, params: dict | None = None) -> tuple[int, bytes]:
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    try:
+        with OPENER.open(url, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+
+
+def scraped_names(text: str) -> set[str]:
+    """The sample names (`_bucket`, `_total`, ... included) of a text-format scrape."""
+    return {name for name, _ in parse_scrape(text)[1]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """A real Prometheus server on loopback scraping one target every second as job `moed`,
+    with the alert rules loaded; `lines` is its log, read as it arrives."""
+
+    def __init__(self, workdir: Path, target: str):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                             "evaluation_interval": "1s"},
+                  "rule_files": [str(RULES)],
+                  "scrape_configs": [{"job_name": "moed", "static_configs": [{"targets": [target]}]}]}
+        (workdir / "prometheus.yml").write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
+        self.proc = subprocess.Popen(
+            [tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address={self.url.removeprefix('http://')}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready() or self._closed, DEADLINE_S)
+            assert self._ready(), "Prometheus did not start:\n" + self.log()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        return any("Server is ready to receive web requests" in line for line in self.lines)
+
+    def log(self) -> str:
+        with self._cond:
+            return "".join(self.lines[-30:])
+
+    def api(self, path: str, **params) -> dict:
+        status, body = http_get(self.url + path, params)
+        answer = json.loads(body)
+        assert "status" in answer, (status, body[:500])
+        return answer
+
+    def query(self, expr: str, at: float) -> dict:
+        """An instant query at `at` (Unix seconds): the API's whole answer."""
+        return self.api("/api/v1/query", query=expr, time=f"{at:.3f}")
+
+    def value(self, expr: str, at: float) -> float | None:
+        """The value of a one-sample instant query (None: no sample)."""
+        answer = self.query(expr, at)
+        assert answer["status"] == "success", (expr, answer)
+        result = answer["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+        self._reader.join(60)
+        self.proc.stderr.close()
+
+
+def wait_until(condition, what: str, diagnostics=lambda: ""):
+    """Poll `condition()` until it returns something true (returned) or the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+    raise AssertionError(f"timed out waiting for {what}\n{diagnostics()}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("telemetry") / "model", arch="qwen3_moe", layers=4,
+                      experts=16, top_k=4, hidden=128, intermediate=64, dtype="bf16", seed=0)
+
+
+class Moed:
+    """A running `moed serve` streaming experts through a cache near its minimum, and the
+    tokens generated for the requests sent to it so far."""
+
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.metrics_url = f"http://{daemon.wait_event('metrics_listening')['address']}/metrics"
+        self.tokens = 0
+        self.requests = 0
+
+    def drive(self) -> None:
+        """Two completions (8 tokens each) and one bad request (a 400)."""
+        for prompt in ("The expert cache", "Prometheus scrapes moed"):
+            status, answer = self.daemon.json("POST", "/v1/completions", {
+                "model": "model", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True})
+            assert status == 200, answer
+            self.tokens += answer["usage"]["completion_tokens"]
+            self.requests += 1
+        status, answer = self.daemon.json("POST", "/v1/completions", {
+            "model": "model", "prompt": "x", "max_tokens": -1})
+        assert status == 400, answer
+
+    def scrape(self) -> str:
+        status, body = http_get(self.metrics_url)
+        assert status == 200, body[:500]
+        return body.decode()
+
+
+@pytest.fixture(scope="module")
+def moed(model_dir):
+    config = load_config(model_dir)
+    minimum = minimum_cache_bytes(ExpertLayout(Checkpoint(model_dir), config), config)
+    daemon = Daemon(model_dir, short_dir(), "--expert-cache-bytes", str(minimum * 3 // 2),
+                    "--threads", "1")
+    try:
+        yield Moed(daemon)
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+        daemon.proc.stdout.close()
+        daemon.proc.stderr.close()
+
+
+def test_every_metric_named_in_a_panel_or_a_rule_appears_in_the_scrape(moed):
+    moed.drive()
+    scraped = scraped_names(moed.scrape())
+    named = dashboard_metric_names() | rule_metric_names()
+    assert PROMETHEUS_MADE <= named
+    missing = sorted(named - PROMETHEUS_MADE - scraped)
+    assert not missing, f"named in a panel or a rule, not in moed's scrape: {missing}"
+
+
+@dataclass
+class Live:
+    prometheus: Prometheus
+    at: float                   # the instant (Unix seconds) every panel query is evaluated at
+    missing: set[str]           # metric names the dashboard or rules use that moed lacks
+
+
+def finite(answer: dict) -> bool:
+    """Whether an instant query's answer has a sample with a finite value."""
+    data = answer["data"]
+    if data["resultType"] == "scalar":
+        return math.isfinite(float(data["result"][1]))
+    return any(math.isfinite(float(r["value"][1])) for r in data["result"])
+
+
+@pytest.fixture(scope="module")
+def live(moed, tmp_path_factory):
+    """Prometheus scraping moed; traffic until the serving and expert panels have numbers.
+
+    Waits (by polling Prometheus' API) for the target to be up, then drives requests until
+    a scrape shows every token generated so far and, at that instant, every serving and
+    expert query that names only metrics moed has returns a finite number (the 4 s rate
+    windows hold two scrapes around traffic)."""
+    prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"), moed.metrics_url.split("/")[2])
+    try:
+        def target_up():
+            targets = prometheus.api("/api/v1/targets")["data"]["activeTargets"]
+            return [t for t in targets if t["health"] == "up"]
+        wait_until(target_up, "moed's target to be up", prometheus.log)
+
+        missing = (dashboard_metric_names() | rule_metric_names()) - PROMETHEUS_MADE \
+            - scraped_names(moed.scrape())
+        assert "moed_generation_tokens_total" not in missing, sorted(missing)
+        wanted = [q for q in dashboard_queries(load_dashboard())
+                  if q.row in ROWS_WITH_DATA and not metric_names(q.expr) & missing]
+        pending: list[Query] = []
+
+        def scraped_and_numbers():
+            at = time.time()
+            tokens = prometheus.value("sum(moed_generation_tokens_total)", at)
+            if tokens is None or tokens < moed.tokens:
+                return None                         # the last requests are not scraped yet
+            assert tokens == moed.tokens
+            pending[:] = [q for q in wanted if not finite(prometheus.query(q.expr, at))]
+            if pending:
+                moed.drive()                        # the traffic left the rate windows: more
+                return None
+            return at
+
+        moed.drive()
+        at = wait_until(scraped_and_numbers, "scrapes with numbers in every serving and expert panel",
+                        lambda: "\n".join(map(str, pending)) + "\n" + prometheus.log())
+        yield Live(prometheus, at, missing)
+    finally:
+        prometheus.stop()
+
+
+def test_every_panel_query_parses_and_serving_and_expert_panels_return_data(live):
+    failures = []
+    for q in dashboard_queries(load_dashboard()):
+        answer = live.prometheus.query(q.expr, live.at)
+        if answer["status"] != "success":
+            failures.append(f"{q}\n    -> {answer.get('errorType')}: {answer.get('error')}")
+        elif q.row in ROWS_WITH_DATA and not finite(answer):
+            failures.append(f"{q}\n    -> no data ({answer['data']['result']}); metrics moed "
+                            f"lacks: {sorted(metric_names(q.expr) & live.missing)}")
+    assert failures == [], "\n".join(failures)
+
+
+def test_the_rules_load_into_prometheus_and_evaluate_without_error(live):
+    def evaluated():
+        groups = live.prometheus.api("/api/v1/rules")["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return rules if all(r["health"] != "unknown" for r in rules) else None
+    rules = wait_until(evaluated, "every rule to be evaluated", live.prometheus.log)
+    assert {r["name"] for r in rules} == ALERTS
+    assert [(r["name"], r["health"], r.get("lastError", "")) for r in rules
+            if r["health"] != "ok"] == []
+    firing = {a["labels"]["alertname"] for a in live.prometheus.api("/api/v1/alerts")["data"]["alerts"]}
+    assert not firing & {"MoedDown", "MoedExpertReadErrors", "MoedHighErrorRatio"}, firing
