@@ -206,7 +206,9 @@ class SnapshotCollector(prometheus_client.registry.Collector):
 
         lookups = CounterMetricFamily(
             "moed_expert_lookups", "Routed experts needed, one per step, MoE layer and distinct "
-            "expert: found ready (hit), already being read (prefetch_hit) or read on demand (miss).",
+            "expert: found ready in the cache (hit; a prefetch that completed in time counts here, see "
+            "moed_prefetch_used_total), found still being read by a prefetch or pin load "
+            "(prefetch_hit), or read on demand (miss).",
             labels=["layer", "outcome", "phase"])
         for layer, layer_id in zip(self.layers, self._layer_ids):
             for outcome in OUTCOMES:
