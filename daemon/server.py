@@ -47,7 +47,8 @@ FLUSH_INTERVAL_S = 60.0         # learned usage written to the state file this o
 STATUS_INTERVAL_S = 5.0         # systemd STATUS= line refresh
 EXTEND_TIMEOUT_S = 30.0         # EXTEND_TIMEOUT_USEC step while the model loads
 RETRY_AFTER_S = 1
-SCRAPE_WAIT_S = 2.0             # /metrics waits this long for a fresh snapshot, else the last one
+SCRAPE_WAIT_S = 2.0             # /metrics waits at most this long for a fresh snapshot, else the last one
+SNAPSHOT_REUSE_S = 0.5          # a snapshot younger than this serves a scrape (scrape storms cost nothing)
 SHUTDOWN_CONNECTIONS_S = 5.0    # after the drain: open connections get this long to close
 
 
@@ -104,6 +105,7 @@ class Daemon:
         self.telemetry = telemetry
         self.registry = telemetry.registry if telemetry is not None else registry
         self.last_snapshot = None        # telemetry.metrics.Snapshot of the latest stats reading
+        self._snapshot_at = float("-inf")  # time.monotonic() of that reading
         self.load_seconds = 0.0
         self.loaded: Loaded | None = None
         self.phase = "loading"           # loading | ready | draining
@@ -310,7 +312,7 @@ class Daemon:
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        await self._refresh_snapshot()
+        await self._refresh_snapshot(request)
         body = generate_latest(self.registry) if self.registry is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -320,17 +322,28 @@ class Daemon:
         app.router.add_get("/metrics", self.metrics, name="metrics")
         return app
 
-    async def _refresh_snapshot(self) -> None:
-        """Take a fresh stats reading for a scrape; after SCRAPE_WAIT_S (a long prefill
-        holds the engine) the scrape renders the previous one."""
+    async def _refresh_snapshot(self, request: web.Request) -> None:
+        """A stats reading for a scrape: while requests run, the last one if younger than
+        SNAPSHOT_REUSE_S; else a
+        fresh one from the engine thread, waited for at most half the scraper's timeout
+        (X-Prometheus-Scrape-Timeout-Seconds) and SCRAPE_WAIT_S — a long prefill holds the
+        engine, and then the previous reading is served. Running and waiting counts are
+        always read live (the engine keeps them under its own lock)."""
         loaded = self.loaded
         if loaded is None or self.phase == "loading":
             return
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(
-                loaded.engine.call(lambda: self.stats_snapshot(loaded))), SCRAPE_WAIT_S)
-        except (TimeoutError, EngineClosedError):
-            pass
+        busy = loaded.engine.stats().running > 0     # idle: a fresh reading costs nobody
+        if not busy or time.monotonic() - self._snapshot_at >= SNAPSHOT_REUSE_S:
+            wait = SCRAPE_WAIT_S
+            with contextlib.suppress(ValueError):
+                wait = min(wait, 0.5 * float(request.headers.get("X-Prometheus-Scrape-Timeout-Seconds", wait)))
+            with contextlib.suppress(TimeoutError, EngineClosedError):
+                await asyncio.wait_for(asyncio.wrap_future(
+                    loaded.engine.call(lambda: self.stats_snapshot(loaded))), max(wait, 0.0))
+        if self.last_snapshot is not None:
+            live = loaded.engine.stats()
+            self.last_snapshot = replace(self.last_snapshot, requests_running=live.running,
+                                         requests_waiting=live.waiting)
 
     async def _on_engine(self, fn):
         loaded = self._require_ready()
@@ -348,6 +361,7 @@ class Daemon:
                                 memory_available_bytes=_mem_available(),
                                 model_load_seconds=self.load_seconds)
         self.last_snapshot = snapshot
+        self._snapshot_at = time.monotonic()
         out.update(model=loaded.model_names[0], uptime_seconds=time.monotonic() - self.started)
         return out
 

@@ -201,7 +201,8 @@ class SnapshotCollector(prometheus_client.registry.Collector):
         yield _gauge("moed_requests_waiting", "Requests queued for a place in the batch.",
                      s.requests_waiting)
         yield _counter("moed_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
-        yield _counter("moed_generation_tokens", "Tokens generated (returned to clients).",
+        yield _counter("moed_generation_tokens", "Tokens generated, including those of requests cancelled before "
+                       "they were delivered.",
                        s.generation_tokens)
 
         lookups = CounterMetricFamily(
