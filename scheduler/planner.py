@@ -1,0 +1,168 @@
+"""Memory planner: how many bytes moed may use, and how they split between its parts.
+
+Conventions (the whole module):
+  Every size is a plain int in bytes. Nothing here reads the system: daemon/memory.py
+  reads /proc and the cgroup tree and hands the numbers in (DESIGN.md "Memory planner",
+  "Folders": scheduler/ is pure policy).
+
+Two steps, each one function:
+  available = available_bytes(MemAvailable, cgroup limits, configured cap)
+      the tightest of MemAvailable; each cgroup's headroom
+      limit - (usage - inactive_file), never below 0, for this process's cgroup and each
+      ancestor; and the configured cap.
+  plan = plan_memory(available, dense, KV, runtime, margin, slot size, ...)
+      expert cache = available - dense - KV x max_concurrent_sequences - runtime - margin,
+      rounded down to whole slots and split into a pinned and a dynamic tier, the dynamic
+      tier never below min_dynamic_slots (top_k per MoE layer, the floor of ExpertCache).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class MemoryPlanError(ValueError):
+    """The model cannot run in the memory available; the message gives every number."""
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """The memory limit and usage of one cgroup, as read from its files.
+
+    path: the cgroup's directory (for messages; the planner does not read it).
+    version: 1 or 2, the cgroup hierarchy it was read from.
+    limit_bytes: the tighter of v2 memory.max / memory.high, or of v1
+      memory.limit_in_bytes / hierarchical_memory_limit; None = no limit ("max" or >= 2**62).
+    usage_bytes: v2 memory.current, v1 memory.usage_in_bytes; None = unknown (taken as 0).
+    inactive_file_bytes: page cache the kernel reclaims before it OOM-kills — v2
+      memory.stat inactive_file, v1 total_inactive_file; None = unknown (taken as 0).
+    """
+
+    path: str
+    version: int
+    limit_bytes: int | None
+    usage_bytes: int | None = None
+    inactive_file_bytes: int | None = None
+
+    def headroom_bytes(self) -> int | None:
+        """limit - (usage - inactive_file), never below 0; None when there is no limit.
+
+        An unknown usage counts as 0 and unknown inactive_file as 0, so the limit is then
+        still an upper bound on what this cgroup lets moed add.
+        """
+        if self.limit_bytes is None:
+            return None
+        usage = self.usage_bytes or 0
+        reclaimable = min(self.inactive_file_bytes or 0, usage)
+        return max(0, self.limit_bytes - (usage - reclaimable))
+
+
+def available_bytes(mem_available: int | None, cgroup_limits: Iterable[CgroupLimit] = (),
+                    configured_cap: int | None = None) -> int:
+    """The bytes moed may still use: the tightest of all the bounds that are known.
+
+    mem_available: /proc/meminfo MemAvailable in bytes; None = unknown.
+    cgroup_limits: this process's cgroup and its ancestors; each contributes
+      `CgroupLimit.headroom_bytes()` = limit - (usage - inactive_file), >= 0, when it has
+      a limit.
+    configured_cap: the operator's cap in bytes; None = no cap.
+
+    Returns the minimum of those bounds (>= 0). Raises MemoryPlanError when none is known
+    (no MemAvailable, no cgroup limit, no cap): moed will not guess.
+    """
+    bounds = [b for b in (mem_available, configured_cap) if b is not None]
+    bounds += [h for h in (c.headroom_bytes() for c in cgroup_limits) if h is not None]
+    if not bounds:
+        raise MemoryPlanError("no memory bound is known: no MemAvailable, no cgroup limit "
+                              "and no configured cap")
+    return max(0, min(bounds))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the available bytes go. All fields are bytes unless named *_slots.
+
+    expert_cache_bytes = pinned_bytes + dynamic_bytes = total_slots x slot_bytes.
+    total_slots and pinned_slots are what ExpertCache takes.
+    """
+
+    available_bytes: int
+    dense_bytes: int
+    kv_bytes: int  # kv_bytes_per_sequence x max_concurrent_sequences
+    runtime_bytes: int
+    margin_bytes: int
+    slot_bytes: int
+    min_dynamic_slots: int
+    total_slots: int
+    pinned_slots: int
+    expert_cache_bytes: int
+    pinned_bytes: int
+    dynamic_bytes: int
+
+
+def _nonnegative(**values: int | float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_sequence: int,
+                max_concurrent_sequences: int, runtime_bytes: int, slot_bytes: int,
+                min_dynamic_slots: int, pin_fraction: float = 0.0, margin_bytes: int = 0,
+                margin_fraction: float = 0.0) -> MemoryPlan:
+    """Split `available` bytes between the dense weights, KV cache, runtime and experts.
+
+    available: bytes moed may use (`available_bytes`).
+    dense_bytes: resident weights (embeddings, attention, norms, routers, shared experts).
+    kv_bytes_per_sequence: KV cache of one sequence at the configured context, bytes.
+    max_concurrent_sequences: sequences decoded together (each holds its KV cache).
+    runtime_bytes: activations, io buffers, interpreter — everything else moed allocates.
+    slot_bytes: one expert-cache slot (the largest expert), > 0.
+    min_dynamic_slots: top_k x MoE layers — ExpertCache's floor for the dynamic tier.
+    pin_fraction: the share of slots for the pinned tier, in [0, 1]; it yields to the
+      dynamic floor.
+    margin_bytes, margin_fraction: a safety margin; margin = max(margin_bytes,
+      floor(margin_fraction x available)).
+
+    Formula: expert_cache = available - dense - kv_per_sequence x max_concurrent_sequences
+      - runtime - margin; total_slots = expert_cache // slot_bytes;
+      pinned_slots = min(floor(total_slots x pin_fraction), total_slots - min_dynamic_slots);
+      the rest are dynamic.
+
+    Raises MemoryPlanError (a ValueError; the message lists every number) when the dense
+    part — dense + KV + runtime + margin — does not fit in `available`, or when what remains
+    holds fewer than min_dynamic_slots slots. ValueError on negative or out-of-range inputs.
+    """
+    _nonnegative(available=available, dense_bytes=dense_bytes,
+                 kv_bytes_per_sequence=kv_bytes_per_sequence,
+                 max_concurrent_sequences=max_concurrent_sequences, runtime_bytes=runtime_bytes,
+                 min_dynamic_slots=min_dynamic_slots, margin_bytes=margin_bytes,
+                 margin_fraction=margin_fraction)
+    if slot_bytes <= 0:
+        raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+    if not 0.0 <= pin_fraction <= 1.0:
+        raise ValueError(f"pin_fraction must be in [0, 1], got {pin_fraction}")
+    if margin_fraction >= 1.0:
+        raise ValueError(f"margin_fraction must be < 1, got {margin_fraction}")
+
+    kv_bytes = kv_bytes_per_sequence * max_concurrent_sequences
+    margin = max(margin_bytes, int(margin_fraction * available))
+    fixed = dense_bytes + kv_bytes + runtime_bytes + margin
+    numbers = (f"available {available} B; dense {dense_bytes} B + KV {kv_bytes_per_sequence} B "
+               f"x {max_concurrent_sequences} sequences = {kv_bytes} B + runtime {runtime_bytes} B "
+               f"+ margin {margin} B = {fixed} B; expert cache minimum {min_dynamic_slots} slots "
+               f"x {slot_bytes} B = {min_dynamic_slots * slot_bytes} B")
+    if fixed > available:
+        raise MemoryPlanError(f"the dense part does not fit: needs {fixed} B, "
+                              f"{fixed - available} B more than available ({numbers})")
+    total_slots = (available - fixed) // slot_bytes
+    if total_slots < min_dynamic_slots:
+        raise MemoryPlanError(f"the expert cache does not fit: {available - fixed} B remain, "
+                              f"{total_slots} slots, below the minimum ({numbers})")
+    pinned_slots = min(int(total_slots * pin_fraction), total_slots - min_dynamic_slots)
+    return MemoryPlan(
+        available_bytes=available, dense_bytes=dense_bytes, kv_bytes=kv_bytes,
+        runtime_bytes=runtime_bytes, margin_bytes=margin, slot_bytes=slot_bytes,
+        min_dynamic_slots=min_dynamic_slots, total_slots=total_slots, pinned_slots=pinned_slots,
+        expert_cache_bytes=total_slots * slot_bytes, pinned_bytes=pinned_slots * slot_bytes,
+        dynamic_bytes=(total_slots - pinned_slots) * slot_bytes)
