@@ -1,7 +1,7 @@
 """`moed iobench`: random expert-sized reads through the io worker pool, per io path and depth.
 
-What one run measures. A *block* is the model's largest expert slot (``ReadPlan.slot_bytes``
-from ``plans_for``): the reads are real expert ReadPlans of that size, picked at random
+What one run measures. A *block* is the model's commonest expert slot size
+(``ReadPlan.slot_bytes`` from ``plans_for``; an expert split across shards may differ): the reads are real expert ReadPlans of that size, picked at random
 (seeded), so they hit the shards exactly as the daemon does. With ``--file`` the blocks are
 ``block_bytes``-sized pieces of a scratch file instead. A *cell* is (mode, queue depth):
 mode "direct" (O_DIRECT, only when ``probe_direct_io`` says it works) or "buffered", queue
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import collections
 import itertools
 import mmap
 import os
@@ -57,7 +58,7 @@ class Target:
 # ----------------------------------------------------------------------------- targets
 
 def model_target(model_dir: str | os.PathLike) -> Target:
-    """Every expert plan of the model whose slot is the largest and lies inside its files.
+    """Every expert plan of the model whose slot has the commonest size and lies inside its files.
 
     Raises FileNotFoundError when ``model_dir`` is not a directory, and the loaders'
     errors (CheckpointError, ConfigError) for a broken model.
@@ -78,13 +79,16 @@ def model_target(model_dir: str | os.PathLike) -> Target:
     if not plans:
         raise ValueError(f"--model: {model_dir} has no routed experts to read")
     sizes = {f: os.path.getsize(f) for f in files}
-    block = max(p.slot_bytes for p in plans)
-    # Same size for every read (bytes = reads x block) and no read stopping at end of file.
+    # The commonest slot size (an expert split across two shards, or ending at a file's
+    # end, can have a different one): same size for every read (bytes = reads x block)
+    # and no read stopping at end of file.
+    sizes_seen = collections.Counter(p.slot_bytes for p in plans)
+    block = max(sizes_seen, key=lambda b: (sizes_seen[b], b))
     chosen = tuple(p for p in plans if p.slot_bytes == block
                    and all(s.offset + s.length <= sizes[s.path] for s in p.spans))
     if not chosen:
         raise ValueError(f"--model: no expert of {model_dir} has a {block}-byte slot inside "
-                         "its shard (every largest slot ends past the end of its file)")
+                         "its shard")
     return Target(files=files, plans=chosen, block_bytes=block)
 
 
