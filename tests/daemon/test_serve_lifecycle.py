@@ -163,24 +163,17 @@ def usage_files(state_dir: str) -> list[str]:
 
 
 def run_as(uid: int, socket_path: str, method: str, path: str, body=None) -> tuple[int, dict]:
-    """One HTTP request over the Unix socket from a process running as `uid`."""
-    code = ("import http.client, json, socket, sys\n"
-            "class C(http.client.HTTPConnection):\n"
-            "    def connect(self):\n"
-            "        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
-            "        self.sock.settimeout(60)\n"
-            "        self.sock.connect(sys.argv[1])\n"
-            "c = C('localhost', timeout=60)\n"
-            "c.request(sys.argv[2], sys.argv[3], body=sys.argv[4] or None,\n"
-            "          headers={'Content-Type': 'application/json'})\n"
-            "r = c.getresponse()\n"
-            "print(json.dumps({'status': r.status, 'body': json.loads(r.read())}))\n")
-    out = subprocess.run([python_for(uid), "-c", code, socket_path, method, path,
-                          json.dumps(body) if body is not None else ""],
-                         user=uid, capture_output=True, text=True, timeout=WAIT_S, cwd="/")
+    """One HTTP request over the Unix socket from a process running as `uid` (curl: any
+    user may execute it, unlike a virtual environment under a private home)."""
+    cmd = ["curl", "-sS", "--max-time", str(WAIT_S), "--unix-socket", socket_path, "-X", method,
+           "-H", "Content-Type: application/json", "-w", "\n%{http_code}",
+           f"http://localhost{path}"]
+    if body is not None:
+        cmd += ["--data-binary", json.dumps(body)]
+    out = subprocess.run(cmd, user=uid, capture_output=True, text=True, timeout=WAIT_S, cwd="/")
     assert out.returncode == 0, out.stderr
-    reply = json.loads(out.stdout)
-    return reply["status"], reply["body"]
+    text, _, status = out.stdout.rpartition("\n")
+    return int(status), json.loads(text)
 
 
 @functools.cache
