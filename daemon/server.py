@@ -95,15 +95,16 @@ class Daemon:
     """
 
     def __init__(self, config: ServeConfig, *, load, reload, listener, notifier: Notifier,
-                 metrics_app: web.Application | None = None, registry=None, telemetry=None):
+                 telemetry=None):
         self.config = config
         self._load = load
         self._reload = reload
         self.listener = listener
         self.notifier = notifier
-        self.metrics_app = metrics_app
         self.telemetry = telemetry
-        self.registry = telemetry.registry if telemetry is not None else registry
+        self.registry = telemetry.registry if telemetry is not None else None
+        # The app of metrics_address (None without telemetry: nothing to serve there).
+        self.metrics_app = self.metrics_application() if telemetry is not None else None
         self.last_snapshot = None        # telemetry.metrics.Snapshot of the latest stats reading
         self._snapshot_at = float("-inf")  # time.monotonic() of that reading
         self.load_seconds = 0.0
@@ -695,7 +696,6 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     notifier = Notifier(environ)
     daemon = Daemon(config, load=lambda c: load_for_serving(c, environ, telemetry), reload=reload,
                     listener=listener, notifier=notifier, telemetry=telemetry)
-    daemon.metrics_app = daemon.metrics_application()
     try:
         return asyncio.run(daemon.run())
     finally:
