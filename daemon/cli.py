@@ -471,6 +471,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from daemon.state import default_state_dir
+    from daemon.tuning import TuneConfig, run_tune
+
+    _model_dir(args.model)
+
+    def progress(message: str) -> None:
+        if sys.stderr.isatty():
+            print(f"moed tune: {message}", file=sys.stderr, flush=True)
+
+    cfg = TuneConfig(model=args.model, cache_bytes=args.expert_cache_bytes,
+                     state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
+                     threads=args.threads or _threads(), io_workers=args.io_workers,
+                     window_steps=args.window_steps, pairs=args.pairs,
+                     compare_tokens=args.compare_tokens, compare_repeats=args.compare_repeats)
+    report = run_tune(cfg, progress=progress)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _cmd_iobench(args: argparse.Namespace) -> int:
     from daemon.iobench import model_target, run_iobench, save_report, scratch_target
     from daemon.state import default_state_dir
@@ -736,6 +758,36 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-prefetch", action="store_true",
                    help="moed mode without prefetch (isolates the eviction policy and pins)")
     b.set_defaults(func=_cmd_bench)
+
+    t = sub.add_parser(
+        "tune", parents=[common, machine],
+        help="find the best threads, io workers, prefetch width and cache split for a model here",
+        description="Run the self-tuner once in the foreground on a built-in workload (one "
+                    "sequence sampling at temperature 0.7 from fixed code prompts): compute "
+                    "threads, io workers and prefetch width one at a time by interleaved A/B "
+                    "windows (a change is kept only when it wins all 4 pairs with a median gain "
+                    "of at least 3 % and a repeat confirms it; a change that alters the greedy "
+                    "tokens of a check prompt is rejected and logged as a bug), then the cache "
+                    "size and pinned share by replaying the routing it recorded. Then tuned and "
+                    "default settings are compared from a cold cache, interleaved. Prints one "
+                    "JSON report (what it tried and kept) and saves the winners in the state "
+                    "directory for this model and this hardware; --threads and --io-workers "
+                    "give the defaults it starts from.",
+        epilog="example: moed tune --model ./bench-model --expert-cache-bytes 768M")
+    t.add_argument("--model", required=True, metavar="DIR", type=_nonempty, help="model directory")
+    t.add_argument("--expert-cache-bytes", type=_size, required=True, metavar="SIZE",
+                   help="expert cache budget, the most the tuner may use (K/M/G suffixes)")
+    t.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="where learned usage and the winners live (default: moed's state directory)")
+    t.add_argument("--window-steps", type=_positive_int, default=16, metavar="N",
+                   help="decode steps per A/B window (default: 16)")
+    t.add_argument("--pairs", type=_positive_int, default=4, metavar="N",
+                   help="interleaved A/B pairs per trial (default: 4)")
+    t.add_argument("--compare-tokens", type=_positive_int, default=64, metavar="N",
+                   help="tokens per run of the final tuned-vs-default comparison (default: 64)")
+    t.add_argument("--compare-repeats", type=_positive_int, default=3, metavar="R",
+                   help="runs of each in that comparison (default: 3)")
+    t.set_defaults(func=_cmd_tune)
 
     io = sub.add_parser(
         "iobench", parents=[common],

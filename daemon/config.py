@@ -284,13 +284,25 @@ def _address(value: object) -> Address:
     return parse_address(value)  # type: ignore[arg-type]
 
 
-def _log_level(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {_type_name(value)}")
-    level = value.strip().lower()
-    if level not in LOG_LEVELS:
-        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}; got {value!r}")
-    return level
+def _choice(choices: tuple[str, ...]) -> Callable[[object], str]:
+    """A parser of one of `choices`, case and surrounding spaces ignored."""
+    def parse(value: object) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {_type_name(value)}")
+        word = value.strip().lower()
+        if word not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+        return word
+    return parse
+
+
+_log_level = _choice(LOG_LEVELS)
+
+
+TUNER_MODES = ("off", "live", "live+idle")
+
+
+_tuner = _choice(TUNER_MODES)
 
 
 @dataclass(frozen=True)
@@ -332,6 +344,9 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                          "share of the spare expert cache pinned to learned hot experts"),
     "prefetch": _Key(_bool, "BOOL", "read predicted experts ahead"),
     "half_life_tokens": _Key(_float(0, lo_open=True), "TOKENS", "half-life of expert usage counts"),
+    "tuner": _Key(_tuner, "MODE", "self-tuning of threads, io workers and prefetch width: off, "
+                                  "live (on traffic; saved winners reused) or live+idle (also a "
+                                  "built-in workload when idle)"),
 })
 
 
@@ -373,6 +388,7 @@ class ServeConfig:
     pin_fraction: float = 0.5
     prefetch: bool = True
     half_life_tokens: float = 2048.0
+    tuner: str = "live"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -222,6 +222,9 @@ class Engine:
         self.on_finish = on_finish
         self.on_decode_step = on_decode_step
         self.on_token_gap = on_token_gap
+        # Called as observer(seconds, batch_size) after each decode step (engine thread):
+        # the live tuner's measurements.
+        self.step_observers: list[Callable[[float, int], None]] = []
         self.tokenizer = tokenizer
         self.clock = clock
         self._cond = threading.Condition()
@@ -466,6 +469,8 @@ class Engine:
         self._rate.add(now, len(rows))
         if self.on_decode_step is not None:
             self.on_decode_step(now - start)
+        for observe in self.step_observers:
+            observe(now - start, len(rows))
         for r, row in zip(rows, logits):
             r.handle.stats.decode_steps += 1
             if r.handle.cancelled:            # the client left while this step ran

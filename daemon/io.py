@@ -501,10 +501,31 @@ class IoPool:
         self._read_seconds_total = 0.0
         self._bucket_counts = [0] * len(READ_SECONDS_BUCKETS)
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_READS)
-        self._threads = [threading.Thread(target=self._work, name=f"moed-io-{i}", daemon=True)
-                         for i in range(n_workers)]
-        for t in self._threads:
-            t.start()
+        self._threads: dict[int, threading.Thread] = {}   # worker index -> thread
+        self._retired: list[threading.Thread] = []        # workers that left after set_workers
+        with self._cond:
+            self._grow()
+
+    def _grow(self) -> None:
+        """Start workers up to n_workers. Call with _cond held."""
+        for i in range(self.n_workers):
+            if i not in self._threads:
+                t = threading.Thread(target=self._work, args=(i,), name=f"moed-io-{i}", daemon=True)
+                self._threads[i] = t
+                t.start()
+
+    def set_workers(self, n_workers: int) -> None:
+        """Change the number of reader threads while serving: new workers start at once;
+        surplus ones finish the read they are on and leave. Raises ValueError for n <= 0
+        and RuntimeError on a closed pool."""
+        if n_workers <= 0:
+            raise ValueError(f"n_workers must be > 0, got {n_workers}")
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("IoPool is closed")
+            self.n_workers = n_workers
+            self._grow()
+            self._cond.notify_all()
 
     # -- submitting
 
@@ -555,14 +576,22 @@ class IoPool:
 
     # -- the workers
 
-    def _next_job(self) -> _Job | None:
+    def _next_job(self, index: int) -> _Job | None:
+        """The next job for worker `index`; None when it should leave (the pool closed
+        and drained, or set_workers dropped below it)."""
         with self._cond:
-            while not self._heap and not self._closing:
+            while True:
+                if index >= self.n_workers and not self._closing:
+                    self._retired.append(self._threads.pop(index))
+                    return None
+                if self._heap:
+                    return heapq.heappop(self._heap)
+                if self._closing:
+                    return None
                 self._cond.wait()
-            return heapq.heappop(self._heap) if self._heap else None
 
-    def _work(self) -> None:
-        while (job := self._next_job()) is not None:
+    def _work(self, index: int) -> None:
+        while (job := self._next_job(index)) is not None:
             if not job.future.set_running_or_notify_cancel():
                 with self._stats_lock:
                     self._cancelled += 1
@@ -680,7 +709,8 @@ class IoPool:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        for t in self._threads:
+            threads = list(self._threads.values()) + self._retired
+        for t in threads:
             t.join()
         self._files.close()
 

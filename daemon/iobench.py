@@ -360,12 +360,17 @@ def run_iobench(target: Target, seconds: float = 60.0, repeats: int = 3, seed: i
             "budget_seconds": seconds}
 
 
+def report_path(state_dir: str | os.PathLike, device: str) -> Path:
+    """Where the report of `device` lives: ``<state_dir>/iobench-<device>.json``."""
+    return Path(state_dir) / f"iobench-{device.replace('/', '_')}.json"
+
+
 def save_report(state_dir: str | os.PathLike, text: str, device: str) -> Path:
     """Write ``text`` to ``<state_dir>/iobench-<device>.json`` atomically (temp, fsync,
     rename); creates the directory (0o700). Returns the path."""
     d = Path(state_dir)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = d / f"iobench-{device.replace('/', '_')}.json"
+    path = report_path(d, device)
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as f:

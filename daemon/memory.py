@@ -190,3 +190,28 @@ def read_cgroup_limits(root: str | os.PathLike = "/") -> tuple[CgroupLimit, ...]
 def read_memory(root: str | os.PathLike = "/") -> MemoryReading:
     """Read MemAvailable and the cgroup limits under `root`; never raises for missing files."""
     return MemoryReading(read_mem_available(root), read_cgroup_limits(root))
+
+
+def read_memory_pressure(root: str | os.PathLike = "/") -> float | None:
+    """PSI ``some avg10`` of /proc/pressure/memory, in percent; None where PSI is absent
+    (kernels without CONFIG_PSI, or psi=0) or the file is malformed."""
+    text = _read_text(Path(root) / "proc" / "pressure" / "memory")
+    if text is None:
+        return None
+    for line in text.splitlines():
+        if line.startswith("some "):
+            for field in line.split()[1:]:
+                key, _, value = field.partition("=")
+                if key == "avg10":
+                    try:
+                        return float(value)
+                    except ValueError:
+                        return None
+    return None
+
+
+def read_mem_total(root: str | os.PathLike = "/") -> int | None:
+    """MemTotal of <root>/proc/meminfo in bytes (the file says kB); None when absent."""
+    match = re.search(r"^MemTotal:\s+(\d+)\s*kB", _read_text(Path(root, "proc/meminfo")) or "",
+                      re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None

@@ -43,6 +43,10 @@ from telemetry.logs import get_logger, set_level
 
 log = get_logger("server")
 
+IDLE_TUNING_AFTER_S = 30.0      # tuner = live+idle: idle this long before the built-in workload
+IDLE_POLL_S = 1.0
+PROBE_SECONDS = 4.0             # the storage probe after READY (issue: at most 5 s)
+PROBE_IDLE_S = 1.0              # ... once nothing has been served for this long
 FLUSH_INTERVAL_S = 60.0         # learned usage written to the state file this often
 STATUS_INTERVAL_S = 5.0         # systemd STATUS= line refresh
 EXTEND_TIMEOUT_S = 30.0         # EXTEND_TIMEOUT_USEC step while the model loads
@@ -62,6 +66,8 @@ class Loaded:
     context: int
     session: object | None      # daemon.cli-style streaming session (provider, store)
     model_type: str
+    tuner: object | None = None  # daemon.tuning.LiveTuner (tuner = live / live+idle)
+    workload: object | None = None  # daemon.tuning.Workload for live+idle
 
 
 def peer_uid(request: web.Request) -> int | None:
@@ -109,6 +115,7 @@ class Daemon:
         self._snapshot_at = float("-inf")  # time.monotonic() of that reading
         self.load_seconds = 0.0
         self.loaded: Loaded | None = None
+        self.memory_watcher = None          # daemon.squeeze.MemoryWatcher (streamed experts)
         self.phase = "loading"           # loading | ready | draining
         self._stop = asyncio.Event()
         self._hup = asyncio.Event()
@@ -364,6 +371,12 @@ class Daemon:
         self.last_snapshot = snapshot
         self._snapshot_at = time.monotonic()
         out.update(model=loaded.model_names[0], uptime_seconds=time.monotonic() - self.started)
+        out["tuner"] = {"mode": self.config.tuner if loaded.tuner is not None else "off"}
+        if loaded.tuner is not None:
+            t = loaded.tuner.tuner
+            out["tuner"].update(finished=loaded.tuner.finished, settings=dict(t.settings()),
+                                best=dict(t.incumbent), trials=len(t.trials),
+                                kept=sum(1 for x in t.trials if x.outcome == "win"))
         return out
 
     async def pins(self, request: web.Request) -> web.Response:
@@ -473,7 +486,9 @@ class Daemon:
     async def main_loop(self) -> None:
         async with asyncio.TaskGroup() as tasks:
             timers = [tasks.create_task(self._watchdog()), tasks.create_task(self._status()),
-                      tasks.create_task(self._flusher()), tasks.create_task(self._reloader())]
+                      tasks.create_task(self._flusher()), tasks.create_task(self._reloader()),
+                      tasks.create_task(self._idle_tuning()), tasks.create_task(self._memory_watch()),
+                      tasks.create_task(self._storage_probe())]
             await self._stop.wait()
             for t in timers:
                 t.cancel()
@@ -494,6 +509,96 @@ class Daemon:
             except ApiError:
                 pass
             await asyncio.sleep(STATUS_INTERVAL_S)
+
+    async def _storage_probe(self) -> None:
+        """Streamed experts and no saved `moed iobench` result for the model's disk: once
+        the daemon has been idle for a moment after READY, run a short probe (at most
+        PROBE_SECONDS, on the engine thread so no request competes with it) and save it in
+        the state directory, as `moed iobench` does. A failure is a warning."""
+        from daemon.iobench import block_device, model_target, report_path, run_iobench, save_report
+
+        loaded = self.loaded
+        if loaded is None or loaded.session is None or loaded.session.store is None:
+            return
+        state_dir = loaded.session.store.state_dir
+        try:
+            target = await asyncio.to_thread(model_target, self.config.model)
+            if report_path(state_dir, block_device(target.files[0])).exists():
+                return
+        except (OSError, ValueError) as e:
+            log.warning("storage_probe_skipped", error=str(e))
+            return
+        idle_since = time.monotonic()
+        while time.monotonic() - idle_since < PROBE_IDLE_S:
+            await asyncio.sleep(0.25)
+            s = loaded.engine.stats()
+            if s.running or s.waiting:
+                idle_since = time.monotonic()
+        try:
+            report = await asyncio.wrap_future(loaded.engine.call(
+                lambda: run_iobench(target, seconds=PROBE_SECONDS, repeats=2)))
+            path = await asyncio.to_thread(save_report, state_dir, json.dumps(report, indent=2) + "\n",
+                                           report["device"])
+        except (OSError, ValueError) as e:
+            log.warning("storage_probe_failed", error=str(e))
+            return
+        best = max(report["results"], key=lambda r: r["gb_per_s"])
+        log.info("storage_probe_saved", path=str(path), io_path=report["io_path"],
+                 best_gb_per_s=round(best["gb_per_s"], 3), best_mode=best["mode"],
+                 best_queue_depth=best["queue_depth"])
+
+    async def _memory_watch(self) -> None:
+        """Streamed experts: every MEMORY_POLL_S re-read the memory available and shrink or
+        grow the expert cache (daemon.squeeze); a failed reading or resize is a warning."""
+        from daemon.squeeze import MEMORY_POLL_S, MemoryWatcher
+        from daemon.streaming import minimum_cache_bytes
+
+        loaded = self.loaded
+        if loaded is None or loaded.session is None or self.config.expert_cache_bytes is None:
+            return
+        model = loaded.engine.model
+        self.memory_watcher = MemoryWatcher(
+            loaded.session, self.config.expert_cache_bytes,
+            minimum_cache_bytes(model.layout, model.config),
+            run_on_engine=lambda fn: loaded.engine.call(fn).result())
+        while True:
+            await asyncio.sleep(MEMORY_POLL_S)
+            try:
+                await asyncio.to_thread(self.memory_watcher.check)
+            except (OSError, ValueError) as e:
+                log.warning("memory_watch_failed", error=str(e))
+
+    async def _idle_tuning(self) -> None:
+        """tuner = live+idle: while nothing is served for IDLE_TUNING_AFTER_S, feed the live
+        tuner one window of the built-in workload at a time (requests wait at most one
+        window). Its routing does not count as usage: pins follow real traffic only."""
+        loaded = self.loaded
+        if loaded is None or loaded.tuner is None or loaded.workload is None:
+            return
+        tuner, workload, engine = loaded.tuner, loaded.workload, loaded.engine
+        idle_since = time.monotonic()
+
+        def window() -> None:
+            provider = loaded.session.provider
+            provider.observe_usage = False
+            try:
+                workload.window(tuner.window_steps, on_step=tuner.step_done)
+            finally:
+                provider.observe_usage = True
+
+        while not tuner.finished:
+            await asyncio.sleep(IDLE_POLL_S)
+            s = engine.stats()
+            if s.running or s.waiting:
+                idle_since = time.monotonic()
+                continue
+            if time.monotonic() - idle_since < IDLE_TUNING_AFTER_S:
+                continue
+            try:
+                await asyncio.wrap_future(engine.call(window))
+            except (OSError, ValueError) as e:
+                log.warning("idle_tuning_window_failed", error=str(e))
+                return
 
     async def _flusher(self) -> None:
         while True:
@@ -539,6 +644,8 @@ class Daemon:
                 loaded.engine.set_limits(new.max_concurrent_sequences, new.max_queue)
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
+                    if self.memory_watcher is not None and new.expert_cache_bytes is not None:
+                        self.memory_watcher.set_maximum(new.expert_cache_bytes, new.pin_fraction)
                     await asyncio.wrap_future(loaded.engine.call(lambda: loaded.session.rebuild(
                         new.expert_cache_bytes, new.pin_fraction, new.prefetch)))
             set_level(new.log_level)
@@ -638,11 +745,26 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                     on_finish=lambda handle: request_finished(handle, telemetry),
                     on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
                     on_token_gap=telemetry.token_gap if telemetry is not None else None)
+    tuner = workload = None
+    if session is not None and config.tuner != "off":
+        from daemon.config import DEFAULT_SOURCE
+        from daemon.tuning import (IO_WORKERS, PREFETCH_WIDTH, THREADS, Workload,
+                                   start_live_tuning, workload_prompts)
+        fixed = {knob for key, knob in (("threads", THREADS), ("io_workers", IO_WORKERS))
+                 if config.sources.get(key, DEFAULT_SOURCE) != DEFAULT_SOURCE}
+        if not config.prefetch:
+            fixed.add(PREFETCH_WIDTH)
+        state_dir = session.store.state_dir if session.store is not None else None
+        tuner = start_live_tuning(model, session, config.tuner, fixed, state_dir, model_dir)
+        if tuner is not None:
+            engine.step_observers.append(tuner.step_done)
+            if config.tuner == "live+idle":
+                workload = Workload(model, workload_prompts(model_dir, model.config.vocab_size))
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
                   context=model.config.max_position_embeddings, session=session,
-                  model_type=model.config.model_type)
+                  model_type=model.config.model_type, tuner=tuner, workload=workload)
 
 
 class _AdoptedListener:

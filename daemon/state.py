@@ -82,17 +82,21 @@ class StateStore:
     the model fingerprint (``Checkpoint.fingerprint()``), at least 16 characters.
     ``clock``: seconds since the epoch, for ``written_unix`` and set-aside names.
     ``_fault``: test hook called with each step of FAULT_STEPS during ``save``.
+    ``kind``: the file's name stem, ``usage`` (learned expert usage) or ``tuned`` (the
+    self-tuner's winners, daemon.tuning); each kind has its own file and lock.
     """
 
     def __init__(self, state_dir: Path, fingerprint: str, *,
                  clock: Callable[[], float] = time.time,
-                 _fault: Callable[[str], None] | None = None):
+                 _fault: Callable[[str], None] | None = None, kind: str = "usage"):
         if len(fingerprint) < 16:
             raise ValueError(f"fingerprint {fingerprint!r} is shorter than 16 characters")
         self.state_dir = Path(state_dir)
         self.fingerprint = fingerprint
         self.state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        stem = f"usage-{fingerprint[:16]}"
+        if kind not in ("usage", "tuned"):
+            raise ValueError(f"state file kind must be 'usage' or 'tuned', got {kind!r}")
+        stem = f"{kind}-{fingerprint[:16]}"
         self.path = self.state_dir / f"{stem}.json"
         self.lock_path = self.state_dir / f"{stem}.lock"
         self._tmp_prefix = f".{stem}.json.tmp-"

@@ -135,11 +135,16 @@ class StreamingExpertProvider(ExpertProvider):
         self.io = IoPool(options.io_workers, direct)
         self.wants_hints = options.prefetch
         self.width = options.prefetch_width or config.top_k
-        # The predictor's precision by rank, for single-token steps and for prefill chunks.
-        self.calibration = {True: RankCalibration(self.width), False: RankCalibration(self.width)}
+        # The predictor's precision by rank, for single-token steps and for prefill chunks,
+        # kept per width (the tuner switches widths back and forth).
+        self._calibrations: dict[int, dict[bool, RankCalibration]] = {}
+        self.calibration = self._calibration_for(self.width)
         self._predicted: dict[int, tuple[list[int], bool, set[int]]] = {}  # layer -> (ranked, decode, needed)
         self.pin_policy = PinPolicy(self.slot_bytes)
         self.token = 0
+        self.step_tokens = 0                             # positions in the current step
+        self.routing_recorder = None                     # daemon.tuning.RoutingRecorder
+        self.observe_usage = True                        # False: a synthetic workload runs
         self.phase = PHASE_DECODE
         self.pin_swaps = 0                               # experts pinned by re-evaluation
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
@@ -168,8 +173,12 @@ class StreamingExpertProvider(ExpertProvider):
         for ranked, decode, needed in self._predicted.values():
             self.calibration[decode].observe(ranked, needed)
         self._predicted.clear()
+        self.step_tokens = tokens
+        if self.routing_recorder is not None:
+            self.routing_recorder.abandon_step()
         self.token += tokens
-        self.usage.advance(tokens)
+        if self.observe_usage:
+            self.usage.advance(tokens)
         if self.cache.pinned_slots and before // PIN_REEVALUATE_TOKENS != self.token // PIN_REEVALUATE_TOKENS:
             self._reevaluate_pins()
 
@@ -196,7 +205,10 @@ class StreamingExpertProvider(ExpertProvider):
         if error is not None:
             self.cache.release(layer, experts)
             raise error
-        self.usage.observe(layer, list(experts))
+        if self.observe_usage:
+            self.usage.observe(layer, list(experts))
+        if self.routing_recorder is not None and self.step_tokens == 1:
+            self.routing_recorder.observe(self._row[layer], experts)
         predicted = self._predicted.get(layer)
         if predicted is not None:
             predicted[2].update(int(e) for e in experts)
@@ -226,6 +238,22 @@ class StreamingExpertProvider(ExpertProvider):
             if slot is not None:
                 self._submit(layer, e, slot, PREFETCH)
                 self._prefetch_layer[slot] = layer
+
+    def _calibration_for(self, width: int) -> dict[bool, RankCalibration]:
+        if width not in self._calibrations:
+            self._calibrations[width] = {True: RankCalibration(width), False: RankCalibration(width)}
+        return self._calibrations[width]
+
+    def set_prefetch(self, width: int) -> None:
+        """Prefetch `width` candidates per layer and step from the next step on (0: no
+        prefetch). Placement only. Raises ValueError for a negative width."""
+        if width < 0:
+            raise ValueError(f"prefetch width must be >= 0, got {width}")
+        self._predicted.clear()             # observations of the old width are not this one's
+        self.wants_hints = width > 0
+        if width:
+            self.width = width
+            self.calibration = self._calibration_for(width)
 
     def reset_learning(self) -> int:
         """Forget the learned usage and drop every pin (experts stay cached); pins dropped."""

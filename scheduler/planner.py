@@ -166,3 +166,93 @@ def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_sequence: int,
         min_dynamic_slots=min_dynamic_slots, total_slots=total_slots, pinned_slots=pinned_slots,
         expert_cache_bytes=total_slots * slot_bytes, pinned_bytes=pinned_slots * slot_bytes,
         dynamic_bytes=(total_slots - pinned_slots) * slot_bytes)
+
+
+# ------------------------------------------------------------------- the live squeeze
+@dataclass(frozen=True)
+class SqueezePolicy:
+    """When the expert cache gives memory back, and how fast it takes it again.
+
+    low_water_bytes: below this much available memory the cache shrinks (by the deficit
+      plus half the gap to high_water, so one step usually suffices).
+    high_water_bytes: above this much it may grow, by at most grow_step_bytes per
+      reading and only after calm_readings readings in a row without pressure.
+    pressure_avg10: PSI "some avg10" (percent of time stalled on memory over 10 s) at or
+      above which the cache shrinks by shrink_step_bytes even when availability looks fine.
+    """
+
+    low_water_bytes: int
+    high_water_bytes: int
+    grow_step_bytes: int
+    shrink_step_bytes: int
+    calm_readings: int = 3
+    pressure_avg10: float = 10.0
+
+    def __post_init__(self) -> None:
+        _nonnegative(low_water_bytes=self.low_water_bytes, grow_step_bytes=self.grow_step_bytes,
+                     shrink_step_bytes=self.shrink_step_bytes, calm_readings=self.calm_readings)
+        if self.high_water_bytes < self.low_water_bytes:
+            raise ValueError(f"high_water_bytes {self.high_water_bytes} is below "
+                             f"low_water_bytes {self.low_water_bytes}")
+
+
+def default_squeeze_policy(maximum_cache_bytes: int, mem_total_bytes: int) -> SqueezePolicy:
+    """Low water 5 % of RAM (at least 256 MiB), high water twice that; grow by 1/16 of
+    the configured budget per reading, shrink under pressure by 1/8."""
+    low = max(256 << 20, mem_total_bytes // 20)
+    return SqueezePolicy(low_water_bytes=low, high_water_bytes=2 * low,
+                         grow_step_bytes=max(1, maximum_cache_bytes // 16),
+                         shrink_step_bytes=max(1, maximum_cache_bytes // 8))
+
+
+class CacheSqueeze:
+    """Decides the expert cache budget from one memory reading at a time.
+
+    minimum_bytes / maximum_bytes: the cache's floor (top_k slots per MoE layer) and the
+    configured budget; slot_bytes: budgets are whole slots. Pure: readings are passed in.
+    """
+
+    def __init__(self, policy: SqueezePolicy, *, minimum_bytes: int, maximum_bytes: int,
+                 slot_bytes: int):
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+        if maximum_bytes < minimum_bytes:
+            raise ValueError(f"maximum_bytes {maximum_bytes} is below minimum_bytes {minimum_bytes}")
+        self.policy = policy
+        self.minimum = minimum_bytes
+        self.maximum = maximum_bytes
+        self.slot = slot_bytes
+        self.calm = 0
+
+    def target(self, current_bytes: int, available: int | None,
+               pressure_avg10: float | None = None) -> int:
+        """The budget to run with after this reading (== current_bytes: no change).
+
+        available: bytes of memory still available (None: unknown, no change);
+        pressure_avg10: PSI some avg10 in percent, or None where PSI does not exist.
+        """
+        p = self.policy
+        if available is None:
+            return current_bytes
+        pressured = pressure_avg10 is not None and pressure_avg10 >= p.pressure_avg10
+        if available < p.low_water_bytes or pressured:
+            self.calm = 0
+            cut = 0
+            if available < p.low_water_bytes:
+                cut = (p.low_water_bytes - available) + (p.high_water_bytes - p.low_water_bytes) // 2
+            if pressured:
+                cut = max(cut, p.shrink_step_bytes)
+            return self._clamp(current_bytes - max(cut, self.slot))
+        if available > p.high_water_bytes and current_bytes < self.maximum:
+            self.calm += 1
+            if self.calm < p.calm_readings:
+                return current_bytes
+            grow = min(p.grow_step_bytes, available - p.high_water_bytes)
+            grown = self._clamp(current_bytes + grow)
+            return grown if grown > current_bytes else current_bytes
+        self.calm = 0 if available <= p.high_water_bytes else self.calm
+        return current_bytes
+
+    def _clamp(self, budget: int) -> int:
+        budget = max(self.minimum, min(self.maximum, budget))
+        return max(self.minimum, budget // self.slot * self.slot)

@@ -113,7 +113,19 @@ def replay_trace(path: str | Path, slots_per_layer: int, policies: Sequence[str]
     [0, len(trace)), an unknown policy or bad sizes, CacheBudgetError when
     slots_per_layer < top_k.
     """
-    trace = load_trace(path, top_k)
+    return replay_tokens(load_trace(path, top_k), slots_per_layer, policies, warm_tokens,
+                         pin_fraction, num_experts, usage_half_life_tokens)
+
+
+def replay_tokens(trace: list[list[list[int]]], slots_per_layer: int, policies: Sequence[str],
+                  warm_tokens: int | None = None, pin_fraction: float = DEFAULT_PIN_FRACTION,
+                  num_experts: int | None = None,
+                  usage_half_life_tokens: float = DEFAULT_USAGE_HALF_LIFE) -> dict[str, Any]:
+    """`replay_trace` on routing already in memory: trace[token][moe layer] -> top_k ids
+    (every token the same number of layers and ids; see `load_trace` for the checks a
+    file gets). Same arguments, result and errors as `replay_trace`."""
+    if not trace or not trace[0] or not trace[0][0]:
+        raise ValueError("the routing record is empty")
     n_tokens, n_layers, k = len(trace), len(trace[0]), len(trace[0][0])
     warm = n_tokens // 2 if warm_tokens is None else int(warm_tokens)
     if not 0 <= warm < n_tokens:
@@ -160,6 +172,15 @@ def replay_trace(path: str | Path, slots_per_layer: int, policies: Sequence[str]
     return {"policies": results, "slots_per_layer": slots_per_layer, "warm_tokens": warm,
             "tokens": len(measured), "trace_tokens": n_tokens, "layers": n_layers, "top_k": k,
             "num_experts": num_experts, "pin_fraction": pin_fraction}
+
+
+def simulate_hit_rate(trace: list[list[list[int]]], num_experts: int, slots_per_layer: int,
+                      pin_fraction: float, policy: str = "default") -> float:
+    """Phase-2 hit rate of moed's `policy` on in-memory routing (first half learns the
+    pins, second half is counted), as `replay_tokens` computes it."""
+    result = replay_tokens(trace, slots_per_layer, [policy], pin_fraction=pin_fraction,
+                           num_experts=num_experts)
+    return result["policies"][policy]["hit_rate"]
 
 
 def _drive(cache: ExpertCache, tokens: list[list[list[int]]]) -> int:

@@ -56,6 +56,7 @@ class Daemon:
         cmd = [*launcher, *moed, "serve", "--model", str(model), "--socket", self.socket,
                "--state-dir", self.state_dir, "--metrics-address", "127.0.0.1:0", *args]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
+        environ["MOED_TUNER"] = "off"          # a test of the tuner turns it on in env
         environ.update(env or {})
         environ.setdefault("MOED_CONFIG", os.path.join(workdir, "none.toml"))
         if not os.path.exists(environ["MOED_CONFIG"]):

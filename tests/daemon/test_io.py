@@ -497,3 +497,118 @@ def test_mlock_refused_by_rlimit_falls_back_with_a_warning():
     assert json.loads(proc.stdout) == {"locked": False, "usable": True, "released": True}
     assert "WARNING:moed.io:slot_arena_mlock_refused bytes=262144" in proc.stderr
     assert "rlimit_memlock=4096/4096" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- live resizing
+
+class _Readers:
+    """An IoPool ``_before_read`` hook: records the thread of every read; while ``barrier``
+    is set each read waits at it (n parties pass only when n workers read at once), then
+    every read waits for ``gate``."""
+
+    def __init__(self):
+        self.threads: list[threading.Thread] = []
+        self.barrier: threading.Barrier | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, plan: ReadPlan, reason: str) -> None:
+        self.threads.append(threading.current_thread())
+        if self.barrier is not None:
+            self.barrier.wait(WAIT)
+        assert self.gate.wait(WAIT)
+
+
+def _read_all(pool, arena, plans, expected) -> None:
+    """Submit `plans` into slots 0.. and check every expert's bytes."""
+    futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans)]
+    for i, (p, f) in enumerate(zip(plans, futures)):
+        f.result(WAIT)
+        weights = p.views(arena.buffer(i))
+        assert [w.tobytes() for w in weights] == expected[(p.layer, p.expert)]
+        del weights
+
+
+def test_set_workers_grows_at_once_and_shrinks_after_the_reads_in_hand(shared_model):
+    ckpt, layout = _open(shared_model)
+    with ckpt:
+        expected = _expected(ckpt, layout)
+        plans = list(plans_for(layout).values())
+        readers = _Readers()
+        with SlotArena(len(plans), max_slot_bytes(layout)) as arena, \
+                IoPool(1, direct=False, _before_read=readers) as pool:
+            # Growing: three reads that can only finish together need three workers now.
+            pool.set_workers(3)
+            assert pool.stats().n_workers == 3
+            readers.barrier = threading.Barrier(3)
+            _read_all(pool, arena, plans[:3], expected)
+            first = {t.name: t for t in readers.threads}
+            assert set(first) == {"moed-io-0", "moed-io-1", "moed-io-2"}
+
+            # Shrinking while all three hold a read: each read still completes.
+            readers.barrier, readers.gate = threading.Barrier(4), threading.Event()
+            futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans[:3])]
+            readers.barrier.wait(WAIT)              # all three workers are inside a read
+            readers.barrier = None
+            pool.set_workers(1)
+            assert pool.stats().n_workers == 1
+            readers.gate.set()
+            assert [f.result(WAIT) for f in futures] == [
+                sum(min(s.length, os.path.getsize(s.path) - s.offset) for s in p.spans)
+                for p in plans[:3]]
+            for name in ("moed-io-1", "moed-io-2"):   # the surplus workers leave
+                first[name].join(WAIT)
+                assert not first[name].is_alive()
+            assert first["moed-io-0"].is_alive()
+            del readers.threads[:]
+            _read_all(pool, arena, plans[3:], expected)
+            assert readers.threads == [first["moed-io-0"]] * len(plans[3:])
+
+            # Growing again: four workers read at once, the leavers replaced by new threads.
+            pool.set_workers(4)
+            del readers.threads[:]
+            readers.barrier = threading.Barrier(4)
+            _read_all(pool, arena, plans[:4], expected)
+            again = {t.name: t for t in readers.threads}
+            assert set(again) == {f"moed-io-{i}" for i in range(4)}
+            assert again["moed-io-0"] is first["moed-io-0"]
+            assert again["moed-io-1"] is not first["moed-io-1"]
+        everyone = list(first.values()) + list(again.values())
+    assert not any(t.is_alive() for t in everyone)   # close() joined them all
+
+
+def test_set_workers_shrunk_and_regrown_before_the_surplus_left_keeps_its_threads(shared_model):
+    ckpt, layout = _open(shared_model)
+    with ckpt:
+        expected = _expected(ckpt, layout)
+        plans = list(plans_for(layout).values())
+        readers = _Readers()
+        with SlotArena(len(plans), max_slot_bytes(layout)) as arena, \
+                IoPool(3, direct=False, _before_read=readers) as pool:
+            readers.barrier, readers.gate = threading.Barrier(4), threading.Event()
+            futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans[:3])]
+            readers.barrier.wait(WAIT)
+            readers.barrier = None
+            pool.set_workers(1)
+            pool.set_workers(3)                     # before workers 1 and 2 could leave
+            readers.gate.set()
+            for f in futures:
+                f.result(WAIT)
+            held = set(readers.threads)
+            del readers.threads[:]
+            readers.barrier = threading.Barrier(3)
+            _read_all(pool, arena, plans[3:6], expected)
+            assert set(readers.threads) == held     # the same three threads, no extra ones
+            assert pool.stats().n_workers == 3
+
+
+def test_set_workers_refuses_a_count_below_one_and_a_closed_pool():
+    pool = IoPool(2, direct=False)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="n_workers must be > 0"):
+            pool.set_workers(bad)
+    assert pool.stats().n_workers == 2
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.set_workers(3)
+    assert pool.stats().n_workers == 2

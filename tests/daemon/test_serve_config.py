@@ -45,6 +45,7 @@ LAYERS = {
     "pin_fraction": ("0", 0.0, "1", 1.0, "0.25", 0.25),
     "prefetch": ("false", False, "yes", True, "no", False),
     "half_life_tokens": ("100", 100.0, "512.5", 512.5, "4096", 4096.0),
+    "tuner": ('"off"', "off", "LIVE+idle", "live+idle", "live", "live"),
 }
 
 # key: (bad TOML literal, bad env string, bad flag string); None where no string is bad.
@@ -70,6 +71,7 @@ BAD = {
     "pin_fraction": ("1.5", "-0.1", "nan"),
     "prefetch": ("1", "maybe", "2"),
     "half_life_tokens": ("0", "-5", "x"),
+    "tuner": ("1", "on", "offline"),
 }
 
 

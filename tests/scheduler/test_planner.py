@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.planner import CgroupLimit, MemoryPlanError, available_bytes, plan_memory
+from scheduler.planner import (CacheSqueeze, CgroupLimit, MemoryPlanError, SqueezePolicy,
+                               available_bytes, default_squeeze_policy, plan_memory)
 
 GiB = 2**30
 MiB = 2**20
@@ -83,3 +84,46 @@ def test_expert_cache_below_the_minimum_refuses():
 def test_invalid_inputs(bad):
     with pytest.raises(ValueError):
         plan(4 * GiB, **bad)
+
+
+# ------------------------------------------------------------------- the live squeeze
+MI = 1 << 20
+SQUEEZE = SqueezePolicy(low_water_bytes=100 * MI, high_water_bytes=200 * MI,
+                        grow_step_bytes=10 * MI, shrink_step_bytes=20 * MI, calm_readings=3)
+
+
+def squeeze() -> CacheSqueeze:
+    return CacheSqueeze(SQUEEZE, minimum_bytes=8 * MI, maximum_bytes=100 * MI, slot_bytes=MI)
+
+
+def test_squeeze_shrinks_by_the_deficit_plus_half_the_gap():
+    s = squeeze()
+    assert s.target(100 * MI, 90 * MI) == 100 * MI - 10 * MI - 50 * MI
+    assert s.target(100 * MI, 0) == 8 * MI                       # never below the floor
+    assert s.target(8 * MI, 0) == 8 * MI
+
+
+def test_squeeze_shrinks_under_pressure_even_with_memory_available():
+    s = squeeze()
+    assert s.target(100 * MI, 150 * MI, pressure_avg10=25.0) == 80 * MI
+    assert s.target(100 * MI, 150 * MI, pressure_avg10=2.0) == 100 * MI
+
+
+def test_squeeze_grows_slowly_and_only_after_calm_readings():
+    s = squeeze()
+    got = [s.target(50 * MI, 1000 * MI) for _ in range(3)]
+    assert got == [50 * MI, 50 * MI, 60 * MI]                   # third calm reading: +10 MiB
+    assert s.target(95 * MI, 1000 * MI) == 100 * MI               # capped at the budget
+    s.target(50 * MI, 150 * MI)                                   # between the marks: calm reset
+    assert s.target(50 * MI, 50 * MI) < 50 * MI                   # low again: shrinks at once
+    assert [s.target(50 * MI, 205 * MI) for _ in range(3)][-1] == 55 * MI   # grows by the surplus
+
+
+def test_squeeze_ignores_an_unknown_reading_and_refuses_bad_settings():
+    assert squeeze().target(70 * MI, None) == 70 * MI
+    with pytest.raises(ValueError, match="below low_water_bytes"):
+        SqueezePolicy(low_water_bytes=2, high_water_bytes=1, grow_step_bytes=1, shrink_step_bytes=1)
+    with pytest.raises(ValueError, match="below minimum_bytes"):
+        CacheSqueeze(SQUEEZE, minimum_bytes=2, maximum_bytes=1, slot_bytes=1)
+    policy = default_squeeze_policy(1 << 30, 16 << 30)
+    assert policy.low_water_bytes == (16 << 30) // 20 and policy.high_water_bytes == 2 * policy.low_water_bytes

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.replay import TraceFormatError, load_trace, replay_trace
+from scheduler.replay import (TraceFormatError, load_trace, replay_tokens, replay_trace,
+                              simulate_hit_rate)
 
 TRACES = Path(__file__).parents[2] / ".." / "shared" / "traces"
 KIMI = TRACES / "kimi_linear_decode" / "trace_kimi_300.jsonl"
@@ -195,3 +196,29 @@ def test_absurd_trace_lines_are_refused_before_any_allocation(tmp_path, line, me
     path.write_text(line + "\n")
     with pytest.raises(TraceFormatError, match=message):
         load_trace(path)
+
+
+@pytest.mark.parametrize("slots, warm, pin_fraction", [(3, None, 0.25), (5, 40, 0.0), (8, 0, 0.5)])
+def test_replay_tokens_in_memory_equals_replay_trace_of_the_file(tmp_path, slots, warm, pin_fraction):
+    tokens = _random_trace(1)
+    trace = _write(tmp_path / "r.jsonl", tokens)
+    from_file = replay_trace(trace, slots, POLICIES, warm_tokens=warm, pin_fraction=pin_fraction,
+                             num_experts=16)
+    assert replay_tokens(tokens, slots, POLICIES, warm_tokens=warm, pin_fraction=pin_fraction,
+                         num_experts=16) == from_file
+    assert from_file["policies"]["lru"]["hits"] == _reference_lru(tokens[from_file["warm_tokens"]:],
+                                                                   slots)
+
+
+def test_simulate_hit_rate_is_the_default_policys_phase_two_rate(tmp_path):
+    tokens = _random_trace(2)
+    want = replay_trace(_write(tmp_path / "r.jsonl", tokens), 5, ["default"], pin_fraction=0.25,
+                        num_experts=16)["policies"]["default"]["hit_rate"]
+    assert simulate_hit_rate(tokens, 16, 5, 0.25) == want
+    assert 0.0 < want < 1.0
+
+
+@pytest.mark.parametrize("trace", [[], [[]], [[[]]]], ids=["no tokens", "no layers", "no ids"])
+def test_replay_tokens_refuses_an_empty_record(trace):
+    with pytest.raises(ValueError, match="the routing record is empty"):
+        replay_tokens(trace, 4, ["lru"])

@@ -1,0 +1,282 @@
+"""The self-tuner's decisions: one knob at a time, interleaved A/B, keep only clear wins.
+
+Pure policy (DESIGN.md, "Self-tuner"): the caller applies `OnlineTuner.settings()`, runs
+one measurement window with them, and reports the window's cost with `observe`. The
+cost is seconds per decode step per sequence (lower is better), and windows are compared
+only at equal batch size: a window run at another batch size than the trial's first is
+dropped and run again.
+
+A trial compares the incumbent A with one candidate B (a neighbour of A's value on one
+knob) over `pairs` interleaved pairs A B A B ... (never A A B B, so drift in the machine
+hits both arms alike). B wins a trial when it is cheaper in every pair and the median of
+the per-pair gains (cost_A - cost_B) / cost_A is at least `min_gain`. A win is confirmed
+by a second trial of the same pair; only then is B kept. Otherwise A stays.
+
+Search: coordinate descent. For each knob in order, step up while steps win; if the first
+step up lost, step down while steps win. A round visits every knob; rounds repeat until
+one keeps nothing or `max_rounds` is reached. A candidate the caller refuses (`reject`,
+e.g. because it changed the tokens of the check prompt) is skipped for the rest of the run.
+
+Cache budget and pinned share are not tuned here by A/B (a short window cannot warm a
+cache); `choose_cache_split` picks them by replaying recorded routing.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.replay import simulate_hit_rate
+
+PAIRS = 4
+MIN_GAIN = 0.03
+MAX_ROUNDS = 3
+ARM_A, ARM_B = "A", "B"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting and its candidate values, in increasing order (e.g. threads 1..4)."""
+
+    name: str
+    values: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        if not self.values:
+            raise ValueError(f"knob {self.name!r} has no values")
+        if len(set(self.values)) != len(self.values):
+            raise ValueError(f"knob {self.name!r} repeats a value: {self.values}")
+
+
+@dataclass
+class Trial:
+    """One A/B comparison (or its confirmation) of `knob` from `a` to `b`.
+
+    costs_a / costs_b: window costs in seconds per step per sequence, pair i at index i.
+    gains: per-pair (cost_A - cost_B) / cost_A. outcome: None while running, then
+    "win" (kept after confirmation), "loss", "unconfirmed" or "rejected: <why>".
+    """
+
+    knob: str
+    a: Any
+    b: Any
+    confirming: bool = False
+    batch_size: int | None = None
+    costs_a: list[float] = field(default_factory=list)
+    costs_b: list[float] = field(default_factory=list)
+    dropped_windows: int = 0
+    outcome: str | None = None
+
+    @property
+    def gains(self) -> list[float]:
+        return [(a - b) / a for a, b in zip(self.costs_a, self.costs_b)]
+
+    def to_dict(self) -> dict:
+        return {"knob": self.knob, "a": self.a, "b": self.b, "confirming": self.confirming,
+                "batch_size": self.batch_size, "costs_a": [round(c, 6) for c in self.costs_a],
+                "costs_b": [round(c, 6) for c in self.costs_b],
+                "gains": [round(g, 4) for g in self.gains], "dropped_windows": self.dropped_windows,
+                "outcome": self.outcome}
+
+
+def wins(gains: Sequence[float], min_gain: float = MIN_GAIN) -> bool:
+    """B beats A: better in every pair, and the median gain is at least min_gain."""
+    return bool(gains) and all(g > 0 for g in gains) and statistics.median(gains) >= min_gain
+
+
+class OnlineTuner:
+    """Coordinate-descent A/B tuner over `knobs` from the settings `start`.
+
+    Raises ValueError when `start` lacks a knob or holds a value not among its candidates.
+    """
+
+    def __init__(self, knobs: Sequence[Knob], start: Mapping[str, Any], *, pairs: int = PAIRS,
+                 min_gain: float = MIN_GAIN, max_rounds: int = MAX_ROUNDS):
+        if pairs < 1:
+            raise ValueError(f"pairs must be >= 1, got {pairs}")
+        for knob in knobs:
+            if knob.name not in start:
+                raise ValueError(f"start settings lack knob {knob.name!r}")
+            if start[knob.name] not in knob.values:
+                raise ValueError(f"start value {start[knob.name]!r} of knob {knob.name!r} is not "
+                                 f"among its values {knob.values}")
+        self.knobs = list(knobs)
+        self.incumbent = dict(start)
+        self.pairs = pairs
+        self.min_gain = min_gain
+        self.max_rounds = max_rounds
+        self.trials: list[Trial] = []
+        self.rejected: set[tuple[str, Any]] = set()
+        self.rounds = 0                 # rounds completed
+        self.trial: Trial | None = None
+        self.done = False
+        self._kept_this_round = False
+        self._knob_index = 0
+        self._direction = +1
+        self._visit_start: Any = None   # the knob's value when this visit began
+        self._visit_knob()
+
+    # ----------------------------------------------------------------- the caller's API
+    def settings(self) -> dict[str, Any]:
+        """The settings to run the next window with."""
+        if self.trial is None:
+            return dict(self.incumbent)
+        return {**self.incumbent, self.trial.knob: self._arm_value()}
+
+    @property
+    def arm(self) -> str | None:
+        """ARM_A or ARM_B for the next window; None when tuning is over."""
+        if self.trial is None:
+            return None
+        return ARM_A if len(self.trial.costs_a) == len(self.trial.costs_b) else ARM_B
+
+    def candidate(self) -> tuple[str, Any] | None:
+        """(knob, value) under trial, so the caller can check it before measuring."""
+        return None if self.trial is None else (self.trial.knob, self.trial.b)
+
+    def observe(self, cost: float, batch_size: int) -> None:
+        """Report the cost (seconds per decode step per sequence) of the window just run
+        with `settings()`, at `batch_size` sequences. Raises ValueError for a cost that is
+        not a positive finite number."""
+        if not (cost > 0 and cost != float("inf")):
+            raise ValueError(f"a window cost must be a positive finite number, got {cost!r}")
+        trial = self.trial
+        if trial is None:
+            return
+        if trial.batch_size is None:
+            trial.batch_size = batch_size
+        elif batch_size != trial.batch_size:
+            trial.dropped_windows += 1        # not comparable: run this arm again
+            return
+        (trial.costs_a if self.arm == ARM_A else trial.costs_b).append(cost)
+        if len(trial.costs_b) == self.pairs:
+            self._finish(trial)
+
+    def reject(self, why: str) -> None:
+        """Refuse the candidate under trial (it will not be tried again in this run)."""
+        trial = self.trial
+        if trial is None:
+            return
+        trial.outcome = f"rejected: {why}"
+        self.rejected.add((trial.knob, trial.b))
+        self.trials.append(trial)
+        if not self._step():                       # the next value the same way, if any
+            self._after_loss()
+
+    # -------------------------------------------------------------------- the search
+    def _arm_value(self) -> Any:
+        return self.trial.a if self.arm == ARM_A else self.trial.b
+
+    def _finish(self, trial: Trial) -> None:
+        self.trials.append(trial)
+        if not wins(trial.gains, self.min_gain):
+            trial.outcome = "unconfirmed" if trial.confirming else "loss"
+            self._after_loss()
+        elif not trial.confirming:
+            trial.outcome = "win, confirming"
+            self.trial = Trial(trial.knob, trial.a, trial.b, confirming=True)
+        else:
+            trial.outcome = "win"
+            self.incumbent[trial.knob] = trial.b
+            self._kept_this_round = True
+            if not self._step():                   # keep going the same way
+                self._next_knob()
+
+    def _after_loss(self) -> None:
+        knob = self.knobs[self._knob_index]
+        if self._direction > 0 and self.incumbent[knob.name] == self._visit_start:
+            self._direction = -1                   # up lost at once: try down
+            if self._step():
+                return
+        self._next_knob()
+
+    def _step(self) -> bool:
+        """Set up the trial one step from the incumbent in the current direction
+        (skipping rejected values); False when there is none."""
+        knob = self.knobs[self._knob_index]
+        current = self.incumbent[knob.name]
+        i = knob.values.index(current) + self._direction
+        while 0 <= i < len(knob.values) and (knob.name, knob.values[i]) in self.rejected:
+            i += self._direction
+        if not 0 <= i < len(knob.values):
+            self.trial = None
+            return False
+        self.trial = Trial(knob.name, current, knob.values[i])
+        return True
+
+    def _next_knob(self) -> None:
+        self._knob_index += 1
+        self._visit_knob()
+
+    def _visit_knob(self) -> None:
+        """Start the first trial of the knob at _knob_index, moving on past knobs with
+        nothing to try and closing rounds; sets done when the search is over."""
+        while True:
+            if self._knob_index >= len(self.knobs):
+                self.rounds += 1
+                if (not self._kept_this_round or self.rounds >= self.max_rounds
+                        or len(self.knobs) == 1):   # one knob: a second round re-tries losers
+                    self.trial, self.done = None, True
+                    return
+                self._knob_index, self._kept_this_round = 0, False
+            knob = self.knobs[self._knob_index]
+            self._visit_start = self.incumbent[knob.name]
+            self._direction = +1
+            if self._step():
+                return
+            self._direction = -1
+            if self._step():
+                return
+            self._knob_index += 1
+
+    def report(self) -> dict:
+        """What was tried and kept (JSON-ready)."""
+        return {"settings": dict(self.incumbent), "rounds": self.rounds, "done": self.done,
+                "trials": [t.to_dict() for t in self.trials]}
+
+
+# ------------------------------------------------------------- cache budget by replay
+@dataclass(frozen=True)
+class CacheChoice:
+    """The cache split chosen by replay: hit rate of each candidate, the winner."""
+
+    slots_per_layer: int
+    pin_fraction: float
+    hit_rate: float
+    table: tuple[tuple[int, float, float], ...]   # (slots_per_layer, pin_fraction, hit_rate)
+
+
+def choose_cache_split(tokens: list[list[list[int]]], num_experts: int, top_k: int,
+                       max_slots_per_layer: int, pin_fractions: Sequence[float],
+                       slot_bytes: int, min_gain_per_mib: float = 0.0) -> CacheChoice:
+    """Pick slots per layer (cache budget) and the pinned share by replaying `tokens`.
+
+    tokens: recorded routing, [token][moe layer] -> top_k expert ids (the replay format).
+    Every pin fraction is replayed at `max_slots_per_layer` (the planner's bound); the
+    budget is then lowered in steps of one slot per layer while the hit rate falls by
+    less than `min_gain_per_mib` per MiB saved (0: the largest budget always wins ties,
+    memory only goes back when it buys nothing). Raises ValueError for fewer than
+    top_k slots per layer or an empty trace.
+    """
+    if max_slots_per_layer < top_k:
+        raise ValueError(f"max_slots_per_layer {max_slots_per_layer} is below top_k {top_k}")
+    if len(tokens) < 2:
+        raise ValueError("the routing record needs at least 2 tokens")
+    table = []
+    best = None
+    for fraction in pin_fractions:
+        rate = simulate_hit_rate(tokens, num_experts, max_slots_per_layer, fraction)
+        table.append((max_slots_per_layer, fraction, rate))
+        if best is None or rate > best[2]:
+            best = (max_slots_per_layer, fraction, rate)
+    slots, fraction, rate = best
+    layers = len(tokens[0])
+    while slots > top_k:
+        smaller = simulate_hit_rate(tokens, num_experts, slots - 1, fraction)
+        table.append((slots - 1, fraction, smaller))
+        saved_mib = layers * slot_bytes / 2**20
+        if rate - smaller > min_gain_per_mib * saved_mib or min_gain_per_mib == 0.0 and smaller < rate:
+            break
+        slots, rate = slots - 1, smaller
+    return CacheChoice(slots, fraction, rate, tuple(table))
