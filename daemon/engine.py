@@ -469,8 +469,6 @@ class Engine:
         self._rate.add(now, len(rows))
         if self.on_decode_step is not None:
             self.on_decode_step(now - start)
-        for observe in self.step_observers:
-            observe(now - start, len(rows))
         for r, row in zip(rows, logits):
             r.handle.stats.decode_steps += 1
             if r.handle.cancelled:            # the client left while this step ran
@@ -478,6 +476,13 @@ class Engine:
                 self._finish(r, "cancelled")
                 continue
             self._sample(r, row)
+        # After the step is committed and sampled: an observer (the live tuner) may run the
+        # model itself, and its failure must never fail or repeat the step it measured.
+        for observe in self.step_observers:
+            try:
+                observe(now - start, len(rows))
+            except Exception:
+                log.exception("step_observer_failed")
 
     def _sample(self, r: _Running, logits: np.ndarray) -> None:
         """`_take_token`, failing only this request when its logits are unusable."""

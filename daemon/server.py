@@ -634,7 +634,7 @@ class Daemon:
             return
         changed = {k for k, v in new.to_dict().items() if self.config.to_dict().get(k) != v}
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
-                           "metrics_address", "tcp_address", "threads", "io_workers"}
+                           "metrics_address", "tcp_address", "threads", "io_workers", "tuner"}
         if fixed:
             log.warning("reload_needs_restart", keys=sorted(fixed))
         new = replace(new, **{k: getattr(self.config, k) for k in fixed})
@@ -646,8 +646,14 @@ class Daemon:
                         or "prefetch" in changed) and loaded.session is not None:
                     if self.memory_watcher is not None and new.expert_cache_bytes is not None:
                         self.memory_watcher.set_maximum(new.expert_cache_bytes, new.pin_fraction)
+                    tuner = loaded.tuner
+                    if "prefetch" in changed and tuner is not None:   # the operator decides now
+                        from daemon.tuning import PREFETCH_WIDTH
+                        await asyncio.wrap_future(loaded.engine.call(
+                            lambda: tuner.stop("prefetch set by reload", keep={PREFETCH_WIDTH})))
                     await asyncio.wrap_future(loaded.engine.call(lambda: loaded.session.rebuild(
-                        new.expert_cache_bytes, new.pin_fraction, new.prefetch)))
+                        new.expert_cache_bytes, new.pin_fraction,
+                        new.prefetch if "prefetch" in changed else None)))
             set_level(new.log_level)
         except (OSError, ValueError) as e:
             if loaded is not None:   # the new limits went in before the cache refused: undo
@@ -752,7 +758,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                    start_live_tuning, workload_prompts)
         fixed = {knob for key, knob in (("threads", THREADS), ("io_workers", IO_WORKERS))
                  if config.sources.get(key, DEFAULT_SOURCE) != DEFAULT_SOURCE}
-        if not config.prefetch:
+        if not config.prefetch or config.sources.get("prefetch", DEFAULT_SOURCE) != DEFAULT_SOURCE:
             fixed.add(PREFETCH_WIDTH)
         state_dir = session.store.state_dir if session.store is not None else None
         tuner = start_live_tuning(model, session, config.tuner, fixed, state_dir, model_dir)

@@ -82,7 +82,9 @@ class ExpertSession:
                 prefetch: bool | None = None) -> None:
         """Swap in a provider with a new budget / pin share / prefetch switch (between steps).
 
-        The learned counts carry over; the new cache starts from the pins they give.
+        The learned counts carry over; the new cache starts from the pins they give. The
+        io worker count and (unless `prefetch` is given) the prefetch width of the old
+        provider carry over too: the live tuner may have changed them.
         Raises CacheBudgetError (a ValueError) for a budget below the minimum; the old
         provider then stays in place.
         """
@@ -92,6 +94,12 @@ class ExpertSession:
         old = self.provider
         provider = StreamingExpertProvider(self.model.layout, self.model.config, options,
                                            usage_counts=old.usage.counts())
+        # What the live tuner set on the old provider carries over (a new budget is not a
+        # reason to forget the io workers or prefetch width it found).
+        if provider.io.n_workers != old.io.n_workers:
+            provider.io.set_workers(old.io.n_workers)
+        if prefetch is None:
+            provider.set_prefetch(old.width if old.wants_hints else 0)
         self.model.experts = provider
         self.provider, self.options = provider, options
         old.close()

@@ -76,6 +76,31 @@ def hardware_fingerprint(facts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
+SETTING_RANGES = {THREADS: (1, 1024), IO_WORKERS: (1, 1024), PREFETCH_WIDTH: (0, 1 << 16),
+                  "cache_bytes": (1, 1 << 62)}
+
+
+def valid_settings(settings: Mapping[str, Any], path: Path | str) -> dict[str, Any]:
+    """The saved settings that are usable: whole numbers (not booleans) in range for the
+    known knobs, pin_fraction a number in [0, 1]. Each other one is dropped with a warning."""
+    kept: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name in SETTING_RANGES:
+            lo, hi = SETTING_RANGES[name]
+            ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+        elif name == "pin_fraction":
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and 0.0 <= value <= 1.0)
+        else:
+            ok = False
+        if ok:
+            kept[name] = value
+        else:
+            log.warning("tuned_setting_ignored path=%s setting=%s value=%r: not a usable value",
+                        path, str(name)[:64], value if len(repr(value)) < 80 else "<long>")
+    return kept
+
+
 class TunedStore:
     """The tuner's winners for one model on this hardware, in the state directory.
 
@@ -102,13 +127,15 @@ class TunedStore:
                         self.path)
             return None
         if payload.get("hardware") != self.hardware:
-            before = payload.get("hardware_facts") or {}
-            changed = sorted(k for k in set(before) | set(self.facts) if before.get(k) != self.facts.get(k))
+            before = payload.get("hardware_facts")
+            before = before if isinstance(before, dict) else {}
+            changed = sorted(str(k) for k in set(before) | set(self.facts)
+                             if before.get(k) != self.facts.get(k))
             log.warning("tuned_settings_invalidated path=%s reason=hardware changed (%s); "
                         "the defaults apply until the tuner runs again", self.path,
                         ", ".join(changed) or "fingerprint")
             return None
-        return dict(payload["settings"])
+        return valid_settings(payload["settings"], self.path)
 
     def save(self, settings: Mapping[str, Any], report: Mapping[str, Any] | None = None) -> None:
         """Write the winners (replacing any earlier ones). Raises OSError."""
@@ -149,6 +176,25 @@ def default_knobs(top_k: int, cpus: int) -> list[Knob]:
             Knob(PREFETCH_WIDTH, tuple(widths))]
 
 
+def probe_io_workers(state_dir: Path | None, model_dir: str | Path, share: float = 0.95) -> int | None:
+    """The io worker count the saved storage probe (`moed iobench`, or the daemon's probe
+    after READY) suggests: the smallest queue depth reaching `share` of the best GB/s on
+    the io path it found. None without a saved probe for the model's disk."""
+    from daemon.iobench import block_device, report_path
+    if state_dir is None:
+        return None
+    try:
+        shard = next(p for p in sorted(Path(model_dir).iterdir()) if p.suffix == ".safetensors")
+        report = json.loads(report_path(state_dir, block_device(shard)).read_text())
+        rows = [r for r in report["results"] if r["mode"] == report["io_path"]
+                and type(r["queue_depth"]) is int and 1 <= r["queue_depth"] <= 1024
+                and isinstance(r["gb_per_s"], (int, float)) and r["gb_per_s"] >= 0]
+        best = max(float(r["gb_per_s"]) for r in rows)
+        return min(r["queue_depth"] for r in rows if r["gb_per_s"] >= share * best)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return None
+
+
 def snap_to(knob: Knob, value: Any) -> Any:
     """The candidate of `knob` closest to `value` (a start value off the grid)."""
     return min(knob.values, key=lambda v: (abs(v - value), v))
@@ -186,8 +232,8 @@ class Workload:
     def __init__(self, model: Model, prompts: list[list[int]], capacity: int = 512,
                  seed: int = 0, clock: Callable[[], float] = time.perf_counter):
         self.model = model
-        self.prompts = prompts
-        self.capacity = capacity
+        self.capacity = min(capacity, model.config.max_position_embeddings)
+        self.prompts = [p[: max(1, self.capacity // 2)] for p in prompts]
         self.clock = clock
         self.sampler = Sampler(SamplingParams(temperature=TEMPERATURE, seed=seed))
         self._i = 0
@@ -217,14 +263,27 @@ class Workload:
 
 
 def check_tokens(model: Model, prompt: list[int], n: int = CHECK_TOKENS) -> list[int]:
-    """Greedy tokens of the check prompt (a fresh sequence)."""
-    seq = model.new_sequence(capacity=len(prompt) + n + 1)
-    logits = model.forward(seq, prompt)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits[-1])))
-        logits = model.forward(seq, [out[-1]])
-    return out
+    """Greedy tokens of the check prompt (a fresh sequence; prompt and n cut to fit the
+    model's context). Its expert use is not counted as usage: pins follow real traffic."""
+    context = model.config.max_position_embeddings
+    prompt = prompt[: max(1, context // 2)]
+    n = max(1, min(n, context - len(prompt) - 1))
+    provider = model.experts
+    observing = getattr(provider, "observe_usage", None)
+    if observing is not None:
+        provider.observe_usage = False
+    try:
+        seq = model.new_sequence(capacity=len(prompt) + n + 1)
+        logits = model.forward(seq, prompt)
+        out = []
+        for _ in range(n):
+            out.append(int(np.argmax(logits[-1])))
+            if len(out) < n:
+                logits = model.forward(seq, [out[-1]])
+        return out
+    finally:
+        if observing is not None:
+            provider.observe_usage = observing
 
 
 def tune(model: Model, knobs: list[Knob], workload: Workload, check_prompt: list[int], *,
@@ -304,8 +363,8 @@ def replay_fraction_to_streaming(fraction: float, total_slots: int, minimum_slot
     return min(1.0, share)
 
 
-def _compare(session, model: Model, prompts, settings_of: dict[str, dict], cfg: TuneConfig,
-             progress) -> dict:
+def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict], cfg: TuneConfig,
+                     progress=None) -> dict:
     """Tokens/s of each named settings dict: fresh cache (pins from learned usage) per run,
     page cache dropped, runs interleaved (a b a b ...); medians and the per-run figures."""
     from daemon.bench import drop_page_cache
@@ -346,10 +405,22 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         prompts = workload_prompts(cfg.model, config.vocab_size)
         recorder = RoutingRecorder(n_layers)
         facts = hardware_facts(cfg.model)
+        try:      # fail now, not after minutes of tuning, when the winners cannot be saved
+            store = TunedStore(cfg.state_dir, model.checkpoint.fingerprint(), facts)
+            store.load()
+        except OSError as e:
+            raise OSError(f"the state directory {cfg.state_dir} cannot hold the tuned "
+                          f"settings: {e}") from None
         knobs = default_knobs(config.top_k, facts["cpus"])
         default = {THREADS: cfg.threads, IO_WORKERS: cfg.io_workers, PREFETCH_WIDTH: config.top_k,
                    "cache_bytes": cfg.cache_bytes, "pin_fraction": session.options.pin_fraction}
         workload = Workload(model, prompts, seed=cfg.seed)
+        probed = probe_io_workers(cfg.state_dir, cfg.model)
+        if probed is not None:
+            probed = snap_to(next(k for k in knobs if k.name == IO_WORKERS), probed)
+            LiveKnobs(model).apply({IO_WORKERS: probed})
+            if progress:
+                progress(f"the saved storage probe suggests {probed} io workers: starting there")
         provider.routing_recorder = recorder
         if progress:
             progress("warming the cache and learning usage (4 windows)")
@@ -371,7 +442,7 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
             progress(f"cache split by replay of {len(recorder.tokens)} tokens: "
                      f"{choice.slots_per_layer} slots per layer, {choice.pin_fraction:.3f} of them "
                      f"pinned, hit rate {100 * choice.hit_rate:.1f} %")
-        compared = _compare(session, model, prompts, {"default": default, "tuned": tuned}, cfg, progress)
+        compared = compare_settings(session, model, prompts, {"default": default, "tuned": tuned}, cfg, progress)
         report = {
             "model": str(cfg.model), "hardware": facts, "default": default, "tuned": tuned,
             "tokens_per_second": {
@@ -387,7 +458,6 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                             "table": [{"slots_per_layer": s, "pin_fraction_of_slots": f,
                                        "hit_rate": round(h, 4)} for s, f, h in choice.table]},
         }
-        store = TunedStore(cfg.state_dir, model.checkpoint.fingerprint(), facts)
         store.save(tuned, {"tokens_per_second": report["tokens_per_second"]})
         report["saved_to"] = str(store.path)
         try:
@@ -458,6 +528,15 @@ class LiveTuner:
             if self.on_done is not None:
                 self.on_done(self.tuner)
 
+    def stop(self, reason: str, keep: set[str] = frozenset()) -> None:
+        """End the search now (engine thread): the incumbent's settings are applied, except
+        the knobs in `keep` (which someone else just set), and nothing is saved."""
+        if self.finished:
+            return
+        self.finished = True
+        self.live.apply({k: v for k, v in self.tuner.incumbent.items() if k not in keep})
+        log.info("tuner_stopped reason=%s settings=%s", reason, self.tuner.incumbent)
+
     def step_done(self, seconds: float, batch_size: int) -> None:
         """One decode step of `batch_size` sequences took `seconds` (engine thread)."""
         if self.finished or seconds <= 0:
@@ -496,9 +575,13 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
         try:
             store = TunedStore(state_dir, model.checkpoint.fingerprint(), facts)
             saved = store.load() or {}
-        except OSError as e:
+        except (OSError, ValueError) as e:
             log.warning("tuned_settings_unavailable: %s", e)
     start = LiveKnobs(model).current()
+    probed = probe_io_workers(state_dir, model_dir)
+    io_knob = next((k for k in knobs if k.name == IO_WORKERS), None)
+    if probed is not None and io_knob is not None:
+        start[IO_WORKERS] = snap_to(io_knob, probed)   # the disk's answer, until A/B says better
     for knob in knobs:
         if knob.name in saved and saved[knob.name] in knob.values:
             start[knob.name] = saved[knob.name]
@@ -511,7 +594,8 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
         if store is None:
             return
         try:
-            store.save({**saved, **tuner.incumbent}, {"trials": len(tuner.trials)})
+            store.save({**valid_settings(saved, store.path), **tuner.incumbent},
+                       {"trials": len(tuner.trials)})
         except (OSError, ValueError) as e:
             log.warning("tuned_settings_not_saved: %s", e)
 

@@ -7,8 +7,10 @@ only at equal batch size: a window run at another batch size than the trial's fi
 dropped and run again.
 
 A trial compares the incumbent A with one candidate B (a neighbour of A's value on one
-knob) over `pairs` interleaved pairs A B A B ... (never A A B B, so drift in the machine
-hits both arms alike). B wins a trial when it is cheaper in every pair and the median of
+knob) over `pairs` interleaved pairs, their order alternating — A B, B A, A B, B A — so
+neither arm always runs first and a steady drift (a cache warming up) cancels out
+(windows of one arm never run in a block, A A B B). When the traffic keeps another batch
+size for more than MAX_DROPPED_WINDOWS x pairs windows, the trial starts again there. B wins a trial when it is cheaper in every pair and the median of
 the per-pair gains (cost_A - cost_B) / cost_A is at least `min_gain`. A win is confirmed
 by a second trial of the same pair; only then is B kept. Otherwise A stays.
 
@@ -32,6 +34,7 @@ from scheduler.replay import simulate_hit_rate
 PAIRS = 4
 MIN_GAIN = 0.03
 MAX_ROUNDS = 3
+MAX_DROPPED_WINDOWS = 2   # x pairs: then the trial restarts at the batch size now seen
 ARM_A, ARM_B = "A", "B"
 
 
@@ -126,10 +129,15 @@ class OnlineTuner:
 
     @property
     def arm(self) -> str | None:
-        """ARM_A or ARM_B for the next window; None when tuning is over."""
+        """ARM_A or ARM_B for the next window; None when tuning is over. Pairs alternate
+        their order, A B B A A B ..., so a steady drift (a cache warming up) favours
+        neither arm."""
         if self.trial is None:
             return None
-        return ARM_A if len(self.trial.costs_a) == len(self.trial.costs_b) else ARM_B
+        n_a, n_b = len(self.trial.costs_a), len(self.trial.costs_b)
+        if n_a != n_b:
+            return ARM_A if n_a < n_b else ARM_B
+        return ARM_A if n_a % 2 == 0 else ARM_B
 
     def candidate(self) -> tuple[str, Any] | None:
         """(knob, value) under trial, so the caller can check it before measuring."""
@@ -148,9 +156,14 @@ class OnlineTuner:
             trial.batch_size = batch_size
         elif batch_size != trial.batch_size:
             trial.dropped_windows += 1        # not comparable: run this arm again
-            return
+            if trial.dropped_windows > MAX_DROPPED_WINDOWS * self.pairs:
+                # the traffic moved to another batch size for good: start the trial again there
+                trial.costs_a, trial.costs_b = [], []
+                trial.batch_size, trial.dropped_windows = batch_size, 0
+            else:
+                return
         (trial.costs_a if self.arm == ARM_A else trial.costs_b).append(cost)
-        if len(trial.costs_b) == self.pairs:
+        if len(trial.costs_a) == len(trial.costs_b) == self.pairs:
             self._finish(trial)
 
     def reject(self, why: str) -> None:

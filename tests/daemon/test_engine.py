@@ -272,3 +272,28 @@ def test_requests_cancelled_while_waiting_or_during_prefill_cost_no_more_prefill
     assert w[2] == "cancelled" and w[3].completion_tokens == 0
     assert p[2] == "cancelled" and p[3].completion_tokens == 0
     assert chunks == [64]                           # one chunk of 199 tokens, not all four
+
+
+def test_a_failing_step_observer_changes_nothing(model_dir, tokenizer, log_records):
+    def results(observer):
+        model = Model.load(model_dir, n_threads=1)
+        engine = _engine(model, tokenizer)
+        if observer is not None:
+            engine.step_observers.append(observer)
+        try:
+            return [(r[0], r[1], r[2]) for r in _run(engine, _requests(4))]
+        finally:
+            engine.stop()
+            model.close()
+
+    baseline = results(None)
+    calls = []
+
+    def observer(seconds, batch_size):
+        calls.append(batch_size)
+        if len(calls) in (2, 5):
+            raise OSError("the tuner's check prompt hit a read error")
+    records = log_records("moed.engine")
+    assert results(observer) == baseline          # no retry, no failure, the same text
+    assert max(calls) > 1                         # it saw batched steps
+    assert sum(r.getMessage() == "step_observer_failed" for r in records) == 2

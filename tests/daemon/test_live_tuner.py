@@ -151,3 +151,75 @@ def test_the_daemon_probes_storage_once_when_idle_after_ready(model_dir):
         assert ready
     finally:
         d.cleanup()
+
+
+def test_the_saved_storage_probe_gives_the_starting_io_workers(streamed, model_dir, tmp_path):
+    from daemon.iobench import block_device, report_path
+    from daemon.tuning import probe_io_workers
+
+    model, session = streamed
+    rows = [{"mode": "direct", "queue_depth": qd, "gb_per_s": gb}
+            for qd, gb in ((1, 0.3), (2, 0.6), (4, 0.98), (8, 1.0), (16, 1.0))]
+    rows += [{"mode": "buffered", "queue_depth": 1, "gb_per_s": 9.0}]
+    path = report_path(tmp_path, block_device(model_dir / "model.safetensors"))
+    path.write_text(json.dumps({"io_path": "direct", "results": rows}))
+    assert probe_io_workers(tmp_path, model_dir) == 4          # 0.98 >= 95 % of 1.0
+    tuner = start_live_tuning(model, session, "live", set(), tmp_path, model_dir)
+    assert tuner.tuner.incumbent[IO_WORKERS] == 4
+    hostile = rows + [{"mode": "direct", "queue_depth": q, "gb_per_s": 5.0}
+                      for q in (float("inf"), 3000, 0, True, "8")]
+    path.write_text(json.dumps({"io_path": "direct", "results": hostile}))
+    assert probe_io_workers(tmp_path, model_dir) == 4          # the nonsense rows are ignored
+    path.write_text("{not json")
+    assert probe_io_workers(tmp_path, model_dir) is None
+    assert probe_io_workers(None, model_dir) is None
+
+
+def test_hostile_saved_settings_are_dropped_with_a_warning(model_dir, tmp_path, log_records):
+    from daemon.state import StateStore
+    from daemon.tuning import TUNED_VERSION, hardware_fingerprint
+    records = log_records("moed.tuning")
+    facts = hardware_facts(model_dir)
+    fingerprint = "f" * 64
+    raw = StateStore(tmp_path, fingerprint, kind="tuned")
+    # another machine's file whose facts are not even a mapping: ignored, no crash
+    raw.save(lambda _c: {"version": TUNED_VERSION, "hardware": "other", "hardware_facts": [1],
+                         "settings": {THREADS: 2}})
+    store = TunedStore(tmp_path, fingerprint, facts)
+    assert store.load() is None
+    assert any("tuned_settings_invalidated" in r.getMessage() for r in records)
+    # this machine's file with nonsense values: only the usable ones are kept
+    raw.save(lambda _c: {"version": TUNED_VERSION, "hardware": store.hardware,
+                         "hardware_facts": facts, "settings": {
+                             THREADS: True, IO_WORKERS: 2**70,
+                             PREFETCH_WIDTH: 4, "cache_bytes": "lots", "pin_fraction": 0.25,
+                             "unknown": 1}})
+    assert store.load() == {PREFETCH_WIDTH: 4, "pin_fraction": 0.25}
+    dropped = [r.getMessage() for r in records if "tuned_setting_ignored" in r.getMessage()]
+    assert len(dropped) == 4
+    assert hardware_fingerprint(facts) == store.hardware
+
+
+def test_a_rebuilt_cache_keeps_the_tuned_io_workers_and_prefetch_width(streamed):
+    model, session = streamed
+    LiveKnobs(model).apply({IO_WORKERS: 4, PREFETCH_WIDTH: 3})
+    session.rebuild(cache_bytes=session.options.cache_bytes + session.provider.slot_bytes)
+    assert LiveKnobs(model).current()[IO_WORKERS] == 4
+    assert LiveKnobs(model).current()[PREFETCH_WIDTH] == 3
+    session.rebuild(prefetch=False)                       # the operator's word wins
+    assert LiveKnobs(model).current()[PREFETCH_WIDTH] == 0
+
+
+def test_the_check_prompt_is_not_counted_as_usage_and_stop_applies_the_incumbent(streamed):
+    from daemon.tuning import check_tokens
+    model, session = streamed
+    before = session.provider.usage.counts().copy()
+    check_tokens(model, [1, 2, 3])
+    assert (session.provider.usage.counts() == before).all()
+    assert session.provider.observe_usage is True
+    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2)
+    tuner.step_done(0.01, 1)
+    tuner.step_done(0.01, 1)                              # A done: B (2 threads) is applied
+    assert model.n_threads == 2
+    tuner.stop("test")
+    assert tuner.finished and model.n_threads == 1

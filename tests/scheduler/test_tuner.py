@@ -87,9 +87,9 @@ def test_windows_alternate_a_b_and_compare_only_at_the_trial_batch_size():
     first = tuner.trials[0]
     assert first.batch_size == 2 and first.dropped_windows == 2
     assert first.costs_a == [1.0] * 4 and first.costs_b == [0.8] * 4
-    # A B A(batch 3: dropped) A B A(batch 1: dropped) A B ...: interleaved, and the arm
-    # of a dropped window runs again
-    assert "".join(arms) == "AB" + "AAB" + "AAB" + "AB" + "AB" * 4
+    # pairs alternate their order (A B, B A, ...); the arm of a dropped window (batch 3,
+    # batch 1) runs again
+    assert "".join(arms) == "AB" + "BBA" + "AAB" + "BA" + "ABBAABBA"
     assert all((a == ARM_A) == (v == 1) for a, v in zip(arms, values))
     assert tuner.incumbent == {"threads": 2}
     assert [t.outcome for t in tuner.trials] == ["win, confirming", "win"]
@@ -97,11 +97,37 @@ def test_windows_alternate_a_b_and_compare_only_at_the_trial_batch_size():
 
 def test_an_unconfirmed_win_is_reverted():
     tuner = OnlineTuner([Knob("threads", (1, 2))], {"threads": 1})
-    # B wins the first trial clearly, then loses its confirmation
-    costs = iter([1.0, 0.8] * 4 + [1.0, 1.01] * 4 + [1.0, 1.0] * 100)
-    drive(tuner, lambda s: next(costs))
+    confirming = []
+
+    def cost(s):    # B wins the first trial clearly, then loses its confirmation
+        confirming.append(tuner.trial.confirming)
+        if not confirming[-1]:
+            return 1.0 if s["threads"] == 1 else 0.8
+        return 1.0 if s["threads"] == 1 else 1.01
+    drive(tuner, cost)
     assert tuner.incumbent == {"threads": 1}
     assert [t.outcome for t in tuner.trials] == ["win, confirming", "unconfirmed"]
+
+
+def test_a_drift_that_favours_whichever_runs_later_is_not_a_win():
+    # the cost ignores the settings and falls 5 % per window (a cache warming up): with
+    # B always second, every pair would show B 5 % faster
+    tuner = OnlineTuner(KNOBS, START)
+    windows = []
+    drive(tuner, lambda s: windows.append(1) or 0.95 ** len(windows))
+    assert tuner.incumbent == START
+
+
+def test_a_trial_moves_to_the_batch_size_the_traffic_settled_on():
+    tuner = OnlineTuner([Knob("threads", (1, 2))], {"threads": 1}, pairs=4)
+    tuner.observe(1.0, 1)                               # a lone request: A at batch 1
+    for _ in range(8):                                  # then steady 4-way traffic
+        tuner.observe(1.0, 4)
+    assert tuner.trial.batch_size == 1 and tuner.trial.dropped_windows == 8
+    tuner.observe(1.0, 4)                               # one more: the trial restarts at 4
+    assert tuner.trial.batch_size == 4 and tuner.trial.costs_a == [1.0]
+    drive(tuner, lambda s: 1.0 if s["threads"] == 1 else 0.5, batch_size=lambda: 4)
+    assert tuner.incumbent == {"threads": 2}
 
 
 def test_a_rejected_candidate_is_skipped():
