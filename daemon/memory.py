@@ -215,3 +215,60 @@ def read_mem_total(root: str | os.PathLike = "/") -> int | None:
     match = re.search(r"^MemTotal:\s+(\d+)\s*kB", _read_text(Path(root, "proc/meminfo")) or "",
                       re.MULTILINE)
     return int(match.group(1)) * 1024 if match else None
+
+
+# ------------------------------------------------------------ the plan for serving
+PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)
+RUNTIME_BYTES = 512 << 20       # interpreter, numpy, workspaces, io buffers
+MARGIN_FRACTION = 0.05          # of the available memory, kept free
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """The memory plan of `moed serve` for one model (bytes).
+
+    plan: scheduler.planner.MemoryPlan; all_experts_bytes: every routed expert in its
+    cache slot; stream: whether the experts must stream (the plan's cache holds fewer than
+    all of them); context: tokens of KV cache planned per sequence.
+    """
+
+    plan: object
+    all_experts_bytes: int
+    stream: bool
+    context: int
+
+
+def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequences: int,
+                        pin_fraction: float, reading: MemoryReading | None = None) -> ServingPlan:
+    """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
+    machine (default: `read_memory()`): dense weights (every tensor that is not a routed
+    expert), KV cache (f32 K and V, every layer, PLANNED_CONTEXT or the model's context if
+    smaller, per sequence), RUNTIME_BYTES, a MARGIN_FRACTION margin; the expert cache
+    gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
+    giving every number) when the dense part does not fit, and the model loaders' errors.
+    """
+    from daemon.io import plans_for
+    from ext.checkpoint import Checkpoint
+    from ext.config import load_config
+    from ext.experts import ExpertLayout
+    from scheduler.planner import available_bytes, plan_memory
+
+    config = load_config(model_dir)
+    with Checkpoint(model_dir) as checkpoint:
+        layout = ExpertLayout(checkpoint, config)
+        expert_bytes = sum(loc.nbytes for loc in layout)
+        slots = [p.slot_bytes for p in plans_for(layout).values()]
+        dense = checkpoint.total_bytes - expert_bytes
+    reading = reading or read_memory()
+    available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    context = min(PLANNED_CONTEXT, config.max_position_embeddings)
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 4
+    slot = max(slots)
+    plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_sequence=kv,
+                       max_concurrent_sequences=max_concurrent_sequences,
+                       runtime_bytes=RUNTIME_BYTES, slot_bytes=slot,
+                       min_dynamic_slots=config.top_k * sum(config.moe_layers),
+                       pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION)
+    all_experts = slot * len(slots)
+    return ServingPlan(plan=plan, all_experts_bytes=all_experts,
+                       stream=plan.expert_cache_bytes < all_experts, context=context)

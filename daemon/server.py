@@ -365,7 +365,8 @@ class Daemon:
         """moed's own statistics (runs on the engine thread); the same reading becomes
         `last_snapshot`, which /metrics exports (daemon.stats)."""
         snapshot, out = collect(loaded.engine, loaded.session,
-                                memory_budget_bytes=self.config.expert_cache_bytes or 0,
+                                memory_budget_bytes=(loaded.session.options.cache_bytes
+                                                     if loaded.session is not None else 0),
                                 memory_available_bytes=_mem_available(),
                                 model_load_seconds=self.load_seconds)
         self.last_snapshot = snapshot
@@ -549,16 +550,17 @@ class Daemon:
 
     async def _memory_watch(self) -> None:
         """Streamed experts: every MEMORY_POLL_S re-read the memory available and shrink or
-        grow the expert cache (daemon.squeeze); a failed reading or resize is a warning."""
+        grow the expert cache (daemon.squeeze) up to the budget it started with (configured,
+        or planned); a failed reading or resize is a warning."""
         from daemon.squeeze import MEMORY_POLL_S, MemoryWatcher
         from daemon.streaming import minimum_cache_bytes
 
         loaded = self.loaded
-        if loaded is None or loaded.session is None or self.config.expert_cache_bytes is None:
+        if loaded is None or loaded.session is None:
             return
         model = loaded.engine.model
         self.memory_watcher = MemoryWatcher(
-            loaded.session, self.config.expert_cache_bytes,
+            loaded.session, loaded.session.options.cache_bytes,     # configured or planned
             minimum_cache_bytes(model.layout, model.config),
             run_on_engine=lambda fn: loaded.engine.call(fn).result())
         while True:
@@ -741,7 +743,20 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     model_dir = config.require_model()
     tokenizer = Tokenizer.from_model_dir(model_dir)
     stop_ids = frozenset(stop_token_ids(model_dir))
-    model, session = open_model(model_dir, threads=config.threads, cache_bytes=config.expert_cache_bytes,
+    cache_bytes = config.expert_cache_bytes
+    if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
+        from daemon.memory import plan_serving_memory
+        planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
+                                      pin_fraction=config.pin_fraction)
+        p = planned.plan
+        log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
+                 kv_bytes=p.kv_bytes, kv_context_tokens=planned.context,
+                 runtime_bytes=p.runtime_bytes, margin_bytes=p.margin_bytes,
+                 expert_cache_bytes=p.expert_cache_bytes, all_experts_bytes=planned.all_experts_bytes,
+                 experts="streamed" if planned.stream else "memory-mapped (they all fit)")
+        if planned.stream:
+            cache_bytes = p.expert_cache_bytes
+    model, session = open_model(model_dir, threads=config.threads, cache_bytes=cache_bytes,
                                 io_workers=config.io_workers, prefetch=config.prefetch,
                                 pin_fraction=config.pin_fraction,
                                 half_life_tokens=config.half_life_tokens, mlock=True,

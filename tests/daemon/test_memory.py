@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.memory import read_memory
-from scheduler.planner import available_bytes
+import pytest
+
+from daemon.memory import MemoryReading, plan_serving_memory, read_memory
+from ext.makemodel import make_model
+from scheduler.planner import CgroupLimit, MemoryPlanError, available_bytes
 
 GiB = 2**30
 MiB = 2**20
@@ -186,3 +189,33 @@ def test_this_machine():
     assert all(c.version in (1, 2) for c in reading.cgroup_limits)
     assert 0 <= available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) \
         <= reading.mem_available_bytes
+
+
+# ------------------------------------------------------------ the plan for serving
+
+@pytest.fixture(scope="module")
+def planned_model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("plan") / "m", arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=64, intermediate=32)
+
+
+def test_the_serving_plan_streams_only_what_does_not_fit(planned_model):
+    roomy = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                reading=MemoryReading(64 << 30, ()))
+    assert not roomy.stream                              # every expert fits: memory-mapped
+    p = roomy.plan
+    assert p.expert_cache_bytes == p.available_bytes - p.dense_bytes - p.kv_bytes - p.runtime_bytes \
+        - p.margin_bytes - (p.available_bytes - p.dense_bytes - p.kv_bytes - p.runtime_bytes
+                            - p.margin_bytes) % p.slot_bytes
+    # a cgroup limit far below MemAvailable binds: now the experts must stream
+    fixed = p.dense_bytes + p.kv_bytes + p.runtime_bytes
+    tight_limit = int((fixed + 6 * p.slot_bytes) / 0.95) + 1
+    tight = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                reading=MemoryReading(64 << 30, (CgroupLimit("/x", 2, tight_limit, 0, 0),)))
+    assert tight.stream and tight.plan.total_slots >= 4 and tight.plan.total_slots < 16
+
+
+def test_the_serving_plan_refuses_with_the_numbers(planned_model):
+    with pytest.raises(MemoryPlanError, match=r"the dense part does not fit: needs \d+ B"):
+        plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                            reading=MemoryReading(100 << 20, ()))
