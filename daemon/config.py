@@ -325,7 +325,8 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "state_dir": _Key(_text, "DIR", "where learned expert usage is kept", True,
                       "$STATE_DIRECTORY, else ~/.local/state/moed"),
     "expert_cache_bytes": _Key(_size, "SIZE", "stream experts into a cache of SIZE bytes, "
-                                              "K/M/G suffixes", True, "experts memory-mapped"),
+                                              "K/M/G suffixes", True,
+                                "sized by the memory planner"),
     "max_concurrent_sequences": _Key(_int(1, MAX_CONCURRENT_SEQUENCES), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
     "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
@@ -358,7 +359,8 @@ class ServeConfig:
     sizes in bytes, durations in seconds, ``socket_mode`` an int such as 0o660, addresses
     as `Address`. ``state_dir`` None means the caller's default
     (``daemon.state.default_state_dir``); ``threads`` None means all CPUs available;
-    ``expert_cache_bytes`` None means experts are memory-mapped, not streamed.
+    ``expert_cache_bytes`` None means the memory planner sizes the cache (or experts stay
+    memory-mapped when they all fit; daemon.memory.plan_serving_memory).
     ``sources`` maps each key to where its value came from (``"default"``, or
     ``"ServeConfig argument"`` for a value given directly); it does not take part in
     equality.
