@@ -395,7 +395,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from daemon.demo import DemoError, DemoOptions, default_cache_dir, run_demo
 
     options = DemoOptions(cache_dir=Path(args.dir) if args.dir else default_cache_dir(os.environ),
-                          keep=args.keep, max_tokens=args.max_tokens, environ=os.environ)
+                          model_dir=Path(args.model) if args.model else None, keep=args.keep, max_tokens=args.max_tokens, environ=os.environ)
     try:
         return run_demo(options, out=sys.stdout,
                         note=lambda message: print(f"moed demo: {message}", file=sys.stderr,
@@ -590,24 +590,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo", parents=[common],
-        help="try moed: start a daemon on a small demo model and stream an answer from it",
-        description="Show moed at work with nothing but the install: prepare a small demo "
-                    "model (random weights, so the text is noise; written once into the cache "
-                    "directory, then reused), start moed serve on a private socket with an "
-                    "expert cache of about a quarter of the model's experts, stream a chat "
-                    "answer from it, print what the cache did (hit rate, bytes read from disk, "
+        help="try moed: start a daemon on the embedded default model and stream a completion",
+        description="Show moed at work with nothing but the install: start moed serve on a "
+                    "private socket with the embedded default model (a small Qwen3-MoE that "
+                    "completes Python code, trained on the standard library) and an expert "
+                    "cache of a quarter of its experts, stream a completion of a Python "
+                    "prompt from it, print what the cache did (hit rate, bytes read from disk, "
                     "tokens/s, pinned experts, metrics address) and stop the daemon. The "
                     "daemon remembers which experts were used: run the demo again and it "
-                    "starts with them pinned. Progress goes to stderr; the answer and the "
-                    "summary to stdout.",
+                    "starts with them pinned, and prints the hit rate next to the previous "
+                    "run's. Progress goes to stderr; the completion and the summary to stdout.",
         epilog="examples:\n"
                "  moed demo\n"
                "  moed demo --keep          (then: moed chat --socket PATH, as it prints)\n"
-               "  moed demo --dir ./moed-demo",
+               "  moed demo --dir ./moed-demo --model ./my-model",
         formatter_class=_ExamplesFormatter)
     d.add_argument("--dir", default=None, metavar="DIR", type=_nonempty,
-                   help="where the demo model and its learned state are kept (default: "
-                        "$XDG_CACHE_HOME/moed, else ~/.cache/moed)")
+                   help="where the demo keeps its learned state and last run's figures "
+                        "(default: $XDG_CACHE_HOME/moed, else ~/.cache/moed)")
+    d.add_argument("--model", default=None, metavar="DIR", type=_nonempty,
+                   help="serve this Hugging Face model directory instead of the embedded "
+                        "default model")
     d.add_argument("--keep", action="store_true",
                    help="keep the daemon serving after the demo, until Ctrl-C")
     d.add_argument("--max-tokens", type=_positive_int, default=96, metavar="N",

@@ -1,24 +1,27 @@
-"""`moed demo`: the daemon and a client on a small demo model, for someone who just installed moed.
+"""`moed demo`: the daemon and a client on the embedded default model, for someone who just
+installed moed.
 
 What it does, in order:
-1. Prepares the demo model in a cache directory (``$XDG_CACHE_HOME/moed``, else
-   ``~/.cache/moed``, or ``--dir``): a random-weight `make-model` checkpoint (`DEMO_MODEL`)
-   written once into a temporary directory and renamed into place, so an interrupted run
-   never leaves a half-written model; later runs reuse it after checking it.
+1. Takes the embedded default model (`default_model_dir`: a small Qwen3-MoE trained on
+   the Python standard library, shipped as package data; see its README.md) or the model
+   directory given with ``--model``, and checks that it can be served.
 2. Starts `moed serve` as a child process on a private socket in a new temporary
    directory, with an expert cache of `DEMO_CACHE_FRACTION` of the routed experts' bytes
    (never below the daemon's minimum plus room for pins), a state directory inside the
-   cache directory (so the next run starts with the pins this one learned), and metrics on
-   a free loopback port.
-   Its JSON log lines on stderr are read as they arrive: readiness is its ``ready`` event.
-3. Streams a chat completion of `DEMO_PROMPT` through the socket to stdout.
-4. Prints what the cache did (hit rate, bytes read, tokens/s, pins, metrics URL) on
-   stdout, stops the daemon with SIGTERM and requires exit code 0. With ``--keep`` the
-   daemon keeps serving until Ctrl-C (or SIGTERM) first.
+   cache directory (``$XDG_CACHE_HOME/moed``, else ``~/.cache/moed``, or ``--dir``; so
+   the next run starts with the pins this one learned), and metrics on a free loopback
+   port. Its JSON log lines on stderr are read as they arrive: readiness is its ``ready``
+   event.
+3. Streams a completion of `DEMO_PROMPT` (a chat message; the default model's template
+   hands it over as code to continue) through the socket to stdout.
+4. Prints what the cache did (hit rate, against the previous run's on the same model;
+   bytes read, tokens/s, pins, metrics URL) on stdout, stops the daemon with SIGTERM and
+   requires exit code 0. With ``--keep`` the daemon keeps serving until Ctrl-C (or
+   SIGTERM) first.
 
 Progress goes to stderr; the daemon's own log stays hidden unless it fails, then its last
-lines are shown. The learned usage lives in ``<dir>/demo-state``, the last run's figures in
-``<dir>/demo-last-run.json`` (for the "previous run" comparison).
+lines are shown. The learned usage lives in ``<dir>/demo-state`` (keyed by the model's
+fingerprint), the last run's figures in ``<dir>/demo-last-run.json``.
 """
 from __future__ import annotations
 
@@ -40,22 +43,18 @@ from typing import TextIO
 
 from daemon.client import Client, StreamResult, completion_request
 
-# The demo model until a trained default model is embedded: `make-model` arguments.
-DEMO_MODEL = {"arch": "qwen3_moe", "layers": 4, "experts": 16, "top_k": 4, "hidden": 256,
-              "intermediate": 128, "routing_skew": 1.0, "seed": 0}
-DEMO_PROMPT = "Write a Python function that adds two numbers."
+DEFAULT_MODEL_DIR_NAME = "default_model"   # package data beside this module
+DEMO_PROMPT = "def fibonacci(n):\n"      # the default model completes Python code
 DEMO_CACHE_FRACTION = 0.25     # of the routed experts' bytes ...
 # ... but at least this many slots per MoE layer beyond the daemon's minimum (top_k per
-# layer): pins come out of that spare room, and for the demo model a quarter of the
-# experts is exactly the minimum, which would leave none (24 of 64 experts, 37.5 %).
+# layer): pins come out of that spare room (for the default model, 8 of 32 experts per
+# layer is top_k 4 + 4 spare, so a quarter it is).
 DEMO_SPARE_SLOTS_PER_LAYER = 2
 DEMO_MAX_TOKENS = 96
-DEMO_TEMPERATURE = 0.7         # the routing skew of the demo model is built for sampling at 0.7
+DEMO_TEMPERATURE = 0.7
 DEMO_SEED = 0                  # the same text every run: only the cache changes between runs
-MODEL_DIR_NAME = "demo-model"
 STATE_DIR_NAME = "demo-state"
 LAST_RUN_NAME = "demo-last-run.json"
-MARKER_NAME = "moed-demo.json"  # inside the model directory: what wrote it
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL_LINES = 30
@@ -74,12 +73,14 @@ class DemoError(Exception):
 class DemoOptions:
     """What `moed demo` was asked to do, built at the edge (the CLI).
 
-    cache_dir: where the model, the learned state and the last run's figures live.
+    cache_dir: where the learned state and the last run's figures live.
+    model_dir: the model to serve (None: the embedded default model).
     keep: keep the daemon serving after the demo until SIGINT/SIGTERM.
     environ: the environment the daemon child starts from (MOED_* keys are dropped).
     """
 
     cache_dir: Path
+    model_dir: Path | None = None
     keep: bool = False
     max_tokens: int = DEMO_MAX_TOKENS
     environ: Mapping[str, str] = field(default_factory=dict)
@@ -97,63 +98,26 @@ def default_cache_dir(environ: Mapping[str, str]) -> Path:
 # ---------------------------------------------------------------------- the model
 
 
-def _check_model(model_dir: Path) -> str | None:
-    """Why `model_dir` is not a usable demo model, or None when it is."""
+def default_model_dir() -> Path:
+    """The embedded default model, shipped as package data (see its README.md)."""
+    return Path(__file__).resolve().parent / DEFAULT_MODEL_DIR_NAME
+
+
+def check_model(model_dir: Path) -> None:
+    """Raise DemoError naming the file at fault when `model_dir` cannot be served."""
     from ext.checkpoint import Checkpoint, CheckpointError
     from ext.config import ConfigError, load_config
     from ext.experts import ExpertLayout
 
-    try:
-        marker = json.loads((model_dir / MARKER_NAME).read_text())
-    except (OSError, ValueError) as e:
-        return f"no readable {MARKER_NAME}: {e}"
-    if marker != {"make_model": DEMO_MODEL}:
-        return "it was written with other make-model arguments"
+    if not model_dir.is_dir():
+        raise DemoError(f"no model directory at {model_dir}")
     if not (model_dir / "tokenizer.json").is_file():
-        return "tokenizer.json is missing"
+        raise DemoError(f"{model_dir / 'tokenizer.json'} is missing: the demo needs a tokenizer")
     try:
         with Checkpoint(model_dir) as checkpoint:
             ExpertLayout(checkpoint, load_config(model_dir))
     except (CheckpointError, ConfigError, OSError) as e:
-        return str(e)
-    return None
-
-
-def prepare_model(cache_dir: Path, note: Callable[[str], None]) -> Path:
-    """The demo model's directory in `cache_dir`, written when missing or unusable.
-
-    Raises DemoError when `cache_dir/demo-model` exists but was not written by the demo
-    (it is never deleted then), OSError when the cache directory is not writable.
-    """
-    from ext.makemodel import make_model
-
-    model_dir = cache_dir / MODEL_DIR_NAME
-    if model_dir.exists():
-        problem = _check_model(model_dir)
-        if problem is None:
-            note(f"reusing the demo model in {model_dir}")
-            return model_dir
-        if not (model_dir / MARKER_NAME).exists():
-            raise DemoError(f"{model_dir} exists but was not written by moed demo ({problem}); "
-                            "move it away or choose another --dir")
-        note(f"the demo model in {model_dir} is unusable ({problem}); writing it again")
-        shutil.rmtree(model_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    spec = ", ".join(f"{k} {v}" for k, v in DEMO_MODEL.items())
-    note(f"writing the demo model ({spec}; random weights, so the text is noise) to {model_dir}")
-    building = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}-", dir=cache_dir))
-    try:
-        make_model(building, **DEMO_MODEL)
-        (building / MARKER_NAME).write_text(json.dumps({"make_model": DEMO_MODEL}) + "\n")
-        os.chmod(building, 0o755)
-        try:
-            os.rename(building, model_dir)
-        except OSError:
-            if _check_model(model_dir) is not None:   # not another demo that got there first
-                raise
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return model_dir
+        raise DemoError(f"the model in {model_dir} cannot be served: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -282,7 +246,10 @@ def serve_command(model_dir: Path, socket_path: str, state_dir: Path, config_pat
     return [sys.executable, "-P", "-m", "daemon.cli", "serve", "--log-level", "info",
             "--config", str(config_path), "--model", str(model_dir), "--socket", socket_path,
             "--state-dir", str(state_dir), "--expert-cache-bytes", str(cache_bytes),
-            "--metrics-address", "127.0.0.1:0"]
+            "--metrics-address", "127.0.0.1:0",
+            # the runs compare hit rates: a tuner moving the prefetch width between them
+            # would blur what the learned pins did
+            "--tuner", "off"]
 
 
 def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -311,7 +278,12 @@ def summary_lines(*, result: StreamResult, stats: dict, pins: dict, budget: Cach
              else f", first text after {result.time_to_first_text_s:.2f} s")
     experts = stats.get("experts") or {}
     hit_rate = stats.get("hit_rate")
-    before = "" if previous is None else f" (previous run: {_percent(previous.get('hit_rate'))})"
+    before = ""
+    if previous is not None and isinstance(previous.get("hit_rate"), (int, float)):
+        before = f" (previous run: {_percent(previous['hit_rate'])}"
+        if isinstance(hit_rate, (int, float)):
+            before += f", {100 * (hit_rate - previous['hit_rate']):+.1f} points"
+        before += ")"
     pinned = len(pins.get("pins") or ())
     lines = [
         f"moed demo: {tokens} tokens in {result.duration_s:.2f} s, {rate:.1f} tokens/s "
@@ -350,7 +322,13 @@ def _write_last_run(path: Path, data: dict) -> None:
 def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) -> int:
     """Run the whole demo; 0 on success. Raises DemoError (with the daemon's last log lines)."""
     cache_dir = options.cache_dir.expanduser().absolute()
-    model_dir = prepare_model(cache_dir, note)
+    model_dir = (options.model_dir or default_model_dir()).expanduser().absolute()
+    check_model(model_dir)
+    note(f"model: {model_dir}" + (" (the embedded default model)" if options.model_dir is None else ""))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoError(f"cannot create the demo directory {cache_dir}: {e.strerror}") from None
     budget = cache_budget(model_dir)
     state_dir = cache_dir / STATE_DIR_NAME
     workdir = tempfile.mkdtemp(prefix="moed-demo-")
@@ -365,14 +343,14 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
         note(f"starting moed serve on {socket_path} with an expert cache of "
              f"{_mib(budget.cache_bytes)} ({budget.slots} of {budget.experts} experts, "
              f"{_mib(budget.expert_bytes)} in all), learned state in {state_dir}")
-        return asyncio.run(_serve_and_ask(options, argv, socket_path, budget,
+        return asyncio.run(_serve_and_ask(options, argv, socket_path, budget, model_dir,
                                           cache_dir / LAST_RUN_NAME, out, note))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str,
-                         budget: CacheBudget, last_run: Path, out: TextIO,
+                         budget: CacheBudget, model_dir: Path, last_run: Path, out: TextIO,
                          note: Callable[[str], None]) -> int:
     daemon = ServeProcess(argv, child_environment(options.environ))
     t0 = time.monotonic()
@@ -390,11 +368,14 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
             body = completion_request(messages=[{"role": "user", "content": DEMO_PROMPT}],
                                       max_tokens=options.max_tokens, temperature=DEMO_TEMPERATURE,
                                       seed=DEMO_SEED)
+            write(DEMO_PROMPT)
             result = await client.stream("/v1/chat/completions", body, write)
             out.write("\n\n")
             stats = await client.get("/v1/moed/stats")
             pins = await client.get("/v1/moed/pins")
         previous = _read_last_run(last_run)
+        if previous is not None and previous.get("model") != str(model_dir):
+            previous = None                      # another model's figures compare to nothing
         for line in summary_lines(result=result, stats=stats, pins=pins, budget=budget,
                                   metrics_url=metrics_url, previous=previous, keep=options.keep):
             out.write(line + "\n")
@@ -405,7 +386,7 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
         code = await daemon.stop()
         if code != 0:
             raise DemoError(f"moed serve exited with code {code} after SIGTERM" + daemon.log_tail())
-        _write_last_run(last_run, {"hit_rate": stats.get("hit_rate"),
+        _write_last_run(last_run, {"model": str(model_dir), "hit_rate": stats.get("hit_rate"),
                                    "pinned_experts": len(pins.get("pins") or ()),
                                    "completion_tokens": result.completion_tokens})
         note("done" if previous is not None else
