@@ -431,13 +431,21 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         # The cache split: replay what the workload routed.
         slot = provider.slot_bytes
         max_slots = min(cfg.cache_bytes // slot // n_layers, config.num_experts)
-        choice: CacheChoice = choose_cache_split(recorder.tokens, config.num_experts, config.top_k,
-                                                 max_slots, PIN_FRACTIONS, slot)
-        provider.routing_recorder = None
         minimum = minimum_cache_bytes(model.layout, config) // slot
+        all_slots = max_slots * n_layers
+        pinned_now = int((all_slots - minimum) * session.options.pin_fraction)
+        choice: CacheChoice = choose_cache_split(recorder.tokens, config.num_experts, config.top_k,
+                                                 max_slots, PIN_FRACTIONS, slot,
+                                                 current_fraction=pinned_now / all_slots)
+        provider.routing_recorder = None
         total = choice.slots_per_layer * n_layers
-        tuned = {**tuner.incumbent, "cache_bytes": total * slot,
-                 "pin_fraction": replay_fraction_to_streaming(choice.pin_fraction, total, minimum)}
+        kept_budget = choice.slots_per_layer == max_slots       # nothing to give back
+        tuned = {**tuner.incumbent,
+                 "cache_bytes": cfg.cache_bytes if kept_budget else total * slot,
+                 "pin_fraction": (session.options.pin_fraction
+                                  if choice.pin_fraction == pinned_now / all_slots
+                                  else replay_fraction_to_streaming(choice.pin_fraction, total,
+                                                                    minimum))}
         if progress:
             progress(f"cache split by replay of {len(recorder.tokens)} tokens: "
                      f"{choice.slots_per_layer} slots per layer, {choice.pin_fraction:.3f} of them "

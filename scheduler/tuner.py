@@ -262,29 +262,47 @@ class CacheChoice:
 
 def choose_cache_split(tokens: list[list[list[int]]], num_experts: int, top_k: int,
                        max_slots_per_layer: int, pin_fractions: Sequence[float],
-                       slot_bytes: int, min_gain_per_mib: float = 0.0) -> CacheChoice:
+                       slot_bytes: int, current_fraction: float, min_gain: float = 0.01,
+                       min_dynamic_per_layer: int | None = None,
+                       min_gain_per_mib: float = 0.0) -> CacheChoice:
     """Pick slots per layer (cache budget) and the pinned share by replaying `tokens`.
 
     tokens: recorded routing, [token][moe layer] -> top_k expert ids (the replay format).
-    Every pin fraction is replayed at `max_slots_per_layer` (the planner's bound); the
-    budget is then lowered in steps of one slot per layer while the hit rate falls by
-    less than `min_gain_per_mib` per MiB saved (0: the largest budget always wins ties,
-    memory only goes back when it buys nothing). Raises ValueError for fewer than
-    top_k slots per layer or an empty trace.
+    pin_fractions: candidate shares of all slots pinned (scheduler.replay's measure);
+    current_fraction: the share in use now, always a candidate. Each is replayed at
+    `max_slots_per_layer` (the planner's bound); another share replaces the current one
+    only when its hit rate is at least `min_gain` higher (a replay of a few hundred
+    tokens cannot tell smaller differences from luck), and no share may leave fewer than
+    `min_dynamic_per_layer` dynamic slots per layer (default 1.5 x top_k: the dynamic
+    tier also holds what prefetch reads ahead, which the replay does not model). The
+    budget is then lowered one slot per layer at a time while the hit rate falls by less
+    than `min_gain_per_mib` per MiB saved (0: only while it does not fall at all).
+    Raises ValueError for fewer than top_k slots per layer or fewer than 2 tokens.
     """
     if max_slots_per_layer < top_k:
         raise ValueError(f"max_slots_per_layer {max_slots_per_layer} is below top_k {top_k}")
     if len(tokens) < 2:
         raise ValueError("the routing record needs at least 2 tokens")
+    layers = len(tokens[0])
+    floor = (3 * top_k + 1) // 2 if min_dynamic_per_layer is None else min_dynamic_per_layer
+    total = max_slots_per_layer * layers
+
+    def room(fraction: float) -> bool:
+        pinned = min(int(round(fraction * total)), max(0, total - top_k * layers))
+        return total - pinned >= min(floor, max_slots_per_layer) * layers
+
     table = []
-    best = None
+    current = simulate_hit_rate(tokens, num_experts, max_slots_per_layer, current_fraction)
+    table.append((max_slots_per_layer, current_fraction, current))
+    best = (max_slots_per_layer, current_fraction, current)
     for fraction in pin_fractions:
+        if fraction == current_fraction or not room(fraction):
+            continue
         rate = simulate_hit_rate(tokens, num_experts, max_slots_per_layer, fraction)
         table.append((max_slots_per_layer, fraction, rate))
-        if best is None or rate > best[2]:
+        if rate >= current + min_gain and rate > best[2]:
             best = (max_slots_per_layer, fraction, rate)
     slots, fraction, rate = best
-    layers = len(tokens[0])
     while slots > top_k:
         smaller = simulate_hit_rate(tokens, num_experts, slots - 1, fraction)
         table.append((slots - 1, fraction, smaller))
