@@ -100,6 +100,7 @@ class ExpertSession:
             provider.io.set_workers(old.io.n_workers)
         if prefetch is None:
             provider.set_prefetch(old.width if old.wants_hints else 0)
+        provider.routing_recorder = old.routing_recorder
         self.model.experts = provider
         self.provider, self.options = provider, options
         old.close()

@@ -46,7 +46,8 @@ TUNED_VERSION = 1
 WINDOW_STEPS = 16
 CHECK_TOKENS = 16
 TEMPERATURE = 0.7
-RECORD_TOKENS = 4096            # routing kept for the replay (most recent tokens)
+RECORD_TOKENS = 2048            # routing kept for the replay (most recent tokens)
+MIN_REPLAY_TOKENS = 256         # fewer recorded tokens: the live tuner leaves the split alone
 PIN_FRACTIONS = (0.0, 0.125, 0.25, 0.375, 0.5)   # of all slots, as scheduler.replay counts them
 
 
@@ -350,6 +351,32 @@ def workload_prompts(model_dir: str | Path, vocab_size: int) -> list[list[int]]:
         return [[1 + (i * 37 + j * 101) % (vocab_size - 1) for i in range(16)] for j in range(4)]
 
 
+def replay_cache_split(session, tokens: list[list[list[int]]],
+                       budget_bytes: int) -> tuple[dict[str, Any], CacheChoice]:
+    """The cache budget and pin share for `session` chosen by replaying recorded routing
+    (scheduler.tuner.choose_cache_split, against the share in use now), as the
+    {"cache_bytes", "pin_fraction"} settings of ExpertSession.rebuild, and the choice.
+    budget_bytes: the most the cache may use (configured or planned)."""
+    from daemon.streaming import minimum_cache_bytes
+
+    provider, model = session.provider, session.model
+    config = model.config
+    n_layers = len(provider.moe_layers)
+    slot = provider.slot_bytes
+    max_slots = min(budget_bytes // slot // n_layers, config.num_experts)
+    minimum = minimum_cache_bytes(model.layout, config) // slot
+    all_slots = max_slots * n_layers
+    current = int((all_slots - minimum) * session.options.pin_fraction) / all_slots
+    choice = choose_cache_split(tokens, config.num_experts, config.top_k, max_slots,
+                                PIN_FRACTIONS, slot, current_fraction=current)
+    total = choice.slots_per_layer * n_layers
+    kept_budget = choice.slots_per_layer == max_slots       # nothing to give back
+    return ({"cache_bytes": budget_bytes if kept_budget else total * slot,
+             "pin_fraction": (session.options.pin_fraction if choice.pin_fraction == current
+                              else replay_fraction_to_streaming(choice.pin_fraction, total, minimum))},
+            choice)
+
+
 def replay_fraction_to_streaming(fraction: float, total_slots: int, minimum_slots: int) -> float:
     """scheduler.replay's pin fraction (of all slots) as StreamingOptions.pin_fraction
     (of the slots above the minimum): the share whose int(spare x share) pins as many."""
@@ -392,7 +419,6 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
     workload, the cache split by replay, compare tuned vs default, save the winners.
     Returns the JSON report. Raises the model's load errors and CacheBudgetError."""
     from daemon.session import open_model
-    from daemon.streaming import minimum_cache_bytes
 
     model, session = open_model(cfg.model, threads=cfg.threads, cache_bytes=cfg.cache_bytes,
                                 io_workers=cfg.io_workers, state_dir=cfg.state_dir)
@@ -429,23 +455,9 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         tuner = tune(model, knobs, workload, prompts[0], window_steps=cfg.window_steps,
                      pairs=cfg.pairs, progress=progress)
         # The cache split: replay what the workload routed.
-        slot = provider.slot_bytes
-        max_slots = min(cfg.cache_bytes // slot // n_layers, config.num_experts)
-        minimum = minimum_cache_bytes(model.layout, config) // slot
-        all_slots = max_slots * n_layers
-        pinned_now = int((all_slots - minimum) * session.options.pin_fraction)
-        choice: CacheChoice = choose_cache_split(recorder.tokens, config.num_experts, config.top_k,
-                                                 max_slots, PIN_FRACTIONS, slot,
-                                                 current_fraction=pinned_now / all_slots)
+        split, choice = replay_cache_split(session, recorder.tokens, cfg.cache_bytes)
         provider.routing_recorder = None
-        total = choice.slots_per_layer * n_layers
-        kept_budget = choice.slots_per_layer == max_slots       # nothing to give back
-        tuned = {**tuner.incumbent,
-                 "cache_bytes": cfg.cache_bytes if kept_budget else total * slot,
-                 "pin_fraction": (session.options.pin_fraction
-                                  if choice.pin_fraction == pinned_now / all_slots
-                                  else replay_fraction_to_streaming(choice.pin_fraction, total,
-                                                                    minimum))}
+        tuned = {**tuner.incumbent, **split}
         if progress:
             progress(f"cache split by replay of {len(recorder.tokens)} tokens: "
                      f"{choice.slots_per_layer} slots per layer, {choice.pin_fraction:.3f} of them "
@@ -495,8 +507,16 @@ class LiveTuner:
 
     def __init__(self, model: Model, knobs: list[Knob], start: Mapping[str, Any],
                  check_prompt: list[int], *, window_steps: int = WINDOW_STEPS, pairs: int = 4,
-                 on_done: Callable[[OnlineTuner], None] | None = None):
+                 on_done: Callable[[OnlineTuner], None] | None = None, session=None,
+                 budget_bytes: int | None = None):
         self.model = model
+        self.session = session
+        self.budget_bytes = budget_bytes
+        self.split: dict[str, Any] = {}         # the cache split chosen by replay, if any
+        self.recorder: RoutingRecorder | None = None
+        if session is not None and budget_bytes is not None:
+            self.recorder = RoutingRecorder(len(session.provider.moe_layers))
+            session.provider.routing_recorder = self.recorder
         self.live = LiveKnobs(model)
         self.window_steps = window_steps
         self.check_prompt = check_prompt
@@ -532,9 +552,30 @@ class LiveTuner:
         self.live.apply(self.tuner.settings())
         if self.tuner.done and not self.finished:
             self.finished = True
-            log.info("tuner_finished settings=%s trials=%d", self.tuner.incumbent, len(self.tuner.trials))
+            self._choose_split()
+            log.info("tuner_finished settings=%s cache_split=%s trials=%d", self.tuner.incumbent,
+                     self.split or "unchanged", len(self.tuner.trials))
             if self.on_done is not None:
                 self.on_done(self.tuner)
+
+    def _choose_split(self) -> None:
+        """The cache budget and pinned share by replaying the routing recorded while the
+        A/B search ran (single-sequence decode steps); applied when they changed."""
+        if self.recorder is None:
+            return
+        tokens = self.recorder.tokens
+        self.session.provider.routing_recorder = None
+        if len(tokens) < MIN_REPLAY_TOKENS:
+            log.info("tuner_cache_split_skipped recorded_tokens=%d (fewer than %d single-"
+                     "sequence decode steps)", len(tokens), MIN_REPLAY_TOKENS)
+            return
+        split, choice = replay_cache_split(self.session, tokens, self.budget_bytes)
+        if (split["cache_bytes"] != self.session.options.cache_bytes
+                or split["pin_fraction"] != self.session.options.pin_fraction):
+            self.session.rebuild(cache_bytes=split["cache_bytes"], pin_fraction=split["pin_fraction"])
+            self.split = split
+            log.info("tuner_cache_split_applied cache_bytes=%d pin_fraction=%.3f replay_hit_rate=%.4f",
+                     split["cache_bytes"], split["pin_fraction"], choice.hit_rate)
 
     def stop(self, reason: str, keep: set[str] = frozenset()) -> None:
         """End the search now (engine thread): the incumbent's settings are applied, except
@@ -542,6 +583,8 @@ class LiveTuner:
         if self.finished:
             return
         self.finished = True
+        if self.recorder is not None:
+            self.session.provider.routing_recorder = None
         self.live.apply({k: v for k, v in self.tuner.incumbent.items() if k not in keep})
         log.info("tuner_stopped reason=%s settings=%s", reason, self.tuner.incumbent)
 
@@ -598,14 +641,25 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
     if not knobs:
         return None
 
+    budget = session.options.cache_bytes           # configured or planned: the ceiling
+    split = {k: saved[k] for k in ("cache_bytes", "pin_fraction") if k in saved}
+    if split and split.get("cache_bytes", budget) <= budget:
+        session.rebuild(cache_bytes=split.get("cache_bytes"), pin_fraction=split.get("pin_fraction"))
+        log.info("tuned_cache_split_loaded %s", split)
+    holder: list[LiveTuner] = []
+
     def done(tuner: OnlineTuner) -> None:
         if store is None:
             return
         try:
-            store.save({**valid_settings(saved, store.path), **tuner.incumbent},
+            store.save({**valid_settings(saved, store.path), **tuner.incumbent,
+                        **(holder[0].split if holder else {})},
                        {"trials": len(tuner.trials)})
         except (OSError, ValueError) as e:
             log.warning("tuned_settings_not_saved: %s", e)
 
     prompts = workload_prompts(model_dir, model.config.vocab_size)
-    return LiveTuner(model, knobs, {**start}, prompts[0], on_done=done)
+    tuner = LiveTuner(model, knobs, {**start}, prompts[0], on_done=done, session=session,
+                      budget_bytes=budget)
+    holder.append(tuner)
+    return tuner

@@ -223,3 +223,42 @@ def test_the_check_prompt_is_not_counted_as_usage_and_stop_applies_the_incumbent
     assert model.n_threads == 2
     tuner.stop("test")
     assert tuner.finished and model.n_threads == 1
+
+
+def test_the_live_tuner_picks_the_cache_split_by_replay_when_its_search_ends(streamed):
+    import daemon.tuning as tuning
+    model, session = streamed
+    session.rebuild(cache_bytes=18 * session.provider.slot_bytes, pin_fraction=0.0)  # 6 per layer
+    budget = session.options.cache_bytes
+    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2,
+                      session=session, budget_bytes=budget)
+    assert session.provider.routing_recorder is tuner.recorder
+    # recorded routing where the same two experts per layer serve every token: top_k slots
+    # per layer hit as often as six, so the budget goes back
+    tuner.recorder.tokens = [[[0, 1], [2, 3], [4, 5]] for _ in range(tuning.MIN_REPLAY_TOKENS)]
+    feed(tuner, lambda s: 0.01)
+    assert tuner.finished and session.provider.routing_recorder is None
+    assert tuner.split and tuner.split["cache_bytes"] < budget          # memory given back
+    assert session.options.cache_bytes == tuner.split["cache_bytes"]
+
+
+def test_too_little_recorded_routing_leaves_the_split_alone(streamed):
+    model, session = streamed
+    before = (session.options.cache_bytes, session.options.pin_fraction)
+    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2,
+                      session=session, budget_bytes=session.options.cache_bytes)
+    feed(tuner, lambda s: 0.01)
+    assert tuner.split == {} and (session.options.cache_bytes, session.options.pin_fraction) == before
+
+
+def test_a_saved_cache_split_is_applied_at_start_within_the_budget(streamed, model_dir, tmp_path):
+    model, session = streamed
+    budget = session.options.cache_bytes
+    slot = session.provider.slot_bytes
+    store = TunedStore(tmp_path, model.checkpoint.fingerprint(), hardware_facts(model_dir))
+    store.save({THREADS: 2, "cache_bytes": budget - slot, "pin_fraction": 0.25})
+    start_live_tuning(model, session, "live", set(), tmp_path, model_dir)
+    assert (session.options.cache_bytes, session.options.pin_fraction) == (budget - slot, 0.25)
+    store.save({THREADS: 2, "cache_bytes": budget * 4, "pin_fraction": 0.75})   # over budget
+    start_live_tuning(model, session, "live", set(), tmp_path, model_dir)
+    assert session.options.cache_bytes == budget - slot                   # left alone
