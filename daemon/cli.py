@@ -467,6 +467,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         threads=args.threads or _threads(), io_workers=args.io_workers,
                         repeats=args.repeats, prefetch=not args.no_prefetch)
     report = run_bench(bench, progress=_Steps("bench runs"))
+    from daemon.state import default_state_dir
+    from daemon.tuning import saved_probe
+    probe = saved_probe(default_state_dir(os.environ), args.model)
+    if probe is not None:     # for reference; the roofline uses this run's own measurement
+        try:
+            rows = [r for r in probe["results"] if r["mode"] == probe["io_path"]]
+            at = [r["gb_per_s"] for r in rows if r["queue_depth"] == bench.io_workers]
+            best = max(rows, key=lambda r: r["gb_per_s"])
+            report["storage_probe"] = {"io_path": probe["io_path"], "device": probe.get("device"),
+                                       "gb_per_s_at_io_workers": at[0] if at else None,
+                                       "best_gb_per_s": best["gb_per_s"],
+                                       "best_queue_depth": best["queue_depth"]}
+        except (KeyError, TypeError, ValueError):
+            pass
     print(json.dumps(report, indent=2))
     return 0
 

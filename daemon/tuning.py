@@ -177,16 +177,27 @@ def default_knobs(top_k: int, cpus: int) -> list[Knob]:
             Knob(PREFETCH_WIDTH, tuple(widths))]
 
 
-def probe_io_workers(state_dir: Path | None, model_dir: str | Path, share: float = 0.95) -> int | None:
-    """The io worker count the saved storage probe (`moed iobench`, or the daemon's probe
-    after READY) suggests: the smallest queue depth reaching `share` of the best GB/s on
-    the io path it found. None without a saved probe for the model's disk."""
+def saved_probe(state_dir: Path | None, model_dir: str | Path) -> dict | None:
+    """The saved storage probe report of the disk holding the model's shards, or None."""
     from daemon.iobench import block_device, report_path
     if state_dir is None:
         return None
     try:
         shard = next(p for p in sorted(Path(model_dir).iterdir()) if p.suffix == ".safetensors")
         report = json.loads(report_path(state_dir, block_device(shard)).read_text())
+        return report if isinstance(report, dict) else None
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def probe_io_workers(state_dir: Path | None, model_dir: str | Path, share: float = 0.95) -> int | None:
+    """The io worker count the saved storage probe (`moed iobench`, or the daemon's probe
+    after READY) suggests: the smallest queue depth reaching `share` of the best GB/s on
+    the io path it found. None without a saved probe for the model's disk."""
+    report = saved_probe(state_dir, model_dir)
+    if report is None:
+        return None
+    try:
         rows = [r for r in report["results"] if r["mode"] == report["io_path"]
                 and type(r["queue_depth"]) is int and 1 <= r["queue_depth"] <= 1024
                 and isinstance(r["gb_per_s"], (int, float)) and r["gb_per_s"] >= 0]

@@ -49,3 +49,19 @@ def test_cli_prints_json_only_on_stdout(model_dir, capsys):
                  "--tokens", "4", "--repeats", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert KEYS <= set(json.loads(out))
+
+
+def test_the_saved_storage_probe_is_reported_beside_the_roofline(model_dir, capsys, tmp_path,
+                                                                   monkeypatch):
+    from daemon.iobench import block_device, report_path
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    rows = [{"mode": "direct", "queue_depth": qd, "gb_per_s": gb}
+            for qd, gb in ((1, 0.4), (2, 0.7), (4, 0.9))]
+    shard = sorted(model_dir.glob("*.safetensors"))[0]
+    report_path(tmp_path, block_device(shard)).write_text(
+        json.dumps({"device": "vdx", "io_path": "direct", "results": rows}))
+    assert main(["bench", "--model", str(model_dir), "--expert-cache-bytes", "200K",
+                 "--tokens", "4", "--repeats", "1", "--threads", "1", "--io-workers", "2"]) == 0
+    probe = json.loads(capsys.readouterr().out)["storage_probe"]
+    assert probe == {"io_path": "direct", "device": "vdx", "gb_per_s_at_io_workers": 0.7,
+                     "best_gb_per_s": 0.9, "best_queue_depth": 4}
