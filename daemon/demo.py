@@ -374,8 +374,9 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
             stats = await client.get("/v1/moed/stats")
             pins = await client.get("/v1/moed/pins")
         previous = _read_last_run(last_run)
-        if previous is not None and previous.get("model") != str(model_dir):
-            previous = None                      # another model's figures compare to nothing
+        if previous is not None and (previous.get("model") != str(model_dir)
+                                     or previous.get("max_tokens") != options.max_tokens):
+            previous = None     # another model's or another length's figures compare to nothing
         for line in summary_lines(result=result, stats=stats, pins=pins, budget=budget,
                                   metrics_url=metrics_url, previous=previous, keep=options.keep):
             out.write(line + "\n")
@@ -386,7 +387,8 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
         code = await daemon.stop()
         if code != 0:
             raise DemoError(f"moed serve exited with code {code} after SIGTERM" + daemon.log_tail())
-        _write_last_run(last_run, {"model": str(model_dir), "hit_rate": stats.get("hit_rate"),
+        _write_last_run(last_run, {"model": str(model_dir), "max_tokens": options.max_tokens,
+                                   "hit_rate": stats.get("hit_rate"),
                                    "pinned_experts": len(pins.get("pins") or ()),
                                    "completion_tokens": result.completion_tokens})
         note("done" if previous is not None else

@@ -277,6 +277,9 @@ def test_demo_runs_twice_and_the_second_run_hits_more_with_the_pins_it_learned(t
     assert float(rate2) > float(rate1), (rate1, rate2)
     # placement changes speed, never output: the same seeded answer with pins in place
     assert demo_answer(second.stdout) == demo_answer(first.stdout)
+    shorter = moed("demo", "--dir", str(tmp_path), "--max-tokens", "8")
+    assert shorter.returncode == 0, shorter.stderr
+    assert "previous run" not in shorter.stdout          # another length compares to nothing
 
 
 def test_demo_refuses_a_directory_that_is_not_a_model(tmp_path):
@@ -286,7 +289,7 @@ def test_demo_refuses_a_directory_that_is_not_a_model(tmp_path):
     proc = moed("demo", "--dir", str(tmp_path / "state"), "--model", str(not_a_model))
     assert proc.returncode == 1
     assert f"moed demo: error: the model in {not_a_model} cannot be served" in proc.stderr
-    assert "config.json" in proc.stderr
+    assert "neither model.safetensors.index.json nor model.safetensors found" in proc.stderr
     missing = moed("demo", "--dir", str(tmp_path / "state"), "--model", str(tmp_path / "nope"))
     assert missing.returncode == 1
     assert f"no model directory at {tmp_path / 'nope'}" in missing.stderr
