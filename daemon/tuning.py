@@ -207,6 +207,17 @@ def probe_io_workers(state_dir: Path | None, model_dir: str | Path, share: float
         return None
 
 
+def probe_proposals(knobs: list[Knob], state_dir: Path | None,
+                    model_dir: str | Path) -> list[tuple[str, Any]]:
+    """[(IO_WORKERS, n)] when a saved storage probe suggests n io workers (snapped to the
+    knob's values) and io workers are tuned; else []. The tuner tests it against the start."""
+    io_knob = next((k for k in knobs if k.name == IO_WORKERS), None)
+    probed = probe_io_workers(state_dir, model_dir)
+    if io_knob is None or probed is None:
+        return []
+    return [(IO_WORKERS, snap_to(io_knob, probed))]
+
+
 def snap_to(knob: Knob, value: Any) -> Any:
     """The candidate of `knob` closest to `value` (a start value off the grid)."""
     return min(knob.values, key=lambda v: (abs(v - value), v))
@@ -300,14 +311,16 @@ def check_tokens(model: Model, prompt: list[int], n: int = CHECK_TOKENS) -> list
 
 def tune(model: Model, knobs: list[Knob], workload: Workload, check_prompt: list[int], *,
          window_steps: int = WINDOW_STEPS, pairs: int = 4, min_gain: float = 0.03,
-         max_rounds: int = 3, progress: Callable[[str], None] | None = None) -> OnlineTuner:
+         max_rounds: int = 3, progress: Callable[[str], None] | None = None,
+         proposals: list[tuple[str, Any]] = ()) -> OnlineTuner:
     """Run the A/B tuner to the end on `workload`; the model is left at the winners."""
     live = LiveKnobs(model)
     start = live.current()
     start = {k.name: snap_to(k, start[k.name]) for k in knobs}
     live.apply(start)
     reference = check_tokens(model, check_prompt)
-    tuner = OnlineTuner(knobs, start, pairs=pairs, min_gain=min_gain, max_rounds=max_rounds)
+    tuner = OnlineTuner(knobs, start, pairs=pairs, min_gain=min_gain, max_rounds=max_rounds,
+                        proposals=proposals)
     checked: set[tuple[str, Any]] = set()
     while not tuner.done:
         candidate = tuner.candidate()
@@ -452,19 +465,17 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         default = {THREADS: cfg.threads, IO_WORKERS: cfg.io_workers, PREFETCH_WIDTH: config.top_k,
                    "cache_bytes": cfg.cache_bytes, "pin_fraction": session.options.pin_fraction}
         workload = Workload(model, prompts, seed=cfg.seed)
-        probed = probe_io_workers(cfg.state_dir, cfg.model)
-        if probed is not None:
-            probed = snap_to(next(k for k in knobs if k.name == IO_WORKERS), probed)
-            LiveKnobs(model).apply({IO_WORKERS: probed})
-            if progress:
-                progress(f"the saved storage probe suggests {probed} io workers: starting there")
+        proposals = probe_proposals(knobs, cfg.state_dir, cfg.model)
+        if proposals and progress:
+            progress(f"the saved storage probe suggests {proposals[0][1]} io workers: "
+                     "testing that first")
         provider.routing_recorder = recorder
         if progress:
             progress("warming the cache and learning usage (4 windows)")
         for _ in range(4):
             workload.window(cfg.window_steps)
         tuner = tune(model, knobs, workload, prompts[0], window_steps=cfg.window_steps,
-                     pairs=cfg.pairs, progress=progress)
+                     pairs=cfg.pairs, progress=progress, proposals=proposals)
         # The cache split: replay what the workload routed.
         split, choice = replay_cache_split(session, recorder.tokens, cfg.cache_bytes)
         provider.routing_recorder = None
@@ -519,7 +530,7 @@ class LiveTuner:
     def __init__(self, model: Model, knobs: list[Knob], start: Mapping[str, Any],
                  check_prompt: list[int], *, window_steps: int = WINDOW_STEPS, pairs: int = 4,
                  on_done: Callable[[OnlineTuner], None] | None = None, session=None,
-                 budget_bytes: int | None = None):
+                 budget_bytes: int | None = None, proposals: list[tuple[str, Any]] = ()):
         self.model = model
         self.session = session
         self.budget_bytes = budget_bytes
@@ -534,7 +545,7 @@ class LiveTuner:
         self.on_done = on_done
         start = {k.name: snap_to(k, start[k.name]) for k in knobs}
         self.live.apply(start)
-        self.tuner = OnlineTuner(knobs, start, pairs=pairs)
+        self.tuner = OnlineTuner(knobs, start, pairs=pairs, proposals=proposals)
         self.reference: list[int] | None = None
         self._checked: set[tuple[str, Any]] = set()
         self._times: list[float] = []
@@ -640,10 +651,6 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
         except (OSError, ValueError) as e:
             log.warning("tuned_settings_unavailable: %s", e)
     start = LiveKnobs(model).current()
-    probed = probe_io_workers(state_dir, model_dir)
-    io_knob = next((k for k in knobs if k.name == IO_WORKERS), None)
-    if probed is not None and io_knob is not None:
-        start[IO_WORKERS] = snap_to(io_knob, probed)   # the disk's answer, until A/B says better
     for knob in knobs:
         if knob.name in saved and saved[knob.name] in knob.values:
             start[knob.name] = saved[knob.name]
@@ -670,7 +677,8 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
             log.warning("tuned_settings_not_saved: %s", e)
 
     prompts = workload_prompts(model_dir, model.config.vocab_size)
+    proposals = [] if saved else probe_proposals(knobs, state_dir, model_dir)
     tuner = LiveTuner(model, knobs, {**start}, prompts[0], on_done=done, session=session,
-                      budget_bytes=budget)
+                      budget_bytes=budget, proposals=proposals)
     holder.append(tuner)
     return tuner

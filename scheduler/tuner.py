@@ -16,8 +16,11 @@ by a second trial of the same pair; only then is B kept. Otherwise A stays.
 
 Search: coordinate descent. For each knob in order, step up while steps win; if the first
 step up lost, step down while steps win. A round visits every knob; rounds repeat until
-one keeps nothing or `max_rounds` is reached. A candidate the caller refuses (`reject`,
-e.g. because it changed the tokens of the check prompt) is skipped for the rest of the run.
+one keeps nothing or `max_rounds` is reached. Before it, `proposals` — values suggested
+from elsewhere, such as the io-worker count the storage probe found best — are each tried
+against the start by the same A/B rule, so a suggestion is kept only when it wins. A
+candidate the caller refuses (`reject`, e.g. because it changed the tokens of the check
+prompt) is skipped for the rest of the run.
 
 Cache budget and pinned share are not tuned here by A/B (a short window cannot warm a
 cache); `choose_cache_split` picks them by replaying recorded routing.
@@ -65,6 +68,7 @@ class Trial:
     a: Any
     b: Any
     confirming: bool = False
+    proposal: bool = False
     batch_size: int | None = None
     costs_a: list[float] = field(default_factory=list)
     costs_b: list[float] = field(default_factory=list)
@@ -77,6 +81,7 @@ class Trial:
 
     def to_dict(self) -> dict:
         return {"knob": self.knob, "a": self.a, "b": self.b, "confirming": self.confirming,
+                "proposal": self.proposal,
                 "batch_size": self.batch_size, "costs_a": [round(c, 6) for c in self.costs_a],
                 "costs_b": [round(c, 6) for c in self.costs_b],
                 "gains": [round(g, 4) for g in self.gains], "dropped_windows": self.dropped_windows,
@@ -95,7 +100,8 @@ class OnlineTuner:
     """
 
     def __init__(self, knobs: Sequence[Knob], start: Mapping[str, Any], *, pairs: int = PAIRS,
-                 min_gain: float = MIN_GAIN, max_rounds: int = MAX_ROUNDS):
+                 min_gain: float = MIN_GAIN, max_rounds: int = MAX_ROUNDS,
+                 proposals: Sequence[tuple[str, Any]] = ()):
         if pairs < 1:
             raise ValueError(f"pairs must be >= 1, got {pairs}")
         for knob in knobs:
@@ -118,6 +124,21 @@ class OnlineTuner:
         self._knob_index = 0
         self._direction = +1
         self._visit_start: Any = None   # the knob's value when this visit began
+        # Values suggested from elsewhere (the storage probe's queue depth), each A/B-tested
+        # against the start before the neighbour search: a suggestion is kept only if it wins.
+        values = {k.name: k.values for k in self.knobs}
+        self._proposals = [(k, v) for k, v in proposals
+                           if k in values and v in values[k] and v != self.incumbent[k]]
+        self._next_proposal_or_search()
+
+    def _next_proposal_or_search(self) -> None:
+        if self._proposals:
+            knob, value = self._proposals.pop(0)
+            if value != self.incumbent[knob]:
+                self.trial = Trial(knob, self.incumbent[knob], value, proposal=True)
+                return
+            self._next_proposal_or_search()
+            return
         self._visit_knob()
 
     # ----------------------------------------------------------------- the caller's API
@@ -174,7 +195,9 @@ class OnlineTuner:
         trial.outcome = f"rejected: {why}"
         self.rejected.add((trial.knob, trial.b))
         self.trials.append(trial)
-        if not self._step():                       # the next value the same way, if any
+        if trial.proposal:
+            self._next_proposal_or_search()
+        elif not self._step():                     # the next value the same way, if any
             self._after_loss()
 
     # -------------------------------------------------------------------- the search
@@ -185,10 +208,18 @@ class OnlineTuner:
         self.trials.append(trial)
         if not wins(trial.gains, self.min_gain):
             trial.outcome = "unconfirmed" if trial.confirming else "loss"
-            self._after_loss()
+            if trial.proposal:
+                self._next_proposal_or_search()
+            else:
+                self._after_loss()
         elif not trial.confirming:
             trial.outcome = "win, confirming"
-            self.trial = Trial(trial.knob, trial.a, trial.b, confirming=True)
+            self.trial = Trial(trial.knob, trial.a, trial.b, confirming=True,
+                               proposal=trial.proposal)
+        elif trial.proposal:
+            trial.outcome = "win"
+            self.incumbent[trial.knob] = trial.b
+            self._next_proposal_or_search()
         else:
             trial.outcome = "win"
             self.incumbent[trial.knob] = trial.b

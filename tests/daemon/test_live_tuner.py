@@ -165,7 +165,9 @@ def test_the_saved_storage_probe_gives_the_starting_io_workers(streamed, model_d
     path.write_text(json.dumps({"io_path": "direct", "results": rows}))
     assert probe_io_workers(tmp_path, model_dir) == 4          # 0.98 >= 95 % of 1.0
     tuner = start_live_tuning(model, session, "live", set(), tmp_path, model_dir)
-    assert tuner.tuner.incumbent[IO_WORKERS] == 4
+    assert tuner.tuner.incumbent[IO_WORKERS] == 2                # the start is unchanged ...
+    assert tuner.tuner.candidate() == (IO_WORKERS, 4)            # ... the probe's 4 is tried first
+    assert tuner.tuner.trial.proposal
     hostile = rows + [{"mode": "direct", "queue_depth": q, "gb_per_s": 5.0}
                       for q in (float("inf"), 3000, 0, True, "8")]
     path.write_text(json.dumps({"io_path": "direct", "results": hostile}))

@@ -141,6 +141,21 @@ def test_a_rejected_candidate_is_skipped():
     assert all(t.b != 2 for t in tuner.trials[1:])
 
 
+def test_a_proposal_is_tried_first_and_kept_only_when_it_wins():
+    start = {"threads": 2, "io_workers": 2, "prefetch_width": 4}
+    good = OnlineTuner(KNOBS, start, proposals=[("io_workers", 8)])
+    assert good.candidate() == ("io_workers", 8) and good.trial.proposal
+    drive(good, bowl({"threads": 2, "io_workers": 8, "prefetch_width": 4}))
+    assert good.incumbent["io_workers"] == 8
+    assert [t.outcome for t in good.trials[:2]] == ["win, confirming", "win"]
+    bad = OnlineTuner(KNOBS, start, proposals=[("io_workers", 16)])
+    drive(bad, bowl(start))
+    assert bad.incumbent == start and bad.trials[0].outcome == "loss"
+    # proposals off the knob's values, or equal to the start, are ignored
+    assert OnlineTuner(KNOBS, start, proposals=[("io_workers", 3), ("io_workers", 2)]).candidate() \
+        == ("threads", 3)
+
+
 def test_the_rule_for_a_win():
     assert wins([0.04, 0.05, 0.03, 0.06])
     assert not wins([0.04, 0.05, 0.03, -0.001])                # one pair lost
