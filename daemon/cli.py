@@ -92,6 +92,9 @@ class UsageError(Exception):
     """A command-line value that argparse's types cannot check alone (exit 2)."""
 
 
+MODEL_HELP = 'model directory ("default": the embedded default model)'
+
+
 def _model_dir(path: str) -> str:
     """An existing directory, else a usage error naming it."""
     from pathlib import Path
@@ -395,7 +398,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from daemon.demo import DemoError, DemoOptions, default_cache_dir, run_demo
 
     options = DemoOptions(cache_dir=Path(args.dir) if args.dir else default_cache_dir(os.environ),
-                          model_dir=Path(args.model) if args.model else None, keep=args.keep, max_tokens=args.max_tokens, environ=os.environ)
+                          model_dir=Path(args.model) if args.model else None, keep=args.keep,
+                          max_tokens=args.max_tokens, environ=os.environ)
     try:
         return run_demo(options, out=sys.stdout,
                         note=lambda message: print(f"moed demo: {message}", file=sys.stderr,
@@ -648,13 +652,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  moed generate --max-tokens 64 'def fibonacci('\n"
                "  moed generate --socket /tmp/moed.sock --chat 'Write a haiku about caches.'\n"
-               "  moed generate --model ./demo-model --max-tokens 64 'def fibonacci('",
+               "  moed generate --model default --max-tokens 64 'def fibonacci('",
         formatter_class=_ExamplesFormatter)
     g.add_argument("prompt", metavar="PROMPT",
                    help="raw text to continue; with --chat, one user message")
     g.add_argument("--model", default=None, metavar="DIR", type=_nonempty,
                    help="generate in this process from this model directory (config.json, "
-                        "tokenizer.json, *.safetensors) instead of asking the daemon")
+                        "tokenizer.json, *.safetensors; \"default\": the embedded default "
+                        "model) instead of asking the daemon")
     _add_sampling_arguments(g, max_tokens=128)
     g.add_argument("--chat", action="store_true",
                    help="put PROMPT through the model's chat template as a user message")
@@ -762,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "run, its eviction policy, prefetch), alternating, then measure disk "
                     "bandwidth and kernel throughput for the roofline. Prints one JSON report.",
         epilog="example: moed bench --model ./bench-model --expert-cache-bytes 256M --tokens 64")
-    b.add_argument("--model", required=True, metavar="DIR", type=_nonempty, help="model directory")
+    b.add_argument("--model", required=True, metavar="DIR", type=_nonempty, help=MODEL_HELP)
     b.add_argument("--expert-cache-bytes", type=_size, required=True, metavar="SIZE",
                    help="expert cache budget (K/M/G suffixes)")
     b.add_argument("--tokens", type=_positive_int, default=64, metavar="N",
@@ -791,7 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "directory for this model and this hardware; --threads and --io-workers "
                     "give the defaults it starts from.",
         epilog="example: moed tune --model ./bench-model --expert-cache-bytes 768M")
-    t.add_argument("--model", required=True, metavar="DIR", type=_nonempty, help="model directory")
+    t.add_argument("--model", required=True, metavar="DIR", type=_nonempty, help=MODEL_HELP)
     t.add_argument("--expert-cache-bytes", type=_size, required=True, metavar="SIZE",
                    help="expert cache budget, the most the tuner may use (K/M/G suffixes)")
     t.add_argument("--state-dir", metavar="DIR", default=None,
@@ -818,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: moed iobench --model ./bench-model --seconds 30\n"
                "         moed iobench --file ./scratch.bin --size 2G",
         formatter_class=_ExamplesFormatter)
-    io.add_argument("--model", metavar="DIR", type=_nonempty, help="model directory")
+    io.add_argument("--model", metavar="DIR", type=_nonempty, help=MODEL_HELP)
     io.add_argument("--file", metavar="PATH", type=_nonempty,
                     help="scratch file instead: read as it is, or written with --size bytes "
                          "and removed afterwards when missing")
@@ -861,7 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/completions and /v1/chat/completions, streaming with SSE), with the "
                     "expert cache, learned pins and prefetch. Runs until SIGTERM or Ctrl-C; "
                     "SIGHUP re-reads the configuration. Logs go to stderr.",
-        epilog="example: moed serve --model ./demo-model --socket /tmp/moed.sock "
+        epilog="example: moed serve --model default --socket /tmp/moed.sock "
                "--expert-cache-bytes 64M\n"
                "then:    curl --unix-socket /tmp/moed.sock http://localhost/v1/models",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -873,6 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "model", None) is not None:
+        from daemon.config import resolve_model_alias
+        args.model = resolve_model_alias(args.model)
     _configure_logging(getattr(args, "log_level", "info"))
     from daemon.config import ConfigError as ServeConfigError
     from daemon.io import ExpertReadError

@@ -42,6 +42,7 @@ import tomllib
 import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 DEFAULT_CONFIG_PATH = "/etc/moed/moed.toml"
@@ -299,6 +300,22 @@ def _choice(choices: tuple[str, ...]) -> Callable[[object], str]:
 _log_level = _choice(LOG_LEVELS)
 
 
+DEFAULT_MODEL_ALIAS = "default"
+
+
+def default_model_dir() -> Path:
+    """The embedded default model, shipped as package data (daemon/default_model/)."""
+    return Path(__file__).resolve().parent / "default_model"
+
+
+def resolve_model_alias(model: str) -> str:
+    """"default" names the embedded default model, unless a directory called "default"
+    exists where moed runs (then that directory wins)."""
+    if model == DEFAULT_MODEL_ALIAS and not os.path.isdir(model):
+        return str(default_model_dir())
+    return model
+
+
 TUNER_MODES = ("off", "live", "live+idle")
 
 
@@ -316,7 +333,8 @@ class _Key:
 
 # One entry per ServeConfig field, in field order.
 KEYS: Mapping[str, _Key] = types.MappingProxyType({
-    "model": _Key(_text, "DIR", "Hugging Face model directory", True,
+    "model": _Key(lambda v: resolve_model_alias(_text(v)), "DIR",
+                  'Hugging Face model directory ("default": the embedded default model)', True,
                   "none; required to serve"),
     "socket": _Key(_socket_path, "PATH", "Unix socket to serve the HTTP API on"),
     "socket_mode": _Key(_mode, "MODE", "octal permissions of the socket file, set after bind"),

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import TextIO
 
 from daemon.client import Client, StreamResult, completion_request
+from daemon.config import default_model_dir
 
-DEFAULT_MODEL_DIR_NAME = "default_model"   # package data beside this module
 DEMO_PROMPT = "def fibonacci(n):\n"      # the default model completes Python code
 DEMO_CACHE_FRACTION = 0.25     # of the routed experts' bytes ...
 # ... but at least this many slots per MoE layer beyond the daemon's minimum (top_k per
@@ -96,11 +96,6 @@ def default_cache_dir(environ: Mapping[str, str]) -> Path:
 
 
 # ---------------------------------------------------------------------- the model
-
-
-def default_model_dir() -> Path:
-    """The embedded default model, shipped as package data (see its README.md)."""
-    return Path(__file__).resolve().parent / DEFAULT_MODEL_DIR_NAME
 
 
 def check_model(model_dir: Path) -> None:

@@ -162,3 +162,19 @@ def test_sampled_generation_is_reproducible(model_dir):
     b = list(Generation(model1, [5, 6, 7], max_tokens=20, sampling=params))
     assert a == b
     assert np.unique(a).size > 1
+
+
+def test_model_default_names_the_embedded_model(tmp_path, monkeypatch):
+    from daemon.config import ServeConfig, default_model_dir, resolve_model_alias
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_alias("default") == str(default_model_dir())
+    assert ServeConfig(model="default").require_model() == str(default_model_dir())
+    (tmp_path / "default").mkdir()                  # a real directory of that name wins
+    assert resolve_model_alias("default") == "default"
+
+
+def test_generate_with_model_default(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "default", "--max-tokens", "6", "--temperature", "0",
+                 "def fibonacci(n):\n"]) == 0
+    assert capsys.readouterr().out.strip()
