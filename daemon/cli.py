@@ -472,19 +472,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         repeats=args.repeats, prefetch=not args.no_prefetch)
     report = run_bench(bench, progress=_Steps("bench runs"))
     from daemon.state import default_state_dir
-    from daemon.tuning import saved_probe
-    probe = saved_probe(default_state_dir(os.environ), args.model)
+    from daemon.tuning import probe_summary
+    probe = probe_summary(default_state_dir(os.environ), args.model, bench.io_workers)
     if probe is not None:     # for reference; the roofline uses this run's own measurement
-        try:
-            rows = [r for r in probe["results"] if r["mode"] == probe["io_path"]]
-            at = [r["gb_per_s"] for r in rows if r["queue_depth"] == bench.io_workers]
-            best = max(rows, key=lambda r: r["gb_per_s"])
-            report["storage_probe"] = {"io_path": probe["io_path"], "device": probe.get("device"),
-                                       "gb_per_s_at_io_workers": at[0] if at else None,
-                                       "best_gb_per_s": best["gb_per_s"],
-                                       "best_queue_depth": best["queue_depth"]}
-        except (KeyError, TypeError, ValueError):
-            pass
+        report["storage_probe"] = probe
     print(json.dumps(report, indent=2))
     return 0
 

@@ -164,8 +164,8 @@ class LiveKnobs:
             self.model.n_threads = int(settings[THREADS])
         if IO_WORKERS in settings and settings[IO_WORKERS] != p.io.n_workers:
             p.io.set_workers(int(settings[IO_WORKERS]))
-        if PREFETCH_WIDTH in settings:
-            p.set_prefetch(int(settings[PREFETCH_WIDTH]))
+        if PREFETCH_WIDTH in settings and settings[PREFETCH_WIDTH] != self.current()[PREFETCH_WIDTH]:
+            p.set_prefetch(int(settings[PREFETCH_WIDTH]))   # a change drops pending predictions
 
 
 def default_knobs(top_k: int, cpus: int) -> list[Knob]:
@@ -190,21 +190,41 @@ def saved_probe(state_dir: Path | None, model_dir: str | Path) -> dict | None:
         return None
 
 
+def probe_rows(report: dict) -> list[dict]:
+    """The well-formed results of a storage probe report on the io path it chose
+    (queue depth a whole number in [1, 1024], GB/s a number >= 0); [] when malformed."""
+    try:
+        return [r for r in report["results"] if r["mode"] == report["io_path"]
+                and type(r["queue_depth"]) is int and 1 <= r["queue_depth"] <= 1024
+                and type(r["gb_per_s"]) in (int, float) and r["gb_per_s"] >= 0]
+    except (KeyError, TypeError, AttributeError):
+        return []
+
+
 def probe_io_workers(state_dir: Path | None, model_dir: str | Path, share: float = 0.95) -> int | None:
     """The io worker count the saved storage probe (`moed iobench`, or the daemon's probe
     after READY) suggests: the smallest queue depth reaching `share` of the best GB/s on
-    the io path it found. None without a saved probe for the model's disk."""
+    the io path it found. None without a usable saved probe for the model's disk."""
     report = saved_probe(state_dir, model_dir)
-    if report is None:
+    rows = probe_rows(report) if report is not None else []
+    if not rows:
         return None
-    try:
-        rows = [r for r in report["results"] if r["mode"] == report["io_path"]
-                and type(r["queue_depth"]) is int and 1 <= r["queue_depth"] <= 1024
-                and isinstance(r["gb_per_s"], (int, float)) and r["gb_per_s"] >= 0]
-        best = max(float(r["gb_per_s"]) for r in rows)
-        return min(r["queue_depth"] for r in rows if r["gb_per_s"] >= share * best)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+    best = max(float(r["gb_per_s"]) for r in rows)
+    return min(r["queue_depth"] for r in rows if r["gb_per_s"] >= share * best)
+
+
+def probe_summary(state_dir: Path | None, model_dir: str | Path, io_workers: int) -> dict | None:
+    """The saved probe in brief, for `moed bench`: io path, device, GB/s at `io_workers`
+    and the best queue depth. None without a usable saved probe."""
+    report = saved_probe(state_dir, model_dir)
+    rows = probe_rows(report) if report is not None else []
+    if not rows:
         return None
+    at = [r["gb_per_s"] for r in rows if r["queue_depth"] == io_workers]
+    best = max(rows, key=lambda r: r["gb_per_s"])
+    return {"io_path": report["io_path"], "device": report.get("device"),
+            "gb_per_s_at_io_workers": at[0] if at else None,
+            "best_gb_per_s": best["gb_per_s"], "best_queue_depth": best["queue_depth"]}
 
 
 def probe_proposals(knobs: list[Knob], state_dir: Path | None,
@@ -309,6 +329,27 @@ def check_tokens(model: Model, prompt: list[int], n: int = CHECK_TOKENS) -> list
             provider.observe_usage = observing
 
 
+def check_candidates(model: Model, tuner: OnlineTuner, check_prompt: list[int],
+                     reference: list[int], checked: set[tuple[str, Any]]) -> None:
+    """Run the check prompt under each candidate not checked yet (once each): one that
+    changes its tokens from `reference` is a bug — logged as an error and rejected —
+    and the next candidate is checked, until one passes or the search ends."""
+    live = LiveKnobs(model)
+    while not tuner.done:
+        candidate = tuner.candidate()
+        if candidate is None or candidate in checked:
+            return
+        checked.add(candidate)
+        live.apply({**tuner.incumbent, candidate[0]: candidate[1]})
+        got = check_tokens(model, check_prompt)
+        if got == reference:
+            return
+        log.error("tuner_candidate_changed_output knob=%s value=%r: the check prompt gave %s "
+                  "instead of %s; placement must never change output — this is a bug, the "
+                  "candidate is rejected", candidate[0], candidate[1], got, reference)
+        tuner.reject("changed the tokens of the check prompt")
+
+
 def tune(model: Model, knobs: list[Knob], workload: Workload, check_prompt: list[int], *,
          window_steps: int = WINDOW_STEPS, pairs: int = 4, min_gain: float = 0.03,
          max_rounds: int = 3, progress: Callable[[str], None] | None = None,
@@ -322,19 +363,10 @@ def tune(model: Model, knobs: list[Knob], workload: Workload, check_prompt: list
     tuner = OnlineTuner(knobs, start, pairs=pairs, min_gain=min_gain, max_rounds=max_rounds,
                         proposals=proposals)
     checked: set[tuple[str, Any]] = set()
-    while not tuner.done:
-        candidate = tuner.candidate()
-        if candidate is not None and candidate not in checked:
-            checked.add(candidate)
-            live.apply({**tuner.incumbent, candidate[0]: candidate[1]})
-            got = check_tokens(model, check_prompt)
-            if got != reference:
-                log.error("tuner_candidate_changed_output knob=%s value=%r: the check prompt "
-                          "gave %s instead of %s; placement must never change output — this is "
-                          "a bug, the candidate is rejected", candidate[0], candidate[1], got,
-                          reference)
-                tuner.reject("changed the tokens of the check prompt")
-                continue
+    while True:
+        check_candidates(model, tuner, check_prompt, reference, checked)
+        if tuner.done:
+            break
         trial = tuner.trial
         live.apply(tuner.settings())
         tuner.observe(workload.window(window_steps), batch_size=1)
@@ -555,22 +587,12 @@ class LiveTuner:
 
     def _prepare(self) -> None:
         """Check the candidate under trial (once) and apply the next window's settings."""
-        while not self.tuner.done:
-            candidate = self.tuner.candidate()
-            if candidate is None or candidate in self._checked:
-                break
-            self._checked.add(candidate)
-            if self.reference is None:
-                self.live.apply(self.tuner.incumbent)
-                self.reference = check_tokens(self.model, self.check_prompt)
-            self.live.apply({**self.tuner.incumbent, candidate[0]: candidate[1]})
-            got = check_tokens(self.model, self.check_prompt)
-            if got == self.reference:
-                break
-            log.error("tuner_candidate_changed_output knob=%s value=%r: the check prompt gave "
-                      "%s instead of %s; placement must never change output — this is a bug, "
-                      "the candidate is rejected", candidate[0], candidate[1], got, self.reference)
-            self.tuner.reject("changed the tokens of the check prompt")
+        if self.reference is None and not self.tuner.done:     # the incumbent's tokens, once
+            self.live.apply(self.tuner.incumbent)
+            self.reference = check_tokens(self.model, self.check_prompt)
+        if self.reference is not None:
+            check_candidates(self.model, self.tuner, self.check_prompt, self.reference,
+                             self._checked)
         self.live.apply(self.tuner.settings())
         if self.tuner.done and not self.finished:
             self.finished = True

@@ -519,6 +519,16 @@ class _Readers:
         assert self.gate.wait(WAIT)
 
 
+def _hold_reads(pool, arena, plans, readers) -> list:
+    """Submit `plans` (one per worker) and return once every worker is inside its read;
+    the reads stay held until ``readers.gate`` is set. Their futures."""
+    readers.barrier, readers.gate = threading.Barrier(len(plans) + 1), threading.Event()
+    futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans)]
+    readers.barrier.wait(WAIT)
+    readers.barrier = None
+    return futures
+
+
 def _read_all(pool, arena, plans, expected) -> None:
     """Submit `plans` into slots 0.. and check every expert's bytes."""
     futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans)]
@@ -546,10 +556,7 @@ def test_set_workers_grows_at_once_and_shrinks_after_the_reads_in_hand(shared_mo
             assert set(first) == {"moed-io-0", "moed-io-1", "moed-io-2"}
 
             # Shrinking while all three hold a read: each read still completes.
-            readers.barrier, readers.gate = threading.Barrier(4), threading.Event()
-            futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans[:3])]
-            readers.barrier.wait(WAIT)              # all three workers are inside a read
-            readers.barrier = None
+            futures = _hold_reads(pool, arena, plans[:3], readers)   # all three inside a read
             pool.set_workers(1)
             assert pool.stats().n_workers == 1
             readers.gate.set()
@@ -585,10 +592,7 @@ def test_set_workers_shrunk_and_regrown_before_the_surplus_left_keeps_its_thread
         readers = _Readers()
         with SlotArena(len(plans), max_slot_bytes(layout)) as arena, \
                 IoPool(3, direct=False, _before_read=readers) as pool:
-            readers.barrier, readers.gate = threading.Barrier(4), threading.Event()
-            futures = [pool.submit(p, arena.buffer(i), DEMAND) for i, p in enumerate(plans[:3])]
-            readers.barrier.wait(WAIT)
-            readers.barrier = None
+            futures = _hold_reads(pool, arena, plans[:3], readers)
             pool.set_workers(1)
             pool.set_workers(3)                     # before workers 1 and 2 could leave
             readers.gate.set()

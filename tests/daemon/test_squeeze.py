@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from daemon.memory import read_memory_pressure

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from scheduler.tuner import (ARM_A, ARM_B, Knob, OnlineTuner, choose_cache_split, wins)
+from scheduler.tuner import ARM_A, Knob, OnlineTuner, choose_cache_split, wins
 
 KNOBS = [Knob("threads", (1, 2, 3, 4)), Knob("io_workers", (1, 2, 4, 8, 16)),
          Knob("prefetch_width", (0, 4, 6, 8))]
