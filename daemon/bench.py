@@ -5,7 +5,8 @@ tokens. Modes:
     naive  LRU eviction, nothing pinned, nothing prefetched; a layer's misses are all
            issued at once. Same io path, io workers and compute threads as moed.
     moed   the default eviction policy, pins learned in an earlier session (a warm-up
-           run of the same workload, not counted), prefetch from next-layer routing.
+           run of the same workload, not counted), prefetch from next-layer routing
+           (likely candidates at once, less likely ones into idle io workers).
 Runs alternate (naive, moed, naive, ...) and each mode reports the median run. Before
 every run the shards' pages are dropped from the page cache (POSIX_FADV_DONTNEED), so
 buffered reads start cold too.
@@ -63,6 +64,7 @@ class BenchConfig:
     prefetch_width: int | None = None
     prefetch: bool = True
     prefetch_min_precision: float = StreamingOptions.prefetch_min_precision
+    idle_prefetch: bool = True
     pin_fraction: float = StreamingOptions.pin_fraction
 
 
@@ -195,6 +197,9 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
                                 policy="default" if mode == "moed" else "lru",
                                 prefetch_width=bench.prefetch_width,
                                 prefetch_min_precision=bench.prefetch_min_precision,
+                                idle_prefetch_min_precision=(
+                                    StreamingOptions.idle_prefetch_min_precision
+                                    if bench.idle_prefetch else 1.0),
                                 pin_fraction=bench.pin_fraction if mode == "moed" else 0.0)
         provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
         return Model(config, checkpoint, layout, provider, bench.threads)
@@ -236,6 +241,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
               "expert_bytes_total": sum(loc.nbytes for loc in layout),
               "tokens": bench.tokens, "repeats": bench.repeats, "threads": bench.threads,
               "io_workers": bench.io_workers, "temperature": bench.temperature,
+              "prefetch": bench.prefetch, "idle_prefetch": bench.prefetch and bench.idle_prefetch,
               "model": str(Path(bench.model))}
     checkpoint.close()
     return report

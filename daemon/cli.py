@@ -469,7 +469,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bench = BenchConfig(model=args.model, cache_bytes=args.expert_cache_bytes, tokens=args.tokens,
                         prompt_ids=prompt, temperature=args.temperature, seed=args.seed,
                         threads=args.threads or _threads(), io_workers=args.io_workers,
-                        repeats=args.repeats, prefetch=not args.no_prefetch)
+                        repeats=args.repeats, prefetch=not args.no_prefetch,
+                        idle_prefetch=not args.no_idle_prefetch)
     report = run_bench(bench, progress=_Steps("bench runs"))
     from daemon.state import default_state_dir
     from daemon.tuning import probe_summary
@@ -770,6 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     b.add_argument("--no-prefetch", action="store_true",
                    help="moed mode without prefetch (isolates the eviction policy and pins)")
+    b.add_argument("--no-idle-prefetch", action="store_true",
+                   help="moed mode prefetches only its likely candidates, none of the less "
+                        "likely ones it otherwise reads into idle io workers")
     b.set_defaults(func=_cmd_bench)
 
     t = sub.add_parser(

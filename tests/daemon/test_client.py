@@ -252,7 +252,12 @@ def demo_answer(stdout: str) -> str:
     return stdout.split("\n\nmoed demo: ")[0]
 
 
-def test_demo_runs_twice_and_the_second_run_hits_more_with_the_pins_it_learned(tmp_path):
+def test_demo_runs_twice_and_the_second_run_starts_with_the_pins_it_learned(tmp_path):
+    """The second run pins what the first learned and reports its hit rate against the
+    first's. Which of the two is higher is not asserted: prefetch into idle io workers
+    depends on read timing, which a loaded machine changes. That learned pins cut misses
+    is checked with prefetch off, where it is deterministic (test_streaming.py,
+    test_serve_lifecycle.py)."""
     first = moed("demo", "--dir", str(tmp_path), "--max-tokens", "48")
     assert first.returncode == 0, first.stderr
     assert f"model: {default_model_dir()} (the embedded default model)" in first.stderr
@@ -273,8 +278,9 @@ def test_demo_runs_twice_and_the_second_run_hits_more_with_the_pins_it_learned(t
     assert second.returncode == 0, second.stderr
     assert int(PINNED.search(second.stdout).group(1)) > 0               # learned in run 1
     rate2 = HIT_RATE.search(second.stdout).group(1)
-    assert re.search(rf"\(previous run: {re.escape(rate1)} %, \+\d+\.\d points\)", second.stdout)
-    assert float(rate2) > float(rate1), (rate1, rate2)
+    delta = re.search(rf"\(previous run: {re.escape(rate1)} %, ([+-]\d+\.\d) points\)",
+                      second.stdout).group(1)
+    assert abs(float(delta) - (float(rate2) - float(rate1))) <= 0.11, (rate1, rate2, delta)
     # placement changes speed, never output: the same seeded answer with pins in place
     assert demo_answer(second.stdout) == demo_answer(first.stdout)
     shorter = moed("demo", "--dir", str(tmp_path), "--max-tokens", "8")

@@ -7,12 +7,13 @@ in the next.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from daemon.io import plans_for
+from daemon.io import PREFETCH, plans_for
 from daemon.state import StateStore
 from daemon.streaming import (StreamingExpertProvider, StreamingOptions, flush_usage,
                               load_usage_counts, minimum_cache_bytes)
@@ -64,16 +65,23 @@ def _slot_bytes(model_dir: Path) -> int:
     return max(p.slot_bytes for p in plans_for(layout).values())
 
 
+# A floor of 0 makes every candidate a prefetch, read at once ("eager") or only into idle
+# io workers after the layer before has its experts ("idle"): the riskiest placements.
+PREFETCH_MODES = {"off": dict(prefetch=False),
+                  "eager": dict(prefetch=True, prefetch_min_precision=0.0),
+                  "idle": dict(prefetch=True, prefetch_min_precision=1.0,
+                               idle_prefetch_min_precision=0.0)}
+
+
 @pytest.mark.parametrize("slots", ["min", "quarter", "all"])
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("prefetch", sorted(PREFETCH_MODES))
 @pytest.mark.parametrize("n_threads,io_workers", [(1, 1), (2, 4)])
 def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, slots, prefetch,
                                                         n_threads, io_workers):
     slot = _slot_bytes(model_dir)
     n = {"min": 2 * 3, "quarter": 3 * 8 // 4, "all": 3 * 8}[slots]
-    # A floor of 0 makes every candidate a prefetch: the riskiest placement for the rule.
-    model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot, prefetch=prefetch,
-                       io_workers=io_workers, prefetch_min_precision=0.0)
+    model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot,
+                       io_workers=io_workers, **PREFETCH_MODES[prefetch])
     tokens, logits = _run(model)
     assert tokens == reference[0]
     for got, want in zip(logits, reference[1]):
@@ -180,7 +188,7 @@ def test_prefetch_is_gated_by_the_predictors_measured_precision(model_dir, refer
     """Every decode step scores the next-layer prediction; a precision floor of 1 is never
     reached (the Beta prior keeps estimates below 1), so nothing is prefetched."""
     model = _streaming(model_dir, cache_bytes=2 * minimum_cache_bytes(*_layout_config(model_dir)),
-                       prefetch_min_precision=min_precision)
+                       prefetch_min_precision=min_precision, idle_prefetch_min_precision=1.0)
     try:
         tokens, _ = _run(model)
         provider = model.experts
@@ -204,3 +212,85 @@ def _layout_config(model_dir: Path):
 def test_prefetch_min_precision_is_validated():
     with pytest.raises(ValueError, match="prefetch_min_precision"):
         StreamingOptions(cache_bytes=1, prefetch_min_precision=1.5)
+    with pytest.raises(ValueError, match="idle_prefetch_min_precision"):
+        StreamingOptions(cache_bytes=1, idle_prefetch_min_precision=-0.1)
+
+
+class _HeldPrefetchPool:
+    """Stands in for the io pool: demand reads finish at once, prefetches stay in flight."""
+
+    def __init__(self, n_workers: int):
+        self.n_workers = n_workers
+        self.submitted: list[tuple[int, int, str]] = []
+
+    def submit(self, plan, buffer, reason):
+        self.submitted.append((plan.layer, plan.expert, reason))
+        future = Future()
+        if reason != PREFETCH:
+            future.set_result(plan.slot_bytes)
+        return future
+
+    def prefetches(self, layer: int) -> list[int]:
+        return [e for l, e, r in self.submitted if l == layer and r == PREFETCH]
+
+    def close(self):
+        pass
+
+
+def _idle_prefetch_provider(model_dir: Path, idle_min: float, workers: int = 2):
+    layout, config = _layout_config(model_dir)
+    provider = StreamingExpertProvider(
+        layout, config, StreamingOptions(cache_bytes=24 * _slot_bytes(model_dir), prefetch_width=4,
+                                         prefetch_min_precision=0.9,
+                                         idle_prefetch_min_precision=idle_min))
+    provider.io.close()
+    provider.io = _HeldPrefetchPool(workers)
+    return provider
+
+
+def _ranked_logits(order: list[int], experts: int = 8) -> np.ndarray:
+    logits = np.zeros((1, experts), np.float32)
+    for rank, e in enumerate(order):
+        logits[0, e] = 10.0 - rank
+    return logits
+
+
+def test_unsure_candidates_wait_for_the_layers_reads_then_take_only_idle_workers(model_dir):
+    """A fresh predictor's precision is 0.5 at every rank: below the 0.9 floor, above 0.4.
+    Nothing is read at the hint; after layer 0's experts arrive, the best candidates of
+    layer 1 take the two idle workers, and no more."""
+    provider = _idle_prefetch_provider(model_dir, idle_min=0.4)
+    try:
+        provider.begin_step(1)
+        provider.hint(1, _ranked_logits([6, 2, 5, 1]))
+        assert provider.io.prefetches(1) == []
+        provider.acquire(0, [0, 3])
+        assert provider.io.prefetches(1) == [6, 2]
+        provider.release(0, [0, 3])
+        # The next step: both of those reads are still in flight, so no worker is idle.
+        provider.begin_step(1)
+        provider.hint(1, _ranked_logits([4, 7, 5, 1]))
+        provider.acquire(0, [0, 3])
+        assert provider.io.prefetches(1) == [6, 2]
+    finally:
+        provider.close()
+
+
+def test_idle_prefetch_counts_our_busy_reads_and_respects_its_floor(model_dir):
+    provider = _idle_prefetch_provider(model_dir, idle_min=0.4, workers=3)
+    try:
+        provider.begin_step(1)
+        provider._prefetch(2, 7, 0.95)                 # one read of ours keeps a worker busy
+        provider.hint(1, _ranked_logits([6, 2, 5, 1]))
+        provider.acquire(0, [0, 3])
+        assert provider.io.prefetches(1) == [6, 2]
+    finally:
+        provider.close()
+    provider = _idle_prefetch_provider(model_dir, idle_min=0.6)
+    try:
+        provider.begin_step(1)
+        provider.hint(1, _ranked_logits([6, 2, 5, 1]))
+        provider.acquire(0, [0, 3])
+        assert provider.io.submitted and provider.io.prefetches(1) == []
+    finally:
+        provider.close()
