@@ -72,8 +72,11 @@ class StreamingOptions:
         applies. 1.0 turns this off. Default 0.4, measured with `moed bench` on the same
         checkpoint, 64 tokens x 3, interleaved with naive: off 1.13x naive (144.8 MB/token,
         prefetch recall 0.19), 0.2 1.33x, 0.4 1.37x (175 MB/token, recall 0.52), 0.55
-        1.17x — the disk idles while a layer computes, so a likely-but-unsure read there
-        costs a slot, not bandwidth.
+        1.17x; 0.4 again in later runs 1.31x, 1.26x, 1.24x (the disk's own spread is about
+        ±10 %). The disk idles while a layer computes, so a likely-but-unsure read there
+        costs a slot, not bandwidth. Queueing every such candidate instead (behind all
+        other reads, cancelled at its layer's turn) read 183-186 MB/token and measured
+        1.13x-1.20x: guesses then hold workers when the next demand read arrives.
     half_life_tokens: usage decay. mlock: lock the slot memory when allowed.
     """
 
