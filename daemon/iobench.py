@@ -298,10 +298,15 @@ def run_pass(pool: IoPool, arena: SlotArena, plans, queue_depth: int, seconds: f
 
 # ----------------------------------------------------------------------------- the run
 
+class ProbeInterrupted(Exception):
+    """run_iobench stopped between two passes because its ``interrupted()`` said so."""
+
+
 def run_iobench(target: Target, seconds: float = 60.0, repeats: int = 3, seed: int = 0,
                 queue_depths=QUEUE_DEPTHS, direct: bool | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                clock: Callable[[], float] = time.monotonic) -> dict:
+                clock: Callable[[], float] = time.monotonic,
+                interrupted: Callable[[], bool] | None = None) -> dict:
     """Every (mode, queue depth) cell ``repeats`` times within ``seconds``; the report.
 
     ``direct``: None probes O_DIRECT on the first file (cells for "direct" only if it
@@ -309,6 +314,8 @@ def run_iobench(target: Target, seconds: float = 60.0, repeats: int = 3, seed: i
     setup and cache dropping come out of the same budget (a pass still completes
     ``queue_depth`` reads when no time is left). Returns the JSON-ready report (see the
     module doc); raises ValueError for ``repeats`` < 2, ExpertReadError on a failed read.
+    ``interrupted``: asked before every pass; True stops the run with ProbeInterrupted
+    (the daemon's probe gives way to a request this way, within one pass).
     """
     if repeats < 2:
         raise ValueError(f"repeats must be >= 2, got {repeats}")
@@ -323,6 +330,8 @@ def run_iobench(target: Target, seconds: float = 60.0, repeats: int = 3, seed: i
     with SlotArena(max(queue_depths), target.block_bytes) as arena:
         for _ in range(repeats):
             for mode, qd in cells:
+                if interrupted is not None and interrupted():
+                    raise ProbeInterrupted(f"stopped after {n} of {total} passes")
                 if mode == "buffered":
                     before = page_residency(target.files)
                     drop_cached(target.files)

@@ -514,9 +514,12 @@ class Daemon:
     async def _storage_probe(self) -> None:
         """Streamed experts and no saved `moed iobench` result for the model's disk: once
         the daemon has been idle for a moment after READY, run a short probe (at most
-        PROBE_SECONDS, on the engine thread so no request competes with it) and save it in
-        the state directory, as `moed iobench` does. A failure is a warning."""
-        from daemon.iobench import block_device, model_target, report_path, run_iobench, save_report
+        PROBE_SECONDS, on the engine thread so no read of a request competes with it) and
+        save it in the state directory, as `moed iobench` does. A request that arrives
+        meanwhile stops the probe between two of its passes (a fraction of a second) and
+        goes first; the probe starts again at the next idle moment. A failure is a warning."""
+        from daemon.iobench import (ProbeInterrupted, block_device, model_target, report_path,
+                                    run_iobench, save_report)
 
         loaded = self.loaded
         if loaded is None or loaded.session is None or loaded.session.store is None:
@@ -529,20 +532,29 @@ class Daemon:
         except (OSError, ValueError) as e:
             log.warning("storage_probe_skipped", error=str(e))
             return
-        idle_since = time.monotonic()
-        while time.monotonic() - idle_since < PROBE_IDLE_S:
-            await asyncio.sleep(0.25)
-            s = loaded.engine.stats()
-            if s.running or s.waiting:
-                idle_since = time.monotonic()
-        try:
-            report = await asyncio.wrap_future(loaded.engine.call(
-                lambda: run_iobench(target, seconds=PROBE_SECONDS, repeats=2)))
-            path = await asyncio.to_thread(save_report, state_dir, json.dumps(report, indent=2) + "\n",
-                                           report["device"])
-        except (OSError, ValueError) as e:
-            log.warning("storage_probe_failed", error=str(e))
-            return
+        def request_waiting() -> bool:
+            return loaded.engine.stats().waiting > 0
+
+        while True:
+            idle_since = time.monotonic()
+            while time.monotonic() - idle_since < PROBE_IDLE_S:
+                await asyncio.sleep(0.25)
+                s = loaded.engine.stats()
+                if s.running or s.waiting:
+                    idle_since = time.monotonic()
+            log.info("storage_probe_started", seconds=PROBE_SECONDS)
+            try:
+                report = await asyncio.wrap_future(loaded.engine.call(
+                    lambda: run_iobench(target, seconds=PROBE_SECONDS, repeats=2,
+                                        interrupted=request_waiting)))
+                path = await asyncio.to_thread(save_report, state_dir,
+                                               json.dumps(report, indent=2) + "\n", report["device"])
+                break
+            except ProbeInterrupted as e:
+                log.info("storage_probe_deferred", reason="a request arrived", progress=str(e))
+            except (OSError, ValueError) as e:
+                log.warning("storage_probe_failed", error=str(e))
+                return
         best = max(report["results"], key=lambda r: r["gb_per_s"])
         log.info("storage_probe_saved", path=str(path), io_path=report["io_path"],
                  best_gb_per_s=round(best["gb_per_s"], 3), best_mode=best["mode"],

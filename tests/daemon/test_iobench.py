@@ -10,8 +10,8 @@ import pytest
 
 from daemon.cli import main
 from daemon.io import probe_direct_io
-from daemon.iobench import (QUEUE_DEPTHS, drop_cached, model_target, resident_pages,
-                            run_iobench, scratch_target)
+from daemon.iobench import (QUEUE_DEPTHS, ProbeInterrupted, drop_cached, model_target,
+                            resident_pages, run_iobench, scratch_target)
 from ext.makemodel import make_model
 
 
@@ -83,6 +83,19 @@ def test_direct_call_counts_bytes_as_reads_times_block(model_dir, direct):
     report = run_iobench(target, seconds=0.2, repeats=2, direct=direct)
     direct_ok = probe_direct_io(target.files[0]) if direct is None else direct
     _check_report(report, direct_ok)
+
+
+def test_an_interrupted_run_stops_between_passes(model_dir):
+    target = model_target(model_dir)
+    asked = []
+
+    def interrupted() -> bool:
+        asked.append(1)
+        return len(asked) > 3          # three passes, then stop
+
+    with pytest.raises(ProbeInterrupted, match="after 3 of"):
+        run_iobench(target, seconds=0.2, repeats=2, direct=False, interrupted=interrupted)
+    assert len(asked) == 4
 
 
 def test_scratch_file_is_written_read_and_removed(tmp_path, capsys):

@@ -153,6 +153,24 @@ def test_the_daemon_probes_storage_once_when_idle_after_ready(model_dir):
         d.cleanup()
 
 
+def test_a_request_stops_the_storage_probe_and_goes_first(model_dir):
+    d = Daemon(model_dir, short_dir(), "--expert-cache-bytes", "200K")
+    try:
+        d.wait_event("storage_probe_started", timeout=60)
+        status, _ = d.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        assert status == 200
+        deferred = d.wait_event("storage_probe_deferred", timeout=30)
+        assert deferred["reason"] == "a request arrived"
+        saved = d.wait_event("storage_probe_saved", timeout=60)     # later, when idle again
+        order = [e.get("event") for e in d.events]
+        assert order.index("storage_probe_deferred") < order.index("request_finished") \
+            < order.index("storage_probe_saved")
+        assert json.loads(Path(saved["path"]).read_text())["budget_seconds"] <= 5
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+
+
 def test_the_saved_storage_probe_gives_the_starting_io_workers(streamed, model_dir, tmp_path):
     from daemon.iobench import block_device, report_path
     from daemon.tuning import probe_io_workers
