@@ -525,8 +525,9 @@ def _cmd_iobench(args: argparse.Namespace) -> int:
         if created:
             os.unlink(args.file)
     text = json.dumps(report, indent=2)
-    save_report(args.state_dir or default_state_dir(os.environ), text + "\n", report["device"])
+    path = save_report(args.state_dir or default_state_dir(os.environ), text + "\n", report["device"])
     print(text)
+    print(f"moed iobench: saved to {path} (moed serve and moed tune read it there)", file=sys.stderr)
     return 0
 
 

@@ -103,7 +103,9 @@ def test_scratch_file_is_written_read_and_removed(tmp_path, capsys):
     state = tmp_path / "state"
     assert main(["iobench", "--file", str(scratch), "--size", "1M", "--block", "64K",
                  "--seconds", "2", "--state-dir", str(state)]) == 0
-    report = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert f"saved to {state / ('iobench-' + report['device'] + '.json')}" in err
     assert report["block_bytes"] == 64 << 10
     assert report["blocks"] == 16
     assert not scratch.exists()
