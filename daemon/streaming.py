@@ -174,6 +174,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.io_wait_s = 0.0
         self.bytes_submitted = {DEMAND: 0, PREFETCH: 0, PIN_LOAD: 0}  # aligned lengths
         self.read_failures = 0
+        self.demand_rereads = 0                          # failed background reads read again
         if pinned_slots:
             self._apply_pins(select_pins(self.usage.counts(), self.slot_bytes,
                                          pinned_slots * self.slot_bytes))
@@ -217,7 +218,18 @@ class StreamingExpertProvider(ExpertProvider):
                 future = self._inflight.pop(a.slot)
                 self._prefetch_layer.pop(a.slot, None)
                 try:
-                    future.result()
+                    try:
+                        future.result()
+                    except ExpertReadError as e:
+                        if a.outcome == OUTCOME_MISS:
+                            raise
+                        # A background read (prefetch, pin load) of an expert this step
+                        # needs failed: one demand read decides, as if it had missed.
+                        self.read_failures += 1
+                        self.demand_rereads += 1
+                        log.warning("expert_reread_on_demand: %s", e)
+                        self._submit(layer, a.expert, a.slot, DEMAND)
+                        self._inflight.pop(a.slot).result()
                     self.cache.loaded(a.slot)
                 except ExpertReadError as e:
                     self.cache.failed(a.slot)

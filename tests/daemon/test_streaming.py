@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.io import PREFETCH, plans_for
+from daemon.io import PREFETCH, ExpertReadError, plans_for
 from daemon.state import StateStore
 from daemon.streaming import (StreamingExpertProvider, StreamingOptions, flush_usage,
                               load_usage_counts, minimum_cache_bytes)
@@ -292,5 +292,73 @@ def test_idle_prefetch_counts_our_busy_reads_and_respects_its_floor(model_dir):
         provider.hint(1, _ranked_logits([6, 2, 5, 1]))
         provider.acquire(0, [0, 3])
         assert provider.io.submitted and provider.io.prefetches(1) == []
+    finally:
+        provider.close()
+
+
+class _FailsWhenAwaited(Future):
+    """A read still in flight when the engine looks, which then fails."""
+
+    def __init__(self, error: ExpertReadError):
+        super().__init__()
+        self.error = error
+
+    def done(self):
+        return False
+
+    def result(self, timeout=None):
+        raise self.error
+
+
+class _FailingPrefetchPool(_HeldPrefetchPool):
+    """Prefetch reads fail once waited for; demand reads succeed while `demand_ok`."""
+
+    def __init__(self):
+        super().__init__(n_workers=2)
+        self.demand_ok = True
+
+    def submit(self, plan, buffer, reason):
+        self.submitted.append((plan.layer, plan.expert, reason))
+        error = ExpertReadError("injected", path="x", tensors=("t",), offset=0,
+                                layer=plan.layer, expert=plan.expert)
+        if reason == PREFETCH:
+            return _FailsWhenAwaited(error)
+        future = Future()
+        if self.demand_ok:
+            future.set_result(plan.slot_bytes)
+        else:
+            future.set_exception(error)
+        return future
+
+
+def test_a_failed_prefetch_of_a_needed_expert_is_read_again_on_demand(model_dir):
+    """A prefetch that failed must not fail the step that needs its expert: one demand
+    read decides. Only when that read fails too does the step fail; no slot stays LOADING."""
+    layout, config = _layout_config(model_dir)
+    provider = StreamingExpertProvider(
+        layout, config, StreamingOptions(cache_bytes=24 * _slot_bytes(model_dir),
+                                         prefetch_min_precision=0.0,
+                                         idle_prefetch_min_precision=1.0))
+    provider.io.close()
+    provider.io = pool = _FailingPrefetchPool()
+    try:
+        provider.begin_step(1)
+        provider.hint(1, _ranked_logits([6, 2]))
+        assert pool.prefetches(1) == [6, 2]
+        provider.acquire(1, [6, 3])                   # 6 was being prefetched, and that failed
+        provider.release(1, [6, 3])
+        assert [e for l, e, r in pool.submitted if l == 1 and r == "demand"] == [3, 6]
+        assert (provider.demand_rereads, provider.read_failures) == (1, 1)
+        snap = provider.cache.snapshot()
+        assert snap.loading[1] == 1                   # 2: still "in flight"
+        assert snap.resident_dynamic[1] == 3 and snap.prefetch_hits[1] == 1
+        provider.begin_step(1)
+        provider.hint(1, _ranked_logits([5]))
+        pool.demand_ok = False
+        with pytest.raises(ExpertReadError, match="injected"):
+            provider.acquire(1, [5])
+        snap = provider.cache.snapshot()
+        assert snap.loading[1] == 1 and snap.resident_dynamic[1] == 3   # 5 freed; 6, 3, 2 stay
+        assert (provider.demand_rereads, provider.read_failures) == (2, 3)
     finally:
         provider.close()
