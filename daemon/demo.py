@@ -288,7 +288,9 @@ def summary_lines(*, result: StreamResult, stats: dict, pins: dict, budget: Cach
         f"{_percent(hit_rate)}{before}",
         f"expert bytes read from disk: {_mib(experts.get('bytes_read', 0))} "
         f"({experts.get('hits', 0)} hits, {experts.get('prefetch_hits', 0)} found already "
-        f"being read, {experts.get('misses', 0)} misses)",
+        f"being read, {experts.get('misses', 0)} misses; prefetch read "
+        f"{_mib((experts.get('bytes_read_by_reason') or {}).get('prefetch', 0))} ahead of need, "
+        f"{_mib(experts.get('prefetch_wasted_bytes', 0))} of it unused)",
     ]
     if pinned:
         lines.append(f"pinned experts: {pinned} of {budget.experts}, learned in earlier runs")

@@ -270,6 +270,8 @@ def test_demo_runs_twice_and_the_second_run_starts_with_the_pins_it_learned(tmp_
     assert re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics", first.stdout, re.M)
     assert re.search(r"^expert cache: [\d.]+ MiB for [\d.]+ MiB of routed experts \(25 %\)",
                      first.stdout, re.M)
+    assert re.search(r"misses; prefetch read [\d.]+ MiB ahead of need, [\d.]+ MiB of it unused\)$",
+                     first.stdout, re.M)
     assert not os.path.exists(SOCKET.search(first.stderr).group(1))   # the daemon is gone
     assert '"event"' not in first.stderr                                # its log stayed quiet
     assert "previous run" not in first.stdout
