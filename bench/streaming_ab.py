@@ -18,12 +18,11 @@ example: python bench/streaming_ab.py --model ./bench-model --expert-cache-bytes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 
-from daemon.bench import BenchConfig, _run, drop_page_cache
+from daemon.bench import BenchConfig, bench_prompt, drop_page_cache, learned_usage, timed_run
 from daemon.cli import _size
 from daemon.io import probe_direct_io
 from daemon.streaming import StreamingExpertProvider, StreamingOptions
@@ -36,25 +35,22 @@ NAIVE = {"policy": "lru", "prefetch": False, "pin_fraction": 0.0}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """'name=key:value,key:value' -> (name, options); values as the field's type."""
+    """'name=key:value,key:value' -> (name, options). A value is read as JSON (0.55,
+    4, true, null) or else kept as text; StreamingOptions checks the result."""
     name, _, spec = text.partition("=")
     if not name:
         raise argparse.ArgumentTypeError(f"variant {text!r}: give NAME=KEY:VALUE,...")
-    types = {f.name: f.type for f in dataclasses.fields(StreamingOptions)}
     options = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition(":")
-        if key not in types or key == "cache_bytes":
-            raise argparse.ArgumentTypeError(f"variant {name}: unknown option {key!r}")
-        kind = str(types[key])
-        if "bool" in kind:
-            options[key] = value.lower() in ("1", "true", "yes", "on")
-        elif "float" in kind:
-            options[key] = float(value)
-        elif "int" in kind:
-            options[key] = int(value)
-        else:
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
             options[key] = value
+    try:
+        StreamingOptions(cache_bytes=1, **options)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"variant {name}: {e}") from None
     return name, options
 
 
@@ -72,17 +68,14 @@ def main(argv=None) -> int:
     checkpoint = Checkpoint(bench.model)
     layout = ExpertLayout(checkpoint, config)
     direct = probe_direct_io(checkpoint.shards[0])
-    prompt = [1 + (i * 37) % (config.vocab_size - 1) for i in range(16)]
+    prompt = bench_prompt(config)
 
     def model(counts, options: dict) -> Model:
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, direct=direct, **options)
         return Model(config, checkpoint, layout,
                      StreamingExpertProvider(layout, config, opts, usage_counts=counts), bench.threads)
 
-    warm = model(None, {})
-    _run(warm, prompt, bench)
-    learned = warm.experts.usage.counts()
-    warm.experts.close()
+    learned = learned_usage(model(None, {}), prompt, bench)
 
     variants = dict(args.variant)
     variants["naive"] = NAIVE
@@ -91,7 +84,7 @@ def main(argv=None) -> int:
         for name, options in variants.items():
             drop_page_cache(checkpoint.shards)
             m = model(None if name == "naive" else learned, options)
-            runs[name].append(_run(m, prompt, bench))
+            runs[name].append(timed_run(m, prompt, bench))
             m.experts.close()
             print(f"round {r + 1}/{args.rounds} {name}: "
                   f"{runs[name][-1]['tokens_per_second']:.2f} tokens/s", file=sys.stderr)

@@ -140,7 +140,21 @@ def flops_per_token(config: ModelConfig) -> float:
     return 2.0 * total
 
 
-def _run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
+def bench_prompt(config: ModelConfig, prompt_ids=()) -> list[int]:
+    """`prompt_ids`, or the fixed 16-token pattern every bench run uses by default."""
+    return list(prompt_ids) or [1 + (i * 37) % (config.vocab_size - 1) for i in range(16)]
+
+
+def learned_usage(model: Model, prompt: list[int], bench: BenchConfig):
+    """The earlier session moed's runs pin from: `bench`'s workload run once on `model`
+    (then closed); returns its usage counts [MoE layers, experts]."""
+    timed_run(model, prompt, bench)
+    counts = model.experts.usage.counts()
+    model.experts.close()
+    return counts
+
+
+def timed_run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
     """One timed generation on `model` (a fresh streaming provider); decode-phase figures."""
     provider: StreamingExpertProvider = model.experts
     sampler = Sampler(SamplingParams(temperature=bench.temperature, seed=bench.seed))
@@ -189,7 +203,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
     layout = ExpertLayout(checkpoint, config)
     shards = checkpoint.shards
     direct = probe_direct_io(shards[0]) if bench.direct is None else bench.direct
-    prompt = list(bench.prompt_ids) or [1 + (i * 37) % (config.vocab_size - 1) for i in range(16)]
+    prompt = bench_prompt(config, bench.prompt_ids)
 
     def model_for(mode: str, counts) -> Model:
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, io_workers=bench.io_workers,
@@ -204,18 +218,14 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
         return Model(config, checkpoint, layout, provider, bench.threads)
 
-    # The earlier session: the same workload once, to learn what to pin.
-    warm = model_for("moed", None)
-    _run(warm, prompt, bench)
-    learned = warm.experts.usage.counts()
-    warm.experts.close()
+    learned = learned_usage(model_for("moed", None), prompt, bench)
 
     runs: dict[str, list[dict]] = {"naive": [], "moed": []}
     for r in range(bench.repeats):
         for mode in ("naive", "moed"):
             drop_page_cache(shards)
             model = model_for(mode, learned if mode == "moed" else None)
-            runs[mode].append(_run(model, prompt, bench))
+            runs[mode].append(timed_run(model, prompt, bench))
             model.experts.close()
             if progress:
                 progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
