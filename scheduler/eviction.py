@@ -6,7 +6,8 @@ Conventions (the whole module):
   `token` is the decode step (time in tokens, passed in; non-decreasing).
   The cache (scheduler/cache.py) owns slots and states; a policy never decides whether a
   slot may be evicted — `victim` receives an `evictable(expert)` predicate (false for
-  LOADING and in-use slots) and only ranks.
+  LOADING and in-use slots) and only ranks. lrfu and predictive ask it about residents
+  in rank order and stop at the first it accepts; it must have no side effects.
 
 Events from the cache:
   step(token, experts)            every expert the layer needs at this step (once per layer
@@ -36,8 +37,9 @@ Policies (`POLICIES`, by name):
           long half-life, kept for non-resident experts too (history of what the cache
           observed). value = (1 - a) * r_short + a * r_long with r_h = CRF_h * (1 - 2**(-1/h))
           the decayed use rate (in [0, 1], uses per token); victim = lowest value, ties to
-          the least recent then the higher id. A prefetched expert not yet used counts at
-          least its prefetch score during the step it was prefetched for.
+          the least recent then the higher id (values memoized per token, `LRFUPolicy`).
+          A prefetched expert not yet used counts at least its prefetch score during the
+          step it was prefetched for.
   predictive
           lrfu plus a next-step predictor learned online from the layer's own steps: the
           decayed frequency with which each expert followed each other expert at the next
@@ -62,6 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 Evictable = Callable[[int], bool]
+Key = tuple[float, int, int]   # lrfu, predictive: (value, last use, -expert), lowest evicted first
 
 PROTECTED_FRACTION = 0.5       # slru: share of the layer's dynamic slots that is protected
 LRFU_SHORT_HALF_LIFE = 2.0     # tokens
@@ -259,7 +262,16 @@ class ARCPolicy(EvictionPolicy):
 
 
 class LRFUPolicy(EvictionPolicy):
-    """Two-scale LRFU: short- and long-half-life decayed use rates, history kept per expert."""
+    """Two-scale LRFU: short- and long-half-life decayed use rates, history kept per expert.
+
+    victim() ranks the residents by the key (value, last use, -expert) — lowest value
+    first, ties to the least recent use, then to the higher id: a total order, so the
+    order of admission never matters — and asks `evictable` about them in that order
+    until one is. Keys are memoized for the token they were computed at, and every event
+    that can change an expert's value forgets its key (a step forgets all of them): the
+    several victim() and value() calls of one step compute each resident's value once.
+    One loop (`_keys_of`) computes every value, so victim() and value() agree to the bit.
+    """
 
     name = "lrfu"
 
@@ -272,10 +284,14 @@ class LRFUPolicy(EvictionPolicy):
         self._crf_short = [0.0] * num_experts            # CRF at the last use
         self._crf_long = [0.0] * num_experts
         self._last = [-1] * num_experts                  # token of the last use; -1: never
-        self._resident: dict[int, None] = {}
+        self._resident: set[int] = set()
         self._boost: dict[int, tuple[float, int]] = {}   # prefetched, unused: (score, token)
+        self._keys: dict[int, Key] = {}                  # resident -> its key at _keys_token
+        self._keys_token: int | None = None
+        self._ranking: list[Key] = []                    # sorted(_keys.values())
 
     def step(self, token, experts):
+        self._forget_all()
         for e in experts:
             last = self._last[e]
             if last == token:
@@ -289,46 +305,99 @@ class LRFUPolicy(EvictionPolicy):
             self._last[e] = token
 
     def admit(self, expert, token, demand, score=0.0):
-        self._resident[expert] = None
+        self._forget(expert)
+        self._resident.add(expert)
         if not demand:
             self._boost[expert] = (float(score), token)
 
     def hit(self, expert, token):
-        self._boost.pop(expert, None)
+        if self._boost.pop(expert, None) is not None:
+            self._forget(expert)
 
     def evict(self, expert, token):
         self.drop(expert)
 
     def drop(self, expert):
-        self._resident.pop(expert, None)
+        self._forget(expert)
+        self._resident.discard(expert)
         self._boost.pop(expert, None)
 
     def victim(self, token, evictable, incoming=None):
-        best, best_key = None, None
-        for e in self._resident:
-            if not evictable(e):
-                continue
-            key = (self.value(e, token), self._last[e], -e)
-            if best_key is None or key < best_key:
-                best, best_key = e, key
-        return best
+        for _, _, minus_expert in self._ranking_at(token):
+            if evictable(-minus_expert):
+                return -minus_expert
+        return None
 
     def rate(self, expert: int, token: int) -> float:
         """(1 - a) * r_short + a * r_long at `token`: decayed uses per token, 0..1."""
-        last = self._last[expert]
-        if last < 0:
-            return 0.0
-        age = token - last
-        return (self._ws * self._crf_short[expert] * self._ds ** age
-                + self._wl * self._crf_long[expert] * self._dl ** age)
+        return self._rates([expert], token)[0]
 
     def value(self, expert, token):
-        return max(self.rate(expert, token), self._boosted(expert, token))
+        key = self._keys.get(expert) if token == self._keys_token else None
+        if key is None:
+            key = self._keys_of([expert], token)[0]
+        return key[0]
 
-    def _boosted(self, expert: int, token: int) -> float:
-        """A prefetch's score counts for the step it was made for, not after."""
-        boost = self._boost.get(expert)
-        return boost[0] if boost is not None and token <= boost[1] else 0.0
+    def _ranking_at(self, token: int) -> list[Key]:
+        """Every resident's key at `token`, ascending (memoized; see the class docstring)."""
+        if token != self._keys_token:
+            self._forget_all()
+            self._keys_token = token
+        if len(self._keys) < len(self._resident):
+            missing = [e for e in self._resident if e not in self._keys]
+            keys = self._keys_of(missing, token)
+            self._keys.update(zip(missing, keys))
+            self._ranking += keys
+            self._ranking.sort()
+        return self._ranking
+
+    def _forget(self, expert: int) -> None:
+        """Drop expert's memoized key: its value may change."""
+        key = self._keys.pop(expert, None)
+        if key is not None:
+            self._ranking.remove(key)
+
+    def _forget_all(self) -> None:
+        self._keys.clear()
+        self._ranking.clear()
+
+    def _rates(self, experts: Sequence[int], token: int) -> list[float]:
+        """`rate` of each of `experts` at `token`."""
+        ds, dl, ws, wl = self._ds, self._dl, self._ws, self._wl
+        crf_short, crf_long, lasts = self._crf_short, self._crf_long, self._last
+        rates = []
+        for e in experts:
+            last = lasts[e]
+            if last < 0:
+                rates.append(0.0)
+            else:
+                age = token - last
+                rates.append(ws * crf_short[e] * ds ** age + wl * crf_long[e] * dl ** age)
+        return rates
+
+    def _prediction(self) -> tuple[float, np.ndarray] | None:
+        """(weight, [E] float64 p_next) to mix into the rate, or None (plain lrfu)."""
+        return None
+
+    def _keys_of(self, experts: Sequence[int], token: int) -> list[Key]:
+        """The key (value, last use, -expert) of each of `experts` at `token`.
+
+        value = the rate (mixed with the prediction, if any), or the prefetch score of an
+        expert prefetched and not yet used if that is higher — during the step the
+        prefetch was made for only.
+        """
+        values = self._rates(experts, token)
+        prediction = self._prediction()
+        if prediction is not None:
+            weight, p_next = prediction
+            values = [(1.0 - weight) * rate + weight * p_next.item(e) for e, rate in zip(experts, values)]
+        boost, lasts = self._boost, self._last
+        keys = []
+        for e, value in zip(experts, values):
+            b = boost.get(e)
+            floor = b[0] if b is not None and token <= b[1] else 0.0
+            keys.append((floor if floor > value else value, lasts[e], -e))
+        return keys
 
 
 class PredictivePolicy(LRFUPolicy):
@@ -389,10 +458,8 @@ class PredictivePolicy(LRFUPolicy):
                 self._p_next = rows.mean(axis=0)
         return self._p_next
 
-    def value(self, expert, token):
-        mixed = ((1.0 - self._predict_weight) * self.rate(expert, token)
-                 + self._predict_weight * float(self.p_next()[expert]))
-        return max(mixed, self._boosted(expert, token))
+    def _prediction(self):
+        return self._predict_weight, self.p_next()
 
 
 class BeladyPolicy(EvictionPolicy):
