@@ -56,9 +56,11 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
         experts = experts + expert_counters(provider, snap, io)
         gauges = dict(
             expert_cache_bytes={"pinned": sum(snap.resident_pinned) * slot,
-                                "dynamic": sum(snap.resident_dynamic) * slot},
+                                "dynamic": sum(snap.resident_dynamic) * slot,
+                                "staging": sum(snap.resident_staging) * slot},
             expert_cache_capacity_bytes={"pinned": snap.pinned_slots * slot,
-                                         "dynamic": sum(snap.dynamic_slots) * slot},
+                                         "dynamic": sum(snap.dynamic_slots) * slot,
+                                         "staging": snap.staging_slots * slot},
             pinned_experts=len(cache.pins), io_workers=io.n_workers)
         document = {"cache": {
             "slot_bytes": slot,
@@ -67,6 +69,8 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
             "dynamic": {"slots": sum(snap.dynamic_slots), "bytes": sum(snap.dynamic_slots) * slot,
                         "resident_slots": sum(snap.resident_dynamic),
                         "reserved_slots": sum(snap.loading)},
+            "staging": {"slots": snap.staging_slots, "bytes": snap.staging_slots * slot,
+                        "resident_slots": sum(snap.resident_staging)},
             "policy": snap.policy}, "io_path": io.io_path}
     s = Snapshot(
         requests_running=e.running, requests_waiting=e.waiting, decode_steps=e.decode_steps,

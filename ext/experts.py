@@ -127,12 +127,13 @@ class ExpertProvider(ABC):
     `ExpertWeights` per expert id, valid until `release(layer, experts)` with
     the same arguments; the forward pass calls each pair exactly once per MoE
     layer and step. When `wants_hints` is True, the forward pass also calls
-    `hint` after each layer's attention with the next MoE layer's router applied
-    to the current hidden state — a prefetch opportunity; it must not block and
-    never changes what `acquire` returns.
+    `hint` after each layer's attention with each of the next `hint_depth` MoE
+    layers' routers applied to the current hidden state — a prefetch
+    opportunity; it must not block and never changes what `acquire` returns.
     """
 
     wants_hints: bool = False
+    hint_depth: int = 1
 
     @abstractmethod
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
@@ -149,13 +150,14 @@ class ExpertProvider(ABC):
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """The arrays of the matching `acquire` are no longer used."""
 
-    def hint(self, layer: int, router_logits: np.ndarray) -> None:
+    def hint(self, layer: int, router_logits: np.ndarray, ahead: int = 1) -> None:
         """Layer `layer` will probably need the experts these scores favour.
 
         Args:
             layer: the MoE layer the prediction is for.
             router_logits: [T, E] float32, that layer's router applied to the
                 current hidden state (a view valid only during the call).
+            ahead: how many MoE layers after the current one `layer` is (1 = next).
         """
 
     def close(self) -> None:

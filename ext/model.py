@@ -399,15 +399,17 @@ class Model:
         return out
 
     def _hint_next_layer(self, l: int, h: np.ndarray) -> None:
-        """Apply the next MoE layer's router to the current hidden state [T, H]
-        and pass the scores to the provider, so its experts can be read while
-        this layer computes. Output is unaffected whatever the provider does."""
-        nxt = self.next_moe_layer[l]
-        if nxt is None:
-            return
+        """Apply the routers of the next `experts.hint_depth` MoE layers to the current
+        hidden state [T, H] and pass the scores to the provider, so their experts can be
+        read while this layer computes. Output is unaffected whatever the provider does."""
+        nxt = l
         logits = self.ws.hint_logits[:h.shape[0]]
-        K_.matmul(self.layers[nxt].router, h, logits, self.n_threads)   # [T, E]
-        self.experts.hint(nxt, logits)
+        for ahead in range(1, self.experts.hint_depth + 1):
+            nxt = self.next_moe_layer[nxt]
+            if nxt is None:
+                return
+            K_.matmul(self.layers[nxt].router, h, logits, self.n_threads)   # [T, E]
+            self.experts.hint(nxt, logits, ahead)
 
     def _attention(self, l: int, layer: LayerWeights, segments: list[tuple[KVCache, int, int]],
                    h: np.ndarray) -> np.ndarray:

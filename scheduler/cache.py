@@ -9,11 +9,16 @@ Conventions (the whole module):
   only says which (layer, expert) a slot holds and when it may be reused.
 
 Tiers. *Pinned* slots (pinned_slots of them, shared by all layers) hold the pin set
-(`set_pins`) and are never evicted by traffic or prefetch. *Dynamic* slots belong to one
-layer each — (total_slots - pinned_slots) split evenly, the first layers taking the
+(`set_pins`) and are never evicted by traffic or prefetch. *Staging* slots (staging_slots,
+shared by all layers; 0 turns the tier off) hold prefetched guesses: a guess read there
+evicts nobody's expert, and when a step uses it, it moves into its layer's dynamic tier
+in place of the policy's victim (no read, no copy: the two slots swap tiers) — the
+eviction a demand miss would have made. A guess never used is simply dropped, so a wrong
+guess costs a read and never a resident. *Dynamic* slots belong to one layer each —
+(total_slots - pinned_slots - staging_slots) split evenly, the first layers taking the
 remainder, at least K per layer — and are evicted by the layer's policy
-(scheduler/eviction.py). A slot's tier can be retagged by `set_pins` (an expert moves
-between tiers without a read; the per-layer dynamic count never changes).
+(scheduler/eviction.py). Slots change tiers only by swapping (`set_pins`, promotion of a
+used guess), so the per-layer dynamic count never changes.
 
 Slot states. FREE; LOADING: reserved for a read in flight — never handed out to another
 expert, never evicted, until `loaded` (-> READY) or `failed` (-> FREE); READY. Each
@@ -24,8 +29,9 @@ Phases. Each demand lookup is counted under the phase the caller names: "prefill
 prompt chunk) or "decode" (one new token per sequence); the totals are their sums.
 
 Guarantee: a demand `request` succeeds whenever the layer has enough dynamic slots that
-are FREE or READY and not in use. Prefetches never hold more than
-(dynamic slots of the layer - K) slots LOADING, so K dynamic slots always remain for demand.
+are FREE or READY and not in use. Without a staging tier, prefetches never hold more than
+(dynamic slots of the layer - K) slots LOADING, so K dynamic slots always remain for
+demand; with one, prefetches never hold dynamic slots at all.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class SlotState(IntEnum):
 class Tier(IntEnum):
     PINNED = 0
     DYNAMIC = 1
+    STAGING = 2
 
 
 class CacheBudgetError(ValueError):
@@ -90,7 +97,8 @@ class CacheSnapshot:
     prefetches_wasted: prefetched experts evicted or failed before any use;
     prefetches_unused: prefetched experts resident now, not used yet (the issue's
     "wasted" is the sum of the two). prefetches_wasted_bytes: the `expert_bytes` of the
-    wasted ones (0 when the cache was given no sizes).
+    wasted ones (0 when the cache was given no sizes). resident_staging: guesses held in
+    the staging tier (READY or LOADING), per layer.
     """
     policy: str
     moe_layers: tuple[int, ...]
@@ -112,6 +120,8 @@ class CacheSnapshot:
     prefetch_hits_by_phase: dict[str, tuple[int, ...]]
     misses_by_phase: dict[str, tuple[int, ...]]
     prefetches_wasted_bytes: tuple[int, ...]
+    staging_slots: int = 0
+    resident_staging: tuple[int, ...] = ()
 
     @property
     def lookups(self) -> int:
@@ -128,19 +138,20 @@ class ExpertCache:
 
     moe_layers: the model's MoE layer ids. num_experts: routed experts per layer.
     top_k: experts per token per layer. total_slots: the byte budget in slots.
-    pinned_slots: slots of the pinned tier (global). policy: a name of
+    pinned_slots: slots of the pinned tier (global). staging_slots: slots of the staging
+    tier for prefetched guesses (global; 0: prefetches take dynamic slots). policy: a name of
     scheduler.eviction.POLICIES or "default", or a factory (layer_index, capacity) ->
     EvictionPolicy (offline evaluation, e.g. Belady). expert_bytes: optional [L][E]
     bytes read per expert (its aligned read length), used only to count wasted prefetch
     bytes.
     Raises CacheBudgetError when total_slots < top_k * L (the message gives that minimum)
-    or pinned_slots leaves fewer than top_k dynamic slots per layer; ValueError on other
-    bad arguments.
+    or pinned_slots + staging_slots leave fewer than top_k dynamic slots per layer;
+    ValueError on other bad arguments.
     """
 
     def __init__(self, moe_layers: Sequence[int], num_experts: int, top_k: int, total_slots: int,
                  pinned_slots: int = 0, policy: str | PolicyFactory = "default",
-                 expert_bytes: Sequence[Sequence[int]] | None = None):
+                 expert_bytes: Sequence[Sequence[int]] | None = None, staging_slots: int = 0):
         moe_layers = [int(x) for x in moe_layers]
         if not moe_layers or len(set(moe_layers)) != len(moe_layers):
             raise ValueError(f"moe_layers must be non-empty and distinct, got {moe_layers}")
@@ -148,21 +159,24 @@ class ExpertCache:
             raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
         if pinned_slots < 0:
             raise ValueError(f"pinned_slots must be >= 0, got {pinned_slots}")
+        if staging_slots < 0:
+            raise ValueError(f"staging_slots must be >= 0, got {staging_slots}")
         n_layers = len(moe_layers)
         minimum = top_k * n_layers
         if total_slots < minimum:
             raise CacheBudgetError(f"expert cache of {total_slots} slots is below the minimum of {minimum} "
                                    f"(top_k {top_k} x {n_layers} MoE layers)")
-        per_layer, extra = divmod(total_slots - pinned_slots, n_layers)
+        per_layer, extra = divmod(total_slots - pinned_slots - staging_slots, n_layers)
         if per_layer < top_k:
-            raise CacheBudgetError(f"{pinned_slots} pinned slots leave {per_layer} dynamic slots per layer; "
-                                   f"at least top_k={top_k} are needed, so pinned_slots <= "
-                                   f"{total_slots - minimum}")
+            raise CacheBudgetError(f"{pinned_slots} pinned and {staging_slots} staging slots leave {per_layer} "
+                                   f"dynamic slots per layer; at least top_k={top_k} are needed, so "
+                                   f"pinned_slots + staging_slots <= {total_slots - minimum}")
         self.moe_layers = tuple(moe_layers)
         self.num_experts = int(num_experts)
         self.top_k = int(top_k)
         self.total_slots = int(total_slots)
         self.pinned_slots = int(pinned_slots)
+        self.staging_slots = int(staging_slots)
         self._index = {layer: i for i, layer in enumerate(moe_layers)}
         self._dyn_count = [per_layer + (1 if i < extra else 0) for i in range(n_layers)]
 
@@ -174,10 +188,11 @@ class ExpertCache:
             factory = policy
         self._policies: list[EvictionPolicy] = [factory(i, n) for i, n in enumerate(self._dyn_count)]
 
-        # Per-slot state. Initial layout: pinned tier first, then each layer's dynamic slots.
+        # Per-slot state. Initial layout: pinned tier, staging tier, each layer's dynamic slots.
         n = self.total_slots
         self._state = [SlotState.FREE] * n
-        self._tier = [Tier.PINNED] * pinned_slots + [Tier.DYNAMIC] * (n - pinned_slots)
+        self._tier = ([Tier.PINNED] * pinned_slots + [Tier.STAGING] * staging_slots
+                      + [Tier.DYNAMIC] * (n - pinned_slots - staging_slots))
         self._owner = [-1] * n                          # layer index of a dynamic slot
         self._key: list[tuple[int, int] | None] = [None] * n   # (layer_index, expert) held
         self._users = [0] * n
@@ -186,8 +201,13 @@ class ExpertCache:
         self._where: dict[tuple[int, int], int] = {}    # (layer_index, expert) -> slot
         self._pin_slots = set(range(pinned_slots))
         self._free_pin = set(range(pinned_slots))
+        self._stage_slots = set(range(pinned_slots, pinned_slots + staging_slots))
+        self._free_stage = set(self._stage_slots)
+        # A staged guess: (token it was made at, its score, stale: its layer's step passed
+        # without using it). Recycled stale first, then oldest, then least likely.
+        self._guess: dict[int, tuple[int, float, bool]] = {}
         self._dyn_slots: list[set[int]] = []
-        start = pinned_slots
+        start = pinned_slots + staging_slots
         for i, count in enumerate(self._dyn_count):
             slots = set(range(start, start + count))
             for s in slots:
@@ -244,6 +264,7 @@ class ExpertCache:
         policy = self._policies[li]
         policy.step(token, experts)
         slot_of: dict[int, tuple[int, str]] = {}
+        staged: list[int] = []                # guesses used now: they join the dynamic tier
         for e in experts:                     # resident ones first: pin them before evicting
             s = self._where.get((li, e))
             if s is None:
@@ -260,12 +281,18 @@ class ExpertCache:
                 self._prefetches_used[li] += 1
             if self._tier[s] == Tier.DYNAMIC:
                 policy.hit(e, token)
+            elif self._tier[s] == Tier.STAGING:
+                staged.append(e)
         for e in misses:
             s = self._take_dynamic_slot(li, token, incoming=e)
             self._reserve(s, li, e, users=1, prefetch=False)
             policy.admit(e, token, demand=True)
             slot_of[e] = (s, OUTCOME_MISS)
             self._misses[phase][li] += 1
+        for e in staged:
+            self._promote(li, e, token)
+        if self._guess:
+            self._mark_stale(li)
         return [Access(e, *slot_of[e]) for e in experts]
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
@@ -304,18 +331,22 @@ class ExpertCache:
         self._clear_prefetch_loading(slot)
         if self._tier[slot] == Tier.DYNAMIC:
             self._policies[li].drop(e)
-        else:
+        elif self._tier[slot] == Tier.PINNED:
             self._pins.discard((li, e))
         self._free(slot)
 
     # -- prefetch ----------------------------------------------------------------------
     def prefetch(self, layer: int, expert: int, token: int, score: float) -> int | None:
-        """Reserve a dynamic slot of `layer` for a prefetch read of `expert`, or None.
+        """Reserve a slot for a prefetch read of `layer`'s `expert`, or None.
 
         score: the prefetcher's estimate that the expert is needed (probability of use,
         0..1, the scale of EvictionPolicy.value). None when the expert is resident or in
-        flight, when the layer already has (dynamic slots - top_k) prefetches in flight,
-        or when there is no FREE slot and the policy's victim — never pinned, in use or
+        flight. With a staging tier the slot is a staging slot: a FREE one, else a READY
+        guess nobody uses that is stale (its layer's step passed without it) or, failing
+        that, less likely than `score` — the stale first, then the oldest, then the least
+        likely; None when there is none. Without one it is a dynamic slot of `layer`:
+        None when the layer already has (dynamic slots - top_k) prefetches in flight, or
+        when there is no FREE slot and the policy's victim — never pinned, in use or
         LOADING — has a value above `score`. On success the slot is LOADING: the caller
         reads the expert, then calls `loaded` or `failed`.
         """
@@ -324,6 +355,14 @@ class ExpertCache:
         self._now = max(self._now, token)
         if (li, expert) in self._where:
             return None
+        if self.staging_slots:
+            s = self._take_staging_slot(score)
+            if s is None:
+                return None
+            self._reserve(s, li, expert, users=0, prefetch=True)
+            self._guess[s] = (token, float(score), False)
+            self._prefetches_issued[li] += 1
+            return s
         if self._prefetch_inflight[li] >= self._dyn_count[li] - self.top_k:
             return None
         policy = self._policies[li]
@@ -345,8 +384,8 @@ class ExpertCache:
            that layer has a FREE dynamic slot (no read); else it is freed — or, while in
            use or being read, demoted in place of the layer's policy victim. If neither is
            possible it stays until a later call.
-        2. A new pin resident in a dynamic slot moves to the pinned tier without a read
-           (slot tiers are swapped); the others get a FREE pinned slot, LOADING, and a
+        2. A new pin resident in a dynamic or staging slot moves to the pinned tier without
+           a read (slot tiers are swapped); the others get a FREE pinned slot, LOADING, and a
            PinLoad the caller must read and then report with `loaded` / `failed`.
         Pins that find no pinned slot this time are left out; `pins` tells what is held.
         Raises ValueError for more pins than pinned_slots or bad ids; KeyError for an
@@ -370,7 +409,7 @@ class ExpertCache:
                 if victim is not None:
                     self._evict(self._where[(li, victim)])
             if self._free_dyn[li]:
-                self._retag(s, min(self._free_dyn[li]))     # s joins the dynamic tier
+                self._swap_tiers(s, min(self._free_dyn[li]))    # s joins the dynamic tier
                 self._policies[li].admit(e, now, demand=False)
             elif not busy:
                 self._evictions_pinned[li] += 1
@@ -387,9 +426,12 @@ class ExpertCache:
             if not self._free_pin:
                 continue
             p = min(self._free_pin)
-            if s is not None:                     # resident in a dynamic slot: no read
-                self._policies[li].drop(e)
-                self._retag(p, s)
+            if s is not None:                     # resident in a dynamic or staging slot: no read
+                if self._tier[s] == Tier.DYNAMIC:
+                    self._policies[li].drop(e)
+                else:
+                    self._guess.pop(s, None)
+                self._swap_tiers(p, s)
             else:
                 self._reserve(p, li, e, users=0, prefetch=False)
                 loads.append(PinLoad(p, self.moe_layers[li], e))
@@ -443,9 +485,10 @@ class ExpertCache:
     def snapshot(self) -> CacheSnapshot:
         """The counters and per-tier occupancy now (a plain, immutable copy)."""
         n_layers = len(self.moe_layers)
-        res_dyn, res_pin, loading, unused = ([0] * n_layers for _ in range(4))
+        res_dyn, res_pin, res_stage, loading, unused = ([0] * n_layers for _ in range(5))
+        by_tier = {Tier.DYNAMIC: res_dyn, Tier.PINNED: res_pin, Tier.STAGING: res_stage}
         for (li, _), s in self._where.items():
-            (res_dyn if self._tier[s] == Tier.DYNAMIC else res_pin)[li] += 1
+            by_tier[self._tier[s]][li] += 1
             loading[li] += self._state[s] == SlotState.LOADING
             unused[li] += self._prefetched[s]
         by_phase = lambda counts: {p: tuple(counts[p]) for p in PHASES}  # noqa: E731
@@ -460,7 +503,8 @@ class ExpertCache:
             prefetches_wasted=tuple(self._prefetches_wasted), prefetches_unused=tuple(unused),
             hits_by_phase=by_phase(self._hits), prefetch_hits_by_phase=by_phase(self._prefetch_hits),
             misses_by_phase=by_phase(self._misses),
-            prefetches_wasted_bytes=tuple(self._prefetches_wasted_bytes))
+            prefetches_wasted_bytes=tuple(self._prefetches_wasted_bytes),
+            staging_slots=self.staging_slots, resident_staging=tuple(res_stage))
 
     # -- internals ---------------------------------------------------------------------
     def _layer_index(self, layer: int) -> int:
@@ -523,19 +567,18 @@ class ExpertCache:
         self._state[slot] = SlotState.FREE
         self._users[slot] = 0
         self._prefetched[slot] = False
-        if self._tier[slot] == Tier.DYNAMIC:
-            self._free_dyn[self._owner[slot]].add(slot)
-        else:
-            self._free_pin.add(slot)
+        self._guess.pop(slot, None)
+        self._free_set(slot).add(slot)
 
     def _reserve(self, slot: int, li: int, expert: int, users: int, prefetch: bool) -> None:
         self._free_pin.discard(slot)
+        self._free_stage.discard(slot)
         self._state[slot] = SlotState.LOADING
         self._key[slot] = (li, expert)
         self._where[(li, expert)] = slot
         self._users[slot] = users
         self._prefetched[slot] = prefetch
-        if prefetch:
+        if prefetch and self._tier[slot] == Tier.DYNAMIC:
             self._prefetch_loading[slot] = True
             self._prefetch_inflight[li] += 1
 
@@ -544,22 +587,84 @@ class ExpertCache:
             self._prefetch_loading[slot] = False
             self._prefetch_inflight[self._owner[slot]] -= 1
 
-    def _retag(self, pinned_slot: int, dynamic_slot: int) -> None:
-        """Swap the tiers of two slots: pinned_slot joins dynamic_slot's layer and vice versa.
+    def _members(self, slot: int) -> set[int]:
+        """The slots of `slot`'s tier (of its layer, for a dynamic slot)."""
+        tier = self._tier[slot]
+        if tier == Tier.DYNAMIC:
+            return self._dyn_slots[self._owner[slot]]
+        return self._pin_slots if tier == Tier.PINNED else self._stage_slots
 
-        Contents, states and users stay with the slots (no read, no copy).
+    def _free_set(self, slot: int) -> set[int]:
+        """The FREE slots of `slot`'s tier (of its layer, for a dynamic slot)."""
+        tier = self._tier[slot]
+        if tier == Tier.DYNAMIC:
+            return self._free_dyn[self._owner[slot]]
+        return self._free_pin if tier == Tier.PINNED else self._free_stage
+
+    def _swap_tiers(self, a: int, b: int) -> None:
+        """Swap the tiers (and dynamic owners) of slots a and b.
+
+        Contents, states and users stay with the slots (no read, no copy); a FREE slot
+        stays FREE in its new tier. A dynamic slot's prefetch in flight stops counting
+        against its layer's prefetch limit.
         """
-        li = self._owner[dynamic_slot]
-        self._clear_prefetch_loading(dynamic_slot)
-        self._tier[pinned_slot], self._owner[pinned_slot] = Tier.DYNAMIC, li
-        self._tier[dynamic_slot], self._owner[dynamic_slot] = Tier.PINNED, -1
-        self._pin_slots.remove(pinned_slot)
-        self._pin_slots.add(dynamic_slot)
-        self._dyn_slots[li].remove(dynamic_slot)
-        self._dyn_slots[li].add(pinned_slot)
-        if dynamic_slot in self._free_dyn[li]:
-            self._free_dyn[li].remove(dynamic_slot)
-            self._free_pin.add(dynamic_slot)
-        if pinned_slot in self._free_pin:
-            self._free_pin.remove(pinned_slot)
-            self._free_dyn[li].add(pinned_slot)
+        self._clear_prefetch_loading(a)
+        self._clear_prefetch_loading(b)
+        members_a, members_b = self._members(a), self._members(b)
+        free_a, free_b = self._free_set(a), self._free_set(b)
+        a_free, b_free = a in free_a, b in free_b
+        for members, free, slot in ((members_a, free_a, a), (members_b, free_b, b)):
+            members.discard(slot)
+            free.discard(slot)
+        self._tier[a], self._tier[b] = self._tier[b], self._tier[a]
+        self._owner[a], self._owner[b] = self._owner[b], self._owner[a]
+        members_b.add(a)
+        members_a.add(b)
+        if a_free:
+            free_b.add(a)
+        if b_free:
+            free_a.add(b)
+
+    def _take_staging_slot(self, score: float) -> int | None:
+        """A FREE staging slot, else one freed by recycling a READY guess nobody uses: a
+        stale one, or one less likely than `score`; stale first, then oldest, then least
+        likely. None when there is none."""
+        if self._free_stage:
+            s = min(self._free_stage)
+            self._free_stage.discard(s)
+            return s
+        best, best_key = None, None
+        for s, (token, guess_score, stale) in self._guess.items():
+            if self._state[s] != SlotState.READY or self._users[s] or not (stale or guess_score < score):
+                continue
+            key = (not stale, token, guess_score, s)
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        if best is None:
+            return None
+        li, e = self._key[best]
+        if self._prefetched[best]:
+            self._waste(li, e)
+        self._free(best)
+        self._free_stage.discard(best)
+        return best
+
+    def _promote(self, li: int, expert: int, token: int) -> None:
+        """A staged guess of layer li is used now: it takes the place of one of the layer's
+        dynamic slots — a FREE one, else the policy's victim, evicted as a demand miss
+        would have evicted it. With no dynamic slot free or evictable it stays staged."""
+        s = self._where[(li, expert)]
+        if not self._free_dyn[li]:
+            victim = self._policies[li].victim(token, self._evictable(li), incoming=expert)
+            if victim is None:
+                return
+            self._evict(self._where[(li, victim)])
+        self._guess.pop(s, None)
+        self._swap_tiers(s, min(self._free_dyn[li]))
+        self._policies[li].admit(expert, token, demand=True)
+
+    def _mark_stale(self, li: int) -> None:
+        """Layer li's step took what it needed: its staged guesses left unused are stale."""
+        for s, (token, score, stale) in self._guess.items():
+            if not stale and self._key[s][0] == li and not self._users[s]:
+                self._guess[s] = (token, score, True)

@@ -43,7 +43,8 @@ FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")
 OUTCOMES = ("hit", "prefetch_hit", "miss")
 PHASES = ("prefill", "decode")
 REASONS = ("demand", "prefetch", "pin_load")
-TIERS = ("pinned", "dynamic")
+TIERS = ("pinned", "dynamic")                       # tiers that evict
+CACHE_TIERS = ("pinned", "dynamic", "staging")      # tiers that hold slots (staging: guesses)
 
 # ------------------------------------------------------------------ buckets (seconds)
 
@@ -224,10 +225,10 @@ class SnapshotCollector(prometheus_client.registry.Collector):
                        x.read_errors)
         yield _labelled(GaugeMetricFamily(
             "moed_expert_cache_bytes", "Bytes of expert cache slots holding (or loading) an "
-            "expert, by tier.", labels=["tier"]), "tier", TIERS, s.expert_cache_bytes)
+            "expert, by tier.", labels=["tier"]), "tier", CACHE_TIERS, s.expert_cache_bytes)
         yield _labelled(GaugeMetricFamily(
             "moed_expert_cache_capacity_bytes", "Bytes of expert cache slots, by tier.",
-            labels=["tier"]), "tier", TIERS, s.expert_cache_capacity_bytes)
+            labels=["tier"]), "tier", CACHE_TIERS, s.expert_cache_capacity_bytes)
         yield _gauge("moed_pinned_experts", "Experts in the pin set.", s.pinned_experts)
         yield _counter("moed_pin_swaps", "Experts that entered the pin set while serving.",
                        x.pin_swaps)

@@ -49,8 +49,8 @@ LABELS = {
     "moed_requests_finished_total": [{"finish_reason": r} for r in
                                      ("stop", "length", "timeout", "cancelled", "error")],
     "moed_expert_bytes_read_total": [{"reason": r} for r in ("demand", "prefetch", "pin_load")],
-    "moed_expert_cache_bytes": [{"tier": t} for t in ("pinned", "dynamic")],
-    "moed_expert_cache_capacity_bytes": [{"tier": t} for t in ("pinned", "dynamic")],
+    "moed_expert_cache_bytes": [{"tier": t} for t in ("pinned", "dynamic", "staging")],
+    "moed_expert_cache_capacity_bytes": [{"tier": t} for t in ("pinned", "dynamic", "staging")],
     "moed_expert_evictions_total": [{"tier": t} for t in ("pinned", "dynamic")],
 }
 # Buckets chosen for the quantity: token latencies 1 ms - 60 s, SSD reads 10 us - 1 s.

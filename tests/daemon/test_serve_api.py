@@ -202,7 +202,7 @@ def test_health_models_metrics_stats_pins(daemon, model_dir, cache_bytes):
     assert s["requests"]["max_queue"] == CLIENTS * PER_CLIENT
     assert s["memory"]["budget_bytes"] == cache_bytes
     cache = s["cache"]
-    slots = cache["pinned"]["slots"] + cache["dynamic"]["slots"]
+    slots = cache["pinned"]["slots"] + cache["dynamic"]["slots"] + cache["staging"]["slots"]
     assert slots * cache["slot_bytes"] <= cache_bytes < (slots + 1) * cache["slot_bytes"]
     assert s["hit_rate"] is None or 0.0 <= s["hit_rate"] <= 1.0
     assert s["model"] == MODEL

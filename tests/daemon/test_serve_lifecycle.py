@@ -366,7 +366,7 @@ def _stats(d: Daemon) -> tuple[int, int, int]:
     assert status == 200
     cache = s["cache"]
     return (s["requests"]["max_concurrent_sequences"], s["memory"]["budget_bytes"],
-            cache["pinned"]["slots"] + cache["dynamic"]["slots"])
+            cache["pinned"]["slots"] + cache["dynamic"]["slots"] + cache["staging"]["slots"])
 
 
 def _reload(d: Daemon, config: Path, text: str, event: str) -> dict:

@@ -67,19 +67,22 @@ def _slot_bytes(model_dir: Path) -> int:
 
 # A floor of 0 makes every candidate a prefetch, read at once ("eager") or only into idle
 # io workers after the layer before has its experts ("idle"): the riskiest placements.
+# "staged": every candidate of the next two layers, into a staging tier of 3 slots.
 PREFETCH_MODES = {"off": dict(prefetch=False),
                   "eager": dict(prefetch=True, prefetch_min_precision=0.0),
                   "idle": dict(prefetch=True, prefetch_min_precision=1.0,
-                               idle_prefetch_min_precision=0.0)}
+                               idle_prefetch_min_precision=0.0),
+                  "staged": dict(prefetch=True, prefetch_min_precision=0.0, staging_slots=3,
+                                 prefetch_depth=2)}
 
 
-@pytest.mark.parametrize("slots", ["min", "quarter", "all"])
+@pytest.mark.parametrize("slots", ["min", "quarter", "half", "all"])
 @pytest.mark.parametrize("prefetch", sorted(PREFETCH_MODES))
 @pytest.mark.parametrize("n_threads,io_workers", [(1, 1), (2, 4)])
 def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, slots, prefetch,
                                                         n_threads, io_workers):
     slot = _slot_bytes(model_dir)
-    n = {"min": 2 * 3, "quarter": 3 * 8 // 4, "all": 3 * 8}[slots]
+    n = {"min": 2 * 3, "quarter": 3 * 8 // 4, "half": 3 * 8 // 2, "all": 3 * 8}[slots]
     model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot,
                        io_workers=io_workers, **PREFETCH_MODES[prefetch])
     tokens, logits = _run(model)
@@ -88,6 +91,10 @@ def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, sl
         assert np.array_equal(got, want)
     snap = model.experts.cache.snapshot()
     assert snap.lookups > 0
+    # Staging needs slots above the minimum and below all experts: only "half" has them
+    # (default: 3/4 of top_k 2 = 1 slot).
+    staging = 0 if slots != "half" or prefetch == "off" else 3 if prefetch == "staged" else 1
+    assert snap.staging_slots == staging
     if slots == "all" and not prefetch:
         assert sum(snap.misses) <= 3 * 8  # each expert read at most once
     model.close()
@@ -101,7 +108,7 @@ def test_pins_on_and_long_prefill_in_batches(model_dir, reference):
     long_prompt = list(range(1, 80))
     want = _run(Model.load(model_dir, n_threads=2), long_prompt, 4)
     model = _streaming(model_dir, counts=counts, cache_bytes=10 * slot, pin_fraction=1.0)
-    assert model.experts.cache.pinned_slots == 4
+    assert (model.experts.cache.pinned_slots, model.experts.cache.staging_slots) == (4, 0)
     got = _run(model, long_prompt, 4)
     assert got[0] == want[0]
     assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1]))
@@ -163,7 +170,8 @@ def test_bytes_read_equal_the_io_workers_count(model_dir):
 
 
 @pytest.mark.parametrize("field,value", [("pin_fraction", float("nan")), ("pin_fraction", 1.1),
-                                         ("pin_fraction", -0.1), ("io_workers", 0)])
+                                         ("pin_fraction", -0.1), ("io_workers", 0),
+                                         ("staging_slots", -1), ("prefetch_depth", 3)])
 def test_bad_options_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         StreamingOptions(cache_bytes=1 << 20, **{field: value})
@@ -194,9 +202,9 @@ def test_prefetch_is_gated_by_the_predictors_measured_precision(model_dir, refer
         provider = model.experts
         moe_layers = len(provider.moe_layers)
         # One prediction per MoE layer after the first, per step; the last step's are still open.
-        assert provider.calibration[True].observations == (STEPS - 1) * (moe_layers - 1)
-        assert provider.calibration[False].observations == moe_layers - 1   # the prompt
-        assert all(0.0 < p < 1.0 for p in provider.calibration[True].precisions())
+        assert provider.calibration[(True, 1)].observations == (STEPS - 1) * (moe_layers - 1)
+        assert provider.calibration[(False, 1)].observations == moe_layers - 1   # the prompt
+        assert all(0.0 < p < 1.0 for p in provider.calibration[(True, 1)].precisions())
         issued = sum(provider.cache.snapshot().prefetches_issued)
         assert (issued > 0) == expect_prefetches
         assert tokens == reference[0]
@@ -237,12 +245,14 @@ class _HeldPrefetchPool:
         pass
 
 
-def _idle_prefetch_provider(model_dir: Path, idle_min: float, workers: int = 2):
+def _idle_prefetch_provider(model_dir: Path, idle_min: float, workers: int = 2, depth: int = 1):
     layout, config = _layout_config(model_dir)
     provider = StreamingExpertProvider(
-        layout, config, StreamingOptions(cache_bytes=24 * _slot_bytes(model_dir), prefetch_width=4,
-                                         prefetch_min_precision=0.9,
-                                         idle_prefetch_min_precision=idle_min))
+        layout, config, StreamingOptions(cache_bytes=(24 if depth == 1 else 20) * _slot_bytes(model_dir),
+                                         prefetch_width=4, prefetch_min_precision=0.9,
+                                         idle_prefetch_min_precision=idle_min,
+                                         staging_slots=0 if depth == 1 else 5,
+                                         prefetch_depth=depth))
     provider.io.close()
     provider.io = _HeldPrefetchPool(workers)
     return provider
@@ -292,6 +302,37 @@ def test_idle_prefetch_counts_our_busy_reads_and_respects_its_floor(model_dir):
         provider.hint(1, _ranked_logits([6, 2, 5, 1]))
         provider.acquire(0, [0, 3])
         assert provider.io.submitted and provider.io.prefetches(1) == []
+    finally:
+        provider.close()
+
+
+def test_nearer_layers_candidates_take_idle_workers_first(model_dir):
+    """With prefetch_depth 2 the layer after next is hinted too; its candidates take only
+    the idle workers the next layer's candidates left, and only at that distance's own
+    measured precision (fresh: 0.5, above the 0.4 floor)."""
+    provider = _idle_prefetch_provider(model_dir, idle_min=0.4, workers=5, depth=2)
+    try:
+        provider.begin_step(1)
+        provider.hint(1, _ranked_logits([6, 2, 0, 1]), ahead=1)   # width 4
+        provider.hint(2, _ranked_logits([3, 4, 5, 6]), ahead=2)
+        assert provider.io.submitted == []
+        provider.acquire(0, [0, 3])
+        assert provider.io.prefetches(1) == [6, 2, 0, 1] and provider.io.prefetches(2) == [3]
+        assert sum(provider.cache.snapshot().resident_staging) == 5
+        provider.release(0, [0, 3])
+        provider.acquire(1, [3, 4])                  # not the guesses: those never land here
+        provider.release(1, [3, 4])
+        provider.begin_step(1)                                      # the step stopped after layer 1
+        assert provider.calibration[(True, 1)].observations == 1
+        assert provider.calibration[(True, 2)].observations == 0   # layer 2 never ran
+    finally:
+        provider.close()
+    provider = _idle_prefetch_provider(model_dir, idle_min=0.4, workers=3, depth=1)
+    try:
+        provider.begin_step(1)
+        provider.hint(2, _ranked_logits([3, 4, 5]), ahead=2)      # beyond the depth: ignored
+        provider.acquire(0, [0, 3])
+        assert provider.io.prefetches(2) == []
     finally:
         provider.close()
 

@@ -186,9 +186,9 @@ def test_prefetch_width_zero_reads_nothing_ahead_and_each_width_keeps_its_calibr
         for _ in range(4):
             step()
         wide = provider.calibration
-        assert wide[True].max_rank == 2 * TOP_K and wide[True].observations > 0
+        assert wide[(True, 1)].max_rank == 2 * TOP_K and wide[(True, 1)].observations > 0
         assert provider.bytes_submitted["prefetch"] > 0
-        seen = wide[True].observations
+        seen = wide[(True, 1)].observations
 
         provider.set_prefetch(0)
         read_ahead = provider.bytes_submitted["prefetch"]
@@ -201,10 +201,10 @@ def test_prefetch_width_zero_reads_nothing_ahead_and_each_width_keeps_its_calibr
         provider.set_prefetch(TOP_K)
         step()
         narrow = provider.calibration
-        assert narrow[True].max_rank == TOP_K
+        assert narrow[(True, 1)].max_rank == TOP_K
         # The wide predictions still pending were dropped, not credited to either width.
-        assert narrow[True].observations == 0
-        assert wide[True].observations == seen
+        assert narrow[(True, 1)].observations == 0
+        assert wide[(True, 1)].observations == seen
         provider.set_prefetch(2 * TOP_K)
         assert provider.calibration is wide     # switching back keeps what it learned
     finally:

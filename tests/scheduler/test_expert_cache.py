@@ -33,8 +33,10 @@ def test_a_budget_below_top_k_per_layer_is_refused_with_the_minimum():
 
 
 def test_pinned_slots_must_leave_top_k_dynamic_slots_per_layer():
-    with pytest.raises(CacheBudgetError, match="pinned_slots <= 4"):
+    with pytest.raises(CacheBudgetError, match=r"pinned_slots \+ staging_slots <= 4"):
         ExpertCache([1, 3], 8, 2, total_slots=8, pinned_slots=5)
+    with pytest.raises(CacheBudgetError, match="3 pinned and 2 staging slots"):
+        ExpertCache([1, 3], 8, 2, total_slots=8, pinned_slots=3, staging_slots=2)
     assert isinstance(CacheBudgetError("x"), ValueError)
 
 
@@ -176,6 +178,73 @@ def test_prefetch_never_evicts_pinned_in_use_or_loading():
     assert cache.slot_of(7, 7) is not None and cache.slot_of(7, 0) is not None
 
 
+# -- staging tier -------------------------------------------------------------------------
+def test_a_staged_guess_evicts_no_resident_and_a_used_one_takes_the_victims_place():
+    cache = ExpertCache([7], 8, 2, total_slots=5, staging_slots=2, policy="lru")  # 3 dynamic
+    _step(cache, 7, [0, 1], 0)
+    _step(cache, 7, [2, 0], 1)                            # dynamic: 0, 1, 2 (1 is the LRU victim)
+    slot = cache.prefetch(7, 5, 2, score=0.01)            # no victim needed, whatever the score
+    assert cache.tier(slot) == Tier.STAGING and cache.state(slot) == SlotState.LOADING
+    assert _resident(cache, 7) == {0, 1, 2, 5}
+    cache.loaded(slot)
+    assert [a.outcome for a in cache.request(7, [5, 0], 2)] == [OUTCOME_HIT, OUTCOME_HIT]
+    assert cache.tier(slot) == Tier.DYNAMIC               # same slot, no read: tiers swapped
+    assert _resident(cache, 7) == {0, 2, 5}               # 1 evicted as a miss of 5 would have
+    cache.release(7, [5, 0])
+    assert sum(cache.tier(s) == Tier.STAGING for s in range(5)) == 2 and cache.dynamic_slots(7) == 3
+    snap = cache.snapshot()
+    assert (snap.hits, snap.prefetches_used, snap.evictions_dynamic) == ((3,), (1,), (1,))
+    assert snap.resident_dynamic == (3,) and snap.resident_staging == (0,) and snap.staging_slots == 2
+
+
+def test_a_staged_guess_in_flight_is_waited_for_and_then_joins_the_layer():
+    cache = ExpertCache([7], 8, 2, total_slots=4, staging_slots=2)      # 2 dynamic
+    slot = cache.prefetch(7, 5, 0, score=0.9)
+    accesses = cache.request(7, [5, 6], 0)
+    assert accesses[0] == Access(5, slot, OUTCOME_INFLIGHT) and accesses[1].outcome == OUTCOME_MISS
+    assert cache.tier(slot) == Tier.DYNAMIC and cache.state(slot) == SlotState.LOADING
+    cache.loaded(slot)
+    cache.loaded(accesses[1].slot)
+    cache.release(7, [5, 6])
+    assert _step(cache, 7, [5, 6], 1) == [OUTCOME_HIT, OUTCOME_HIT]
+
+
+def test_unused_guesses_go_stale_and_are_recycled_first_then_only_for_likelier_ones():
+    cache = ExpertCache([7, 9], 8, 2, total_slots=10, staging_slots=2, policy="lru")
+    a = cache.prefetch(7, 3, 0, score=0.5)
+    b = cache.prefetch(9, 4, 0, score=0.6)
+    assert cache.prefetch(9, 5, 0, score=0.9) is None     # both LOADING: never recycled
+    cache.loaded(a)
+    cache.loaded(b)
+    assert cache.prefetch(9, 5, 0, score=0.55) == a       # 0.5 < 0.55; 0.6 is not
+    assert cache.prefetch(9, 6, 0, score=0.2) is None     # nothing less likely, nothing stale
+    cache.loaded(a)
+    _step(cache, 9, [0, 1], 0)                            # layer 9 ran without 4 or 5: stale
+    assert cache.prefetch(7, 2, 1, score=0.1) in (a, b)
+    snap = cache.snapshot()
+    assert snap.prefetches_wasted == (1, 1) and snap.prefetches_used == (0, 0)
+    assert snap.resident_staging == (1, 1)
+
+
+def test_a_failed_guess_frees_its_staging_slot_and_counts_as_wasted():
+    cache = ExpertCache([7], 8, 2, total_slots=4, staging_slots=1)
+    slot = cache.prefetch(7, 5, 0, score=0.9)
+    cache.failed(slot)
+    assert cache.held(slot) is None and cache.tier(slot) == Tier.STAGING
+    assert cache.snapshot().prefetches_wasted == (1,)
+    assert cache.prefetch(7, 5, 0, score=0.9) == slot
+
+
+def test_set_pins_takes_a_staged_guess_without_a_read():
+    cache = ExpertCache([7], 8, 2, total_slots=6, pinned_slots=1, staging_slots=1)
+    slot = cache.prefetch(7, 5, 0, score=0.9)
+    cache.loaded(slot)
+    assert cache.set_pins({(7, 5)}) == []
+    assert cache.tier(slot) == Tier.PINNED and cache.pins == {(7, 5)}
+    assert sum(cache.tier(s) == Tier.STAGING for s in range(6)) == 1
+    assert _step(cache, 7, [5, 0], 1) == [OUTCOME_HIT, OUTCOME_MISS]
+
+
 # -- pins --------------------------------------------------------------------------------
 def test_set_pins_moves_a_resident_expert_without_a_read():
     cache = ExpertCache([7, 9], 8, 2, total_slots=8, pinned_slots=2)
@@ -241,18 +310,23 @@ def test_pinned_experts_are_never_evicted_by_traffic(policy):
 # -- invariants under random operations ----------------------------------------------------
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_invariants_under_random_traffic(policy, seed):
+@pytest.mark.parametrize("staging", [0, 3])
+def test_invariants_under_random_traffic(policy, seed, staging):
     """Random demand, prefetch, failures and pin changes, checked after every operation.
 
     - a LOADING or in-use slot keeps its expert until loaded/failed/released by us;
     - demand never fails (one step per layer in use at a time, prefetches bounded);
-    - a prefetch evicts only a victim whose value was <= its score, never a pinned one;
+    - without staging, a prefetch evicts only a victim whose value was <= its score, never
+      a pinned one; with staging it evicts no dynamic or pinned expert at all, only a
+      staged guess that is stale or less likely than it;
     - pinned experts stay resident until set_pins or a failed read changes them;
     - tier sizes never change; slot_of and held agree.
     """
     rng = np.random.default_rng(seed)
     layers, n_exp, top_k = [3, 7, 11], 12, 3
-    cache = ExpertCache(layers, n_exp, top_k, total_slots=22, pinned_slots=4, policy=policy)
+    cache = ExpertCache(layers, n_exp, top_k, total_slots=22, pinned_slots=4, policy=policy,
+                        staging_slots=staging)
+    per_layer = (22 - 4 - staging) // 3
     held: dict[int, tuple[int, int]] = {}      # slots that must not change owner
     pinned_ready: set[tuple[int, int]] = set()
 
@@ -265,7 +339,11 @@ def test_invariants_under_random_traffic(policy, seed):
             if key is not None:
                 assert cache.slot_of(*key) == s
         assert sum(cache.tier(s) == Tier.PINNED for s in range(cache.total_slots)) == 4
-        assert [cache.dynamic_slots(x) for x in layers] == [6, 6, 6]
+        assert sum(cache.tier(s) == Tier.STAGING for s in range(cache.total_slots)) == staging
+        assert [cache.dynamic_slots(x) for x in layers] == [per_layer] * 3
+        for x in layers:
+            assert sum(cache.tier(s) == Tier.DYNAMIC and cache._owner[s] == layers.index(x)
+                       for s in range(cache.total_slots)) == per_layer
         for key in pinned_ready:
             assert cache.tier(cache.slot_of(*key)) == Tier.PINNED
 
@@ -294,12 +372,21 @@ def test_invariants_under_random_traffic(policy, seed):
                           if cache.held(s) is not None and cache.held(s)[0] == layer
                           and cache.tier(s) == Tier.DYNAMIC and cache.state(s) == SlotState.READY
                           and cache.users(s) == 0}
+                guesses = {s: cache._guess[s] for s in cache._guess}
+                everyone = {cache.held(s): s for s in range(cache.total_slots) if cache.held(s)}
                 resident = _resident(cache, layer)
                 slot = cache.prefetch(layer, expert, t, score)
                 if slot is not None:
                     held[slot] = (layer, expert)
-                    for gone in resident - _resident(cache, layer):
-                        assert before[gone] <= score
+                    assert cache.tier(slot) == (Tier.STAGING if staging else Tier.DYNAMIC)
+                    if staging:
+                        now = {cache.held(s) for s in range(cache.total_slots) if cache.held(s)}
+                        for key in set(everyone) - now:            # at most one guess recycled
+                            _, guess_score, stale = guesses[everyone[key]]
+                            assert stale or guess_score < score
+                    else:
+                        for gone in resident - _resident(cache, layer):
+                            assert before[gone] <= score
                 check()
             experts = rng.choice(n_exp, size=top_k, replace=False).tolist()
             accesses = cache.request(layer, experts, t)       # must never raise
