@@ -5,7 +5,7 @@
 
 `moed bench` compares moed's defaults with the naive mode; this compares several settings
 of `daemon.streaming.StreamingOptions` (e.g. ``idle_prefetch_min_precision``,
-``prefetch_min_precision``, ``pin_fraction``, ``prefetch_width``) in the same run, so the
+``prefetch_min_precision``, ``pin_fraction``, ``staging_slots``) in the same run, so the
 disk's drift hits them all alike. A warm-up run learns the usage that moed's variants pin
 from (as `moed bench` does); then every round runs each variant once, then naive (LRU,
 no pins, no prefetch), each from a cold cache with the shards' pages dropped, and times
@@ -55,12 +55,22 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--expert-cache-bytes", type=_size, required=True)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--variant", type=parse_variant, action="append", required=True)
+    doc = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(
+        description=doc[0] + "\n\n" + doc[2], epilog=doc[3],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="checkpoint directory (config.json + safetensors shards)")
+    parser.add_argument("--expert-cache-bytes", type=_size, required=True, metavar="SIZE",
+                        help="expert cache budget, bytes or with a K/M/G suffix (e.g. 768M)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds; each runs every variant once, then naive (default: 4)")
+    parser.add_argument("--tokens", type=int, default=64,
+                        help="tokens generated per run (default: 64)")
+    parser.add_argument("--variant", type=parse_variant, action="append", required=True,
+                        metavar="NAME=KEY:VALUE,...",
+                        help="a named setting of StreamingOptions fields, values as JSON; "
+                             "'default=' is moed's defaults (repeatable)")
     args = parser.parse_args(argv)
 
     bench = BenchConfig(model=args.model, cache_bytes=args.expert_cache_bytes, tokens=args.tokens)

@@ -221,10 +221,14 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
     learned = learned_usage(model_for("moed", None), prompt, bench)
 
     runs: dict[str, list[dict]] = {"naive": [], "moed": []}
+    tiers: dict[str, dict] = {}
     for r in range(bench.repeats):
         for mode in ("naive", "moed"):
             drop_page_cache(shards)
             model = model_for(mode, learned if mode == "moed" else None)
+            cache = model.experts.cache
+            tiers[mode] = {"pinned_slots": cache.pinned_slots, "staging_slots": cache.staging_slots,
+                           "dynamic_slots": sum(map(cache.dynamic_slots, cache.moe_layers))}
             runs[mode].append(timed_run(model, prompt, bench))
             model.experts.close()
             if progress:
@@ -240,6 +244,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
                                                       fpt / flops)
         med["tokens_per_second_runs"] = [round(r["tokens_per_second"], 3) for r in rs]
         med["io_path"] = "direct" if direct else "buffered"
+        med["cache_slots"] = tiers[mode]
         return med
 
     moed, naive = summary("moed"), summary("naive")
