@@ -697,7 +697,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the daemon's statistics (expert cache, hit rate, tokens/s) as JSON",
         description="Ask the daemon for its own statistics (GET /v1/moed/stats): requests "
                     "running and waiting, tokens/s, the expert cache's tiers, hit rate, hits, "
-                    "misses and bytes read. Prints the JSON on stdout.",
+                    "misses and bytes read. Prints the JSON on stdout. The cache has three "
+                    "tiers: pinned (the experts learned to be hot; traffic never evicts them), "
+                    "dynamic (per layer, evicted by the cache policy) and staging (prefetched "
+                    "guesses: a used one joins its layer's dynamic tier, an unused one is "
+                    "dropped). resident_slots hold an expert (or are reading one); "
+                    "reserved_slots are being read.",
         epilog="example: moed stats --socket /tmp/moed.sock")
     st.set_defaults(func=_cmd_stats)
 
@@ -846,8 +851,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace", metavar="TRACE", help="routing trace, JSON Lines")
     r.add_argument("--slots-per-layer", type=_positive_int, required=True, metavar="N",
                    help="cache size in experts per MoE layer (at least top_k)")
+    from scheduler.eviction import POLICIES
     r.add_argument("--policy", action="append", metavar="P",
-                   help="policy to replay (repeatable; default: default, lru, belady)")
+                   choices=["default", *POLICIES, "belady"],
+                   help="policy to replay, one of default (moed's), "
+                        f"{', '.join(POLICIES)}, belady (the offline optimum) "
+                        "(repeatable; default: default, lru, belady)")
     r.add_argument("--warm-tokens", type=int, default=None, metavar="W",
                    help="tokens observed before counting starts (default: half the trace)")
     r.add_argument("--pin-fraction", type=float, default=None, metavar="F",

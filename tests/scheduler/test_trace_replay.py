@@ -165,6 +165,19 @@ def test_bad_arguments(tmp_path):
         replay_trace(trace, 2, ["lru"])
 
 
+def test_the_command_lists_the_policies_and_exits_2_on_an_unknown_one(tmp_path, capsys):
+    from daemon.cli import main
+
+    trace = _write(tmp_path / "r.jsonl", _random_trace(0, n_tokens=10))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay-trace", str(trace), "--slots-per-layer", "4", "--policy", "fifo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fifo'" in capsys.readouterr().err
+    assert main(["replay-trace", str(trace), "--slots-per-layer", "4", "--policy", "belady",
+                 "--policy", "predictive"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["policies"]) == {"belady", "predictive"}
+
+
 @pytest.mark.skipif(not KIMI.exists(), reason="../shared/traces is not present")
 def test_kimi_trace_default_beats_lru_by_three_points_at_twice_top_k():
     result = replay_trace(KIMI, 16, ["lru", "default", "belady"])
