@@ -40,7 +40,7 @@ from daemon.io import (DEMAND, PIN_LOAD, PREFETCH, ExpertReadError, IoPool, Read
 from ext.config import ModelConfig
 from ext.experts import ExpertLayout, ExpertProvider, ExpertWeights
 from scheduler.cache import (OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_DECODE, CacheBudgetError,
-                             ExpertCache)
+                             CacheFullError, ExpertCache)
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
 from scheduler.usage import UsageStats
@@ -247,7 +247,13 @@ class StreamingExpertProvider(ExpertProvider):
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         self._reap()
-        accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
+        try:
+            accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
+        except CacheFullError:
+            # Reads in flight hold some of the layer's dynamic slots (a pin load demoted
+            # by re-evaluation, a prefetch): let them land, then ask again.
+            self._finish_reads(self.cache.loading_dynamic_slots(layer))
+            accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
         for a in accesses:
             if a.outcome == OUTCOME_MISS:
                 self._submit(layer, a.expert, a.slot, DEMAND)
@@ -390,6 +396,22 @@ class StreamingExpertProvider(ExpertProvider):
             cached = (key, self.plans[key].views(self.arena.buffer(slot)))
             self._views[slot] = cached
         return cached[1]
+
+    def _finish_reads(self, slots: Sequence[int]) -> None:
+        """Wait for the reads into `slots` and mark them loaded or failed."""
+        t0 = self.clock()
+        for slot in slots:
+            future = self._inflight.pop(slot, None)
+            if future is None:
+                continue
+            self._prefetch_layer.pop(slot, None)
+            if future.exception() is None:      # waits
+                self.cache.loaded(slot)
+            else:
+                self.cache.failed(slot)
+                self.read_failures += 1
+                log.warning("expert_read_failed: %s", future.exception())
+        self.io_wait_s += self.clock() - t0
 
     def _reap(self) -> None:
         """Mark finished background reads (prefetch, pin loads) loaded or failed."""

@@ -479,6 +479,13 @@ class ExpertCache:
         return (sum(map(sum, self._hits.values())) + sum(map(sum, self._prefetch_hits.values())),
                 sum(map(sum, self._misses.values())))
 
+    def loading_dynamic_slots(self, layer: int) -> list[int]:
+        """`layer`'s dynamic slots under a read and not in use: the ones a `request` that
+        raised CacheFullError can have once those reads land (`loaded` / `failed`)."""
+        li = self._layer_index(layer)
+        return sorted(s for s in self._dyn_slots[li]
+                      if self._state[s] == SlotState.LOADING and self._users[s] == 0)
+
     def dynamic_slots(self, layer: int) -> int:
         return self._dyn_count[self._layer_index(layer)]
 

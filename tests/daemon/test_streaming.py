@@ -7,13 +7,15 @@ in the next.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from daemon.io import PREFETCH, ExpertReadError, plans_for
+from daemon import streaming
+from daemon.io import PIN_LOAD, PREFETCH, ExpertReadError, IoPool, plans_for
 from daemon.state import StateStore
 from daemon.streaming import (StreamingExpertProvider, StreamingOptions, flush_usage,
                               load_usage_counts, minimum_cache_bytes)
@@ -401,5 +403,37 @@ def test_a_failed_prefetch_of_a_needed_expert_is_read_again_on_demand(model_dir)
         snap = provider.cache.snapshot()
         assert snap.loading[1] == 1 and snap.resident_dynamic[1] == 3   # 5 freed; 6, 3, 2 stay
         assert (provider.demand_rereads, provider.read_failures) == (2, 3)
+    finally:
+        provider.close()
+
+
+class _SlowPinLoads(IoPool):
+    """A disk on which pin loads take 0.3 s."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._before_read = lambda plan, reason: time.sleep(0.3) if reason == PIN_LOAD else None
+
+
+def test_a_demoted_pin_still_loading_is_waited_for_not_a_full_cache(model_dir, monkeypatch):
+    """Pins re-evaluated while a pin load is in flight: the old pin's slot, still LOADING,
+    is demoted into its layer's dynamic tier. A step that then needs every dynamic slot of
+    that layer waits for the read instead of failing with CacheFullError."""
+    layout, config = _layout_config(model_dir)
+    counts = np.zeros((3, 8))
+    counts[0, 7] = 100.0
+    monkeypatch.setattr(streaming, "IoPool", _SlowPinLoads)
+    provider = StreamingExpertProvider(
+        layout, config, StreamingOptions(cache_bytes=7 * _slot_bytes(model_dir), pin_fraction=1.0,
+                                         prefetch=False), usage_counts=counts)
+    try:
+        assert provider.cache.pinned_slots == 1 and provider.cache.dynamic_slots(0) == 2
+        provider._apply_pins({(1, 5)})            # re-evaluated: layer 0's expert 7 is demoted
+        loading = provider.cache.loading_dynamic_slots(0)
+        assert len(loading) == 1 and provider.cache.held(loading[0]) == (0, 7)
+        provider.begin_step(1)
+        provider.acquire(0, [0, 1])               # both dynamic slots needed: waits for the read
+        provider.release(0, [0, 1])
+        assert {provider.cache.held(s) for s in range(7) if provider.cache.held(s)} >= {(0, 0), (0, 1)}
     finally:
         provider.close()
