@@ -252,7 +252,9 @@ class StreamingExpertProvider(ExpertProvider):
         except CacheFullError:
             # Reads in flight hold some of the layer's dynamic slots (a pin load demoted
             # by re-evaluation, a prefetch): let them land, then ask again.
+            t0 = self.clock()
             self._finish_reads(self.cache.loading_dynamic_slots(layer))
+            self.io_wait_s += self.clock() - t0
             accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
         for a in accesses:
             if a.outcome == OUTCOME_MISS:
@@ -398,8 +400,7 @@ class StreamingExpertProvider(ExpertProvider):
         return cached[1]
 
     def _finish_reads(self, slots: Sequence[int]) -> None:
-        """Wait for the reads into `slots` and mark them loaded or failed."""
-        t0 = self.clock()
+        """Wait for the reads into `slots` (those still ours) and mark them loaded or failed."""
         for slot in slots:
             future = self._inflight.pop(slot, None)
             if future is None:
@@ -411,20 +412,10 @@ class StreamingExpertProvider(ExpertProvider):
                 self.cache.failed(slot)
                 self.read_failures += 1
                 log.warning("expert_read_failed: %s", future.exception())
-        self.io_wait_s += self.clock() - t0
 
     def _reap(self) -> None:
         """Mark finished background reads (prefetch, pin loads) loaded or failed."""
-        done = [s for s, f in self._inflight.items() if f.done()]
-        for slot in done:
-            future = self._inflight.pop(slot)
-            self._prefetch_layer.pop(slot, None)
-            if future.exception() is None:
-                self.cache.loaded(slot)
-            else:
-                self.cache.failed(slot)
-                self.read_failures += 1
-                log.warning("expert_read_failed: %s", future.exception())
+        self._finish_reads([s for s, f in self._inflight.items() if f.done()])
 
     def _apply_pins(self, pins) -> None:
         for load in self.cache.set_pins(pins_to_layer_ids(pins, self.moe_layers)):
