@@ -603,6 +603,7 @@ def _skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
     u = basis[:, 0]
     topics = np.zeros((C + 1, H), np.float32)                # row C: no topic (special tokens)
     topics[:C] = basis[:, 1:].T
+    topics64 = topics.astype(np.float64)
     topic_of = np.full(V, C, np.int64)
     topic_of[len(SPECIAL_TOKENS):] = _skew_rng(seed, "topics").integers(0, C, V - len(SPECIAL_TOKENS))
 
@@ -616,8 +617,13 @@ def _skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
         without its u and topic components."""
         return 1.0 + growth * layer
 
+    basis64 = basis.astype(np.float64)
+
     def project(rows: np.ndarray) -> None:                   # remove the u and topic components
-        rows -= (rows @ basis) @ basis.T
+        # In float64: a BLAS product's summation order depends on how many rows it is given
+        # (its kernels differ by shape and CPU), and in float32 that changed bf16 values
+        # between chunkings; in float64 the order's effect is far below float32 rounding.
+        rows -= ((rows.astype(np.float64) @ basis64) @ basis64.T).astype(np.float32)
 
     def reader(rows: np.ndarray, first_row: int) -> None:
         project(rows)
@@ -704,7 +710,7 @@ def _skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
                    u_w: np.ndarray = u_w) -> None:
             span = slice(first_row, first_row + rows.shape[0])
             project(rows)
-            rows += topic_w[span] @ topics[:C]
+            rows += (topic_w[span].astype(np.float64) @ topics64[:C]).astype(np.float32)
             rows += np.outer(u_w[span], u)
 
         out[f"{p}{moe}.gate.weight"] = router
