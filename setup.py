@@ -1,4 +1,4 @@
-"""Build the Cython kernels in ext/.
+"""Build the Cython kernels in ext/kernels/.
 
 OpenMP is used when the compiler accepts ``-fopenmp``; otherwise the kernels build
 sequentially (prange degrades to a plain loop). By default the code is compiled for
@@ -55,9 +55,9 @@ directives = {
 
 extensions = [
     Extension(
-        "ext._kernels",
-        ["ext/_kernels.pyx"],
-        include_dirs=[numpy.get_include(), "ext"],
+        "ext.kernels._kernels",
+        ["ext/kernels/_kernels.pyx"],
+        include_dirs=[numpy.get_include(), "ext/kernels"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

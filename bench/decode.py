@@ -78,7 +78,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from ext.makemodel import make_model
-    from ext.model import Model
+    from ext.models.model import Model
 
     model_dir = Path(args.model)
     if not (model_dir / "config.json").exists():

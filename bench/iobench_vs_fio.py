@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 
-from daemon.iobench import model_target, run_iobench
+from daemon.store.probe import model_target, run_iobench
 
 QUEUE_DEPTHS = (1, 2, 4, 8, 16)
 

@@ -19,7 +19,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from ext import _kernels
+from ext.kernels import _kernels
 
 
 def main() -> None:

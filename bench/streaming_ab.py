@@ -4,7 +4,7 @@
         [--tokens 64] --variant NAME=KEY:VALUE[,KEY:VALUE...] [--variant ...]
 
 `moed bench` compares moed's defaults with the naive mode; this compares several settings
-of `daemon.streaming.StreamingOptions` (e.g. ``idle_prefetch_min_precision``,
+of `daemon.store.streaming.StreamingOptions` (e.g. ``idle_prefetch_min_precision``,
 ``prefetch_min_precision``, ``pin_fraction``, ``staging_slots``) in the same run, so the
 disk's drift hits them all alike. A warm-up run learns the usage that moed's variants pin
 from (as `moed bench` does); then every round runs each variant once, then naive (LRU,
@@ -22,14 +22,14 @@ import json
 import statistics
 import sys
 
-from daemon.bench import BenchConfig, bench_prompt, drop_page_cache, learned_usage, timed_run
-from daemon.cli import _size
-from daemon.io import probe_direct_io
-from daemon.streaming import StreamingExpertProvider, StreamingOptions
-from ext.checkpoint import Checkpoint
-from ext.config import load_config
-from ext.experts import ExpertLayout
-from ext.model import Model
+from daemon.commands.args import size
+from daemon.commands.bench import BenchConfig, bench_prompt, learned_usage, timed_run
+from daemon.store.reads import drop_page_cache, probe_direct_io
+from daemon.store.streaming import StreamingExpertProvider, StreamingOptions
+from ext.formats.checkpoint import Checkpoint
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout
+from ext.models.model import Model
 
 NAIVE = {"policy": "lru", "prefetch": False, "pin_fraction": 0.0}
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="checkpoint directory (config.json + safetensors shards)")
-    parser.add_argument("--expert-cache-bytes", type=_size, required=True, metavar="SIZE",
+    parser.add_argument("--expert-cache-bytes", type=size, required=True, metavar="SIZE",
                         help="expert cache budget, bytes or with a K/M/G suffix (e.g. 768M)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="rounds; each runs every variant once, then naive (default: 4)")

@@ -25,17 +25,19 @@ import os
 import sys
 from pathlib import Path
 
-from daemon.cli import _size
-from daemon.session import open_model
-from daemon.state import default_state_dir
-from daemon.tuning import (IO_WORKERS, PREFETCH_WIDTH, THREADS, TunedStore, TuneConfig,
-                           compare_settings, hardware_facts, workload_prompts)
+from daemon.commands.args import size
+from daemon.commands.tune import TuneConfig, compare_settings
+from daemon.store.session import open_model
+from daemon.store.state import default_state_dir
+from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
+from daemon.tuning.saved import TunedStore, hardware_facts
+from daemon.tuning.workload import workload_prompts
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--expert-cache-bytes", type=_size, required=True)
+    parser.add_argument("--expert-cache-bytes", type=size, required=True)
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,0 +1,13 @@
+"""moed's model code: everything that computes, in rooms that import downward only.
+
+    kernels/    Cython kernels (mat-vec, attention, expert FFN, routing), nogil
+    formats/    the checkpoint on disk: safetensors parsing, metadata files, and the
+                dtype and quantisation formats of stored weights
+    models/     the model: its config, where its experts are, the forward pass; the
+                per-family code goes here
+    (top level) tokenizer and chat template, sampling, generation, make-model
+
+kernels/ imports nothing of ext; formats/ imports only formats/; models/ imports
+kernels/ and formats/; the top-level modules may import any room. ext/ as a whole imports
+only numpy, ml_dtypes, safetensors, tokenizers, jinja2 (tests/test_layout.py).
+"""

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .model import Model
-from .sampling import Sampler, SamplingParams
+from ext.models.model import Model
+from ext.sampling import Sampler, SamplingParams
 
 
 class Generation:

@@ -282,7 +282,7 @@ def make_model(
     took 2.6-2.7 s plain and 2.8-2.9 s skewed (2 CPUs).
 
     Measured (moed's Model, n_threads=2, Generation with SamplingParams(temperature=0.7),
-    300 decode tokens, ids recorded from ext._kernels.route; per-layer range [mean];
+    300 decode tokens, ids recorded from ext.kernels._kernels.route; per-layer range [mean];
     "top 25 %" = share of selections taken by the top quarter of experts, "exponent" =
     least-squares slope of log share vs log rank, "reuse" = share of a token's experts also
     chosen by the previous token, "next" = top_k recall of the next layer's router applied

@@ -30,10 +30,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from .files import MetadataFileError, read_json, read_text
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.decoders import DecodeStream
+
+from ext.formats.files import MetadataFileError, read_json, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

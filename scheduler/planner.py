@@ -1,7 +1,7 @@
 """Memory planner: how many bytes moed may use, and how they split between its parts.
 
 Conventions (the whole module):
-  Every size is a plain int in bytes. Nothing here reads the system: daemon/memory.py
+  Every size is a plain int in bytes. Nothing here reads the system: daemon/machine/memory.py
   reads /proc and the cgroup tree and hands the numbers in (DESIGN.md "Memory planner",
   "Folders": scheduler/ is pure policy).
 

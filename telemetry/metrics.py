@@ -36,7 +36,7 @@ prometheus_client.disable_created_metrics()
 # ------------------------------------------------------------------ closed label sets
 
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
-             "pins_reset", "other")                 # route names of daemon.server.Daemon.app
+             "pins_reset", "other")                 # route names of daemon.service.app.HttpApp.application
 # Statuses moed answers with; 499: the client closed the connection before the answer ended.
 STATUSES = ("200", "400", "401", "403", "404", "405", "413", "429", "499", "500", "503", "other")
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")

@@ -76,7 +76,7 @@ def test_imports_follow_the_folder_rules(package):
 
 def test_checker_catches_a_forbidden_arrow(tmp_path, monkeypatch):
     """The checker itself: ext/ importing daemon/ and scheduler/ reading the clock fail."""
-    for pkg, body in (("ext", "import daemon.cli\nfrom telemetry import x\n"),
+    for pkg, body in (("ext", "import daemon.commands.cli\nfrom telemetry import x\n"),
                       ("scheduler", "import time\nimport numpy\n"),
                       ("telemetry", "import aiohttp\n"), ("daemon", "import torch\n")):
         (tmp_path / pkg).mkdir()

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
-from daemon.demo import default_model_dir
-from daemon.session import open_model
-from ext.config import load_config
+from daemon.commands.demo import default_model_dir
+from daemon.store.session import open_model
+from ext.models.config import load_config
 from ext.tokenizer import Tokenizer
 
 MODEL_DIR = default_model_dir()

@@ -2,7 +2,7 @@
 
 A small qwen3_moe checkpoint is run by moed's own engine, sampling at temperature 0.7 as
 the benchmarks do, and the experts every MoE layer picks at each decode step are recorded
-by wrapping `ext._kernels.route` where ext.model calls it. Per layer we measure:
+by wrapping `ext.kernels._kernels.route` where ext.models.model calls it. Per layer we measure:
   - top 25 %: share of the top_k selections taken by the most chosen quarter of experts
     (0.25 for uniform routing);
   - exponent: least-squares slope of log share against log rank, negated (Zipf exponent);
@@ -26,10 +26,10 @@ import pytest
 from safetensors.numpy import load_file
 
 import ext.makemodel as makemodel
-import ext.model as model_module
+import ext.models.model as model_module
 from ext.generate import Generation
 from ext.makemodel import make_model
-from ext.model import Model
+from ext.models.model import Model
 from ext.sampling import SamplingParams
 from ext.tokenizer import Tokenizer
 

@@ -166,7 +166,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_the_command_lists_the_policies_and_exits_2_on_an_unknown_one(tmp_path, capsys):
-    from daemon.cli import main
+    from daemon.commands.cli import main
 
     trace = _write(tmp_path / "r.jsonl", _random_trace(0, n_tokens=10))
     with pytest.raises(SystemExit) as exit_info:

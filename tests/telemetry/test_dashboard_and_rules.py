@@ -39,15 +39,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from daemon.streaming import minimum_cache_bytes
-from ext.checkpoint import Checkpoint
-from ext.config import load_config
-from ext.experts import ExpertLayout
-from ext.makemodel import make_model
 from metrics_scrape import parse as parse_scrape
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))  # daemon_proc
+from daemon.store.streaming import minimum_cache_bytes
+from ext.formats.checkpoint import Checkpoint
+from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout
+
 from daemon_proc import Daemon, short_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,9 @@ import random
 import string
 
 import pytest
-
-from daemon.io import READ_SECONDS_BUCKETS
 from metrics_scrape import TYPES, expected_series, parse, promtool_check, series, total, value
+
+from daemon.store.reads import READ_SECONDS_BUCKETS
 from scheduler.cache import ExpertCache
 from telemetry.metrics import DaemonMetrics, ExpertCounters, Snapshot
 

@@ -1,0 +1,7 @@
+"""The `moed` command line: `cli.main` builds one parser from every command module.
+
+Owns: argument parsing and exit codes (cli.py, args.py), one module per command or
+group (demo, generate, chat, stats/pins, make-model, bench, tune, iobench, replay-trace,
+serve), the client of a running daemon (client.py, ask.py). May import every other room
+of daemon/ and ext/, scheduler/, telemetry/; nothing imports it but bench/ scripts.
+"""

@@ -1,0 +1,184 @@
+"""What the commands share: argument types, parent parsers, progress, sampling flags.
+
+Every type raises argparse.ArgumentTypeError (exit 2 with argparse's message); a value
+that argparse's types cannot check alone raises UsageError, which `main` turns into the
+same exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+log = logging.getLogger("moed")
+
+
+class Parents(NamedTuple):
+    """The parent parsers whose options several commands share."""
+
+    common: argparse.ArgumentParser     # --log-level
+    machine: argparse.ArgumentParser    # --threads, --io-workers (commands that run the model)
+    client: argparse.ArgumentParser     # --socket (commands that ask the daemon)
+
+
+class Progress:
+    """A one-line progress bar on stderr when it is a TTY; silent otherwise."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {done / 2**20:8.1f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+class Steps:
+    """'label i/n' on a terminal's stderr; nothing in logs."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def __call__(self, done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r{self.label} {done}/{total}" + ("\n" if done >= total else ""))
+            sys.stderr.flush()
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+MAX_THREADS = 1024
+
+def thread_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_THREADS}, got {value}")
+    return value
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+def nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+def size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024): 512M, 2G, 65536."""
+    from daemon.service.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+class UsageError(Exception):
+    """A command-line value that argparse's types cannot check alone (exit 2)."""
+
+MODEL_HELP = 'model directory ("default": the embedded default model)'
+
+def check_model_dir(path: str) -> str:
+    """An existing directory, else a usage error naming it."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"--model: {path} does not exist")
+    if not p.is_dir():
+        raise UsageError(f"--model: {path} is not a directory (expected a model directory "
+                         "with config.json, tokenizer.json and *.safetensors)")
+    return path
+
+def sampling_params(args: argparse.Namespace):
+    """SamplingParams from the command's flags; a usage error naming the flag at fault."""
+    from ext.sampling import SamplingParamError, SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed)
+    except SamplingParamError as e:
+        raise UsageError(f"--{e.field.replace('_', '-')}: {e}") from None
+
+def utf8_prompt(prompt: str) -> None:
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("PROMPT is not valid UTF-8") from None
+
+class ExamplesFormatter(argparse.HelpFormatter):
+    """Wraps one-paragraph text (the description) but keeps text of several lines (the
+    examples in an epilog) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int,
+                            per: str = "continuation") -> None:
+    """--max-tokens, --temperature, --top-p, --top-k, --seed (greedy by default)."""
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
+                        help=f"most new tokens per {per} (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="0 for greedy decoding (default), else sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="nucleus sampling mass in (0, 1] (default: 1, off)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="sample among the K most likely tokens (default: 0, off)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="random seed; the same seed gives the same tokens")
+
+def cpu_threads() -> int:
+    from ext.models.model import default_threads
+
+    return default_threads()
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("moed")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+def configure_logging(level: str) -> None:
+    """Send moed's logs to the current stderr: JSON lines, or readable text on a terminal."""
+    from telemetry.logs import configure
+
+    configure(level)
+
+
+def parents() -> Parents:
+    """Fresh parent parsers (argparse copies their actions into each child)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS,
+                        choices=["debug", "info", "warning", "error"],
+                        help="verbosity of the log on stderr (default: info)")
+    machine = argparse.ArgumentParser(add_help=False)  # options of commands that run the model
+    machine.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                         help="compute threads (default: CPUs available)")
+    machine.add_argument("--io-workers", type=thread_count, default=2, metavar="N",
+                         help="reader threads for experts streamed from disk (default: 2)")
+    client = argparse.ArgumentParser(add_help=False)  # options of commands that ask the daemon
+    client.add_argument("--socket", default=None, metavar="PATH", type=nonempty,
+                        help="the daemon's Unix socket (default: $MOED_SOCKET, else "
+                             "/run/moed/moed.sock)")
+    return Parents(common, machine, client)

@@ -1,0 +1,308 @@
+"""`moed bench`: decode speed of the streaming cache against its naive mode and the roofline.
+
+One run = a fresh provider (empty cache), the same prompt, sampling and seed, N new
+tokens. Modes:
+    naive  LRU eviction, nothing pinned, nothing prefetched; a layer's misses are all
+           issued at once. Same io path, io workers and compute threads as moed.
+    moed   the default eviction policy, pins learned in an earlier session (a warm-up
+           run of the same workload, not counted), prefetch from next-layer routing
+           (likely candidates at once, less likely ones into idle io workers).
+Runs alternate (naive, moed, naive, ...) and each mode reports the median run. Before
+every run the shards' pages are dropped from the page cache (POSIX_FADV_DONTNEED), so
+buffered reads start cold too.
+
+Figures (decode phase only, prefill excluded; per generated token):
+    tokens_per_second       (N - 1) / (t_N - t_1)
+    hit_rate                needed experts found ready / all needed experts
+    bytes_read_per_token    issued aligned read lengths, demand + prefetch + pin loads
+    prefetch_recall         needs a prefetch covered / (those + demand misses)
+    prefetch_precision      prefetches used / prefetches issued
+    prefetch_wasted_bytes   bytes of prefetches evicted or left unused
+    io_wait_share           time the engine waited on reads / decode time
+    bytes_needed_per_token  experts needed and not ready at their step's start (demand
+                            misses + prefetches used) x slot bytes: what had to be read
+    roofline_tokens_per_second
+                            1 / max(bytes_needed_per_token / disk bandwidth,
+                                    flops_per_token / kernel throughput), both measured in
+                            this run: bandwidth with expert-sized reads through an io pool
+                            of the same workers, throughput with the expert FFN kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from daemon.commands.args import (MODEL_HELP, Parents, Steps, check_model_dir, cpu_threads,
+                                  nonempty, positive_int, size)
+from daemon.store.plans import plans_for
+from daemon.store.probe import probe_summary
+from daemon.store.reads import IoPool, drop_page_cache, probe_direct_io
+from daemon.store.slots import SlotArena
+from daemon.store.state import default_state_dir
+from daemon.store.streaming import StreamingExpertProvider, StreamingOptions
+from ext.formats.checkpoint import Checkpoint
+from ext.kernels import _kernels
+from ext.models.config import ModelConfig, load_config
+from ext.models.experts import ExpertLayout
+from ext.models.model import Model
+from ext.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class BenchConfig:
+    """What to run: model, budget, workload and machine knobs (see `moed bench --help`)."""
+
+    model: str
+    cache_bytes: int
+    tokens: int = 64
+    prompt_ids: tuple[int, ...] = ()
+    temperature: float = 0.7
+    seed: int = 0
+    threads: int = 2
+    io_workers: int = 2
+    repeats: int = 3
+    direct: bool | None = None
+    prefetch_width: int | None = None
+    prefetch: bool = True
+    prefetch_min_precision: float = StreamingOptions.prefetch_min_precision
+    idle_prefetch: bool = True
+    pin_fraction: float = StreamingOptions.pin_fraction
+
+
+def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
+                           seconds: float = 1.5, seed: int = 0) -> float:
+    """Bytes/s of random expert reads through an io pool of `io_workers` (2 in flight each)."""
+    plans = list(plans_for(layout).values())
+    drop_page_cache({s.path for p in plans for s in p.spans})
+    slot = max(p.slot_bytes for p in plans)
+    depth = 2 * io_workers
+    rng = np.random.default_rng(seed)
+    with SlotArena(depth, slot) as arena, IoPool(io_workers, direct) as pool:
+        t0 = time.perf_counter()
+        pending = [pool.submit(plans[rng.integers(len(plans))], arena.buffer(i), "demand")
+                   for i in range(depth)]
+        done = 0
+        i = 0
+        while time.perf_counter() - t0 < seconds or i < depth:
+            done += pending[i % depth].result()
+            pending[i % depth] = pool.submit(plans[rng.integers(len(plans))],
+                                             arena.buffer(i % depth), "demand")
+            i += 1
+        for f in pending:
+            done += f.result()
+        return done / (time.perf_counter() - t0)
+
+
+def measure_kernel_flops(config: ModelConfig, layout: ExpertLayout, threads: int,
+                         seconds: float = 0.5) -> float:
+    """FLOP/s of the expert FFN kernel on one token, weights in RAM (the compute term)."""
+    H, I, K = config.hidden_size, config.moe_intermediate_size, config.top_k
+    loc = next(iter(layout))
+    dtype = loc.gate.numpy_dtype
+    rng = np.random.default_rng(0)
+    gates = [rng.standard_normal((I, H), dtype=np.float32).astype(dtype) for _ in range(K)]
+    ups = [g.copy() for g in gates]
+    downs = [rng.standard_normal((H, I), dtype=np.float32).astype(dtype) for _ in range(K)]
+    x = np.ones((K, H), np.float32)
+    hbuf, y = np.empty((K, I), np.float32), np.empty((K, H), np.float32)
+    starts = np.arange(K + 1, dtype=np.int64)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        _kernels.expert_ffn(gates, ups, downs, x, starts, hbuf, y, threads)
+        n += 1
+    return n * K * 3 * 2 * H * I / (time.perf_counter() - t0)
+
+
+def flops_per_token(config: ModelConfig) -> float:
+    """Multiply-adds x 2 of one decode step's weight matrices (attention, router,
+    top_k experts, shared expert, dense MLPs, lm_head); attention over the cache is
+    small at bench lengths and left out."""
+    H, D = config.hidden_size, config.head_dim
+    attn = H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    total = 0
+    for is_moe in config.moe_layers:
+        total += attn
+        if is_moe:
+            total += config.num_experts * H + config.top_k * 3 * H * config.moe_intermediate_size
+            total += 3 * H * config.shared_expert_intermediate_size
+        else:
+            total += 3 * H * config.intermediate_size
+    total += config.vocab_size * H
+    return 2.0 * total
+
+
+def bench_prompt(config: ModelConfig, prompt_ids=()) -> list[int]:
+    """`prompt_ids`, or the fixed 16-token pattern every bench run uses by default."""
+    return list(prompt_ids) or [1 + (i * 37) % (config.vocab_size - 1) for i in range(16)]
+
+
+def learned_usage(model: Model, prompt: list[int], bench: BenchConfig):
+    """The earlier session moed's runs pin from: `bench`'s workload run once on `model`
+    (then closed); returns its usage counts [MoE layers, experts]."""
+    timed_run(model, prompt, bench)
+    counts = model.experts.usage.counts()
+    model.experts.close()
+    return counts
+
+
+def timed_run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
+    """One timed generation on `model` (a fresh streaming provider); decode-phase figures."""
+    provider: StreamingExpertProvider = model.experts
+    sampler = Sampler(SamplingParams(temperature=bench.temperature, seed=bench.seed))
+    seq = model.new_sequence(capacity=len(prompt) + bench.tokens)
+    logits = model.forward(seq, prompt)
+    token = sampler.sample(logits[-1])
+    before = _counters(provider)
+    t_first = time.perf_counter()
+    for _ in range(bench.tokens - 1):
+        logits = model.forward(seq, [token])
+        token = sampler.sample(logits[-1])
+    elapsed = time.perf_counter() - t_first
+    after = _counters(provider)
+    d = {k: after[k] - before[k] for k in after}
+    steps = bench.tokens - 1
+    lookups = d["hits"] + d["prefetch_hits"] + d["misses"]
+    covered = d["prefetches_used"]
+    needed = (d["misses"] + covered) * provider.slot_bytes  # reads no policy could avoid here
+    return {
+        "tokens_per_second": steps / elapsed,
+        "hit_rate": d["hits"] / lookups if lookups else 0.0,
+        "bytes_read_per_token": d["bytes_read"] / steps,
+        "bytes_needed_per_token": needed / steps,
+        "prefetch_recall": covered / (covered + d["misses"]) if covered + d["misses"] else 0.0,
+        "prefetch_precision": covered / d["prefetches_issued"] if d["prefetches_issued"] else 0.0,
+        "prefetch_wasted_bytes": d["prefetches_wasted"] * provider.slot_bytes,
+        "io_wait_share": d["io_wait_s"] / elapsed,
+        "decode_seconds": elapsed,
+    }
+
+
+def _counters(p: StreamingExpertProvider) -> dict:
+    snap = p.cache.snapshot()
+    io = p.io.stats()
+    return {"hits": sum(snap.hits), "prefetch_hits": sum(snap.prefetch_hits),
+            "misses": sum(snap.misses), "prefetches_used": sum(snap.prefetches_used),
+            "prefetches_issued": sum(snap.prefetches_issued),
+            "prefetches_wasted": sum(snap.prefetches_wasted) + sum(snap.prefetches_unused),
+            "bytes_read": sum(io.bytes_issued.values()), "io_wait_s": p.io_wait_s}
+
+
+def run_bench(bench: BenchConfig, progress=None) -> dict:
+    """Warm-up, then alternating naive/moed runs; returns the JSON report (a dict)."""
+    config = load_config(bench.model)
+    checkpoint = Checkpoint(bench.model)
+    layout = ExpertLayout(checkpoint, config)
+    shards = checkpoint.shards
+    direct = probe_direct_io(shards[0]) if bench.direct is None else bench.direct
+    prompt = bench_prompt(config, bench.prompt_ids)
+
+    def model_for(mode: str, counts) -> Model:
+        opts = StreamingOptions(cache_bytes=bench.cache_bytes, io_workers=bench.io_workers,
+                                direct=direct, prefetch=mode == "moed" and bench.prefetch,
+                                policy="default" if mode == "moed" else "lru",
+                                prefetch_width=bench.prefetch_width,
+                                prefetch_min_precision=bench.prefetch_min_precision,
+                                idle_prefetch_min_precision=(
+                                    StreamingOptions.idle_prefetch_min_precision
+                                    if bench.idle_prefetch else 1.0),
+                                pin_fraction=bench.pin_fraction if mode == "moed" else 0.0)
+        provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
+        return Model(config, checkpoint, layout, provider, bench.threads)
+
+    learned = learned_usage(model_for("moed", None), prompt, bench)
+
+    runs: dict[str, list[dict]] = {"naive": [], "moed": []}
+    tiers: dict[str, dict] = {}
+    for r in range(bench.repeats):
+        for mode in ("naive", "moed"):
+            drop_page_cache(shards)
+            model = model_for(mode, learned if mode == "moed" else None)
+            cache = model.experts.cache
+            tiers[mode] = {"pinned_slots": cache.pinned_slots, "staging_slots": cache.staging_slots,
+                           "dynamic_slots": sum(map(cache.dynamic_slots, cache.moe_layers))}
+            runs[mode].append(timed_run(model, prompt, bench))
+            model.experts.close()
+            if progress:
+                progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
+    bandwidth = measure_disk_bandwidth(layout, bench.io_workers, direct)
+    flops = measure_kernel_flops(config, layout, bench.threads)
+    fpt = flops_per_token(config)
+
+    def summary(mode: str) -> dict:
+        rs = runs[mode]
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med["roofline_tokens_per_second"] = 1.0 / max(med["bytes_needed_per_token"] / bandwidth,
+                                                      fpt / flops)
+        med["tokens_per_second_runs"] = [round(r["tokens_per_second"], 3) for r in rs]
+        med["io_path"] = "direct" if direct else "buffered"
+        med["cache_slots"] = tiers[mode]
+        return med
+
+    moed, naive = summary("moed"), summary("naive")
+    report = {**moed, "naive": naive,
+              "speedup_vs_naive": moed["tokens_per_second"] / naive["tokens_per_second"],
+              "fraction_of_roofline": moed["tokens_per_second"] / moed["roofline_tokens_per_second"],
+              "disk_bytes_per_second": bandwidth, "kernel_flops_per_second": flops,
+              "flops_per_token": fpt, "expert_cache_bytes": bench.cache_bytes,
+              "expert_bytes_total": sum(loc.nbytes for loc in layout),
+              "tokens": bench.tokens, "repeats": bench.repeats, "threads": bench.threads,
+              "io_workers": bench.io_workers, "temperature": bench.temperature,
+              "prefetch": bench.prefetch, "idle_prefetch": bench.prefetch and bench.idle_prefetch,
+              "model": str(Path(bench.model))}
+    checkpoint.close()
+    return report
+
+
+# ---------------------------------------------------------------- the command
+
+def register(sub, parents: Parents) -> None:
+    """`moed bench` and its options."""
+    b = sub.add_parser(
+        "bench", parents=[parents.common, parents.machine],
+        help="measure decode speed of the expert cache against its naive mode and the roofline",
+        description="Generate --tokens tokens several times from a cold expert cache: the naive "
+                    "mode (LRU, no pins, no prefetch) and moed's (learned pins from a warm-up "
+                    "run, its eviction policy, prefetch), alternating, then measure disk "
+                    "bandwidth and kernel throughput for the roofline. Prints one JSON report.",
+        epilog="example: moed bench --model ./bench-model --expert-cache-bytes 256M --tokens 64")
+    b.add_argument("--model", required=True, metavar="DIR", type=nonempty, help=MODEL_HELP)
+    b.add_argument("--expert-cache-bytes", type=size, required=True, metavar="SIZE",
+                   help="expert cache budget (K/M/G suffixes)")
+    b.add_argument("--tokens", type=positive_int, default=64, metavar="N",
+                   help="tokens generated per run (default: 64)")
+    b.add_argument("--repeats", type=positive_int, default=3, metavar="R",
+                   help="runs of each mode (default: 3)")
+    b.add_argument("--prompt", default="", help="prompt text (default: a fixed token pattern)")
+    b.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    b.add_argument("--no-prefetch", action="store_true",
+                   help="moed mode without prefetch (isolates the eviction policy and pins)")
+    b.add_argument("--no-idle-prefetch", action="store_true",
+                   help="moed mode prefetches only its likely candidates, none of the less "
+                        "likely ones it otherwise reads into idle io workers")
+    b.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ext.tokenizer import Tokenizer
+
+    check_model_dir(args.model)
+    prompt = tuple(Tokenizer.from_model_dir(args.model).encode(args.prompt)) if args.prompt else ()
+    bench = BenchConfig(model=args.model, cache_bytes=args.expert_cache_bytes, tokens=args.tokens,
+                        prompt_ids=prompt, temperature=args.temperature, seed=args.seed,
+                        threads=args.threads or cpu_threads(), io_workers=args.io_workers,
+                        repeats=args.repeats, prefetch=not args.no_prefetch,
+                        idle_prefetch=not args.no_idle_prefetch)
+    report = run_bench(bench, progress=Steps("bench runs"))
+    probe = probe_summary(default_state_dir(os.environ), args.model, bench.io_workers)
+    if probe is not None:     # for reference; the roofline uses this run's own measurement
+        report["storage_probe"] = probe
+    print(json.dumps(report, indent=2))
+    return 0

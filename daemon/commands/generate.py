@@ -1,0 +1,145 @@
+"""`moed generate`: stream a continuation of a prompt, in this process or through the daemon."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from daemon.commands.args import (ExamplesFormatter, Parents, UsageError,
+                                  add_sampling_arguments, check_model_dir, fraction, log, nonempty,
+                                  sampling_params, size, utf8_prompt)
+from daemon.commands.ask import TextOut, ask, client_command, request_body, socket_path
+
+
+def register(sub, parents: Parents) -> None:
+    """`moed generate` and its options."""
+    g = sub.add_parser(
+        "generate", parents=[parents.common, parents.machine, parents.client],
+        help="generate text from a prompt, through the daemon (or in-process with --model)",
+        description="Stream the continuation of PROMPT to stdout. Without --model, the moed "
+                    "daemon (moed serve) generates it, asked over its Unix socket; with --model "
+                    "DIR, this process loads the model directory and generates it, no daemon "
+                    "involved (--threads, --io-workers and the expert cache options apply only "
+                    "then). Decoding is greedy unless --temperature is given. Logs and timings "
+                    "go to stderr.",
+        epilog="examples:\n"
+               "  moed generate --max-tokens 64 'def fibonacci('\n"
+               "  moed generate --socket /tmp/moed.sock --chat 'Write a haiku about caches.'\n"
+               "  moed generate --model default --max-tokens 64 'def fibonacci('",
+        formatter_class=ExamplesFormatter)
+    g.add_argument("prompt", metavar="PROMPT",
+                   help="raw text to continue; with --chat, one user message")
+    g.add_argument("--model", default=None, metavar="DIR", type=nonempty,
+                   help="generate in this process from this model directory (config.json, "
+                        "tokenizer.json, *.safetensors; \"default\": the embedded default "
+                        "model) instead of asking the daemon")
+    add_sampling_arguments(g, max_tokens=128)
+    g.add_argument("--chat", action="store_true",
+                   help="put PROMPT through the model's chat template as a user message")
+    g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
+                   help="without --expert-cache-bytes: memory-mapped shards (default) or "
+                        "all experts read into RAM at start")
+    g.add_argument("--expert-cache-bytes", type=size, default=None, metavar="SIZE",
+                   help="stream routed experts from disk into a cache of SIZE bytes (K/M/G "
+                        "suffixes), learning pins across runs; at least top_k experts per "
+                        "MoE layer")
+    g.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where learned expert usage is kept (default: $STATE_DIRECTORY, "
+                        "else ~/.local/state/moed)")
+    g.add_argument("--no-prefetch", action="store_true",
+                   help="with --expert-cache-bytes: do not read predicted experts ahead")
+    g.add_argument("--pin-fraction", type=fraction, default=0.5, metavar="F",
+                   help="with --expert-cache-bytes: share of the spare cache pinned to the "
+                        "experts learned as hot (default: 0.5)")
+    g.set_defaults(func=run,
+                   in_process_defaults={dest: g.get_default(dest) for dest in _IN_PROCESS_ONLY})
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is None:
+        return _generate_over_socket(args)
+    from ext.generate import Generation
+    from ext.tokenizer import Tokenizer, stop_token_ids
+
+    sampling = sampling_params(args)
+    if args.socket is not None:
+        raise UsageError("--socket asks the daemon and --model runs in this process: give one")
+    check_model_dir(args.model)
+    utf8_prompt(args.prompt)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.from_model_dir(args.model)
+    model, session = _load_model(args)
+    log.info("model loaded: %s (%s, %d layers, %d experts, top_k %d) in %.2f s, %d threads",
+             args.model, model.config.model_type, model.config.num_hidden_layers,
+             model.config.num_experts, model.config.top_k, time.perf_counter() - t0, model.n_threads)
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    gen = Generation(model, prompt_ids, max_tokens=args.max_tokens, sampling=sampling,
+                     stop_ids=stop_token_ids(args.model))
+    decoder = tokenizer.stream_decoder()
+    out = sys.stdout
+    for token in gen:
+        piece = decoder.step(token)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(decoder.finish() + "\n")
+    out.flush()
+    log.info("generated %d tokens (finish_reason=%s, prompt %d tokens): time to first token "
+             "%.3f s, decode %.2f tokens/s%s", gen.completion_tokens, gen.finish_reason,
+             len(prompt_ids), gen.time_to_first_token_s, gen.decode_tokens_per_s,
+             f", seed {gen.sampler.seed}" if sampling.temperature > 0 else " (greedy)")
+    if session is not None:
+        log.info("expert cache: %s", json.dumps(session.summary()))
+        try:
+            session.flush()
+        except OSError as e:
+            log.warning("state_save_failed: %s", e)
+    model.close()
+    return 0
+
+def _load_model(args: argparse.Namespace):
+    """The model with the expert provider the options ask for; (model, session or None)."""
+    from daemon.store.session import open_model
+
+    return open_model(args.model, threads=args.threads, cache_bytes=args.expert_cache_bytes,
+                      experts=args.experts, io_workers=args.io_workers,
+                      prefetch=not args.no_prefetch, pin_fraction=args.pin_fraction,
+                      state_dir=args.state_dir, environ=os.environ)
+
+_IN_PROCESS_ONLY = {"threads": "--threads", "io_workers": "--io-workers", "experts": "--experts",
+                    "expert_cache_bytes": "--expert-cache-bytes", "state_dir": "--state-dir",
+                    "no_prefetch": "--no-prefetch", "pin_fraction": "--pin-fraction"}
+
+@client_command
+def _generate_over_socket(args: argparse.Namespace) -> int:
+    given = [flag for dest, flag in _IN_PROCESS_ONLY.items()
+             if getattr(args, dest) != args.in_process_defaults[dest]]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --model (generation in this "
+                         "process); the daemon serves with its own settings")
+    sampling_params(args)
+    utf8_prompt(args.prompt)
+    if args.chat:
+        path = "/v1/chat/completions"
+        body = request_body(args, messages=[{"role": "user", "content": args.prompt}])
+    else:
+        path, body = "/v1/completions", request_body(args, prompt=args.prompt)
+    text = TextOut()
+    try:
+        result = ask(args, lambda client: client.stream(path, body, text))
+    except BaseException:
+        text.end_line()
+        raise
+    sys.stdout.write("\n")      # like the in-process mode: the answer ends with a newline
+    sys.stdout.flush()
+    tokens = result.completion_tokens
+    log.info("generated %s tokens (finish_reason=%s) through %s: first text after %s, "
+             "%.2f s in all", "?" if tokens is None else tokens, result.finish_reason,
+             socket_path(args), "-" if result.time_to_first_text_s is None
+             else f"{result.time_to_first_text_s:.3f} s", result.duration_s)
+    return 0

@@ -1,0 +1,40 @@
+"""`moed serve`: the configuration read at the edge, then the daemon (daemon/service/)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from daemon.commands.args import Parents, configure_logging, log, version
+from daemon.service.config import add_arguments
+
+
+def register(sub, parents: Parents) -> None:
+    """`moed serve` and its options (every configuration key is a flag)."""
+    s = sub.add_parser(
+        "serve", parents=[parents.common],
+        help="run the daemon: OpenAI-compatible HTTP on a Unix socket",
+        description="Serve a model to local programs over a Unix socket (OpenAI-compatible "
+                    "/v1/completions and /v1/chat/completions, streaming with SSE), with the "
+                    "expert cache, learned pins and prefetch. Runs until SIGTERM or Ctrl-C; "
+                    "SIGHUP re-reads the configuration. Logs go to stderr.",
+        epilog="example: moed serve --model default --socket /tmp/moed.sock "
+               "--expert-cache-bytes 64M\n"
+               "then:    curl --unix-socket /tmp/moed.sock http://localhost/v1/models",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(s, exclude={"log_level"})
+    s.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+
+    from daemon.service.config import load_config
+    from daemon.service.daemon import serve
+
+    config, warnings = load_config(args, os.environ)
+    configure_logging(config.log_level)
+    for w in warnings:
+        log.warning("config_warning: %s", w)
+    config.require_model()
+    log.info("config: %s", json.dumps(config.to_dict()))
+    return serve(config, reload=lambda: load_config(args, os.environ)[0], environ=os.environ,
+                 version=version())

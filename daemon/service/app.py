@@ -1,0 +1,326 @@
+"""The HTTP side of `moed serve`: routes, middlewares and OpenAI-shaped answers (aiohttp).
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
+the daemon's uid or root, from SO_PEERCRED; refused on TCP). Errors are OpenAI-shaped.
+
+`HttpApp` reads the serving state of its `Daemon` (phase, loaded model, configuration)
+and never changes the lifecycle. The loop never blocks on the model or the disk: it talks
+to the engine through `Engine.submit` / `Engine.call` and awaits futures.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import struct
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from daemon.service import api
+from daemon.service.api import ApiError
+from daemon.service.engine import EngineClosedError, QueueFullError, RequestHandle
+from daemon.service.loading import Loaded
+from telemetry.logs import get_logger
+
+if TYPE_CHECKING:
+    from daemon.service.daemon import Daemon
+
+log = get_logger("server")
+
+RETRY_AFTER_S = 1
+SCRAPE_WAIT_S = 2.0             # /metrics waits at most this long for a fresh snapshot, else the last one
+SNAPSHOT_REUSE_S = 0.5          # a snapshot younger than this serves a scrape (scrape storms cost nothing)
+
+
+def peer_uid(request: web.Request) -> int | None:
+    """The uid of the process at the other end of a Unix-socket connection, else None."""
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _is_tcp(request: web.Request) -> bool:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    return sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers=e.headers)
+
+
+class HttpApp:
+    """The routes of one daemon. `application()` serves the Unix socket and tcp_address;
+    `metrics_application()` serves metrics_address (/metrics only)."""
+
+    def __init__(self, daemon: Daemon):
+        self.daemon = daemon
+
+    def application(self) -> web.Application:
+        """The app of the Unix socket (and tcp_address): every route."""
+        app = web.Application(middlewares=[self._count, self._errors, self._auth])
+        app.router.add_get("/health", self.health, name="health")
+        app.router.add_get("/v1/models", self.models, name="models")
+        app.router.add_post("/v1/completions", self.completions, name="completions")
+        app.router.add_post("/v1/chat/completions", self.chat_completions, name="chat_completions")
+        app.router.add_get("/metrics", self.metrics, name="metrics")
+        app.router.add_get("/v1/moed/stats", self.stats, name="stats")
+        app.router.add_get("/v1/moed/pins", self.pins, name="pins")
+        app.router.add_post("/v1/moed/pins/reset", self.pins_reset, name="pins_reset")
+        return app
+
+    def metrics_application(self) -> web.Application:
+        """The app of `metrics_address`: /metrics only, counted like the socket's routes."""
+        app = web.Application(middlewares=[self._count])
+        app.router.add_get("/metrics", self.metrics, name="metrics")
+        return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        """Count every response by route name and status (499: the client went away)."""
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            status = 499
+            raise
+        finally:
+            if self.daemon.telemetry is not None:
+                self.daemon.telemetry.response(request.match_info.route.name, status)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return error_response(e)
+        except RequestPayloadError as e:    # e.g. a body whose Content-Encoding is broken
+            return error_response(ApiError(400, f"the request body cannot be read: {e}"))
+        except web.HTTPException as e:      # aiohttp's own 404/405/413: OpenAI-shaped
+            if e.status < 400:
+                raise
+            kind = {404: "not_found_error", 405: "invalid_request_error",
+                    413: "invalid_request_error"}.get(e.status, "invalid_request_error")
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 must say
+            return error_response(ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
+                                           type=kind, headers=allow))
+        except (asyncio.CancelledError, ConnectionError):
+            raise                            # the client went away: nobody to answer
+        except Exception as e:              # a bug: answer in OpenAI's shape, keep serving
+            log.exception("request_failed", path=request.path)
+            return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                           type="server_error", code="internal_error"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if _is_tcp(request) and self.daemon.config.api_key:
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or key.strip() != self.daemon.config.api_key:
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    def _require_ready(self) -> Loaded:
+        if self.daemon.phase == "loading" or self.daemon.loaded is None:
+            raise ApiError(503, "moed is loading the model", type="service_unavailable",
+                           code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.daemon.phase == "draining":
+            raise ApiError(503, "moed is shutting down", type="service_unavailable",
+                           code="shutting_down")
+        return self.daemon.loaded
+
+    def _require_admin(self, request: web.Request) -> None:
+        uid = peer_uid(request)
+        if uid is None or uid not in (0, os.getuid()):
+            raise ApiError(403, "admin calls are allowed only from the daemon's user or root, "
+                                "over the Unix socket", type="permission_error",
+                           code="permission_denied")
+
+    async def _json(self, request: web.Request):
+        limit = self.daemon.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body of {request.content_length} bytes is over the "
+                                f"limit of {limit} bytes (max_body_bytes)", code="request_too_large")
+        data = bytearray()      # read(n) returns what has arrived: loop until EOF or over
+        while len(data) <= limit:
+            part = await request.content.read(limit + 1 - len(data))
+            if not part:
+                break
+            data += part
+        if len(data) > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes (max_body_bytes)",
+                           code="request_too_large")
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: huge ints too
+            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: "
+                                f"{str(e)[:200]}") from None
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.daemon.phase == "ready":
+            return web.json_response({"status": "ok"})
+        reason = "loading the model" if self.daemon.phase == "loading" else "shutting down"
+        return web.json_response({"status": self.daemon.phase, "reason": reason}, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        return web.json_response({"object": "list", "data": [
+            {"id": loaded.model_names[0], "object": "model", "created": int(self.daemon.started_wall),
+             "owned_by": "moed"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        loaded = self._require_ready()
+        body = await self._json(request)
+        engine = loaded.engine
+        parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
+            api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
+            stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.daemon.config.max_tokens,
+            request_timeout_s=self.daemon.config.request_timeout_s, now=engine.clock())
+        try:
+            handle = engine.submit(parsed.engine, asyncio.get_running_loop())
+        except QueueFullError as e:
+            raise ApiError(429, f"too many requests: {e}", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineClosedError:
+            raise ApiError(503, "moed is shutting down", type="service_unavailable",
+                           code="shutting_down") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
+        handle.endpoint = "chat_completions" if chat else "completions"
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, handle)
+            return await self._collect(parsed, handle)
+        finally:
+            if not handle.finished:
+                handle.cancel()      # the client went away (or we failed): free the place
+
+    async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
+        parts = []
+        while True:
+            event = await handle.events.get()
+            parts.append(event.text)
+            if event.finish_reason is not None:
+                break
+        if event.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {event.error}", type="server_error",
+                           code="engine_error")
+        return web.json_response(api.full_response(parsed, "".join(parts), event.finish_reason,
+                                                   event.stats))
+
+    async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
+                      handle: RequestHandle) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+
+        async def send(payload) -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload, separators=(",", ":")).encode()
+            await response.write(b"data: " + data + b"\n\n")
+
+        if parsed.chat:
+            await send(api.chunk(parsed, created, role=True))
+        while True:
+            event = await handle.events.get()
+            if event.text:
+                await send(api.chunk(parsed, created, text=event.text))
+            if event.finish_reason is not None:
+                break
+        if event.finish_reason == "error":
+            await send(ApiError(500, f"generation failed: {event.error}", type="server_error",
+                                code="engine_error").body())
+        else:
+            await send(api.chunk(parsed, created, finish_reason=event.finish_reason))
+            if parsed.include_usage:
+                await send(api.chunk(parsed, created, stats=event.stats))
+        await send(b"[DONE]")
+        await response.write_eof()
+        return response
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        await self._refresh_snapshot(request)
+        body = generate_latest(self.daemon.registry) if self.daemon.registry is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _refresh_snapshot(self, request: web.Request) -> None:
+        """A stats reading for a scrape: while requests run, the last one if younger than
+        SNAPSHOT_REUSE_S; else a
+        fresh one from the engine thread, waited for at most half the scraper's timeout
+        (X-Prometheus-Scrape-Timeout-Seconds) and SCRAPE_WAIT_S — a long prefill holds the
+        engine, and then the previous reading is served. Running and waiting counts are
+        always read live (the engine keeps them under its own lock)."""
+        loaded = self.daemon.loaded
+        if loaded is None or self.daemon.phase == "loading":
+            return
+        busy = loaded.engine.stats().running > 0     # idle: a fresh reading costs nobody
+        if not busy or time.monotonic() - self.daemon.snapshot_at >= SNAPSHOT_REUSE_S:
+            wait = SCRAPE_WAIT_S
+            with contextlib.suppress(ValueError):
+                wait = min(wait, 0.5 * float(request.headers.get("X-Prometheus-Scrape-Timeout-Seconds", wait)))
+            with contextlib.suppress(TimeoutError, EngineClosedError):
+                await asyncio.wait_for(asyncio.wrap_future(
+                    loaded.engine.call(lambda: self.daemon.stats_snapshot(loaded))), max(wait, 0.0))
+        if self.daemon.last_snapshot is not None:
+            live = loaded.engine.stats()
+            self.daemon.last_snapshot = replace(self.daemon.last_snapshot, requests_running=live.running,
+                                         requests_waiting=live.waiting)
+
+    async def _on_engine(self, fn):
+        loaded = self._require_ready()
+        return await asyncio.wrap_future(loaded.engine.call(fn))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        return web.json_response(await self._on_engine(lambda: self.daemon.stats_snapshot(loaded)))
+
+    async def pins(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+
+        def read() -> dict:
+            provider = loaded.engine.model.experts
+            session = loaded.session
+            if getattr(provider, "cache", None) is None:
+                return {"model_fingerprint": None, "pins": []}
+            counts = provider.usage.counts()
+            pins = sorted(provider.cache.pins)
+            return {"model_fingerprint": getattr(session, "fingerprint", None),
+                    "pins": [{"layer": l, "expert": e,
+                              "score": float(counts[provider.moe_layers.index(l), e])}
+                             for l, e in pins]}
+        return web.json_response(await self._on_engine(read))
+
+    async def pins_reset(self, request: web.Request) -> web.Response:
+        self._require_admin(request)
+        loaded = self._require_ready()
+
+        def reset() -> dict:
+            provider = loaded.engine.model.experts
+            if getattr(provider, "cache", None) is None:
+                return {"reset": False, "pins": 0}
+            if loaded.session is not None:
+                return {"reset": True, "pins_dropped": loaded.session.reset()}
+            return {"reset": True, "pins_dropped": provider.reset_learning()}
+        return web.json_response(await self._on_engine(reset))

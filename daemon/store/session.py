@@ -1,0 +1,158 @@
+"""A model opened with the expert provider a command asks for, and its learned state.
+
+`open_model` is shared by `moed generate` (in-process) and `moed serve`: with an expert
+cache budget, routed experts stream from the shards through a `StreamingExpertProvider`
+whose usage counts are loaded from, and flushed to, the state directory (keyed by the
+model's fingerprint); without one, they are memory-mapped (or read into RAM).
+
+`ExpertSession` methods that touch the provider must run on the thread that drives the
+model (the engine thread in the daemon).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from daemon.store.state import StateStore, default_state_dir
+from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, expert_counters,
+                                    flush_usage, load_usage_counts)
+from ext.models.model import Model
+from telemetry.metrics import ExpertCounters
+
+log = logging.getLogger("moed.session")
+
+
+class ExpertSession:
+    """The streaming provider of a model plus its state file (usage learned across runs).
+
+    store is None when the state directory is unusable (learning then lasts one run).
+    state_saves / state_save_errors: writes of the state file that succeeded / failed.
+    retired: the expert totals of the providers `rebuild` replaced (so totals never
+    go back when the cache is rebuilt).
+    """
+
+    def __init__(self, model: Model, provider: StreamingExpertProvider, store: StateStore | None,
+                 fingerprint: str, options: StreamingOptions):
+        self.model = model
+        self.provider = provider
+        self.store = store
+        self.fingerprint = fingerprint
+        self.options = options
+        self.state_saves = 0
+        self.state_save_errors = 0
+        self.retired = ExpertCounters()
+
+    def flush(self) -> bool:
+        """Merge the usage observed since the last flush into the state file.
+
+        Returns False when there is no usable state directory. Raises OSError when the
+        write fails (the caller logs it; the counts stay in memory for the next try).
+        """
+        if self.store is None:
+            return False
+        self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint))
+        return True
+
+    def _save(self, write) -> None:
+        """Run one write of the state file, counting it as a save or a save error."""
+        try:
+            write()
+        except OSError:
+            self.state_save_errors += 1
+            raise
+        self.state_saves += 1
+
+    def reset(self) -> int:
+        """Forget learned usage and drop the pin set, in memory and in the state file.
+
+        Returns the number of pins dropped. Raises OSError when the state file cannot
+        be written.
+        """
+        dropped = self.provider.reset_learning()
+        if self.store is not None:
+            usage = self.provider.usage
+            self._save(lambda: self.store.save(lambda _current: usage.to_dict(self.fingerprint),
+                                               tokens=0))
+        return dropped
+
+    def rebuild(self, cache_bytes: int | None = None, pin_fraction: float | None = None,
+                prefetch: bool | None = None) -> None:
+        """Swap in a provider with a new budget / pin share / prefetch switch (between steps).
+
+        The learned counts carry over; the new cache starts from the pins they give. The
+        io worker count and (unless `prefetch` is given) the prefetch width of the old
+        provider carry over too: the live tuner may have changed them.
+        Raises CacheBudgetError (a ValueError) for a budget below the minimum; the old
+        provider then stays in place.
+        """
+        changes = {k: v for k, v in (("cache_bytes", cache_bytes), ("pin_fraction", pin_fraction),
+                                     ("prefetch", prefetch)) if v is not None}
+        options = replace(self.options, **changes)
+        old = self.provider
+        provider = StreamingExpertProvider(self.model.layout, self.model.config, options,
+                                           usage_counts=old.usage.counts())
+        # What the live tuner set on the old provider carries over (a new budget is not a
+        # reason to forget the io workers or prefetch width it found).
+        if provider.io.n_workers != old.io.n_workers:
+            provider.io.set_workers(old.io.n_workers)
+        if prefetch is None:
+            provider.set_prefetch(old.width if old.wants_hints else 0)
+        provider.routing_recorder = old.routing_recorder
+        self.model.experts = provider
+        self.provider, self.options = provider, options
+        old.close()
+        self.retired = self.retired + expert_counters(old)
+        log.info("expert cache rebuilt: %d bytes, pin fraction %.2f, prefetch %s",
+                 options.cache_bytes, options.pin_fraction, "on" if options.prefetch else "off")
+
+    def summary(self) -> dict:
+        snap = self.provider.cache.snapshot()
+        io = self.provider.io.stats()
+        return {"hit_rate": round(snap.hit_rate, 4), "hits": sum(snap.hits),
+                "prefetch_hits": sum(snap.prefetch_hits), "misses": sum(snap.misses),
+                "bytes_read": sum(io.bytes_issued.values()), "io_wait_s": round(self.provider.io_wait_s, 3),
+                "io_path": io.io_path}
+
+
+def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int | None,
+               experts: str = "mmap", io_workers: int = 2, prefetch: bool = True,
+               pin_fraction: float = StreamingOptions.pin_fraction,
+               half_life_tokens: float = StreamingOptions.half_life_tokens, mlock: bool = False,
+               state_dir: str | Path | None = None,
+               environ: Mapping[str, str] = {}) -> tuple[Model, ExpertSession | None]:
+    """Load `model_dir`; (model, session) — session is None without a cache budget.
+
+    experts: without cache_bytes, "mmap" or "resident". state_dir: where learned usage
+    lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
+    unusable state directory is a warning, never an error: learning is only speed.
+    Raises the model's load errors (ConfigError / CheckpointError, naming the file,
+    tensor or field) and CacheBudgetError (message gives the minimum).
+    """
+    if cache_bytes is None:
+        return Model.load(model_dir, n_threads=threads, experts=experts), None
+    options = StreamingOptions(cache_bytes=cache_bytes, prefetch=prefetch, io_workers=io_workers,
+                               pin_fraction=pin_fraction, half_life_tokens=half_life_tokens,
+                               mlock=mlock)
+    built: list[tuple[StreamingExpertProvider, StateStore | None, str]] = []
+
+    def streaming(checkpoint, layout, config):
+        fingerprint = checkpoint.fingerprint()
+        moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
+        counts, store = None, None
+        try:
+            store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint)
+            counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
+                                       options.half_life_tokens)
+        except OSError as e:
+            log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
+            store = None
+        provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
+        built.append((provider, store, fingerprint))
+        return provider
+
+    model = Model.load(model_dir, n_threads=threads, experts=streaming)
+    provider, store, fingerprint = built[0]
+    return model, ExpertSession(model, provider, store, fingerprint, options)
+

@@ -1,0 +1,323 @@
+"""Model configuration: one typed object read from a Hugging Face `config.json`.
+
+Field names are Hugging Face's. Both spellings in circulation are read: the Hub
+checkpoints' (`rope_theta` at the top level, `rope_scaling`) and transformers ≥ 5's
+(`rope_parameters: {"rope_theta", "rope_type"}`); Mixtral's `num_local_experts`
+and the others' `num_experts`. Defaults for absent fields are the transformers
+class defaults of the family (transformers 5, `configuration_<family>.py`); a
+field the architecture needs and has no default for raises
+`MissingConfigFieldError`; anything we cannot compute faithfully (another
+`hidden_act`, a RoPE scaling type) raises `UnsupportedConfigError` naming it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ext.formats.files import MetadataFileError, read_json
+
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MAX_LAYERS = 4096  # sanity bound: a config beyond it is corrupt, not a model
+
+
+class ConfigError(ValueError):
+    """A config.json that moed cannot serve; the message names the file and field."""
+
+    def __init__(self, path: str | Path, field: str | None, message: str):
+        self.path = str(path)
+        self.field = field
+        where = f"{self.path}: field '{field}'" if field else self.path
+        super().__init__(f"{where}: {message}")
+
+
+class UnsupportedModelError(ConfigError):
+    """`model_type` (or `architectures`) names a family moed does not implement."""
+
+
+class MissingConfigFieldError(ConfigError):
+    """A field the architecture needs is absent (and has no class default)."""
+
+
+class UnsupportedConfigError(ConfigError):
+    """A field has a value moed cannot compute faithfully (e.g. another activation)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the forward pass needs to know, normalised across families.
+
+    Attributes (HF names where one exists):
+        model_type: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe".
+        vocab_size, hidden_size, num_hidden_layers: as in config.json.
+        num_attention_heads, num_key_value_heads, head_dim: attention shape;
+            head_dim defaults to hidden_size // num_attention_heads.
+        num_experts, num_experts_per_tok (top_k): routed experts per MoE layer.
+        moe_intermediate_size: rows of each routed expert's gate/up projection.
+        intermediate_size: size of a dense MLP (layers without experts).
+        shared_expert_intermediate_size: Qwen2-MoE's shared expert, 0 if none.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1.
+        qkv_bias: q/k/v projections carry a bias (Qwen2-MoE).
+        qk_norm: "none", "head" (RMSNorm per head over head_dim, Qwen3-MoE) or
+            "full" (RMSNorm over the whole projection, OLMoE).
+        clip_qkv: clamp q, k, v to [-clip_qkv, clip_qkv] (OLMoE), or None.
+        rope_theta: RoPE base. rms_norm_eps: epsilon of every RMSNorm.
+        tie_word_embeddings: lm_head shares embed_tokens' weight.
+        sliding_windows: per layer, the attention window in tokens, or None.
+        moe_layers: per layer, True where the MLP is a routed MoE block.
+        max_position_embeddings: context length the model was trained for.
+        bos_token_id, eos_token_ids: special ids from config.json.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    qkv_bias: bool
+    qk_norm: str
+    clip_qkv: float | None
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]
+    moe_layers: tuple[bool, ...]
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def top_k(self) -> int:
+        return self.num_experts_per_tok
+
+
+class _Reader:
+    """Typed access to one config dict, raising errors that name the field."""
+
+    def __init__(self, path: Path, raw: dict[str, Any]):
+        self.path = path
+        self.raw = raw
+
+    def get(self, name: str, kind: type, default: Any = ...) -> Any:
+        if name not in self.raw or self.raw[name] is None:
+            if default is ...:
+                raise MissingConfigFieldError(self.path, name, "is required and missing")
+            return default
+        value = self.raw[name]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigError(self.path, name, f"expected {kind.__name__}, got {value!r}")
+        return value
+
+    def positive(self, name: str, default: Any = ...) -> int:
+        value = self.get(name, int, default)
+        if value <= 0:
+            raise ConfigError(self.path, name, f"must be positive, got {value}")
+        return value
+
+
+def _rope_theta(r: _Reader, default: float) -> float:
+    params = r.raw.get("rope_parameters")
+    scaling = r.raw.get("rope_scaling")
+    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ConfigError(r.path, name, f"expected an object, got {block!r}")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedConfigError(
+                r.path, f"{name}.rope_type", f"RoPE type {rope_type!r} is not supported (only 'default')")
+        if block.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedConfigError(
+                r.path, f"{name}.partial_rotary_factor", "partial rotary embeddings are not supported")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = params["rope_theta"]
+        field = "rope_parameters.rope_theta"
+    else:
+        theta = r.raw.get("rope_theta", default)
+        field = "rope_theta"
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < math.inf:
+        raise ConfigError(r.path, field, f"expected a positive finite number, got {theta!r}")
+    return float(theta)
+
+
+def _eos_ids(r: _Reader) -> tuple[int, ...]:
+    eos = r.raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(r.path, "eos_token_id", f"expected an int or a list of ints, got {eos!r}")
+    return tuple(ids)
+
+
+def _moe_layers(r: _Reader, n_layers: int, n_experts: int) -> tuple[bool, ...]:
+    """Qwen2/3-MoE: a layer is MoE unless in mlp_only_layers, and (l+1) % step == 0."""
+    mlp_only = r.get("mlp_only_layers", list, [])
+    for i in mlp_only:
+        if not isinstance(i, int) or not 0 <= i < n_layers:
+            raise ConfigError(r.path, "mlp_only_layers", f"layer {i!r} not in [0, {n_layers})")
+    step = r.positive("decoder_sparse_step", 1)
+    return tuple(l not in mlp_only and n_experts > 0 and (l + 1) % step == 0 for l in range(n_layers))
+
+
+def _sliding_windows(r: _Reader, model_type: str, n_layers: int) -> tuple[int | None, ...]:
+    if model_type == "olmoe":
+        return (None,) * n_layers
+    window = r.raw.get("sliding_window")
+    if model_type == "mixtral":
+        active = window is not None
+    else:
+        active = bool(r.raw.get("use_sliding_window", False)) and window is not None
+    if not active:
+        return (None,) * n_layers
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ConfigError(r.path, "sliding_window", f"expected a positive int, got {window!r}")
+    if model_type != "qwen2_moe":
+        return (window,) * n_layers
+    # Qwen2-MoE: per-layer types; default as transformers' Qwen2MoeConfig builds them.
+    layer_types = r.raw.get("layer_types")
+    if layer_types is None:
+        max_window_layers = r.get("max_window_layers", int, 28)
+        layer_types = ["sliding_attention" if (i + 1) % 2 and i < max_window_layers else "full_attention"
+                       for i in range(n_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(r.path, "layer_types", f"expected a list of {n_layers} layer types")
+    out = []
+    for t in layer_types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise UnsupportedConfigError(r.path, "layer_types", f"unknown layer type {t!r}")
+        out.append(window if t == "sliding_attention" else None)
+    return tuple(out)
+
+
+def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> ModelConfig:
+    """Build a ModelConfig from a parsed config.json.
+
+    Raises:
+        UnsupportedModelError: model_type not in SUPPORTED_MODEL_TYPES.
+        MissingConfigFieldError: a needed field is absent.
+        UnsupportedConfigError: a value moed cannot compute (hidden_act other
+            than silu, RoPE scaling, attention biases on OLMoE's o_proj, ...).
+        ConfigError: a field of the wrong type or range.
+    """
+    path = Path(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(path, None, "expected a JSON object")
+    r = _Reader(path, raw)
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise MissingConfigFieldError(path, "model_type", "is required and missing")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfigError(path, "hidden_act", f"{act!r} is not supported (only 'silu')")
+
+    hidden = r.positive("hidden_size")
+    n_layers = r.positive("num_hidden_layers")
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(path, "num_hidden_layers", f"{n_layers} exceeds the {MAX_LAYERS} moed accepts")
+    n_heads = r.positive("num_attention_heads")
+    n_kv = r.positive("num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise ConfigError(path, "num_key_value_heads", f"{n_kv} does not divide num_attention_heads {n_heads}")
+    head_dim = r.raw.get("head_dim")
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ConfigError(path, "hidden_size", f"{hidden} not divisible by num_attention_heads {n_heads}")
+        head_dim = hidden // n_heads
+    else:
+        head_dim = r.positive("head_dim")
+    if head_dim % 2:
+        raise UnsupportedConfigError(path, "head_dim", f"RoPE needs an even head_dim, got {head_dim}")
+
+    expert_field = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    other_field = "num_experts" if model_type == "mixtral" else "num_local_experts"
+    if expert_field not in raw and other_field in raw:
+        expert_field = other_field
+    n_experts = r.positive(expert_field)
+    top_k = r.positive("num_experts_per_tok")
+    if top_k > n_experts:
+        raise ConfigError(path, "num_experts_per_tok", f"{top_k} exceeds {expert_field} {n_experts}")
+
+    intermediate = r.positive("intermediate_size")
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        moe_intermediate = r.positive("moe_intermediate_size")
+        moe_layers = _moe_layers(r, n_layers, n_experts)
+    else:
+        moe_intermediate = intermediate
+        moe_layers = (True,) * n_layers
+
+    shared = r.positive("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    norm_topk = True if model_type == "mixtral" else r.get("norm_topk_prob", bool, False)
+    qkv_bias = r.get("qkv_bias", bool, True) if model_type == "qwen2_moe" else False
+    if model_type in ("qwen3_moe", "olmoe") and r.get("attention_bias", bool, False):
+        raise UnsupportedConfigError(path, "attention_bias", "attention biases are not supported for this family")
+    qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(model_type, "none")
+    clip_qkv = r.get("clip_qkv", float, None) if model_type == "olmoe" else None
+    if clip_qkv is not None and not 0 < clip_qkv < math.inf:
+        raise ConfigError(path, "clip_qkv", f"must be a positive finite number, got {clip_qkv}")
+
+    default_theta = {"mixtral": 1e6, "qwen2_moe": 1e4, "qwen3_moe": 1e4, "olmoe": 1e4}[model_type]
+    default_eps = {"mixtral": 1e-5, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6, "olmoe": 1e-5}[model_type]
+    eps = r.get("rms_norm_eps", float, default_eps)
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ConfigError(path, "rms_norm_eps", f"must be a positive number, got {eps}")
+    bos = r.raw.get("bos_token_id")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=r.positive("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_intermediate,
+        intermediate_size=intermediate,
+        shared_expert_intermediate_size=shared,
+        norm_topk_prob=norm_topk,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        clip_qkv=clip_qkv,
+        rope_theta=_rope_theta(r, default_theta),
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
+        sliding_windows=_sliding_windows(r, model_type, n_layers),
+        moe_layers=moe_layers,
+        max_position_embeddings=r.positive("max_position_embeddings", 4096),
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        eos_token_ids=_eos_ids(r),
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read `<model_dir>/config.json` and parse it (see `parse_config`).
+
+    Raises ConfigError (or a subclass) naming config.json when the file is
+    missing, is not valid JSON, or fails `parse_config`.
+    """
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = read_json(path)
+    except FileNotFoundError:
+        raise ConfigError(path, None, "file not found") from None
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot be read: {e.strerror or e}") from None
+    except MetadataFileError as e:
+        raise ConfigError(path, None, str(e).removeprefix(f"{path}: ")) from None
+    return parse_config(raw, path)

@@ -1,0 +1,222 @@
+"""daemon/machine/memory.py on fake /proc and cgroup trees, and once on this machine."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.machine.memory import MemoryReading, read_memory
+from daemon.service.loading import plan_serving_memory
+from ext.makemodel import make_model
+from scheduler.planner import CgroupLimit, MemoryPlanError, available_bytes
+
+GiB = 2**30
+MiB = 2**20
+V1_UNLIMITED = "9223372036854771712"  # what v1 writes when no limit is set
+MOUNT_V2 = "41 23 0:38 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
+MOUNT_V1_MEMORY = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+MOUNT_V1_CPU = "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+
+
+def write(root: Path, relative: str, text: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def proc(root: Path, cgroup: str, mountinfo: str, mem_available_kb: int = 64 * 1024 * 1024) -> None:
+    write(root, "proc/meminfo", f"MemTotal:       99999999 kB\nMemFree:         1000 kB\n"
+                                f"MemAvailable:   {mem_available_kb} kB\nCached:  5 kB\n")
+    write(root, "proc/self/cgroup", cgroup)
+    write(root, "proc/self/mountinfo", mountinfo)
+
+
+def v2_cgroup(root: Path, directory: str, max_: str | None = None, high: str | None = None,
+              current: int | None = None, inactive_file: int | None = None) -> None:
+    base = f"sys/fs/cgroup/{directory}".rstrip("/")
+    for name, value in (("memory.max", max_), ("memory.high", high), ("memory.current", current)):
+        if value is not None:
+            write(root, f"{base}/{name}", f"{value}\n")
+    if inactive_file is not None:
+        write(root, f"{base}/memory.stat", f"anon 1\nfile 2\ninactive_anon 3\n"
+                                           f"inactive_file {inactive_file}\nactive_file 4\n")
+
+
+def v1_cgroup(root: Path, directory: str, limit: str, usage: int, total_inactive_file: int,
+              hierarchical: str = V1_UNLIMITED) -> None:
+    base = f"sys/fs/cgroup/memory/{directory}".rstrip("/")
+    write(root, f"{base}/memory.limit_in_bytes", f"{limit}\n")
+    write(root, f"{base}/memory.usage_in_bytes", f"{usage}\n")
+    write(root, f"{base}/memory.stat", f"cache 1\ninactive_file 7\nhierarchical_memory_limit "
+                                       f"{hierarchical}\ntotal_inactive_file {total_inactive_file}\n")
+
+
+def v2_host(root: Path, cgroup_path: str = "/moed.slice/moed.service") -> None:
+    proc(root, f"0::{cgroup_path}\n", MOUNT_V2)
+    write(root, "sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids\n")
+
+
+def test_v2_limit_is_read_net_of_usage(tmp_path):
+    v2_host(tmp_path)
+    v2_cgroup(tmp_path, "moed.slice/moed.service", max_=str(8 * GiB), high="max",
+              current=3 * GiB, inactive_file=0)
+    reading = read_memory(tmp_path)
+    assert reading.mem_available_bytes == 64 * GiB
+    [limit] = reading.cgroup_limits  # the root and the slice have no memory.max
+    assert limit.version == 2
+    assert limit.path == str(tmp_path / "sys/fs/cgroup/moed.slice/moed.service")
+    assert (limit.limit_bytes, limit.usage_bytes, limit.inactive_file_bytes) == (8 * GiB, 3 * GiB, 0)
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 5 * GiB
+
+
+def test_v2_high_tighter_than_max_wins(tmp_path):
+    v2_host(tmp_path)
+    v2_cgroup(tmp_path, "moed.slice/moed.service", max_=str(8 * GiB), high=str(6 * GiB),
+              current=GiB, inactive_file=0)
+    [limit] = read_memory(tmp_path).cgroup_limits
+    assert limit.limit_bytes == 6 * GiB
+
+
+def test_v2_max_means_no_limit(tmp_path):
+    v2_host(tmp_path)
+    v2_cgroup(tmp_path, "moed.slice/moed.service", max_="max", high="max", current=GiB,
+              inactive_file=0)
+    reading = read_memory(tmp_path)
+    [limit] = reading.cgroup_limits
+    assert limit.limit_bytes is None
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 64 * GiB
+
+
+def test_v2_nested_parent_tighter_than_child(tmp_path):
+    v2_host(tmp_path)
+    v2_cgroup(tmp_path, "moed.slice", max_=str(4 * GiB), current=3 * GiB, inactive_file=0)
+    v2_cgroup(tmp_path, "moed.slice/moed.service", max_=str(16 * GiB), current=GiB,
+              inactive_file=0)
+    reading = read_memory(tmp_path)
+    assert [(c.path.removeprefix(str(tmp_path)), c.limit_bytes) for c in reading.cgroup_limits] == [
+        ("/sys/fs/cgroup/moed.slice/moed.service", 16 * GiB), ("/sys/fs/cgroup/moed.slice", 4 * GiB)]
+    # the slice's siblings use 2 GiB of its 4: moed gets 1 GiB, not the child's 15
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == GiB
+
+
+def test_container_host_has_far_more_memory_than_the_limit(tmp_path):
+    # cgroup namespace: the process sees itself at "/", the mount root is the container's
+    proc(tmp_path, "0::/\n", MOUNT_V2, mem_available_kb=500 * 1024 * 1024)
+    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpu memory pids\n")
+    v2_cgroup(tmp_path, "", max_=str(2 * GiB), current=512 * MiB, inactive_file=0)
+    reading = read_memory(tmp_path)
+    assert reading.mem_available_bytes == 500 * GiB
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 1536 * MiB
+
+
+def test_reclaimable_page_cache_is_not_counted_as_used(tmp_path):
+    v2_host(tmp_path)
+    v2_cgroup(tmp_path, "moed.slice/moed.service", max_=str(8 * GiB), current=7 * GiB,
+              inactive_file=5 * GiB)
+    reading = read_memory(tmp_path)
+    assert reading.cgroup_limits[0].inactive_file_bytes == 5 * GiB
+    # 7 GiB "used", 5 of it inactive page cache: 8 - (7 - 5) = 6 GiB, not 1
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 6 * GiB
+
+
+def test_v1_unlimited(tmp_path):
+    proc(tmp_path, "4:memory:/user.slice\n1:cpu,cpuacct:/\n", MOUNT_V1_CPU + MOUNT_V1_MEMORY)
+    v1_cgroup(tmp_path, "user.slice", V1_UNLIMITED, usage=GiB, total_inactive_file=0)
+    v1_cgroup(tmp_path, "", V1_UNLIMITED, usage=9 * GiB, total_inactive_file=0)
+    reading = read_memory(tmp_path)
+    assert [(c.version, c.limit_bytes, c.usage_bytes) for c in reading.cgroup_limits] == [
+        (1, None, GiB), (1, None, 9 * GiB)]
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 64 * GiB
+
+
+def test_v1_limit_with_combined_controllers_and_hierarchical_limit(tmp_path):
+    mount = "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,cpu,memory\n"
+    proc(tmp_path, "3:cpu,memory:/docker/abc\n", mount)
+    # the child's own file says 8 GiB; an ancestor outside the visible tree caps it at 3
+    v1_cgroup(tmp_path, "docker/abc", str(8 * GiB), usage=2 * GiB,
+              total_inactive_file=GiB, hierarchical=str(3 * GiB))
+    reading = read_memory(tmp_path)
+    first = reading.cgroup_limits[0]
+    assert (first.version, first.limit_bytes, first.usage_bytes, first.inactive_file_bytes) == (
+        1, 3 * GiB, 2 * GiB, GiB)
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 2 * GiB
+
+
+def test_hybrid_host_uses_v1_when_cgroup2_lacks_memory(tmp_path):
+    # this machine's layout: "0::/" plus a cgroup2 mount without memory, memory on v1
+    unified = "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+    proc(tmp_path, "4:memory:/process_api/x\n1:cpu:/\n0::/\n",
+         "31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n" + MOUNT_V1_CPU + MOUNT_V1_MEMORY + unified)
+    write(tmp_path, "sys/fs/cgroup/unified/cgroup.controllers", "\n")
+    write(tmp_path, "sys/fs/cgroup/unified/memory.max", f"{GiB}\n")  # a decoy: not the memory tree
+    v1_cgroup(tmp_path, "process_api/x", str(4 * GiB), usage=GiB, total_inactive_file=0)
+    v1_cgroup(tmp_path, "process_api", V1_UNLIMITED, usage=GiB, total_inactive_file=0)
+    v1_cgroup(tmp_path, "", V1_UNLIMITED, usage=GiB, total_inactive_file=0)
+    reading = read_memory(tmp_path)
+    assert [c.path.removeprefix(str(tmp_path)) for c in reading.cgroup_limits] == [
+        "/sys/fs/cgroup/memory/process_api/x", "/sys/fs/cgroup/memory/process_api",
+        "/sys/fs/cgroup/memory"]
+    assert {c.version for c in reading.cgroup_limits} == {1}
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 3 * GiB
+
+
+def test_missing_files_never_crash(tmp_path):
+    reading = read_memory(tmp_path)  # an empty tree
+    assert (reading.mem_available_bytes, reading.cgroup_limits) == (None, ())
+    # a cgroup whose limit file is missing is skipped; one with only a limit is kept
+    v2_host(tmp_path)
+    v2_cgroup(tmp_path, "moed.slice", max_=str(4 * GiB))
+    (tmp_path / "sys/fs/cgroup/moed.slice/moed.service").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 1 kB\n")
+    reading = read_memory(tmp_path)
+    assert reading.mem_available_bytes is None
+    [limit] = reading.cgroup_limits
+    assert (limit.limit_bytes, limit.usage_bytes, limit.inactive_file_bytes) == (4 * GiB, None, None)
+    assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 4 * GiB
+
+
+def test_garbage_and_truncated_files_are_unknown(tmp_path):
+    proc(tmp_path, "garbage\n0::/a\n", "bad line\n" + MOUNT_V2)
+    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "memory\n")
+    v2_cgroup(tmp_path, "a", max_="not-a-number", high=str(GiB), current=None)
+    write(tmp_path, "sys/fs/cgroup/a/memory.current", "\n")
+    [limit] = read_memory(tmp_path).cgroup_limits
+    assert (limit.limit_bytes, limit.usage_bytes) == (GiB, None)
+
+
+def test_this_machine():
+    reading = read_memory()
+    assert reading.mem_available_bytes is not None and reading.mem_available_bytes > 0
+    assert all(c.version in (1, 2) for c in reading.cgroup_limits)
+    assert 0 <= available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) \
+        <= reading.mem_available_bytes
+
+
+# ------------------------------------------------------------ the plan for serving
+
+@pytest.fixture(scope="module")
+def planned_model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("plan") / "m", arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=64, intermediate=32)
+
+
+def test_the_serving_plan_streams_only_what_does_not_fit(planned_model):
+    roomy = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                reading=MemoryReading(64 << 30, ()))
+    assert not roomy.stream                              # every expert fits: memory-mapped
+    p = roomy.plan
+    assert p.expert_cache_bytes == p.available_bytes - p.dense_bytes - p.kv_bytes - p.runtime_bytes \
+        - p.margin_bytes - (p.available_bytes - p.dense_bytes - p.kv_bytes - p.runtime_bytes
+                            - p.margin_bytes) % p.slot_bytes
+    # a cgroup limit far below MemAvailable binds: now the experts must stream
+    fixed = p.dense_bytes + p.kv_bytes + p.runtime_bytes
+    tight_limit = int((fixed + 6 * p.slot_bytes) / 0.95) + 1
+    tight = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                reading=MemoryReading(64 << 30, (CgroupLimit("/x", 2, tight_limit, 0, 0),)))
+    assert tight.stream and tight.plan.total_slots >= 4 and tight.plan.total_slots < 16
+
+
+def test_the_serving_plan_refuses_with_the_numbers(planned_model):
+    with pytest.raises(MemoryPlanError, match=r"the dense part does not fit: needs \d+ B"):
+        plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                            reading=MemoryReading(100 << 20, ()))

@@ -1,0 +1,113 @@
+"""Expert addressing (ExpertLayout), the simple providers, and load-time validation."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorRangeError
+from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import (ExpertLayout, MmapExpertProvider, ResidentExpertProvider,
+                                expert_tensor_name)
+from ext.models.model import Model
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("experts")
+    return {arch: make_model(root / arch, arch=arch, layers=2, experts=4, top_k=2, hidden=64,
+                             intermediate=32, dtype="bf16", shard_size=30_000, seed=3,
+                             initializer_range=0.1)
+            for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layout_gives_file_offset_length_dtype_shape(models, arch):
+    ckpt = Checkpoint(models[arch])
+    layout = ExpertLayout(ckpt, load_config(models[arch]))
+    assert len(layout) == 2 * 4
+    loc = layout[(1, 3)]
+    assert loc.gate.name == expert_tensor_name(arch, 1, 3, "gate")
+    assert (loc.gate.shape, loc.up.shape, loc.down.shape) == ((32, 64), (32, 64), (64, 32))
+    assert loc.gate.dtype == "BF16" and loc.nbytes == 3 * 32 * 64 * 2
+    # the byte range really holds the tensor
+    for info in loc.projections():
+        with open(info.path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+        assert raw == ckpt.load(info.name).tobytes()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mmap_and_resident_providers_agree(models, arch):
+    ckpt = Checkpoint(models[arch])
+    layout = ExpertLayout(ckpt, load_config(models[arch]))
+    mm, res = MmapExpertProvider(layout), ResidentExpertProvider(ckpt, layout)
+    for a, b in zip(mm.acquire(0, [2, 0]), res.acquire(0, [2, 0])):
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and np.array_equal(x.view(np.uint16), y.view(np.uint16))
+    with pytest.raises(KeyError):
+        res.acquire(5, [0])
+    mm.close()
+    res.close()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_missing_expert_projection_is_named(models, tmp_path):
+    d = _copy(models["qwen3_moe"], tmp_path / "m")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    victim = expert_tensor_name("qwen3_moe", 1, 2, "up")
+    del index["weight_map"][victim]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(MissingTensorError) as e:
+        Model.load(d)
+    assert victim in str(e.value)
+
+
+def test_expert_shape_disagreeing_with_config_is_named(models, tmp_path):
+    d = _copy(models["olmoe"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 16
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TensorRangeError) as e:
+        Model.load(d)
+    assert expert_tensor_name("olmoe", 0, 0, "gate") in str(e.value)
+    assert "config" in str(e.value)
+
+
+def test_missing_dense_tensor_is_named(models, tmp_path):
+    d = _copy(models["mixtral"], tmp_path / "m")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.layers.1.self_attn.k_proj.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(MissingTensorError) as e:
+        Model.load(d)
+    assert "model.layers.1.self_attn.k_proj.weight" in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_and_moed_agree_on_make_model_output(models, arch):
+    """What make-model writes, transformers loads and moed computes the same way."""
+    ref = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
+    ids = np.random.default_rng(1).integers(0, 256, 24)
+    with torch.no_grad():
+        expected = ref(torch.tensor(ids[None])).logits[0].numpy()
+    model = Model.load(models[arch], n_threads=2)
+    got = model.forward(model.new_sequence(), ids, all_logits=True)
+    assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() > 0.9
