@@ -5,9 +5,11 @@
                 dtype and quantisation formats of stored weights
     models/     the model: its config, where its experts are, the forward pass; the
                 per-family code goes here
-    (top level) tokenizer and chat template, sampling, generation, make-model
+    makemodel/  random-weight checkpoints in the Hugging Face layout (tests, benchmarks)
+    (top level) tokenizer and chat template, sampling, generation
 
 kernels/ imports nothing of ext; formats/ imports only formats/; models/ imports
-kernels/ and formats/; the top-level modules may import any room. ext/ as a whole imports
+kernels/ and formats/; makemodel/ imports only makemodel/ (it shares no code with the
+reader it tests); the top-level modules may import any room. ext/ as a whole imports
 only numpy, ml_dtypes, safetensors, tokenizers, jinja2 (tests/test_layout.py).
 """

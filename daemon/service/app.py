@@ -18,7 +18,6 @@ import socket
 import struct
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -27,10 +26,8 @@ from daemon.service import api
 from daemon.service.api import ApiError
 from daemon.service.engine import EngineClosedError, QueueFullError, RequestHandle
 from daemon.service.loading import Loaded
+from daemon.service.serving import ServingState
 from telemetry.logs import get_logger
-
-if TYPE_CHECKING:
-    from daemon.service.daemon import Daemon
 
 log = get_logger("server")
 
@@ -62,8 +59,8 @@ class HttpApp:
     """The routes of one daemon. `application()` serves the Unix socket and tcp_address;
     `metrics_application()` serves metrics_address (/metrics only)."""
 
-    def __init__(self, daemon: Daemon):
-        self.daemon = daemon
+    def __init__(self, state: ServingState):
+        self.state = state
 
     def application(self) -> web.Application:
         """The app of the Unix socket (and tcp_address): every route."""
@@ -99,8 +96,8 @@ class HttpApp:
             status = 499
             raise
         finally:
-            if self.daemon.telemetry is not None:
-                self.daemon.telemetry.response(request.match_info.route.name, status)
+            if self.state.telemetry is not None:
+                self.state.telemetry.response(request.match_info.route.name, status)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -127,21 +124,21 @@ class HttpApp:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if _is_tcp(request) and self.daemon.config.api_key:
+        if _is_tcp(request) and self.state.config.api_key:
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or key.strip() != self.daemon.config.api_key:
+            if scheme.lower() != "bearer" or key.strip() != self.state.config.api_key:
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)
 
     def _require_ready(self) -> Loaded:
-        if self.daemon.phase == "loading" or self.daemon.loaded is None:
+        if self.state.phase == "loading" or self.state.loaded is None:
             raise ApiError(503, "moed is loading the model", type="service_unavailable",
                            code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
-        if self.daemon.phase == "draining":
+        if self.state.phase == "draining":
             raise ApiError(503, "moed is shutting down", type="service_unavailable",
                            code="shutting_down")
-        return self.daemon.loaded
+        return self.state.loaded
 
     def _require_admin(self, request: web.Request) -> None:
         uid = peer_uid(request)
@@ -151,7 +148,7 @@ class HttpApp:
                            code="permission_denied")
 
     async def _json(self, request: web.Request):
-        limit = self.daemon.config.max_body_bytes
+        limit = self.state.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"request body of {request.content_length} bytes is over the "
                                 f"limit of {limit} bytes (max_body_bytes)", code="request_too_large")
@@ -171,15 +168,15 @@ class HttpApp:
                                 f"{str(e)[:200]}") from None
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.daemon.phase == "ready":
+        if self.state.phase == "ready":
             return web.json_response({"status": "ok"})
-        reason = "loading the model" if self.daemon.phase == "loading" else "shutting down"
-        return web.json_response({"status": self.daemon.phase, "reason": reason}, status=503)
+        reason = "loading the model" if self.state.phase == "loading" else "shutting down"
+        return web.json_response({"status": self.state.phase, "reason": reason}, status=503)
 
     async def models(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
         return web.json_response({"object": "list", "data": [
-            {"id": loaded.model_names[0], "object": "model", "created": int(self.daemon.started_wall),
+            {"id": loaded.model_names[0], "object": "model", "created": int(self.state.started_wall),
              "owned_by": "moed"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -194,8 +191,8 @@ class HttpApp:
         engine = loaded.engine
         parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
             api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
-            stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.daemon.config.max_tokens,
-            request_timeout_s=self.daemon.config.request_timeout_s, now=engine.clock())
+            stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.state.config.max_tokens,
+            request_timeout_s=self.state.config.request_timeout_s, now=engine.clock())
         try:
             handle = engine.submit(parsed.engine, asyncio.get_running_loop())
         except QueueFullError as e:
@@ -262,7 +259,7 @@ class HttpApp:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         await self._refresh_snapshot(request)
-        body = generate_latest(self.daemon.registry) if self.daemon.registry is not None else b""
+        body = generate_latest(self.state.registry) if self.state.registry is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _refresh_snapshot(self, request: web.Request) -> None:
@@ -272,20 +269,20 @@ class HttpApp:
         (X-Prometheus-Scrape-Timeout-Seconds) and SCRAPE_WAIT_S — a long prefill holds the
         engine, and then the previous reading is served. Running and waiting counts are
         always read live (the engine keeps them under its own lock)."""
-        loaded = self.daemon.loaded
-        if loaded is None or self.daemon.phase == "loading":
+        loaded = self.state.loaded
+        if loaded is None or self.state.phase == "loading":
             return
         busy = loaded.engine.stats().running > 0     # idle: a fresh reading costs nobody
-        if not busy or time.monotonic() - self.daemon.snapshot_at >= SNAPSHOT_REUSE_S:
+        if not busy or time.monotonic() - self.state.snapshot_at >= SNAPSHOT_REUSE_S:
             wait = SCRAPE_WAIT_S
             with contextlib.suppress(ValueError):
                 wait = min(wait, 0.5 * float(request.headers.get("X-Prometheus-Scrape-Timeout-Seconds", wait)))
             with contextlib.suppress(TimeoutError, EngineClosedError):
                 await asyncio.wait_for(asyncio.wrap_future(
-                    loaded.engine.call(lambda: self.daemon.stats_snapshot(loaded))), max(wait, 0.0))
-        if self.daemon.last_snapshot is not None:
+                    loaded.engine.call(lambda: self.state.stats_snapshot(loaded))), max(wait, 0.0))
+        if self.state.last_snapshot is not None:
             live = loaded.engine.stats()
-            self.daemon.last_snapshot = replace(self.daemon.last_snapshot, requests_running=live.running,
+            self.state.last_snapshot = replace(self.state.last_snapshot, requests_running=live.running,
                                          requests_waiting=live.waiting)
 
     async def _on_engine(self, fn):
@@ -294,7 +291,7 @@ class HttpApp:
 
     async def stats(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
-        return web.json_response(await self._on_engine(lambda: self.daemon.stats_snapshot(loaded)))
+        return web.json_response(await self._on_engine(lambda: self.state.stats_snapshot(loaded)))
 
     async def pins(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()

@@ -15,17 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING
 
 from daemon.machine.squeeze import MEMORY_POLL_S, MemoryWatcher
+from daemon.service.serving import ServingState
 from daemon.service.stats import status_line
 from daemon.store.probe import (ProbeInterrupted, block_device, model_target, report_path,
                                 run_iobench, save_report)
 from daemon.store.streaming import minimum_cache_bytes
 from telemetry.logs import get_logger
-
-if TYPE_CHECKING:
-    from daemon.service.daemon import Daemon
 
 log = get_logger("server")
 
@@ -40,8 +37,8 @@ STATUS_INTERVAL_S = 5.0         # systemd STATUS= line refresh
 class BackgroundTasks:
     """The background loops of one daemon; `start(tasks)` creates them in a TaskGroup."""
 
-    def __init__(self, daemon: Daemon):
-        self.daemon = daemon
+    def __init__(self, state: ServingState):
+        self.state = state
 
     def start(self, tasks: asyncio.TaskGroup) -> list[asyncio.Task]:
         """Create every loop in `tasks`; the tasks (the caller cancels them to stop)."""
@@ -51,28 +48,28 @@ class BackgroundTasks:
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at the interval systemd asks for (none: nothing to do)."""
-        interval = self.daemon.notifier.watchdog_interval_s()
+        interval = self.state.notifier.watchdog_interval_s()
         if interval is None:
             return
         while True:
-            self.daemon.notifier.watchdog()
+            self.state.notifier.watchdog()
             await asyncio.sleep(interval)
 
     async def _status(self) -> None:
         """systemd's STATUS= line (tokens/s and hit rate), every STATUS_INTERVAL_S."""
         while True:
-            loaded = self.daemon.loaded
-            if loaded is not None and self.daemon.phase == "ready":
+            loaded = self.state.loaded
+            if loaded is not None and self.state.phase == "ready":
                 snap = await asyncio.wrap_future(
-                    loaded.engine.call(lambda: self.daemon.stats_snapshot(loaded)))
-                self.daemon.notifier.status(status_line(snap))
+                    loaded.engine.call(lambda: self.state.stats_snapshot(loaded)))
+                self.state.notifier.status(status_line(snap))
             await asyncio.sleep(STATUS_INTERVAL_S)
 
     async def _flusher(self) -> None:
         """The learned usage into the state file every FLUSH_INTERVAL_S."""
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
-            await self.daemon.flush_state()
+            await self.state.flush_state()
 
     async def _storage_probe(self) -> None:
         """Streamed experts and no saved `moed iobench` result for the model's disk: once
@@ -81,12 +78,12 @@ class BackgroundTasks:
         save it in the state directory, as `moed iobench` does. A request that arrives
         meanwhile stops the probe between two of its passes (a fraction of a second) and
         goes first; the probe starts again at the next idle moment. A failure is a warning."""
-        loaded = self.daemon.loaded
+        loaded = self.state.loaded
         if loaded is None or loaded.session is None or loaded.session.store is None:
             return
         state_dir = loaded.session.store.state_dir
         try:
-            target = await asyncio.to_thread(model_target, self.daemon.config.model)
+            target = await asyncio.to_thread(model_target, self.state.config.model)
             if report_path(state_dir, block_device(target.files[0])).exists():
                 return
         except (OSError, ValueError) as e:
@@ -124,18 +121,18 @@ class BackgroundTasks:
         """Streamed experts: every MEMORY_POLL_S re-read the memory available and shrink or
         grow the expert cache (daemon/machine/squeeze.py) up to the budget it started with (configured,
         or planned); a failed reading or resize is a warning."""
-        loaded = self.daemon.loaded
+        loaded = self.state.loaded
         if loaded is None or loaded.session is None:
             return
         model = loaded.engine.model
-        self.daemon.memory_watcher = MemoryWatcher(
+        self.state.memory_watcher = MemoryWatcher(
             loaded.session, loaded.session.options.cache_bytes,     # configured or planned
             minimum_cache_bytes(model.layout, model.config),
             run_on_engine=lambda fn: loaded.engine.call(fn).result())
         while True:
             await asyncio.sleep(MEMORY_POLL_S)
             try:
-                await asyncio.to_thread(self.daemon.memory_watcher.check)
+                await asyncio.to_thread(self.state.memory_watcher.check)
             except (OSError, ValueError) as e:
                 log.warning("memory_watch_failed", error=str(e))
 
@@ -143,7 +140,7 @@ class BackgroundTasks:
         """tuner = live+idle: while nothing is served for IDLE_TUNING_AFTER_S, feed the live
         tuner one window of the built-in workload at a time (requests wait at most one
         window). Its routing does not count as usage: pins follow real traffic only."""
-        loaded = self.daemon.loaded
+        loaded = self.state.loaded
         if loaded is None or loaded.tuner is None or loaded.workload is None:
             return
         tuner, workload, engine = loaded.tuner, loaded.workload, loaded.engine

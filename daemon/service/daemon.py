@@ -24,14 +24,13 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from daemon.machine.memory import read_mem_available
 from daemon.service.app import HttpApp
 from daemon.service.background import BackgroundTasks
 from daemon.service.config import ServeConfig
 from daemon.service.listen import AdoptedListener, ListenError, adopt_fd, bind_unix_socket
-from daemon.service.loading import Loaded, load_for_serving
+from daemon.service.loading import load_for_serving
 from daemon.service.sdnotify import Notifier, listen_fds
-from daemon.service.stats import collect
+from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
 from daemon.tuning.knobs import PREFETCH_WIDTH
 from ext.models.config import load_config as load_model_config
@@ -54,38 +53,26 @@ class Daemon:
     telemetry: the daemon's telemetry.metrics.DaemonMetrics (its registry is rendered at
     /metrics; its collector reads `last_snapshot`), or None.
 
-    The serving state the routes and the background loops read: `phase` (loading |
-    ready | draining), `loaded`, `config`, `last_snapshot`.
+    `state` (daemon/service/serving.py) is what the routes and the background loops read
+    and what the lifecycle changes: phase, the loaded model, the configuration.
     """
 
     def __init__(self, config: ServeConfig, *, load, reload, listener, notifier: Notifier,
                  telemetry=None):
-        self.config = config
+        self.state = ServingState(config, notifier, telemetry)
         self._load = load
         self._reload = reload
         self.listener = listener
-        self.notifier = notifier
-        self.telemetry = telemetry
-        self.registry = telemetry.registry if telemetry is not None else None
-        self.last_snapshot = None        # telemetry.metrics.Snapshot of the latest stats reading
-        self.snapshot_at = float("-inf")  # time.monotonic() of that reading
-        self.load_seconds = 0.0
-        self.loaded: Loaded | None = None
-        self.memory_watcher = None       # daemon.machine.squeeze.MemoryWatcher (streamed experts)
-        self.phase = "loading"           # loading | ready | draining
         self._stop = asyncio.Event()
         self._hup = asyncio.Event()
         self._sigints = 0
-        self._handlers: set[asyncio.Task] = set()
         self._runners: list[web.AppRunner] = []
-        self.started = time.monotonic()
-        self.started_wall = time.time()
         self.metrics_bound: str | None = None
         self.exit_code = 0
-        self.http = HttpApp(self)
+        self.http = HttpApp(self.state)
         # The app of metrics_address (None without telemetry: nothing to serve there).
         self.metrics_app = self.http.metrics_application() if telemetry is not None else None
-        self.background = BackgroundTasks(self)
+        self.background = BackgroundTasks(self.state)
 
     async def run(self) -> int:
         """startup -> main_loop -> shutdown; the process exit code."""
@@ -116,16 +103,16 @@ class Daemon:
         await runner.setup()
         self._runners.append(runner)
         await web.SockSite(runner, self.listener.sock).start()
-        if self.config.tcp_address is not None:
-            tcp = self.config.tcp_address
+        if self.state.config.tcp_address is not None:
+            tcp = self.state.config.tcp_address
             await _start_site(web.TCPSite(runner, tcp.host, tcp.port), "tcp_address", tcp)
             host, port = [a for a in runner.addresses if isinstance(a, tuple)][-1][:2]
-            log.info("tcp_listening", address=f"{host}:{port}", api_key=self.config.api_key is not None)
+            log.info("tcp_listening", address=f"{host}:{port}", api_key=self.state.config.api_key is not None)
         if self.metrics_app is not None:
             metrics_runner = web.AppRunner(self.metrics_app, access_log=None)
             await metrics_runner.setup()
             self._runners.append(metrics_runner)
-            address = self.config.metrics_address
+            address = self.state.config.metrics_address
             await _start_site(web.TCPSite(metrics_runner, address.host, address.port),
                               "metrics_address", address)
             host, port = metrics_runner.addresses[0][:2]
@@ -133,9 +120,9 @@ class Daemon:
             log.info("metrics_listening", address=self.metrics_bound)
         log.info("socket_listening", socket=self.listener.path)
         load_started = time.monotonic()
-        load = asyncio.ensure_future(asyncio.to_thread(self._load, self.config))
+        load = asyncio.ensure_future(asyncio.to_thread(self._load, self.state.config))
         while not load.done():
-            self.notifier.extend_timeout(int(2 * EXTEND_TIMEOUT_S * 1e6))
+            self.state.notifier.extend_timeout(int(2 * EXTEND_TIMEOUT_S * 1e6))
             stop = asyncio.ensure_future(self._stop.wait())
             await asyncio.wait({load, stop}, timeout=EXTEND_TIMEOUT_S,
                                return_when=asyncio.FIRST_COMPLETED)
@@ -144,20 +131,20 @@ class Daemon:
                 log.info("stopping_during_load")
                 self.exit_code = 0
                 with contextlib.suppress(BaseException):
-                    self.loaded = await load       # the load thread cannot be interrupted
+                    self.state.loaded = await load       # the load thread cannot be interrupted
                 return False
         try:
-            self.loaded = load.result()
-            self.load_seconds = time.monotonic() - load_started
+            self.state.loaded = load.result()
+            self.state.load_seconds = time.monotonic() - load_started
         except (OSError, ValueError) as e:
             log.error("model_load_failed", error=str(e))
             self.exit_code = 1
             return False
-        self.loaded.engine.start()
-        self.phase = "ready"
-        self.notifier.ready()
-        log.info("ready", model=self.loaded.model_names[0], socket=self.listener.path,
-                 load_seconds=round(self.load_seconds, 3))
+        self.state.loaded.engine.start()
+        self.state.phase = "ready"
+        self.state.notifier.ready()
+        log.info("ready", model=self.state.loaded.model_names[0], socket=self.listener.path,
+                 load_seconds=round(self.state.load_seconds, 3))
         return True
 
     async def main_loop(self) -> None:
@@ -177,27 +164,27 @@ class Daemon:
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; apply limits, log level and the cache budget live."""
-        self.notifier.reloading()
+        self.state.notifier.reloading()
         try:
             new = self._reload()
         except (OSError, ValueError, RecursionError) as e:
             log.error("reload_failed", error=str(e), kept="previous configuration")
-            self.notifier.ready()
+            self.state.notifier.ready()
             return
-        changed = {k for k, v in new.to_dict().items() if self.config.to_dict().get(k) != v}
+        changed = {k for k, v in new.to_dict().items() if self.state.config.to_dict().get(k) != v}
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner"}
         if fixed:
             log.warning("reload_needs_restart", keys=sorted(fixed))
-        new = replace(new, **{k: getattr(self.config, k) for k in fixed})
-        loaded = self.loaded
+        new = replace(new, **{k: getattr(self.state.config, k) for k in fixed})
+        loaded = self.state.loaded
         try:
             if loaded is not None:
                 loaded.engine.set_limits(new.max_concurrent_sequences, new.max_queue)
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
-                    if self.memory_watcher is not None and new.expert_cache_bytes is not None:
-                        self.memory_watcher.set_maximum(new.expert_cache_bytes, new.pin_fraction)
+                    if self.state.memory_watcher is not None and new.expert_cache_bytes is not None:
+                        self.state.memory_watcher.set_maximum(new.expert_cache_bytes, new.pin_fraction)
                     tuner = loaded.tuner
                     if "prefetch" in changed and tuner is not None:   # the operator decides now
                         await asyncio.wrap_future(loaded.engine.call(
@@ -208,62 +195,31 @@ class Daemon:
             set_level(new.log_level)
         except (OSError, ValueError) as e:
             if loaded is not None:   # the new limits went in before the cache refused: undo
-                old = self.config
+                old = self.state.config
                 loaded.engine.set_limits(old.max_concurrent_sequences, old.max_queue)
             log.error("reload_failed", error=str(e), kept="previous configuration")
-            self.notifier.ready()
+            self.state.notifier.ready()
             return
-        self.config = new
+        self.state.config = new
         log.info("reloaded", changed=sorted(changed - fixed))
-        self.notifier.ready()
-
-    async def flush_state(self) -> None:
-        loaded = self.loaded
-        if loaded is None or loaded.session is None:
-            return
-        try:
-            saved = await asyncio.wrap_future(loaded.engine.call(loaded.session.flush))
-        except OSError as e:
-            log.warning("state_save_failed", error=str(e))
-        else:
-            if saved:
-                log.info("state_saved", path=str(loaded.session.store.path))
-
-    def stats_snapshot(self, loaded: Loaded) -> dict:
-        """moed's own statistics (runs on the engine thread); the same reading becomes
-        `last_snapshot`, which /metrics exports (daemon/service/stats.py)."""
-        snapshot, out = collect(loaded.engine, loaded.session,
-                                memory_budget_bytes=(loaded.session.options.cache_bytes
-                                                     if loaded.session is not None else 0),
-                                memory_available_bytes=read_mem_available(),
-                                model_load_seconds=self.load_seconds)
-        self.last_snapshot = snapshot
-        self.snapshot_at = time.monotonic()
-        out.update(model=loaded.model_names[0], uptime_seconds=time.monotonic() - self.started)
-        out["tuner"] = {"mode": self.config.tuner if loaded.tuner is not None else "off"}
-        if loaded.tuner is not None:
-            t = loaded.tuner.tuner
-            out["tuner"].update(finished=loaded.tuner.finished, settings=dict(t.settings()),
-                                best=dict(t.incumbent), trials=len(t.trials),
-                                kept=sum(1 for x in t.trials if x.outcome == "win"))
-        return out
+        self.state.notifier.ready()
 
     async def shutdown(self) -> None:
-        self.notifier.stopping()
-        self.phase = "draining"
-        loaded = self.loaded
+        self.state.notifier.stopping()
+        self.state.phase = "draining"
+        loaded = self.state.loaded
         if loaded is not None:
             engine = loaded.engine
             engine.stop_accepting()
             stats = engine.stats()
             log.info("draining", running=stats.running, waiting=stats.waiting,
-                     grace_s=self.config.shutdown_grace_s)
-            finished = await asyncio.to_thread(engine.wait_idle, self.config.shutdown_grace_s)
+                     grace_s=self.state.config.shutdown_grace_s)
+            finished = await asyncio.to_thread(engine.wait_idle, self.state.config.shutdown_grace_s)
             if not finished:
-                log.warning("shutdown_grace_expired", grace_s=self.config.shutdown_grace_s)
+                log.warning("shutdown_grace_expired", grace_s=self.state.config.shutdown_grace_s)
                 engine.cancel_all()
                 await asyncio.to_thread(engine.wait_idle, None)
-            await self.flush_state()
+            await self.state.flush_state()
             engine.stop()
         for runner in reversed(self._runners):
             await runner.cleanup()
@@ -309,7 +265,7 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     daemon: Daemon | None = None
     telemetry = DaemonMetrics(version=version, model_type=model_type, moe_layers=moe_layers,
                               read_seconds_buckets=READ_SECONDS_BUCKETS,
-                              source=lambda: daemon.last_snapshot if daemon is not None else None)
+                              source=lambda: daemon.state.last_snapshot if daemon is not None else None)
     notifier = Notifier(environ)
     daemon = Daemon(config, load=lambda c: load_for_serving(c, environ, telemetry), reload=reload,
                     listener=listener, notifier=notifier, telemetry=telemetry)

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import json
 import ctypes.util
 import itertools
+import json
 import mmap
 import os
 import statistics
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from daemon.store.plans import ALIGN, ReadPlan, ReadSpan, TensorPlacement, plans_for
-from daemon.store.reads import DEMAND, IoPool, _drop_cached, probe_direct_io
+from daemon.store.reads import DEMAND, IoPool, drop_page_cache, probe_direct_io
 from daemon.store.slots import SlotArena
 from ext.formats.checkpoint import TensorInfo
 
@@ -207,26 +207,6 @@ def page_residency(paths) -> float:
     return resident / total if total else 1.0
 
 
-def drop_cached(paths) -> None:
-    """``fdatasync`` each file (if it can be opened for writing), then POSIX_FADV_DONTNEED
-    over all of it (one advice per call, in io.py's 8 MiB pieces)."""
-    for p in paths:
-        try:
-            wfd = os.open(p, os.O_WRONLY)
-        except OSError:  # read-only file or filesystem: nothing of ours can be dirty
-            pass
-        else:
-            try:
-                os.fdatasync(wfd)
-            finally:
-                os.close(wfd)
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            _drop_cached(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-
-
 def block_device(path: str | os.PathLike) -> str:
     """Name of the block device holding ``path`` (``/sys/dev/block/MAJ:MIN``), else
     "MAJ:MIN" (overlay, tmpfs and other filesystems without one)."""
@@ -336,7 +316,7 @@ def run_iobench(target: Target, seconds: float = 60.0, repeats: int = 3, seed: i
                     raise ProbeInterrupted(f"stopped after {n} of {total} passes")
                 if mode == "buffered":
                     before = page_residency(target.files)
-                    drop_cached(target.files)
+                    drop_page_cache(target.files)
                     residency[(mode, qd)].append(
                         {"before": before, "after": page_residency(target.files)})
                 budget = max(0.0, t_end - clock()) * _BUDGET_SHARE / (total - n)

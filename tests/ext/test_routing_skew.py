@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import ext.makemodel as makemodel
+import ext.makemodel.shards as shards
+import ext.makemodel.skew as skew_construction
 import ext.models.model as model_module
 from ext.generate import Generation
 from ext.makemodel import make_model
@@ -40,7 +41,7 @@ TINY = dict(layers=2, experts=4, top_k=2, hidden=32, intermediate=16)
 
 # sha256 over the safetensors files, the index and config.json of
 # make_model(arch="qwen3_moe", seed=3, shard_size=20_000, **TINY), computed with the
-# version of ext/makemodel.py that had no routing_skew keyword.
+# version of make-model that had no routing_skew keyword.
 LEGACY_DIGEST = "3c45439f3ab5d4c87fcd2301b37e12ed24b9b89bec79511b4ba9913c56b37bbf"
 
 
@@ -111,7 +112,7 @@ def test_skew_one_gives_zipf_popularity_and_real_reuse(skewed_routing):
 def test_vanishing_skew_routes_near_uniformly(tmp_path):
     # Not S = 0: S = 0 keeps today's plain random weights byte for byte, and those do not
     # route uniformly (attention's context average dominates the residual stream, so
-    # layers >= 1 keep choosing the same few experts; see make_model's docstring).
+    # layers >= 1 keep choosing the same few experts; see ext/makemodel/skew.py).
     _, ids = _decode_routing(make_model(tmp_path, routing_skew=0.001, seed=0, **SHAPE))
     uniform_reuse = SHAPE["top_k"] / SHAPE["experts"]
     for layer in range(SHAPE["layers"]):
@@ -170,7 +171,7 @@ def test_skewed_files_are_deterministic_and_do_not_depend_on_sharding_or_chunks(
     again = _tensors(make_model(tmp_path / "again", **args))
     sharded = _tensors(make_model(tmp_path / "sharded", shard_size=20_000, **args))
     f32 = _tensors(make_model(tmp_path / "f32", dtype="f32", **args))
-    monkeypatch.setattr(makemodel, "_CHUNK_ELEMENTS", 100)  # several rows per chunk, cut at rows
+    monkeypatch.setattr(shards, "_CHUNK_ELEMENTS", 100)  # several rows per chunk, cut at rows
     chunked = _tensors(make_model(tmp_path / "chunked", **args))
     plain = _tensors(make_model(tmp_path / "plain", **{**args, "routing_skew": None}))
     assert one.keys() == again.keys() == sharded.keys() == chunked.keys() == plain.keys()
@@ -194,8 +195,8 @@ def test_invalid_routing_skew(tmp_path, skew):
 @pytest.mark.parametrize("experts, top_k, skew", [(64, 8, 1.0), (32, 4, 1.0), (8, 2, 2.0), (4, 4, 1.0)])
 def test_offsets_reproduce_the_zipf_shares(experts, top_k, skew):
     """Mean-field offsets: top_k of offset + N(0, 1) picks each rank at its share."""
-    offsets = makemodel._zipf_offsets(experts, top_k, skew)
-    target = makemodel._zipf_shares(experts, top_k, skew)
+    offsets = skew_construction._zipf_offsets(experts, top_k, skew)
+    target = skew_construction._zipf_shares(experts, top_k, skew)
     logits = offsets + np.random.default_rng(0).standard_normal((20_000, experts))
     ids = np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k]
     shares = np.bincount(ids.ravel(), minlength=experts) / ids.size

@@ -1,0 +1,74 @@
+"""The serving state of one daemon: what the HTTP routes and the background loops read,
+and what the lifecycle (daemon/service/daemon.py) changes.
+
+`phase` is "loading" until the model is loaded and the engine runs, "ready" while
+serving, "draining" from SIGTERM on. `loaded` is None until the load finishes. `config`
+is replaced as a whole by a successful SIGHUP reload. Only the event loop's thread
+changes these; the engine thread runs `stats_snapshot` through `Engine.call`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from daemon.machine.memory import read_mem_available
+from daemon.service.config import ServeConfig
+from daemon.service.loading import Loaded
+from daemon.service.sdnotify import Notifier
+from daemon.service.stats import collect
+from telemetry.logs import get_logger
+
+log = get_logger("server")
+
+
+class ServingState:
+    """config: the ServeConfig in force. notifier: sd_notify. telemetry: the daemon's
+    telemetry.metrics.DaemonMetrics (its registry is rendered at /metrics; its collector
+    reads `last_snapshot`), or None."""
+
+    def __init__(self, config: ServeConfig, notifier: Notifier, telemetry=None):
+        self.config = config
+        self.notifier = notifier
+        self.telemetry = telemetry
+        self.registry = telemetry.registry if telemetry is not None else None
+        self.phase = "loading"           # loading | ready | draining
+        self.loaded: Loaded | None = None
+        self.load_seconds = 0.0
+        self.last_snapshot = None        # telemetry.metrics.Snapshot of the latest stats reading
+        self.snapshot_at = float("-inf")  # time.monotonic() of that reading
+        self.memory_watcher = None       # daemon.machine.squeeze.MemoryWatcher (streamed experts)
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+
+    def stats_snapshot(self, loaded: Loaded) -> dict:
+        """moed's own statistics (runs on the engine thread); the same reading becomes
+        `last_snapshot`, which /metrics exports (daemon/service/stats.py)."""
+        snapshot, out = collect(loaded.engine, loaded.session,
+                                memory_budget_bytes=(loaded.session.options.cache_bytes
+                                                     if loaded.session is not None else 0),
+                                memory_available_bytes=read_mem_available(),
+                                model_load_seconds=self.load_seconds)
+        self.last_snapshot = snapshot
+        self.snapshot_at = time.monotonic()
+        out.update(model=loaded.model_names[0], uptime_seconds=time.monotonic() - self.started)
+        out["tuner"] = {"mode": self.config.tuner if loaded.tuner is not None else "off"}
+        if loaded.tuner is not None:
+            t = loaded.tuner.tuner
+            out["tuner"].update(finished=loaded.tuner.finished, settings=dict(t.settings()),
+                                best=dict(t.incumbent), trials=len(t.trials),
+                                kept=sum(1 for x in t.trials if x.outcome == "win"))
+        return out
+
+    async def flush_state(self) -> None:
+        """Merge the learned usage into the state file (on the engine thread); a failed
+        write is a warning and the counts stay in memory for the next flush."""
+        loaded = self.loaded
+        if loaded is None or loaded.session is None:
+            return
+        try:
+            saved = await asyncio.wrap_future(loaded.engine.call(loaded.session.flush))
+        except OSError as e:
+            log.warning("state_save_failed", error=str(e))
+        else:
+            if saved:
+                log.info("state_saved", path=str(loaded.session.store.path))

@@ -1,0 +1,190 @@
+"""Write random-weight Mixture-of-Experts checkpoints in the exact Hugging Face layout.
+
+`make_model` produces a directory that transformers 5 (`AutoModelForCausalLM`) and moed
+load alike: config.json, generation_config.json, tokenizer.json, tokenizer_config.json
+and safetensors shards (`model.safetensors`, or `model-0000i-of-0000N.safetensors` plus
+`model.safetensors.index.json`). It exists for tests, demos and benchmarks — moed never
+downloads fixtures. It shares no code with the reader it tests (ext/formats/, ext/models/).
+
+Conventions (shape legend as in the rest of ext/):
+  L layers, E num_experts, H hidden_size, I intermediate_size (per expert),
+  S shared-expert intermediate size (qwen2_moe), V vocab_size,
+  Nq attention heads, Nkv key/value heads, D head_dim.
+  Linear weights are stored [out_features, in_features] as in `torch.nn.Linear`.
+
+Weights: linear weights and biases are uniform on ±initializer_range·√3 (standard
+deviation = initializer_range); norm weights are 1.0 (ext/makemodel/shards.py writes
+them). `routing_skew=S > 0` edits some rows of these random tensors so that routing is
+realistic for cache benchmarks (ext/makemodel/skew.py). What each architecture holds is
+ext/makemodel/families.py.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ext.makemodel.families import _ARCH, ARCHITECTURES, config_json, tensor_specs
+from ext.makemodel.shards import _DTYPES, write_json, write_shards
+from ext.makemodel.skew import skew_adjustments
+from ext.makemodel.tokenizer import SPECIAL_TOKENS, build_tokenizer, tokenizer_config
+
+_VOCAB_MULTIPLE = 64
+DEFAULT_SHARD_SIZE = 2 << 30  # bytes
+
+
+def make_model(
+    out_dir: str | Path,
+    *,
+    arch: str,
+    layers: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    dtype: str = "bf16",
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    shared_intermediate: int | None = None,
+    max_position_embeddings: int = 4096,
+    initializer_range: float = 0.02,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    routing_skew: float | None = None,
+) -> Path:
+    """Write a random-weight checkpoint for one MoE architecture in Hugging Face layout.
+
+    Args:
+        out_dir: directory to write; created if missing.
+        arch: one of `ARCHITECTURES` ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe");
+            becomes config.json `model_type`.
+        layers: L, `num_hidden_layers`; every layer is a MoE layer.
+        experts: E, `num_local_experts` (mixtral) or `num_experts` (others).
+        top_k: `num_experts_per_tok`, 1 <= top_k <= E.
+        hidden: H, `hidden_size`.
+        intermediate: I, per-expert FFN width: `intermediate_size` for mixtral/olmoe,
+            `moe_intermediate_size` for qwen2_moe/qwen3_moe.
+        dtype: "bf16", "f16" or "f32" — the stored dtype of every tensor.
+        shard_size: maximum bytes of tensor data per shard file; tensors are assigned
+            greedily in order, a tensor larger than this gets a shard of its own. If
+            everything fits, a single `model.safetensors` is written with no index.
+        seed: base seed of the per-tensor random streams.
+        vocab_size: target tokenizer size (default 512); config `vocab_size` (rows of
+            embed_tokens / lm_head) is this rounded up to a multiple of 64.
+        heads: Nq; default H // 64 when that gives >= 2 heads (head_dim 64), else 4.
+        kv_heads: Nkv; default Nq // 2 when Nq is even, else Nq. Must divide Nq.
+        head_dim: D; only qwen3_moe may choose it freely (written to config.json);
+            default H // Nq, which the other architectures require.
+        shared_intermediate: S, qwen2_moe `shared_expert_intermediate_size`;
+            default 4 * I (the ratio of Qwen1.5-MoE-A2.7B). Rejected for other archs.
+        max_position_embeddings: written to config.json.
+        initializer_range: standard deviation of the random weights.
+        overwrite: remove checkpoint files of an earlier run in out_dir first; without
+            it an existing config.json or *.safetensors there is an error.
+        progress: optional callable(done_bytes, total_bytes) called as tensor data is
+            written (after each chunk) and once at the end with done == total.
+        routing_skew: S. None or 0: plain random weights, byte-identical to what this
+            function wrote before the keyword existed. S > 0: weights built so that, when
+            the model samples at temperature 0.7, each MoE layer's expert popularity
+            (share of top_k selections) follows Zipf(S) over a random per-layer ranking
+            of the experts, and a token's expert was also chosen by the previous token at
+            about the real rate (0.40 at S = 1). See "Routing skew" below.
+
+    Returns:
+        The checkpoint directory as a `Path`.
+
+    Raises:
+        ValueError: unknown arch or dtype, or sizes that are non-positive or
+            inconsistent (top_k > experts, Nq not divisible by Nkv, H != Nq * D for an
+            arch that requires it, odd head_dim), or routing_skew negative / not finite.
+        FileExistsError: out_dir already holds a checkpoint and overwrite is False.
+    See ext/makemodel/skew.py for the routing-skew construction and its measurements.
+    """
+    if arch not in _ARCH:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+    if sys.byteorder != "little":
+        raise ValueError("make_model writes little-endian safetensors and needs a little-endian host")
+    for field, value in (("layers", layers), ("experts", experts), ("top_k", top_k),
+                         ("hidden", hidden), ("intermediate", intermediate),
+                         ("shard_size", shard_size),
+                         ("max_position_embeddings", max_position_embeddings)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{field} must be a positive int, got {value!r}")
+    if top_k > experts:
+        raise ValueError(f"top_k ({top_k}) must be <= experts ({experts})")
+    if not 0 < initializer_range <= 1:
+        raise ValueError(f"initializer_range must be in (0, 1], got {initializer_range!r}")
+    if routing_skew is not None and not (isinstance(routing_skew, (int, float))
+                                         and not isinstance(routing_skew, bool)
+                                         and math.isfinite(routing_skew) and routing_skew >= 0):
+        raise ValueError(f"routing_skew must be a finite number >= 0 or None, got {routing_skew!r}")
+    if heads is None:
+        heads = hidden // 64 if hidden // 64 >= 2 else 4
+    if kv_heads is None:
+        kv_heads = heads // 2 if heads % 2 == 0 else heads
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        head_dim = hidden // heads
+    elif arch != "qwen3_moe" and head_dim * heads != hidden:
+        raise ValueError(f"{arch} needs head_dim * heads == hidden, got {head_dim} * {heads} != {hidden}")
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim = hidden / heads = {hidden} / {heads} = {head_dim} must be a positive "
+                         f"even number (RoPE rotates pairs); choose heads so that it is")
+    if shared_intermediate is not None and arch != "qwen2_moe":
+        raise ValueError(f"shared_intermediate applies to qwen2_moe only, not {arch}")
+    if arch == "qwen2_moe":
+        shared_intermediate = 4 * intermediate if shared_intermediate is None else shared_intermediate
+        if shared_intermediate <= 0:
+            raise ValueError(f"shared_intermediate must be positive, got {shared_intermediate}")
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_checkpoint(out, overwrite)
+
+    tokenizer = build_tokenizer(512 if vocab_size is None else vocab_size)
+    config_vocab = -(-max(tokenizer.get_vocab_size(), vocab_size or 0) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+
+    dims = dict(L=layers, E=experts, H=hidden, I=intermediate, S=shared_intermediate,
+                V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim)
+    specs = list(tensor_specs(arch, dims))
+    np_dtype, st_dtype, config_dtype = _DTYPES[dtype]
+    adjust = (skew_adjustments(arch, dims, top_k, seed, initializer_range, float(routing_skew))
+              if routing_skew else None)             # None and 0: plain random weights
+    write_shards(out, specs, np_dtype, st_dtype, shard_size, seed, initializer_range, progress,
+                  adjust)
+
+    config = config_json(arch, dims, top_k, config_dtype, ids, max_position_embeddings, initializer_range)
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+    })
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    write_json(out / "tokenizer_config.json", tokenizer_config(ids, max_position_embeddings))
+    return out
+
+
+def _clear_checkpoint(out: Path, overwrite: bool) -> None:
+    """Refuse to mix with an existing checkpoint, or delete its files if overwrite."""
+    old = [p for p in out.iterdir()
+           if p.name.endswith(".safetensors") or p.name in (
+               "config.json", "generation_config.json", "model.safetensors.index.json",
+               "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
+    if old and not overwrite:
+        raise FileExistsError(f"{out} already holds a checkpoint ({old[0].name}); use --force to replace it")
+    for path in old:
+        path.unlink()

@@ -1,0 +1,95 @@
+"""The tokenizer files of a generated checkpoint: a byte-level BPE trained on a fixed text,
+three special tokens and the ChatML chat template."""
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Fixed training text for the byte-level BPE merges. Changing it changes every
+# generated tokenizer, so it is a constant rather than, say, this file's source.
+_BPE_CORPUS = """\
+A mixture of experts replaces the single feed-forward block of a transformer layer with
+many smaller experts and a router that picks a few of them for every token. The router
+computes a score for each expert, keeps the top k, and mixes the chosen experts' outputs
+with weights taken from a softmax over the scores. Because each token touches only a few
+experts, the model can hold far more parameters than it spends on any one token.
+
+The daemon keeps the dense part of the model resident in memory: the embeddings, the
+attention weights, the norms, the routers and the shared experts. The routed experts stay
+on the disk in the model's own safetensors shards and are read into an expert cache when
+a token needs them. Hot experts are pinned; the next layer's experts are predicted and
+read while the processor computes the current layer.
+
+Hello, world! How are you today? I am fine, thank you. What is the weather like? It is
+sunny and warm, with a light breeze from the sea. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100
+1024 2048 4096. Code: def forward(self, x): return self.down(silu(self.gate(x)) * self.up(x))
+for i in range(n): total += values[i] if values[i] > 0 else 0; print(f"{total:.3f}")
+Un café au lait, s'il vous plaît. Die Straße ist naß. El niño comió piña. Ça va très bien.
+Grüße aus München — zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.
+日本語の文章も少し入れておきます。東京は大きな都市です。中文也可以。한국어 문장입니다.
+Prices: 5 € or £4 or ¥600; temperatures of −5 °C to 30 °C; π ≈ 3.14159; x² + y² = r².
+<|im_start|>user
+What is a mixture of experts?<|im_end|>
+<|im_start|>assistant
+It is a layer in which a router sends each token to a few of many expert networks.<|im_end|>
+"""
+
+
+def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    """Train the byte-level BPE tokenizer used by generated checkpoints.
+
+    Args:
+        vocab_size: target vocabulary size including the 3 special tokens
+            (`<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2) and the 256
+            byte tokens; the remaining entries are merges learned from a fixed
+            built-in text. The result may be smaller if the text runs out of merges.
+
+    Returns:
+        A `tokenizers.Tokenizer` with a ByteLevel pre-tokenizer (add_prefix_space=False)
+        and ByteLevel decoder; deterministic for a given `vocab_size`.
+
+    Raises:
+        ValueError: vocab_size < 259 (the special and byte tokens would not fit).
+    """
+    minimum = len(SPECIAL_TOKENS) + 256
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum}, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_BPE_CORPUS], trainer=trainer)
+    return tokenizer
+
+
+def tokenizer_config(ids: dict, model_max_length: int) -> dict:
+    """tokenizer_config.json contents: special tokens and the ChatML chat template."""
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(token_id): {"content": token, "lstrip": False, "normalized": False,
+                            "rstrip": False, "single_word": False, "special": True}
+            for token, token_id in sorted(ids.items(), key=lambda kv: kv[1])},
+        "bos_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "model_max_length": model_max_length,
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
