@@ -157,14 +157,9 @@ cdef inline void _matmul_rows(const moed_weight *w, const float *x, Py_ssize_t T
     """out[t, r] = w_r . x[t] for the rows r of group g (MOED_ROWS rows) and t < T.
 
     The group's rows stay in cache while the T tokens pass over them."""
-    cdef float o[8]
-    cdef Py_ssize_t R = w.rows, C = w.cols
-    cdef Py_ssize_t r0 = g * MOED_ROWS, t, q
-    cdef int nr = <int>(R - r0) if R - r0 < MOED_ROWS else MOED_ROWS
-    for t in range(T):
-        moed_w_dot_rows(w, r0, nr, x + t * C, o, simd)
-        for q in range(nr):
-            out[t * R + r0 + q] = o[q]
+    cdef Py_ssize_t r0 = g * MOED_ROWS
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    moed_w_matmul_rows(w, r0, nr, x, T, out + r0, w.rows, simd)
 
 
 cdef void _matmul(const moed_weight *w, const float *x, Py_ssize_t T, float *out,
@@ -495,20 +490,28 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
 
 # ------------------------------------------------------------- expert FFN
 
+cdef enum:
+    FFN_TOKENS = 8   # tokens of one _gate_up_rows pass
+    FFN_OUTS = 64    # FFN_TOKENS x MOED_ROWS (4) with room to spare
+
+
 cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t g,
                         const float *x, Py_ssize_t n, float *hbuf) noexcept nogil:
     """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the rows i of group g
     and the n tokens x_j."""
     cdef Py_ssize_t H = wg.cols, I = wg.rows
-    cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
+    cdef Py_ssize_t i0 = g * MOED_ROWS, j0 = 0, j, q, nt
     cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
-    cdef float go[8]
-    cdef float uo[8]
-    for j in range(n):
-        moed_w_dot_rows(wg, i0, nr, x + j * H, go, 1)
-        moed_w_dot_rows(wu, i0, nr, x + j * H, uo, 1)
-        for q in range(nr):
-            hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
+    cdef float go[FFN_OUTS]
+    cdef float uo[FFN_OUTS]
+    while j0 < n:
+        nt = n - j0 if n - j0 < FFN_TOKENS else FFN_TOKENS
+        moed_w_matmul_rows(wg, i0, nr, x + j0 * H, nt, go, nr, 1)
+        moed_w_matmul_rows(wu, i0, nr, x + j0 * H, nt, uo, nr, 1)
+        for j in range(nt):
+            for q in range(nr):
+                hbuf[(j0 + j) * I + i0 + q] = moed_silu(go[j * nr + q]) * uo[j * nr + q]
+        j0 += nt
 
 
 def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,

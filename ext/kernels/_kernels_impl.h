@@ -100,7 +100,9 @@ static inline float moed_dot(int dtype, const void *w, const float *x, ptrdiff_t
 #define MOED_ROWS 4
 /* Software prefetch distance along each weight row (measured: +10 % on a
  * DRAM-bound 14336 x 4096 bf16 mat-vec; prefetches never fault). */
+#ifndef MOED_PREFETCH_BYTES
 #define MOED_PREFETCH_BYTES 1024
+#endif
 
 static inline __attribute__((always_inline)) void
 moed_dot_rows_bf16(const char *w, size_t ldw, const int nrows, const float *x, ptrdiff_t n,

@@ -200,28 +200,55 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
 #define MOED_Q_SIMD 1
 /* Bytes of a row prefetched ahead: a bf16 row's 1024 bytes are 512 columns; a 4-bit
  * row streams a quarter as many bytes per column. */
+#ifndef MOED_Q_PREFETCH
 #define MOED_Q_PREFETCH 512
+#endif
+
+/* The span kernels below decode columns [c0, c1) (multiples of 32) of rows r0 ..
+ * r0+nrows-1, 32 columns per step, into two 16-lane vectors per row in the format's
+ * lane order (natural: columns j..j+15, j+16..j+31; paired: the even, the odd ones),
+ * exactly the reference path's values. With `store` 0 they add value * x into the
+ * row's accumulators a0, a1 (mat-vec); with `store` 1 they write the values to
+ * buf[q * ldb + (j - c0)] (a tile that several tokens then share). `store`, `nrows`
+ * and `kind` are constants in each instantiation. */
+static inline __attribute__((always_inline)) void
+moed_sink(const int store, moed_v16 v0, moed_v16 v1, moed_v16 x0, moed_v16 x1,
+          moed_v16 *a0, moed_v16 *a1, float *buf, ptrdiff_t at) {
+    if (store) {
+        moed_v16_store(buf + at, v0);
+        moed_v16_store(buf + at + 16, v1);
+    } else {
+        *a0 = moed_v16_add(*a0, moed_v16_mul(v0, x0));
+        *a1 = moed_v16_add(*a1, moed_v16_mul(v1, x1));
+    }
+}
+
+/* x[j .. j+31] in the lane order of a format (paired: evens in *x0, odds in *x1). */
+static inline __attribute__((always_inline)) void
+moed_load_x32(const float *x, const int paired, moed_v16 *x0, moed_v16 *x1) {
+    *x0 = moed_v16_load(x);
+    *x1 = moed_v16_load(x + 16);
+    if (paired) moed_v16_deinterleave(*x0, *x1, x0, x1);
+}
 
 /* int4 / mxfp4: nibble-packed rows, one 16-entry table of exact values per group of
  * g columns and row (base[c] * scale (+ min): the reference path's arithmetic).
- * `kind` (a constant in each instantiation): MOED_MXFP4, MOED_INT4 (mins) or
- * MOED_INT4 + 16 (symmetric). */
+ * kind: MOED_MXFP4, MOED_INT4 (mins) or MOED_INT4 + 16 (symmetric). */
 static inline __attribute__((always_inline)) void
-moed_qrows_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
-                   float *out, const int kind) {
+moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0,
+                   ptrdiff_t c1, const float *x, moed_v16 *a0, moed_v16 *a1, float *buf,
+                   ptrdiff_t ldb, const int store, const int kind) {
     static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     static const float codes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     static const float centred[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
     const moed_v16 base = moed_v16_load(kind == MOED_MXFP4 ? e2m1 : kind == MOED_INT4 ? codes : centred);
-    const ptrdiff_t C = w->cols, g = w->scale_cols;
+    const ptrdiff_t g = w->scale_cols;
     const uint8_t *row[MOED_ROWS];
-    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS], tab[MOED_ROWS];
-    for (int q = 0; q < nrows; q++) {
-        row[q] = w->codes + (r0 + q) * w->row_bytes;
-        a0[q] = a1[q] = moed_v16_zero();
-    }
-    for (ptrdiff_t j = 0, si = 0; j < C; j += g, si++) {
+    moed_v16 tab[MOED_ROWS], xe = moed_v16_zero(), xo = moed_v16_zero();
+    for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
+    for (ptrdiff_t j = c0; j < c1;) {   /* one group (or the part of it in the span) */
+        ptrdiff_t si = j / g, end = (si + 1) * g < c1 ? (si + 1) * g : c1;
         for (int q = 0; q < nrows; q++) {
             ptrdiff_t i = (r0 + q) * w->scale_ld + si;
             if (kind == MOED_MXFP4) {
@@ -233,52 +260,47 @@ moed_qrows_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, const fl
                 if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(moed_min_at(w, i)));
             }
         }
-        for (ptrdiff_t k = j; k < j + g; k += 32) {
-            moed_v16 xe, xo;
-            moed_v16_deinterleave(moed_v16_load(x + k), moed_v16_load(x + k + 16), &xe, &xo);
+        for (; j < end; j += 32) {
+            if (!store) moed_load_x32(x + j, 1, &xe, &xo);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + k / 2 + MOED_Q_PREFETCH);
-                moed_v16i i = moed_v16i_load_u8(row[q] + k / 2);
-                a0[q] = moed_v16_add(a0[q], moed_v16_mul(moed_v16_lookup(tab[q], i), xe));
-                a1[q] = moed_v16_add(a1[q], moed_v16_mul(moed_v16_lookup(tab[q], moed_v16i_srl4(i)), xo));
+                __builtin_prefetch(row[q] + j / 2 + MOED_Q_PREFETCH);
+                moed_v16i i = moed_v16i_load_u8(row[q] + j / 2);
+                moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
+                          xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
             }
         }
     }
-    for (int q = 0; q < nrows; q++) out[q] = moed_v16_hsum(moed_v16_add(a0[q], a1[q]));
 }
-#define moed_qrows_mxfp4(w, r0, n, x, out) moed_qrows_nibbles(w, r0, n, x, out, MOED_MXFP4)
-#define moed_qrows_int4m(w, r0, n, x, out) moed_qrows_nibbles(w, r0, n, x, out, MOED_INT4)
-#define moed_qrows_int4s(w, r0, n, x, out) moed_qrows_nibbles(w, r0, n, x, out, MOED_INT4 + 16)
+#define moed_qspan_mxfp4(...) moed_qspan_nibbles(__VA_ARGS__, MOED_MXFP4)
+#define moed_qspan_int4m(...) moed_qspan_nibbles(__VA_ARGS__, MOED_INT4)
+#define moed_qspan_int4s(...) moed_qspan_nibbles(__VA_ARGS__, MOED_INT4 + 16)
 
 /* int8: natural order, value = code * scale of its group. */
 static inline __attribute__((always_inline)) void
-moed_qrows_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
-                float *out) {
-    const ptrdiff_t C = w->cols, g = w->scale_cols;
+moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0,
+                ptrdiff_t c1, const float *x, moed_v16 *a0, moed_v16 *a1, float *buf,
+                ptrdiff_t ldb, const int store) {
+    const ptrdiff_t g = w->scale_cols;
     const uint8_t *row[MOED_ROWS];
-    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS], s[MOED_ROWS];
-    for (int q = 0; q < nrows; q++) {
-        row[q] = w->codes + (r0 + q) * w->row_bytes;
-        a0[q] = a1[q] = moed_v16_zero();
-    }
-    for (ptrdiff_t j = 0, si = 0; j < C; j += g, si++) {
+    moed_v16 s[MOED_ROWS], x0 = moed_v16_zero(), x1 = moed_v16_zero();
+    for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
+    for (ptrdiff_t j = c0; j < c1;) {
+        ptrdiff_t si = j / g, end = (si + 1) * g < c1 ? (si + 1) * g : c1;
         for (int q = 0; q < nrows; q++) {
             uint16_t h;
             memcpy(&h, (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si, 2);
             s[q] = moed_v16_set1(moed_f16_to_f32(h));
         }
-        for (ptrdiff_t k = j; k < j + g; k += 32) {
-            moed_v16 x0 = moed_v16_load(x + k), x1 = moed_v16_load(x + k + 16);
+        for (; j < end; j += 32) {
+            if (!store) moed_load_x32(x + j, 0, &x0, &x1);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + k + 2 * MOED_Q_PREFETCH);
-                moed_v16 w0 = moed_v16_mul(moed_v16_load_i8(row[q] + k), s[q]);
-                moed_v16 w1 = moed_v16_mul(moed_v16_load_i8(row[q] + k + 16), s[q]);
-                a0[q] = moed_v16_add(a0[q], moed_v16_mul(w0, x0));
-                a1[q] = moed_v16_add(a1[q], moed_v16_mul(w1, x1));
+                __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
+                moed_sink(store, moed_v16_mul(moed_v16_load_i8(row[q] + j), s[q]),
+                          moed_v16_mul(moed_v16_load_i8(row[q] + j + 16), s[q]),
+                          x0, x1, a0 + q, a1 + q, buf, q * ldb + (j - c0));
             }
         }
     }
-    for (int q = 0; q < nrows; q++) out[q] = moed_v16_hsum(moed_v16_add(a0[q], a1[q]));
 }
 
 /* fp8 e4m3 decoders: moed_e4m3_decode(t, p, n, f) writes the values of n codes at p
@@ -376,56 +398,45 @@ moed_e4m3_decode(const moed_e4m3_tables *t, const uint8_t *p, const int n, moed_
  * moed_fp8_simd_ok. The decoded value times (scale / unit) is then exactly
  * fl(fp8 * scale). */
 static inline __attribute__((always_inline)) void
-moed_qrows_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
-               float *out) {
+moed_qspan_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0,
+               ptrdiff_t c1, const float *x, moed_v16 *a0, moed_v16 *a1, float *buf,
+               ptrdiff_t ldb, const int store) {
     enum { STEP = MOED_E4M3_STEP, NV = MOED_E4M3_STEP / 16 };
-    const ptrdiff_t C = w->cols, bc = w->scale_cols;
+    const ptrdiff_t bc = w->scale_cols;
     const uint8_t *row[MOED_ROWS];
-    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS], s[MOED_ROWS];
+    moed_v16 s[MOED_ROWS], xv[NV], f[NV];
     moed_e4m3_tables t;
     moed_e4m3_tables_load(&t);
-    for (int q = 0; q < nrows; q++) {
-        row[q] = w->codes + (r0 + q) * w->row_bytes;
-        a0[q] = a1[q] = moed_v16_zero();
-    }
-    ptrdiff_t j = 0;
-    for (ptrdiff_t c0 = 0; c0 < C; c0 += bc) {
-        ptrdiff_t c1 = c0 + bc < C ? c0 + bc : C;
+    for (int k = 0; k < NV; k++) xv[k] = moed_v16_zero();
+    for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
+    for (ptrdiff_t j = c0; j < c1;) {   /* one block (or the part of it in the span) */
+        ptrdiff_t b = j / bc, end = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
         for (int q = 0; q < nrows; q++)
-            s[q] = moed_v16_set1(moed_scale_at(w, moed_scale_index(w, r0 + q, c0)) / MOED_E4M3_UNIT);
-        for (j = c0; j + STEP <= c1; j += STEP) {
-            moed_v16 xv[NV], f[NV];
-            for (int k = 0; k < NV; k++) xv[k] = moed_v16_load(x + j + 16 * k);
+            s[q] = moed_v16_set1(moed_scale_at(w, moed_scale_index(w, r0 + q, j)) / MOED_E4M3_UNIT);
+        for (; j + STEP <= end; j += STEP) {
+            if (!store)
+                for (int k = 0; k < NV; k++) xv[k] = moed_v16_load(x + j + 16 * k);
             for (int q = 0; q < nrows; q++) {
                 __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
                 moed_e4m3_decode(&t, row[q] + j, STEP, f);
-                for (int k = 0; k < NV; k += 2) {
-                    a0[q] = moed_v16_add(a0[q], moed_v16_mul(moed_v16_mul(f[k], s[q]), xv[k]));
-                    a1[q] = moed_v16_add(a1[q], moed_v16_mul(moed_v16_mul(f[k + 1], s[q]), xv[k + 1]));
-                }
+                for (int k = 0; k < NV; k += 2)
+                    moed_sink(store, moed_v16_mul(f[k], s[q]), moed_v16_mul(f[k + 1], s[q]),
+                              xv[k], xv[k + 1], a0 + q, a1 + q, buf, q * ldb + (j - c0) + 16 * k);
             }
         }
-        if (STEP > 32 && j + 32 <= c1) {
-            moed_v16 f[2], x0 = moed_v16_load(x + j), x1 = moed_v16_load(x + j + 16);
+        if (STEP > 32 && j + 32 <= end) {
+            if (!store) moed_load_x32(x + j, 0, xv, xv + 1);
             for (int q = 0; q < nrows; q++) {
                 moed_e4m3_decode(&t, row[q] + j, 32, f);
-                a0[q] = moed_v16_add(a0[q], moed_v16_mul(moed_v16_mul(f[0], s[q]), x0));
-                a1[q] = moed_v16_add(a1[q], moed_v16_mul(moed_v16_mul(f[1], s[q]), x1));
+                moed_sink(store, moed_v16_mul(f[0], s[q]), moed_v16_mul(f[1], s[q]),
+                          xv[0], xv[1], a0 + q, a1 + q, buf, q * ldb + (j - c0));
             }
             j += 32;
         }
     }
-    for (int q = 0; q < nrows; q++) {   /* j: start of the n mod 32 tail */
-        float v[32], sum = moed_v16_hsum(moed_v16_add(a0[q], a1[q]));
-        if (j < C) {
-            moed_w_dequant(w, r0 + q, j, C - j, v);
-            for (ptrdiff_t k = j; k < C; k++) sum = sum + v[k - j] * x[k];
-        }
-        out[q] = sum;
-    }
 }
 
-/* Can moed_qrows_fp8 take these rows (see there)? */
+/* Can moed_qspan_fp8 take these rows (see there)? */
 static inline int moed_fp8_simd_ok(const moed_weight *w, ptrdiff_t r0, int nrows) {
     if (w->scale_cols % 32) return 0;
     if (MOED_E4M3_UNIT == 1.0f) return 1;
@@ -438,41 +449,136 @@ static inline int moed_fp8_simd_ok(const moed_weight *w, ptrdiff_t r0, int nrows
     return 1;
 }
 
-#define MOED_DEFINE_QROWS(FMT)                                                     \
-    static void moed_qrows_##FMT##_4(const moed_weight *w, ptrdiff_t r0,           \
-                                     const float *x, float *out) {                 \
-        moed_qrows_##FMT(w, r0, MOED_ROWS, x, out);                                \
-    }                                                                              \
-    static void moed_qrows_##FMT##_1(const moed_weight *w, ptrdiff_t r0,           \
-                                     const float *x, float *out) {                 \
-        moed_qrows_##FMT(w, r0, 1, x, out);                                        \
+/* The n mod 32 tail of row r (columns from C - C % 32), one column at a time. */
+static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x, float s) {
+    ptrdiff_t C = w->cols, j = C - C % 32;
+    float v[32];
+    if (j < C) {
+        moed_w_dequant(w, r, j, C - j, v);
+        for (ptrdiff_t k = j; k < C; k++) s = s + v[k - j] * x[k];
     }
-MOED_DEFINE_QROWS(mxfp4)
-MOED_DEFINE_QROWS(int4m)
-MOED_DEFINE_QROWS(int4s)
-MOED_DEFINE_QROWS(int8)
-MOED_DEFINE_QROWS(fp8)
+    return s;
+}
+
+/* Per format: mat-vec of four rows or one row, and the tile decoder of four rows or
+ * one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
+typedef struct {
+    void (*dot4)(const moed_weight *, ptrdiff_t, const float *, float *);
+    void (*dot1)(const moed_weight *, ptrdiff_t, const float *, float *);
+    void (*tile4)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
+    void (*tile1)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
+} moed_qkernel;
+
+#define MOED_DEFINE_QKERNEL_N(FMT, N, NAME)                                           \
+    static void moed_qdot_##FMT##_##NAME(const moed_weight *w, ptrdiff_t r0,          \
+                                         const float *x, float *out) {                \
+        moed_v16 a0[MOED_ROWS], a1[MOED_ROWS];                                        \
+        for (int q = 0; q < N; q++) a0[q] = a1[q] = moed_v16_zero();                  \
+        moed_qspan_##FMT(w, r0, N, 0, w->cols - w->cols % 32, x, a0, a1, NULL, 0, 0); \
+        for (int q = 0; q < N; q++)                                                   \
+            out[q] = moed_qtail(w, r0 + q, x, moed_v16_hsum(moed_v16_add(a0[q], a1[q]))); \
+    }                                                                                 \
+    static void moed_qtile_##FMT##_##NAME(const moed_weight *w, ptrdiff_t r0,         \
+                                          ptrdiff_t c0, ptrdiff_t c1, float *buf,     \
+                                          ptrdiff_t ldb) {                            \
+        moed_v16 unused[MOED_ROWS];                                                   \
+        moed_qspan_##FMT(w, r0, N, c0, c1, NULL, unused, unused, buf, ldb, 1);        \
+    }
+#define MOED_DEFINE_QKERNEL(FMT)                                                      \
+    MOED_DEFINE_QKERNEL_N(FMT, MOED_ROWS, 4)                                          \
+    MOED_DEFINE_QKERNEL_N(FMT, 1, 1)                                                  \
+    static const moed_qkernel moed_qkernel_##FMT = {                                  \
+        moed_qdot_##FMT##_4, moed_qdot_##FMT##_1, moed_qtile_##FMT##_4, moed_qtile_##FMT##_1};
+MOED_DEFINE_QKERNEL(mxfp4)
+MOED_DEFINE_QKERNEL(int4m)
+MOED_DEFINE_QKERNEL(int4s)
+MOED_DEFINE_QKERNEL(int8)
+MOED_DEFINE_QKERNEL(fp8)
+
+/* The SIMD kernels for rows r0 .. r0+nrows-1 of w, or NULL if they do not apply. */
+static inline const moed_qkernel *moed_qkernel_for(const moed_weight *w, ptrdiff_t r0,
+                                                   int nrows) {
+    switch (w->fmt) {
+    case MOED_MXFP4: return &moed_qkernel_mxfp4;
+    case MOED_INT4: return w->mins ? &moed_qkernel_int4m : &moed_qkernel_int4s;
+    case MOED_INT8: return &moed_qkernel_int8;
+    case MOED_FP8_E4M3: return moed_fp8_simd_ok(w, r0, nrows) ? &moed_qkernel_fp8 : NULL;
+    default: return NULL;
+    }
+}
 
 /* The SIMD path for nrows <= MOED_ROWS rows; 0 if it does not apply. */
 static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
                                       const float *x, float *out) {
-    void (*four)(const moed_weight *, ptrdiff_t, const float *, float *);
-    void (*one)(const moed_weight *, ptrdiff_t, const float *, float *);
-    switch (w->fmt) {
-    case MOED_MXFP4: four = moed_qrows_mxfp4_4; one = moed_qrows_mxfp4_1; break;
-    case MOED_INT4:
-        if (w->mins) { four = moed_qrows_int4m_4; one = moed_qrows_int4m_1; }
-        else { four = moed_qrows_int4s_4; one = moed_qrows_int4s_1; }
-        break;
-    case MOED_INT8: four = moed_qrows_int8_4; one = moed_qrows_int8_1; break;
-    case MOED_FP8_E4M3:
-        if (!moed_fp8_simd_ok(w, r0, nrows)) return 0;
-        four = moed_qrows_fp8_4; one = moed_qrows_fp8_1;
-        break;
-    default: return 0;
+    const moed_qkernel *k = moed_qkernel_for(w, r0, nrows);
+    if (!k) return 0;
+    if (nrows == MOED_ROWS) k->dot4(w, r0, x, out);
+    else for (int q = 0; q < nrows; q++) k->dot1(w, r0 + q, x, out + q);
+    return 1;
+}
+
+/* Tokens sharing one decoded tile, and the tile's width in columns. */
+#define MOED_TILE_TOKENS 8
+#define MOED_TILE_COLS 512
+
+/* The accumulation of one token over a decoded tile (row q at buf + q * MOED_TILE_COLS),
+ * columns [c0, c1) of x: the lane arithmetic of the mat-vec, in the same order. */
+static inline __attribute__((always_inline)) void
+moed_tile_accumulate(const float *buf, const int nrows, ptrdiff_t c0, ptrdiff_t c1,
+                     const float *x, const int paired, moed_v16 *a0, moed_v16 *a1) {
+    moed_v16 b0[MOED_ROWS], b1[MOED_ROWS];
+    for (int q = 0; q < nrows; q++) { b0[q] = a0[q]; b1[q] = a1[q]; }
+    for (ptrdiff_t j = c0; j < c1; j += 32) {
+        moed_v16 x0, x1;
+        moed_load_x32(x + j, paired, &x0, &x1);
+        for (int q = 0; q < nrows; q++) {
+            const float *v = buf + q * MOED_TILE_COLS + (j - c0);
+            moed_sink(0, moed_v16_load(v), moed_v16_load(v + 16), x0, x1, b0 + q, b1 + q, NULL, 0);
+        }
     }
-    if (nrows == MOED_ROWS) four(w, r0, x, out);
-    else for (int q = 0; q < nrows; q++) one(w, r0 + q, x, out + q);
+    for (int q = 0; q < nrows; q++) { a0[q] = b0[q]; a1[q] = b1[q]; }
+}
+
+/* out[t * ldo + q] = w_(r0+q) . x_t for t < T and q < nrows: each tile of columns is
+ * decoded once per MOED_TILE_TOKENS tokens. Bit-equal to T mat-vec calls. */
+static void moed_qmatmul_rows_tiled(const moed_weight *w, const moed_qkernel *k,
+                                    ptrdiff_t r0, int nrows, const float *x, ptrdiff_t T,
+                                    float *out, ptrdiff_t ldo) {
+    float buf[MOED_ROWS * MOED_TILE_COLS] __attribute__((aligned(64)));
+    moed_v16 a0[MOED_TILE_TOKENS][MOED_ROWS], a1[MOED_TILE_TOKENS][MOED_ROWS];
+    const ptrdiff_t C = w->cols, C32 = C - C % 32;
+    const int paired = moed_is_paired(w->fmt);
+    for (ptrdiff_t t0 = 0; t0 < T; t0 += MOED_TILE_TOKENS) {
+        int nt = T - t0 < MOED_TILE_TOKENS ? (int)(T - t0) : MOED_TILE_TOKENS;
+        for (int t = 0; t < nt; t++)
+            for (int q = 0; q < nrows; q++) a0[t][q] = a1[t][q] = moed_v16_zero();
+        for (ptrdiff_t c0 = 0; c0 < C32; c0 += MOED_TILE_COLS) {
+            ptrdiff_t c1 = c0 + MOED_TILE_COLS < C32 ? c0 + MOED_TILE_COLS : C32;
+            if (nrows == MOED_ROWS) k->tile4(w, r0, c0, c1, buf, MOED_TILE_COLS);
+            else for (int q = 0; q < nrows; q++) k->tile1(w, r0 + q, c0, c1, buf + q * MOED_TILE_COLS, MOED_TILE_COLS);
+            for (int t = 0; t < nt; t++) {
+                const float *xt = x + (t0 + t) * C;
+                if (nrows == MOED_ROWS)
+                    moed_tile_accumulate(buf, MOED_ROWS, c0, c1, xt, paired, a0[t], a1[t]);
+                else
+                    moed_tile_accumulate(buf, nrows, c0, c1, xt, paired, a0[t], a1[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            for (int q = 0; q < nrows; q++)
+                out[(t0 + t) * ldo + q] = moed_qtail(
+                    w, r0 + q, x + (t0 + t) * C, moed_v16_hsum(moed_v16_add(a0[t][q], a1[t][q])));
+    }
+}
+
+/* The SIMD mat-mat for nrows <= MOED_ROWS rows and T >= 2 tokens; 0 if it does not
+ * apply. */
+static inline int moed_qmatmul_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                         const float *x, ptrdiff_t T, float *out,
+                                         ptrdiff_t ldo) {
+    const moed_qkernel *k = moed_qkernel_for(w, r0, nrows);
+    if (!k) return 0;
+    moed_qmatmul_rows_tiled(w, k, r0, nrows, x, T, out, ldo);
     return 1;
 }
 #else
@@ -480,6 +586,12 @@ static inline void moed_quant_init(void) {}
 static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
                                       const float *x, float *out) {
     (void)w; (void)r0; (void)nrows; (void)x; (void)out;
+    return 0;
+}
+static inline int moed_qmatmul_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                         const float *x, ptrdiff_t T, float *out,
+                                         ptrdiff_t ldo) {
+    (void)w; (void)r0; (void)nrows; (void)x; (void)T; (void)out; (void)ldo;
     return 0;
 }
 #endif
@@ -507,6 +619,21 @@ static inline void moed_w_dot_rows(const moed_weight *w, ptrdiff_t r0, int nrows
     }
     if (simd && moed_qdot_rows_simd(w, r0, nrows, x, out)) return;
     moed_qdot_rows_generic(w, r0, nrows, x, out);
+}
+
+/* out[t * ldo + q] = w_(r0+q) . x_t for t < T, q < nrows <= MOED_ROWS (x: [T, C]).
+ * Bit-equal to T calls of moed_w_dot_rows: the quantised SIMD kernels decode a tile
+ * of columns once for several tokens; every other case goes token by token. */
+static inline void moed_w_matmul_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                      const float *x, ptrdiff_t T, float *out,
+                                      ptrdiff_t ldo, int simd) {
+    float o[MOED_ROWS];
+    if (T >= 2 && simd && w->fmt > MOED_BF16 && moed_qmatmul_rows_simd(w, r0, nrows, x, T, out, ldo))
+        return;
+    for (ptrdiff_t t = 0; t < T; t++) {
+        moed_w_dot_rows(w, r0, nrows, x + t * w->cols, o, simd);
+        for (int q = 0; q < nrows; q++) out[t * ldo + q] = o[q];
+    }
 }
 
 #endif
