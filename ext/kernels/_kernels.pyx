@@ -8,13 +8,16 @@ Design:
   fixed by the shapes alone (see `_kernels_impl.h`). So results are bit-identical
   for any `n_threads`, any alignment of the weight buffer, and any batch size;
   placement may change speed, never output.
-- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) and stay in that format;
-  they are dequantised on the fly and accumulated in f32. Activations, the KV
-  cache and routing are f32.
+- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) arrays or block-quantised
+  (`QuantizedWeight`, below) and stay in that format; they are dequantised on the
+  fly and accumulated in f32. Activations, the KV cache and routing are f32 (never
+  quantised).
 - Outputs are allocated by the caller and written in full. The thin Python
   wrappers validate shape, dtype and C-contiguity and raise `ValueError`;
-  nothing inside `nogil` raises or allocates (except the small pointer tables of
-  `expert_ffn`).
+  nothing inside `nogil` raises or allocates (`expert_ffn` fills its table of
+  weight descriptors before it releases the GIL).
+- The SIMD path is chosen at compile time (`build_info()` says which: "avx512",
+  "avx2" or "portable"); every path gives the same bits.
 
 Shape legend: T tokens, H hidden_size, R rows of a weight, C columns, E
 num_experts, K top_k, N token-expert pairs, I expert intermediate_size,
@@ -48,7 +51,10 @@ Block-quantised weights (`QuantizedWeight`, C helpers in `_quant_impl.h`):
   for fp8/int8 and to `matmul(dequantize(q).astype(bfloat16), x)` for mxfp4
   (E2M1 x 2^k is exact in bf16), on every SIMD path.
 - Values are not checked per call: NaN, inf or negative scales and E8M0 255 are
-  refused by the loader; the kernels compute with what the bytes say.
+  refused by the loader; the kernels compute with what the bytes say (NaN codes
+  and E8M0 255 give NaN).
+- Mat-mat (T > 1) decodes a tile of weights once for up to 8 tokens; each token's
+  row is still bit-equal to its mat-vec.
 """
 cimport cython
 from cython.parallel cimport prange, threadid

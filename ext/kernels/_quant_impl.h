@@ -24,7 +24,9 @@
  *   -ffp-contract=off), so every path below gives the same bits.
  * - Paths: moed_qdot_rows_generic is the reference, written for clarity (dequantise
  *   32 columns into a buffer, then the dense lane arithmetic). It is what the
- *   portable build runs; the SIMD paths below decode in registers.
+ *   portable build runs; the SIMD paths below decode in registers, streaming the
+ *   rows for one token (mat-vec) or into a small tile of exact values shared by up
+ *   to 8 tokens (mat-mat). The per-(token, row) arithmetic is the same in all.
  * - Values are not checked per call: NaN/inf/negative scales and E8M0 255 are the
  *   loader's business; the kernels compute with whatever the bytes say (an e4m3
  *   NaN code or an E8M0 255 scale gives NaN, exactly as the format defines).
@@ -606,6 +608,27 @@ static inline const char *moed_simd_path(void) {
 #else
     return "portable";
 #endif
+}
+
+/* The instruction-set extensions the kernels were compiled to use, space-separated. */
+static inline const char *moed_simd_features(void) {
+    return ""
+#ifdef __AVX512F__
+        " avx512f"
+#endif
+#ifdef __AVX512BW__
+        " avx512bw"
+#endif
+#ifdef __AVX512VBMI__
+        " avx512vbmi"
+#endif
+#ifdef __AVX2__
+        " avx2"
+#endif
+#ifdef __F16C__
+        " f16c"
+#endif
+        ;
 }
 
 /* out[q] = w_(r0+q) . x for q < nrows <= MOED_ROWS. `simd` = 0 forces the

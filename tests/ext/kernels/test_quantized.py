@@ -455,9 +455,11 @@ def test_kernels_refuse_non_weights():
 
 def test_build_info_names_the_simd_path():
     info = kern.build_info()
-    assert set(info) == {"simd", "openmp"}
+    assert set(info) == {"simd", "openmp", "features"}
     assert info["simd"] in ("avx512", "avx2", "portable")
     assert info["openmp"] is kern.openmp_enabled()
+    needs = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "f16c"}, "portable": set()}
+    assert needs[info["simd"]] <= set(info["features"])
 
 
 # ----------------------------------------------------------------- expert FFN
