@@ -30,16 +30,19 @@ VARIANTS = {
     "fp8-ue8m0": ("fp8_e4m3", {"scale_dtype": "ue8m0"}),
     "fp8-block64x96": ("fp8_e4m3", {"scale_dtype": "float32", "block_size": (64, 96)}),
     "fp8-block3x40": ("fp8_e4m3", {"scale_dtype": "bfloat16", "block_size": (3, 40)}),
+    "fp8-block1x32": ("fp8_e4m3", {"scale_dtype": "ue8m0", "block_size": (1, 32)}),
     "mxfp4": ("mxfp4", {}),
     "int8-g32": ("int8", {"g": 32}),
     "int8-g64": ("int8", {"g": 64}),
     "int8-g128": ("int8", {"g": 128}),
+    "int8-g96": ("int8", {"g": 96}),  # groups that straddle the 512-column tiles
     "int4-g32": ("int4", {"g": 32, "mins": False}),
     "int4-g64": ("int4", {"g": 64, "mins": False}),
     "int4-g128": ("int4", {"g": 128, "mins": False}),
     "int4-g32-mins": ("int4", {"g": 32, "mins": True}),
     "int4-g64-mins": ("int4", {"g": 64, "mins": True}),
     "int4-g128-mins": ("int4", {"g": 128, "mins": True}),
+    "int4-g96-mins": ("int4", {"g": 96, "mins": True}),
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 
