@@ -138,7 +138,10 @@ moed_dot_rows_natural(int dtype, const char *w, size_t ldw, const int nrows, con
     for (; j + 32 <= n; j += 32) {
         moed_v16 x0 = moed_v16_load(x + j), x1 = moed_v16_load(x + j + 16);
         for (int r = 0; r < nrows; r++) {
-            const void *wr = w + r * ldw;
+            const char *wr = w + r * ldw;
+            const size_t at = (size_t)j * moed_dtype_size(dtype) + MOED_PREFETCH_BYTES;
+            __builtin_prefetch(wr + at);
+            if (dtype == MOED_F32) __builtin_prefetch(wr + at + 64);   /* 128 bytes a step */
             a0[r] = moed_v16_add(a0[r], moed_v16_mul(moed_loadw(dtype, wr, j), x0));
             a1[r] = moed_v16_add(a1[r], moed_v16_mul(moed_loadw(dtype, wr, j + 16), x1));
         }
