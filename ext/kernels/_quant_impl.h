@@ -249,24 +249,22 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
     const uint8_t *row[MOED_ROWS];
     moed_v16 tab[MOED_ROWS], xe = moed_v16_zero(), xo = moed_v16_zero();
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
-    for (ptrdiff_t j = c0; j < c1;) {   /* one group (or the part of it in the span) */
-        ptrdiff_t si = j / g, end = (si + 1) * g < c1 ? (si + 1) * g : c1;
+    for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {   /* one group (or its part in the span) */
+        ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
         for (int q = 0; q < nrows; q++) {
             ptrdiff_t i = (r0 + q) * w->scale_ld + si;
             if (kind == MOED_MXFP4) {
                 tab[q] = moed_v16_mul(base, moed_v16_set1(moed_e8m0_to_f32(((const uint8_t *)w->scales)[i])));
             } else {
-                uint16_t h;
-                memcpy(&h, (const uint16_t *)w->scales + i, 2);
-                tab[q] = moed_v16_mul(base, moed_v16_set1(moed_f16_to_f32(h)));
-                if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(moed_min_at(w, i)));
+                tab[q] = moed_v16_mul(base, moed_v16_set1_f16((const uint16_t *)w->scales + i));
+                if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1_f16(w->mins + i));
             }
         }
         for (; j < end; j += 32) {
             if (!store) moed_load_x32(x + j, 1, &xe, &xo);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + j / 2 + MOED_Q_PREFETCH);
-                moed_v16i i = moed_v16i_load_u8(row[q] + j / 2);
+                __builtin_prefetch(row[q] + (j >> 1) + MOED_Q_PREFETCH);
+                moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1));
                 moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
                           xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
             }
@@ -286,13 +284,10 @@ moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c
     const uint8_t *row[MOED_ROWS];
     moed_v16 s[MOED_ROWS], x0 = moed_v16_zero(), x1 = moed_v16_zero();
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
-    for (ptrdiff_t j = c0; j < c1;) {
-        ptrdiff_t si = j / g, end = (si + 1) * g < c1 ? (si + 1) * g : c1;
-        for (int q = 0; q < nrows; q++) {
-            uint16_t h;
-            memcpy(&h, (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si, 2);
-            s[q] = moed_v16_set1(moed_f16_to_f32(h));
-        }
+    for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {
+        ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
+        for (int q = 0; q < nrows; q++)
+            s[q] = moed_v16_set1_f16((const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si);
         for (; j < end; j += 32) {
             if (!store) moed_load_x32(x + j, 0, &x0, &x1);
             for (int q = 0; q < nrows; q++) {
@@ -410,11 +405,15 @@ moed_qspan_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0
     moed_e4m3_tables t;
     moed_e4m3_tables_load(&t);
     for (int k = 0; k < NV; k++) xv[k] = moed_v16_zero();
-    for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
-    for (ptrdiff_t j = c0; j < c1;) {   /* one block (or the part of it in the span) */
-        ptrdiff_t b = j / bc, end = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
+    ptrdiff_t srow[MOED_ROWS];   /* first scale of each row's block row */
+    for (int q = 0; q < nrows; q++) {
+        row[q] = w->codes + (r0 + q) * w->row_bytes;
+        srow[q] = (r0 + q) / w->scale_rows * w->scale_ld;
+    }
+    for (ptrdiff_t j = c0, b = c0 / bc; j < c1; b++) {   /* one block (or its part in the span) */
+        ptrdiff_t end = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
         for (int q = 0; q < nrows; q++)
-            s[q] = moed_v16_set1(moed_scale_at(w, moed_scale_index(w, r0 + q, j)) / MOED_E4M3_UNIT);
+            s[q] = moed_v16_set1(moed_scale_at(w, srow[q] + b) / MOED_E4M3_UNIT);
         for (; j + STEP <= end; j += STEP) {
             if (!store)
                 for (int k = 0; k < NV; k++) xv[k] = moed_v16_load(x + j + 16 * k);

@@ -58,6 +58,13 @@ static inline moed_v16 moed_v16_load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+/* The binary16 value at p (any alignment) in every lane, exactly. */
+static inline moed_v16 moed_v16_set1_f16(const void *p) {
+    short h;
+    memcpy(&h, p, 2);
+    return _mm512_cvtph_ps(_mm256_set1_epi16(h));
+}
+
 /* 32 bf16 values at p: the even-indexed ones and the odd-indexed ones, exactly. */
 static inline void moed_v16_load_bf16_pairs(const uint16_t *p, moed_v16 *even, moed_v16 *odd) {
     __m512i u = _mm512_loadu_si512(p);
@@ -113,6 +120,13 @@ static inline void moed_v16_store(float *p, moed_v16 a) {
 static inline moed_v16 moed_v16_load_f16(const uint16_t *p) {
     return (moed_v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+
+static inline moed_v16 moed_v16_set1_f16(const void *p) {
+    short h;
+    memcpy(&h, p, 2);
+    __m256 f = _mm256_cvtph_ps(_mm_set1_epi16(h));
+    return (moed_v16){f, f};
 }
 
 static inline void moed_v16_load_bf16_pairs(const uint16_t *p, moed_v16 *even, moed_v16 *odd) {
@@ -180,6 +194,12 @@ static inline moed_v16 moed_v16_load_f16(const uint16_t *p) {
     moed_vh h;
     memcpy(&h, p, sizeof h);
     return __builtin_convertvector(h, moed_vf);
+}
+
+static inline moed_v16 moed_v16_set1_f16(const void *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return moed_v16_set1((float)h);
 }
 
 static inline void moed_v16_load_bf16_pairs(const uint16_t *p, moed_v16 *even, moed_v16 *odd) {
