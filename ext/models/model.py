@@ -97,6 +97,42 @@ class KVCache:
             new[:, : self.length] = old[:, : self.length]
         self.capacity = capacity
 
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """A copy of the keys and values of positions start:stop: [L, 2, nKV, n, D] f32
+        (L num_hidden_layers; index 0 keys, 1 values). ValueError past `length`."""
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"positions {start}:{stop} outside the {self.length} held")
+        c = self.config
+        out = np.empty((c.num_hidden_layers, 2, c.num_key_value_heads, stop - start, c.head_dim), F32)
+        for l in range(c.num_hidden_layers):
+            out[l, 0] = self.k[l][:, start:stop]
+            out[l, 1] = self.v[l][:, start:stop]
+        return out
+
+    def write(self, start: int, block: np.ndarray) -> None:
+        """Put `block` ([L, 2, nKV, n, D] f32, as `read` returns) at positions
+        start:start+n and hold them: `length` becomes start + n. start must be <=
+        `length` (what follows the block is forgotten); ValueError otherwise or past
+        max_capacity."""
+        n = block.shape[3]
+        if not 0 <= start <= self.length:
+            raise ValueError(f"a block at {start} would leave a gap after the {self.length} held")
+        self.length = start
+        self.reserve(n)
+        for l in range(self.config.num_hidden_layers):
+            self.k[l][:, start:start + n] = block[l, 0]
+            self.v[l][:, start:start + n] = block[l, 1]
+        self.length = start + n
+
+    def copy(self) -> KVCache:
+        """An independent copy holding the same positions (same capacity)."""
+        out = KVCache.__new__(KVCache)
+        out.config, out.max_capacity, out.length = self.config, self.max_capacity, self.length
+        out.capacity = self.capacity
+        out.k = [a.copy() for a in self.k]
+        out.v = [a.copy() for a in self.v]
+        return out
+
     def reserve(self, n_tokens: int) -> None:
         """Make room for `n_tokens` more; ValueError past max_capacity."""
         need = self.length + n_tokens
@@ -326,38 +362,66 @@ class Model:
     def forward_batch(self, seqs: list[Sequence], token_ids) -> np.ndarray:
         """One decode step for several sequences at once: token_ids[b] follows seqs[b].
 
-        The rows share every weight read — the union of their experts is acquired
-        once per MoE layer — and each row's logits are bit-identical to
-        `forward(seqs[b], [token_ids[b]])` (row-wise kernels with fixed reduction
-        order; attention reads only the row's own KV cache).
+        `forward_step` with one token per sequence; each row's logits are bit-identical
+        to `forward(seqs[b], [token_ids[b]])`.
 
-        Args:
-            seqs: 1..PREFILL_CHUNK distinct sequences; each KV cache grows by one.
-            token_ids: [len(seqs)] ints in [0, vocab_size).
         Returns:
             [len(seqs), V] float32 logits (a new array).
         Raises:
-            ValueError: no sequences, more than PREFILL_CHUNK, a sequence given twice,
-                a length mismatch, an id out of range, or a context exceeded (checked
-                for every sequence before any changes).
+            ValueError: as `forward_step`, and a length mismatch.
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if not seqs or len(seqs) > PREFILL_CHUNK:
-            raise ValueError(f"forward_batch takes 1 to {PREFILL_CHUNK} sequences, got {len(seqs)}")
-        if len({id(s) for s in seqs}) != len(seqs):
-            raise ValueError("forward_batch got the same sequence twice")
         if ids.size != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but {ids.size} token ids")
+        return self.forward_step(seqs, [ids[b:b + 1] for b in range(ids.size)])
+
+    def forward_step(self, seqs: list[Sequence], token_ids: list) -> np.ndarray:
+        """One step over several sequences, each continuing with its own tokens.
+
+        token_ids[b] ([T_b] ints) follows what seqs[b] holds: one token is a decode row,
+        several are a chunk of a prompt's prefill, and both kinds share the step. The
+        rows share every weight read — the union of their experts is acquired once per
+        MoE layer — and each row's arithmetic depends only on its own tokens and KV
+        cache (row-wise kernels with a fixed reduction order; attention reads only the
+        row's own cache), so the logits of seqs[b] are bit-identical to
+        `forward(seqs[b], token_ids[b])`, whatever else is in the step.
+
+        Args:
+            seqs: distinct sequences; each KV cache grows by len(token_ids[b]).
+            token_ids: one non-empty [T_b] array (or list) per sequence, with
+                sum(T_b) <= PREFILL_CHUNK.
+        Returns:
+            [len(seqs), V] float32 logits of each sequence's last token (a new array).
+        Raises:
+            ValueError: no sequences, a sequence given twice, a length mismatch, an
+                empty chunk, more than PREFILL_CHUNK tokens in all, an id out of range,
+                or a context exceeded (checked for every sequence before any changes).
+        """
+        if not seqs or len(seqs) != len(token_ids):
+            raise ValueError(f"forward_step takes one token list per sequence, got {len(seqs)} "
+                             f"sequences and {len(token_ids)} token lists")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("forward_step got the same sequence twice")
+        chunks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_ids]
+        if any(c.size == 0 for c in chunks):
+            raise ValueError("forward_step got an empty token list")
+        ids = np.concatenate(chunks)
+        if ids.size > PREFILL_CHUNK:
+            raise ValueError(f"forward_step takes at most {PREFILL_CHUNK} tokens in all, got {ids.size}")
         self._check_ids(ids)
-        for seq in seqs:
-            if seq.kv.length + 1 > seq.kv.max_capacity:
-                raise ValueError(f"sequence of {seq.kv.length + 1} tokens exceeds the context of "
-                                 f"{seq.kv.max_capacity}")
-        for seq in seqs:
-            seq.kv.reserve(1)
-        h = self._forward_rows([(seq.kv, b, b + 1) for b, seq in enumerate(seqs)], ids)
+        for seq, chunk in zip(seqs, chunks):
+            if seq.kv.length + chunk.size > seq.kv.max_capacity:
+                raise ValueError(f"sequence of {seq.kv.length + chunk.size} tokens exceeds the "
+                                 f"context of {seq.kv.max_capacity}")
+        segments, r0 = [], 0
+        for seq, chunk in zip(seqs, chunks):
+            seq.kv.reserve(chunk.size)
+            segments.append((seq.kv, r0, r0 + chunk.size))
+            r0 += chunk.size
+        h = self._forward_rows(segments, ids)
+        last = np.ascontiguousarray(h[[r1 - 1 for _, _, r1 in segments]])   # [len(seqs), H]
         logits = np.empty((len(seqs), self.config.vocab_size), F32)
-        K_.matmul(self.lm_head, h, logits, self.n_threads)
+        K_.matmul(self.lm_head, last, logits, self.n_threads)
         return logits
 
     def _check_ids(self, ids: np.ndarray) -> None:
