@@ -354,6 +354,9 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                 "sized by the memory planner"),
     "max_concurrent_sequences": _Key(_int(1, MAX_CONCURRENT_SEQUENCES), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
+    "prefill_step_ratio": _Key(_float(1, lo_open=True, hi=100), "R",
+                               "a step that prefills beside decodes aims at R decode steps' "
+                               "time (higher: long prompts first; lower: streams first)"),
     "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
                                                       "that start the same way (0: off)"),
     "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
@@ -404,6 +407,7 @@ class ServeConfig:
     expert_cache_bytes: int | None = None
     max_concurrent_sequences: int = 4
     max_queue: int = 64
+    prefill_step_ratio: float = 2.75
     prefix_cache_bytes: int = 512 * MIB
     max_tokens: int = 4096
     max_body_bytes: int = 1 * MIB

@@ -18,7 +18,11 @@ Chunked prefill. A prompt is prefilled a chunk per step beside the running decod
 vLLM's chunked prefill and llama.cpp's n_ubatch do. While nothing decodes a step takes
 PREFILL_CHUNK prompt tokens; while sequences decode, the chunk is sized from measured
 step times so that a step takes about `prefill_step_ratio` times a decode step alone
-(the running streams keep their pace, the prompt still gets most of the machine).
+(the running streams keep their pace, the prompt still gets most of the machine). The
+ratio r trades one for the other: a prompt whose tokens cost b each beside decode steps
+of d gets (r - 1) d of each step, so its time to first token is about r / (r - 1) times
+its time alone (1.57 at the default 2.75), while the streams' tokens come r times
+slower during it.
 Chunking never changes output: a position's logits depend only on the tokens up to it.
 
 A row's logits do not depend on what else shares its step (the kernels are row-wise
@@ -37,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -55,9 +60,9 @@ from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
 log = logging.getLogger("moed.engine")
 
 RATE_WINDOW_S = 10.0   # tokens_per_second averages the decode steps of this many seconds
-PREFILL_STEP_RATIO = 2.5   # a step with prefill rows aims at this many decode steps' time
+PREFILL_STEP_RATIO = 2.75  # a step with prefill rows aims at this many decode steps' time
 INITIAL_PREFILL_ROWS = 8   # the first chunk beside decodes, before any step was timed
-EMA_WEIGHT = 0.25          # of the newest step in the step-time averages
+STEP_WINDOW = 9            # recent steps whose median times size the chunk
 
 
 class QueueFullError(RuntimeError):
@@ -271,34 +276,50 @@ class _Rate:
         return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
 
 
-@dataclass
 class _StepTimes:
-    """Averages of measured step times that size the prefill chunk beside decodes."""
+    """Recent step times that size the prefill chunk beside decodes.
 
-    decode_s: float | None = None        # a step of decode rows only
-    prefill_row_s: float | None = None   # what one prefill row adds to a step
+    decode_s: the median of the last STEP_WINDOW steps of decode rows only. A step with
+    prefill rows gives a sample of what one prefill row costs: its time over its rows
+    alone, or its time less decode_s over its rows beside decodes; prefill_row_s is the
+    median of the last STEP_WINDOW samples. Medians, so that a step slowed by something
+    else on the machine does not swing the chunk size; the chunk at most doubles or
+    halves from one step to the next.
+    """
 
-    @staticmethod
-    def _mix(old: float | None, new: float) -> float:
-        return new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new
+    def __init__(self) -> None:
+        self._decode = collections.deque(maxlen=STEP_WINDOW)
+        self._prefill_row = collections.deque(maxlen=STEP_WINDOW)
+        self._last = INITIAL_PREFILL_ROWS
+
+    @property
+    def decode_s(self) -> float | None:
+        return statistics.median(self._decode) if self._decode else None
+
+    @property
+    def prefill_row_s(self) -> float | None:
+        return statistics.median(self._prefill_row) if self._prefill_row else None
 
     def observe(self, seconds: float, prefill_rows: int, decode_rows: int) -> None:
         if prefill_rows == 0:
-            self.decode_s = self._mix(self.decode_s, seconds)
+            self._decode.append(seconds)
         elif decode_rows == 0:
-            self.prefill_row_s = self._mix(self.prefill_row_s, seconds / prefill_rows)
-        elif self.decode_s is not None:
+            self._prefill_row.append(seconds / prefill_rows)
+        elif self._decode:
             extra = max(seconds - self.decode_s, 0.05 * seconds)
-            self.prefill_row_s = self._mix(self.prefill_row_s, extra / prefill_rows)
+            self._prefill_row.append(extra / prefill_rows)
 
     def prefill_rows(self, decode_rows: int, ratio: float) -> int:
         """Prompt tokens for the next step beside `decode_rows` decode rows."""
         room = PREFILL_CHUNK - decode_rows
         if decode_rows == 0:
             return room
-        if self.decode_s is None or self.prefill_row_s is None:
+        decode_s, row_s = self.decode_s, self.prefill_row_s
+        if decode_s is None or row_s is None:
             return min(room, INITIAL_PREFILL_ROWS)
-        return max(1, min(room, int((ratio - 1) * self.decode_s / self.prefill_row_s)))
+        want = int((ratio - 1) * decode_s / row_s)
+        self._last = min(room, max(1, self._last // 2, min(want, 2 * self._last)))
+        return self._last
 
 
 class Engine:

@@ -93,6 +93,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 state_dir=config.state_dir, environ=environ)
     engine = Engine(model, tokenizer, max_concurrent_sequences=config.max_concurrent_sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=config.prefix_cache_bytes,
+                    prefill_step_ratio=config.prefill_step_ratio,
                     on_finish=lambda handle: request_finished(handle, telemetry),
                     on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
                     on_token_gap=telemetry.token_gap if telemetry is not None else None)
