@@ -29,7 +29,7 @@ import time
 import aiohttp
 import numpy as np
 
-from served import ensure_model, percentile, serve, spread
+from served import ensure_model, percentile, serve, spread, sse_texts
 
 MAKE_MODEL = ["--arch", "qwen3_moe", "--layers", "8", "--experts", "16", "--top-k", "2",
               "--hidden", "256", "--intermediate", "256", "--seed", "3"]
@@ -37,16 +37,10 @@ MAKE_MODEL = ["--arch", "qwen3_moe", "--layers", "8", "--experts", "16", "--top-
 
 async def _stream(session, body: dict, arrivals: list[float], first: asyncio.Future | None = None):
     async with session.post("http://localhost/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
-                if first is not None and not first.done():
-                    first.set_result(arrivals[-1])
+        async for _ in sse_texts(resp):
+            arrivals.append(time.perf_counter())
+            if first is not None and not first.done():
+                first.set_result(arrivals[-1])
 
 
 def _long_body(rng, n: int, vocab: int) -> dict:

@@ -6,6 +6,7 @@ Imported by the scripts beside it (`python bench/NAME.py` puts bench/ on sys.pat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -29,6 +30,18 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def sse_texts(resp):
+    """The text of each choice chunk of a streamed completion (aiohttp response)."""
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+    async for line in resp.content:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event["choices"] and event["choices"][0].get("text"):
+            yield event["choices"][0]["text"]
 
 
 def spread(values: list[float]) -> dict:
