@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import statistics
 import threading
 import time
@@ -56,8 +55,9 @@ from ext.models.model import PREFILL_CHUNK, Model, Sequence
 from ext.sampling import Sampler, SamplingParams, logprobs
 from ext.tokenizer import StreamDecoder, Tokenizer
 from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.engine")
+log = get_logger("engine")
 
 RATE_WINDOW_S = 10.0   # tokens_per_second averages the decode steps of this many seconds
 PREFILL_STEP_RATIO = 2.75  # a step with prefill rows aims at this many decode steps' time
@@ -357,7 +357,8 @@ class Engine:
         self.step_observers: list[Callable[[float, int], None]] = []
         self.tokenizer = tokenizer
         self.clock = clock
-        self.prefix_cache = PrefixCache(model.config, prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(model.attention.kv_bytes_per_token(model.config),
+                                        prefix_cache_bytes)
         self.prefill_step_ratio = prefill_step_ratio
         self._times = _StepTimes()
         self._cond = threading.Condition()
@@ -587,7 +588,7 @@ class Engine:
             # A read error (or NaN weights) of one row's experts must not fail its step
             # mates: run each row alone. Nothing was committed — a KV cache only grows at
             # the end of a step — and a row's logits do not depend on its company.
-            log.warning("engine_batch_failed_retrying_alone rows=%d error=%s", len(rows), e)
+            log.warning("engine_batch_failed_retrying_alone", rows=len(rows), error=str(e))
             for row in rows:
                 try:
                     self._step([row])
@@ -784,13 +785,13 @@ class Engine:
             try:
                 self.on_finish(handle)
             except Exception:  # a logging hook must never stop the engine
-                log.exception("on_finish hook failed")
+                log.exception("on_finish_hook_failed")
 
     def _fail(self, rows: list[_Running], e: BaseException) -> None:
         """A step failed (a read error, a bad input): its requests end (every choice of
         them), the engine goes on."""
         handles = list({id(r.handle): r.handle for r in rows}.values())
-        log.error("engine_step_failed requests=%s error=%s", [h.request.request_id for h in handles], e)
+        log.error("engine_step_failed", requests=[h.request.request_id for h in handles], error=str(e))
         for handle in handles:
             choices = [r for r in list(self._running) if r.handle is handle]
             if not choices:

@@ -1,8 +1,8 @@
 """Automatic prefix caching: the KV of recent sequences, in blocks, for requests that
 start with the same tokens.
 
-A block holds the keys and values of `block_tokens` consecutive positions of every layer
-([L, 2, nKV, B, D] f32, as `KVCache.read` returns them). Blocks form a trie: a block is
+A block holds what the attention cache keeps for `block_tokens` consecutive positions of
+every layer (GQA: keys and values; as `KVCache.read` returns them). Blocks form a trie: a block is
 keyed by (its parent block's id, its own tokens), so a block stands for all the tokens
 from the start of the sequence to its end — the scheme of vLLM's automatic prefix
 caching (a block per hash of every token up to its end), with the tokens themselves as
@@ -27,23 +27,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ext.models.config import ModelConfig
-from ext.models.model import KVCache
+from ext.models.kvcache import KVCache
 
 BLOCK_TOKENS = 16               # positions per block (vLLM's default block size)
 
 
-def block_bytes(config: ModelConfig, block_tokens: int = BLOCK_TOKENS) -> int:
-    """Bytes of one block of `config`'s KV (f32 keys and values of every layer)."""
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-            * block_tokens * 4)
+def block_bytes(kv_bytes_per_token: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Bytes of one block, from the bytes one token adds to a sequence's KV cache."""
+    return kv_bytes_per_token * block_tokens
 
 
 @dataclass
 class _Block:
     id: int
     key: tuple                  # (parent id, tokens)
-    data: np.ndarray            # [L, 2, nKV, B, D] f32
+    data: list[np.ndarray]      # KVCache.read of the block's positions
     children: set = field(default_factory=set)
 
 
@@ -67,18 +65,18 @@ class PrefixCacheStats:
 class PrefixCache:
     """Blocks of KV for reuse by sequences that share a prefix.
 
-    config: the model's config (block shape). capacity_bytes: at most this many bytes of
-    blocks are kept (0: the cache keeps nothing and every lookup misses).
-    block_tokens: positions per block, >= 1. Raises ValueError for negative sizes.
+    kv_bytes_per_token: what one token adds to a sequence's KV cache (the attention
+    kind's `kv_bytes_per_token`). capacity_bytes: at most this many bytes of blocks are
+    kept (0: the cache keeps nothing and every lookup misses). block_tokens: positions
+    per block, >= 1. Raises ValueError for negative sizes.
     """
 
-    def __init__(self, config: ModelConfig, capacity_bytes: int, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, kv_bytes_per_token: int, capacity_bytes: int, block_tokens: int = BLOCK_TOKENS):
         if capacity_bytes < 0 or block_tokens < 1:
             raise ValueError(f"capacity_bytes must be >= 0 and block_tokens >= 1, got "
                              f"{capacity_bytes} and {block_tokens}")
-        self.config = config
         self.block_tokens = block_tokens
-        self.block_bytes = block_bytes(config, block_tokens)
+        self.block_bytes = block_bytes(kv_bytes_per_token, block_tokens)
         self.capacity_bytes = capacity_bytes
         self._blocks: collections.OrderedDict[tuple, _Block] = collections.OrderedDict()
         self._by_id: dict[int, _Block] = {}
