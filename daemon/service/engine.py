@@ -62,7 +62,8 @@ log = get_logger("engine")
 RATE_WINDOW_S = 10.0   # tokens_per_second averages the decode steps of this many seconds
 PREFILL_STEP_RATIO = 2.75  # a step with prefill rows aims at this many decode steps' time
 INITIAL_PREFILL_ROWS = 8   # the first chunk beside decodes, before any step was timed
-STEP_WINDOW = 9            # recent steps whose median times size the chunk
+STEP_WINDOW = 9            # recent steps whose times size the chunk
+MIN_PREFILL_ROWS = 4       # prompt tokens a step takes beside decodes, at least
 
 
 class QueueFullError(RuntimeError):
@@ -280,16 +281,17 @@ class _StepTimes:
     """Recent step times that size the prefill chunk beside decodes.
 
     decode_s: the median of the last STEP_WINDOW steps of decode rows only. A step with
-    prefill rows gives a sample of what one prefill row costs: its time over its rows
-    alone, or its time less decode_s over its rows beside decodes; prefill_row_s is the
-    median of the last STEP_WINDOW samples. Medians, so that a step slowed by something
-    else on the machine does not swing the chunk size; the chunk at most doubles or
-    halves from one step to the next.
+    prefill rows tells what its prefill rows cost: its whole time alone, or its time
+    less decode_s beside decodes; prefill_row_s is the sum of those costs over the sum of
+    the rows of the last STEP_WINDOW such steps — a ratio of sums, so a large chunk
+    weighs as much as its rows and a small one's noise (a step slowed by something else
+    on the machine) cannot drive the chunk down to nothing. The chunk at most doubles or
+    halves from one step to the next and never drops below MIN_PREFILL_ROWS.
     """
 
     def __init__(self) -> None:
         self._decode = collections.deque(maxlen=STEP_WINDOW)
-        self._prefill_row = collections.deque(maxlen=STEP_WINDOW)
+        self._prefill = collections.deque(maxlen=STEP_WINDOW)    # (seconds, rows)
         self._last = INITIAL_PREFILL_ROWS
 
     @property
@@ -298,16 +300,16 @@ class _StepTimes:
 
     @property
     def prefill_row_s(self) -> float | None:
-        return statistics.median(self._prefill_row) if self._prefill_row else None
+        rows = sum(n for _, n in self._prefill)
+        return sum(t for t, _ in self._prefill) / rows if rows else None
 
     def observe(self, seconds: float, prefill_rows: int, decode_rows: int) -> None:
         if prefill_rows == 0:
             self._decode.append(seconds)
         elif decode_rows == 0:
-            self._prefill_row.append(seconds / prefill_rows)
+            self._prefill.append((seconds, prefill_rows))
         elif self._decode:
-            extra = max(seconds - self.decode_s, 0.05 * seconds)
-            self._prefill_row.append(extra / prefill_rows)
+            self._prefill.append((max(seconds - self.decode_s, 0.05 * seconds), prefill_rows))
 
     def prefill_rows(self, decode_rows: int, ratio: float) -> int:
         """Prompt tokens for the next step beside `decode_rows` decode rows."""
@@ -318,7 +320,7 @@ class _StepTimes:
         if decode_s is None or row_s is None:
             return min(room, INITIAL_PREFILL_ROWS)
         want = int((ratio - 1) * decode_s / row_s)
-        self._last = min(room, max(1, self._last // 2, min(want, 2 * self._last)))
+        self._last = min(room, max(MIN_PREFILL_ROWS, self._last // 2, min(want, 2 * self._last)))
         return self._last
 
 

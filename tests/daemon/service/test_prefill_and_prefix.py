@@ -10,7 +10,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from daemon.service.engine import Engine, EngineRequest
+from daemon.service.engine import (INITIAL_PREFILL_ROWS, MIN_PREFILL_ROWS, Engine, EngineRequest,
+                                   _StepTimes)
 from daemon.service.prefix_cache import PrefixCache, block_bytes
 from ext.makemodel import make_model
 from ext.models.model import PREFILL_CHUNK, Model
@@ -258,3 +259,20 @@ def test_penalties_and_logit_bias_follow_openais_formula(model, tokenizer):
     assert got["choices"][0]["ids"] == want
     assert got["choices"][0]["ids"] != plain["choices"][0]["ids"]
     assert 17 not in want
+
+
+def test_the_chunk_beside_decodes_follows_measured_step_times():
+    """(ratio - 1) x decode step / cost of a prompt row; a step slowed by the machine
+    halves the chunk at most, and it never drops below MIN_PREFILL_ROWS."""
+    t = _StepTimes()
+    assert t.prefill_rows(0, 2.0) == PREFILL_CHUNK                   # nothing decodes
+    assert t.prefill_rows(3, 2.0) == INITIAL_PREFILL_ROWS            # nothing timed yet
+    for _ in range(9):
+        t.observe(0.010, 0, 3)                                       # decode steps: 10 ms
+    t.observe(0.064, 64, 0)                                          # a prompt row: 1 ms
+    assert [t.prefill_rows(3, 2.0) for _ in range(3)] == [10, 10, 10]
+    assert t.prefill_rows(3, 3.0) == 20
+    t.observe(1.0, 10, 3)                                            # a stalled step
+    sizes = [t.prefill_rows(3, 2.0) for _ in range(4)]
+    assert sizes == [10, 5, MIN_PREFILL_ROWS, MIN_PREFILL_ROWS]
+    assert t.prefill_rows(PREFILL_CHUNK - 2, 2.0) == 2               # the rows left in a step
