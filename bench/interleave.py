@@ -13,7 +13,9 @@ checkpoint (written into --model on first use), then for each round, interleaved
 Prints JSON: per round and over the rounds (median, min, max) the ratios the serving
 targets name — p99 gap during the prefill / median gap before it (target <= 3), and
 the long prompt's TTFT mixed / alone (target <= 1.5). Gaps and TTFT are measured by the
-client, from the arrival of Server-Sent Events over the Unix socket.
+client, from the arrival of Server-Sent Events over the Unix socket. Last, a 0.9 MB
+prompt too long for the context is posted while the streams decode: its answer (400,
+refused before tokenization) and the streams' worst gap meanwhile.
 
     python bench/interleave.py [--model DIR] [--rounds 5] [--prompt-tokens 3500]
 """
@@ -88,6 +90,34 @@ async def _mixed(socket_path: str, body: dict, streams: int, baseline_s: float, 
             "gaps_before": len(before), "gaps_during": len(during)}
 
 
+async def _rejected(socket_path: str, streams: int, nbytes: int, rng, vocab: int) -> dict:
+    """Streams decoding while a prompt of nbytes of text too long for the context is
+    posted: its status and time to answer, the streams' worst gap meanwhile."""
+    connector = aiohttp.UnixConnector(path=socket_path, limit=streams + 1)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        arrivals = [[] for _ in range(streams)]
+        tasks = [asyncio.create_task(_stream(s, {
+            "prompt": rng.integers(1, vocab, 8).tolist(), "max_tokens": 4000, "temperature": 0.8,
+            "seed": i, "ignore_eos": True, "stream": True}, arrivals[i])) for i in range(streams)]
+        while min(len(a) for a in arrivals) < 20:
+            await asyncio.sleep(0.01)
+        sent = time.perf_counter()
+        words = " ".join(f"w{i % 977}" for i in range(nbytes // 5))[:nbytes]
+        async with s.post("http://localhost/v1/completions", json={"prompt": words}) as resp:
+            status = resp.status
+            message = (await resp.json())["error"]["message"]
+        answered = time.perf_counter()
+        await asyncio.sleep(0.2)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    before = [t1 - t0 for a in arrivals for t0, t1 in zip(a, a[1:]) if t1 < sent]
+    during = [t1 - t0 for a in arrivals for t0, t1 in zip(a, a[1:]) if t1 > sent and t0 < answered]
+    return {"prompt_bytes": nbytes, "status": status, "message": message,
+            "answer_s": answered - sent, "gap_before_median_s": statistics.median(before),
+            "gap_during_max_s": max(during) if during else None}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +149,7 @@ def main() -> int:
             mixed["gap_ratio_p99_over_median"] = mixed["gap_during_p99_s"] / mixed["gap_before_median_s"]
             mixed["ttft_ratio_mixed_over_alone"] = mixed["ttft_s"] / alone
             rounds.append(mixed)
+        rejected = asyncio.run(_rejected(d["socket"], args.streams, 900_000, rng, vocab))
     print(json.dumps({
         "model": model, "make_model": MAKE_MODEL, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "rounds": rounds,
@@ -126,6 +157,7 @@ def main() -> int:
         "ttft_ratio_mixed_over_alone": spread([r["ttft_ratio_mixed_over_alone"] for r in rounds]),
         "gap_before_median_s": spread([r["gap_before_median_s"] for r in rounds]),
         "ttft_alone_s": spread([r["ttft_alone_s"] for r in rounds]),
+        "rejected_long_prompt": rejected,
         "targets": {"gap_ratio_p99_over_median": 3.0, "ttft_ratio_mixed_over_alone": 1.5}},
         indent=2))
     return 0

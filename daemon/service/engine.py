@@ -317,7 +317,7 @@ class _StepTimes:
         if decode_rows == 0:
             return room
         decode_s, row_s = self.decode_s, self.prefill_row_s
-        if decode_s is None or row_s is None:
+        if not decode_s or not row_s:           # nothing timed yet (or a clock that stands)
             return min(room, INITIAL_PREFILL_ROWS)
         want = int((ratio - 1) * decode_s / row_s)
         self._last = min(room, max(MIN_PREFILL_ROWS, self._last // 2, min(want, 2 * self._last)))
