@@ -546,9 +546,15 @@ class Engine:
                 if not self._waiting:
                     return
                 handle = self._waiting[0]
-                if len(self._running) + handle.request.n > self.max_concurrent_sequences:
+                too_many = handle.request.n > self.max_concurrent_sequences   # lowered live
+                if not too_many and len(self._running) + handle.request.n > self.max_concurrent_sequences:
                     return
                 self._waiting.popleft()
+            if too_many:
+                self._finish_unstarted(handle, "error", self.clock(), error=(
+                    f"n={handle.request.n} is over max_concurrent_sequences="
+                    f"{self.max_concurrent_sequences}"))
+                continue
             now = self.clock()
             handle.stats.queue_s = now - handle.submitted
             if handle.cancelled or _late(handle, now):   # gone while it waited: no prefill

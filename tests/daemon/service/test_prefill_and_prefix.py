@@ -276,3 +276,19 @@ def test_the_chunk_beside_decodes_follows_measured_step_times():
     sizes = [t.prefill_rows(3, 2.0) for _ in range(4)]
     assert sizes == [10, 5, MIN_PREFILL_ROWS, MIN_PREFILL_ROWS]
     assert t.prefill_rows(PREFILL_CHUNK - 2, 2.0) == 2               # the rows left in a step
+
+
+def test_a_request_of_more_choices_than_places_left_fails_instead_of_blocking(model, tokenizer):
+    engine = Engine(model, tokenizer, max_concurrent_sequences=4)      # not started yet
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wide = engine.submit(EngineRequest("wide", (1, 2), max_tokens=2, n=4), loop)
+        after = engine.submit(EngineRequest("after", (1, 2), max_tokens=2), loop)
+        engine.set_limits(2, 8)                   # SIGHUP lowered the limit meanwhile
+        engine.start()
+        return await _drain(wide), await _drain(after)
+    wide, after = asyncio.run(main())
+    engine.stop()
+    assert [c["finish_reason"] for c in wide["choices"]] == ["error"] * 4
+    assert after["choices"][0]["finish_reason"] == "length"
