@@ -503,7 +503,7 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
 
 cdef enum:
     FFN_TOKENS = 8   # tokens of one _gate_up_rows pass
-    FFN_OUTS = 64    # FFN_TOKENS x MOED_ROWS (4) with room to spare
+    FFN_OUTS = 64    # FFN_TOKENS x MOED_ROWS (8)
 
 
 cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t g,

@@ -202,12 +202,13 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
  * Each lane is computed with the reference path's f32 multiplies and adds in the same
  * order, so all paths give the same bits (tests compare them). Several rows per pass
  * and a software prefetch per row, as the bf16 kernel does. */
-/* Per format: mat-vec of four rows or one row, and the tile decoder of four rows or
- * one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
+/* Per format: mat-vec of `pass` rows (4 or 8) or of one row, and the tile decoder of
+ * `pass` rows or one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
 typedef struct {
-    void (*dot4)(const moed_weight *, ptrdiff_t, const float *, float *);
+    int pass;
+    void (*dotp)(const moed_weight *, ptrdiff_t, const float *, float *);
     void (*dot1)(const moed_weight *, ptrdiff_t, const float *, float *);
-    void (*tile4)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
+    void (*tilep)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
     void (*tile1)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
 } moed_qkernel;
 
@@ -217,6 +218,19 @@ typedef struct {
 
 #if defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2)
 #define MOED_Q_SIMD 1
+/* Rows a pass streams, by lane order (measured on Zen 5, one thread, 2048 x 7168 from
+ * DRAM, 8 rows against 4: fp8 17 -> 23 GB/s and int8 18 -> 21 on AVX-512, but int4
+ * and mxfp4 -10 to -17 % there (their tables take registers) and every quantised
+ * format slower on AVX2 (16 registers)); and the rows a mat-mat tile accumulates at
+ * once. */
+#ifdef MOED_V16_AVX512
+#define MOED_QPASS_NATURAL 8
+#define MOED_TILE_ACC_ROWS 8
+#else
+#define MOED_QPASS_NATURAL 4
+#define MOED_TILE_ACC_ROWS 4
+#endif
+#define MOED_QPASS_PAIRED 4
 /* Bytes of a row prefetched ahead: a bf16 row's 1024 bytes are 512 columns; a 4-bit
  * row streams a quarter as many bytes per column. */
 #ifndef MOED_Q_PREFETCH
@@ -493,16 +507,17 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
         moed_v16 unused[MOED_ROWS];                                                   \
         moed_qspan_##FMT(w, r0, N, c0, c1, NULL, unused, unused, buf, ldb, 1);        \
     }
-#define MOED_DEFINE_QKERNEL(FMT)                                                      \
-    MOED_DEFINE_QKERNEL_N(FMT, MOED_ROWS, 4)                                          \
+#define MOED_DEFINE_QKERNEL(FMT, PASS)                                                \
+    MOED_DEFINE_QKERNEL_N(FMT, PASS, p)                                               \
     MOED_DEFINE_QKERNEL_N(FMT, 1, 1)                                                  \
     static const moed_qkernel moed_qkernel_##FMT = {                                  \
-        moed_qdot_##FMT##_4, moed_qdot_##FMT##_1, moed_qtile_##FMT##_4, moed_qtile_##FMT##_1};
-MOED_DEFINE_QKERNEL(mxfp4)
-MOED_DEFINE_QKERNEL(int4m)
-MOED_DEFINE_QKERNEL(int4s)
-MOED_DEFINE_QKERNEL(int8)
-MOED_DEFINE_QKERNEL(fp8)
+        PASS, moed_qdot_##FMT##_p, moed_qdot_##FMT##_1, moed_qtile_##FMT##_p,         \
+        moed_qtile_##FMT##_1};
+MOED_DEFINE_QKERNEL(mxfp4, MOED_QPASS_PAIRED)
+MOED_DEFINE_QKERNEL(int4m, MOED_QPASS_PAIRED)
+MOED_DEFINE_QKERNEL(int4s, MOED_QPASS_PAIRED)
+MOED_DEFINE_QKERNEL(int8, MOED_QPASS_NATURAL)
+MOED_DEFINE_QKERNEL(fp8, MOED_QPASS_NATURAL)
 
 /* The SIMD kernels for rows r0 .. r0+nrows-1 of w, or NULL if they do not apply. */
 static inline const moed_qkernel *moed_qkernel_for(const moed_weight *w, ptrdiff_t r0,
@@ -516,14 +531,25 @@ static inline const moed_qkernel *moed_qkernel_for(const moed_weight *w, ptrdiff
     }
 }
 
-/* The SIMD path for nrows <= MOED_ROWS rows; 0 if it does not apply. */
+/* The SIMD path for nrows <= MOED_ROWS rows; 0 if it does not apply. Rows go in
+ * passes of k->pass, the rest one by one. */
 static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
                                       const float *x, float *out) {
     const moed_qkernel *k = moed_qkernel_for(w, r0, nrows);
     if (!k) return 0;
-    if (nrows == MOED_ROWS) k->dot4(w, r0, x, out);
-    else for (int q = 0; q < nrows; q++) k->dot1(w, r0 + q, x, out + q);
+    int q = 0;
+    for (; q + k->pass <= nrows; q += k->pass) k->dotp(w, r0 + q, x, out + q);
+    for (; q < nrows; q++) k->dot1(w, r0 + q, x, out + q);
     return 1;
+}
+
+/* Decode columns [c0, c1) of rows r0 .. r0+nrows-1 into buf (row q at buf + q * ldb). */
+static inline void moed_qtile_rows(const moed_qkernel *k, const moed_weight *w, ptrdiff_t r0,
+                                   int nrows, ptrdiff_t c0, ptrdiff_t c1, float *buf,
+                                   ptrdiff_t ldb) {
+    int q = 0;
+    for (; q + k->pass <= nrows; q += k->pass) k->tilep(w, r0 + q, c0, c1, buf + q * ldb, ldb);
+    for (; q < nrows; q++) k->tile1(w, r0 + q, c0, c1, buf + q * ldb, ldb);
 }
 
 /* The accumulation of one token over a decoded tile (row q at buf + q * MOED_TILE_COLS),
@@ -559,14 +585,16 @@ static void moed_qmatmul_rows_tiled(const moed_weight *w, const moed_qkernel *k,
             for (int q = 0; q < nrows; q++) a0[t][q] = a1[t][q] = moed_v16_zero();
         for (ptrdiff_t c0 = 0; c0 < C32; c0 += MOED_TILE_COLS) {
             ptrdiff_t c1 = c0 + MOED_TILE_COLS < C32 ? c0 + MOED_TILE_COLS : C32;
-            if (nrows == MOED_ROWS) k->tile4(w, r0, c0, c1, buf, MOED_TILE_COLS);
-            else for (int q = 0; q < nrows; q++) k->tile1(w, r0 + q, c0, c1, buf + q * MOED_TILE_COLS, MOED_TILE_COLS);
+            moed_qtile_rows(k, w, r0, nrows, c0, c1, buf, MOED_TILE_COLS);
             for (int t = 0; t < nt; t++) {
                 const float *xt = x + (t0 + t) * C;
-                if (nrows == MOED_ROWS)
-                    moed_tile_accumulate(buf, MOED_ROWS, c0, c1, xt, paired, a0[t], a1[t]);
-                else
-                    moed_tile_accumulate(buf, nrows, c0, c1, xt, paired, a0[t], a1[t]);
+                int q = 0;
+                for (; q + MOED_TILE_ACC_ROWS <= nrows; q += MOED_TILE_ACC_ROWS)
+                    moed_tile_accumulate(buf + q * MOED_TILE_COLS, MOED_TILE_ACC_ROWS, c0, c1, xt,
+                                         paired, a0[t] + q, a1[t] + q);
+                if (q < nrows)
+                    moed_tile_accumulate(buf + q * MOED_TILE_COLS, nrows - q, c0, c1, xt, paired,
+                                         a0[t] + q, a1[t] + q);
             }
         }
         for (int t = 0; t < nt; t++)
@@ -637,8 +665,7 @@ static inline void moed_w_dequant_rows(const moed_weight *w, ptrdiff_t r0, int n
         const int paired = moed_is_paired(w->fmt);
         for (; j < C32; j += MOED_TILE_COLS) {
             ptrdiff_t c1 = j + MOED_TILE_COLS < C32 ? j + MOED_TILE_COLS : C32;
-            if (nrows == MOED_ROWS) k->tile4(w, r0, j, c1, buf, MOED_TILE_COLS);
-            else for (int q = 0; q < nrows; q++) k->tile1(w, r0 + q, j, c1, buf + q * MOED_TILE_COLS, MOED_TILE_COLS);
+            moed_qtile_rows(k, w, r0, nrows, j, c1, buf, MOED_TILE_COLS);
             for (int q = 0; q < nrows; q++)
                 for (ptrdiff_t c = j; c < c1; c += 32) {
                     const float *v = buf + q * MOED_TILE_COLS + (c - j);

@@ -209,7 +209,7 @@ def _order_cases():
 
 @pytest.mark.parametrize("variant, C", list(_order_cases()))
 def test_simd_path_bit_equal_to_portable_path(variant, C):
-    w, values, x = _case(variant, 11, C, 3, 5, C)  # 11 rows: two groups of four and a partial one
+    w, values, x = _case(variant, 11, C, 3, 5, C)  # 11 rows: passes of 8 or 4 rows, then single rows
     fast = _matmul(w, x)
     assert _bits_equal(fast, _matmul(w, x, fn=kern._matmul_portable))
     _assert_close(fast, values, x)
