@@ -59,6 +59,7 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         return _generate_over_socket(args)
+    from ext.formats.quant import quantization_label
     from ext.generate import Generation
     from ext.tokenizer import Tokenizer, stop_token_ids
 
@@ -70,9 +71,13 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
     model, session = _load_model(args)
-    log.info("model loaded: %s (%s, %d layers, %d experts, top_k %d) in %.2f s, %d threads",
+    formats = model.weight_formats()
+    log.info("model loaded: %s (%s, %d layers, %d experts, top_k %d; experts %s, dense %s, "
+             "quantization %s) in %.2f s, %d threads",
              args.model, model.config.model_type, model.config.num_hidden_layers,
-             model.config.num_experts, model.config.top_k, time.perf_counter() - t0, model.n_threads)
+             model.config.num_experts, model.config.top_k, formats["experts"], formats["dense"],
+             quantization_label(model.config.quantization), time.perf_counter() - t0,
+             model.n_threads)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ext.formats.files import MetadataFileError, read_json
+from ext.formats.quant import QuantMethod, parse_quantization_config
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 MAX_LAYERS = 4096  # sanity bound: a config beyond it is corrupt, not a model
@@ -68,6 +69,8 @@ class ModelConfig:
         moe_layers: per layer, True where the MLP is a routed MoE block.
         max_position_embeddings: context length the model was trained for.
         bos_token_id, eos_token_ids: special ids from config.json.
+        quantization: the parsed `quantization_config` (ext.formats.quant: which stored
+            formats the weights may have), or None when the weights are plain floats.
     """
 
     model_type: str
@@ -94,6 +97,7 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: QuantMethod | None = None
 
     @property
     def top_k(self) -> int:
@@ -211,6 +215,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         UnsupportedConfigError: a value moed cannot compute (hidden_act other
             than silu, RoPE scaling, attention biases on OLMoE's o_proj, ...).
         ConfigError: a field of the wrong type or range.
+        ext.formats.quant.QuantizationConfigError: a `quantization_config` moed does
+            not read (unknown quant_method, fmt, activation scheme, ...).
     """
     path = Path(path)
     if not isinstance(raw, dict):
@@ -302,6 +308,7 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         max_position_embeddings=r.positive("max_position_embeddings", 4096),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=_eos_ids(r),
+        quantization=parse_quantization_config(raw, path),
     )
 
 
