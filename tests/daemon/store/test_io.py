@@ -130,9 +130,37 @@ def test_views_alias_the_slot_at_each_tensor_offset():
         assert array.flags.c_contiguous and not array.flags.writeable
         assert np.shares_memory(array, raw)  # a view, not a copy
     slot[5100] ^= 0xFF
-    assert weights.up.view(np.uint8)[0] == slot[5100]
+    assert weights.up.view(np.uint8).reshape(-1)[0] == slot[5100]
     with pytest.raises(ValueError, match="smaller than"):
         plan.views(bytearray(plan.slot_bytes - 1))
+
+
+def test_fp8_pieces_share_a_slot_and_views_are_quantized_weights():
+    """Each FP8 projection is two pieces (codes, block scales), here with the scales
+    gathered in another region of the file, as the safetensors library lays them out:
+    one slot holds all six, the views are QuantizedWeights over it."""
+    from ext.kernels._kernels import QuantizedWeight
+
+    def fp8(name, offset, scale_offset):
+        return StoredWeight(name=name, shape=(64, 32), format="fp8_e4m3", block=(128, 128), pieces=(
+            TensorInfo(name=name, path="/m/A", offset=offset, nbytes=2048, dtype="F8_E4M3",
+                       shape=(64, 32)),
+            TensorInfo(name=name + "_scale_inv", path="/m/A", offset=scale_offset, nbytes=4,
+                       dtype="F32", shape=(1, 1))))
+
+    loc = ExpertLocation(0, 1, gate=fp8("g", 40960, 100), up=fp8("u", 43008, 104),
+                         down=fp8("d", 45056, 108))
+    plan = ReadPlan.for_expert(loc, ALIGN)
+    assert [(s.offset, s.length, [t.name for t in s.tensors]) for s in plan.spans] == [
+        (0, 4096, ["g_scale_inv", "u_scale_inv", "d_scale_inv"]), (40960, 8192, ["g", "u", "d"])]
+    assert [p.slot_offset for p in plan.placements] == [4096, 100, 6144, 104, 8192, 108]
+    slot = bytearray(plan.slot_bytes)
+    slot[100:104] = np.float32(0.5).tobytes()
+    slot[4096] = 0x38                                    # e4m3 1.0 at gate[0, 0]
+    weights = plan.views(slot)
+    assert all(isinstance(w, QuantizedWeight) and w.fmt == "fp8_e4m3" for w in weights)
+    assert weights.gate.scales[0, 0] == 0.5 and weights.gate.codes.view(np.uint8)[0, 0] == 0x38
+    assert np.shares_memory(weights.down.codes, np.frombuffer(slot, np.uint8))
 
 
 def test_plan_geometry_on_a_sharded_model(shared_model):

@@ -31,7 +31,7 @@ from ext.makemodel import make_model
 log = logging.getLogger(__name__)
 
 SIZES = dict(layers=2, experts=8, top_k=2, hidden=160, shard_size=60_000,
-             initializer_range=0.1, vocab_size=256)
+             initializer_range=0.1, vocab_size=320)
 INTERMEDIATE = {"fp8": 80, "mxfp4": 96}     # MXFP4 groups 32 inputs: 80 is not a multiple
 
 
