@@ -24,17 +24,14 @@ import numpy as np
 from ext.formats.checkpoint import Checkpoint, TensorInfo, TensorRangeError
 from ext.formats.quant import EXPERT, StoredWeight, resolve_weight
 from ext.models.config import ModelConfig
+from ext.models.families import family_of
+from ext.models.family import PROJECTIONS
 from ext.models.weights import Weight, read_weight, view_weight
-
-PROJECTIONS = ("gate", "up", "down")
 
 
 def expert_module_name(model_type: str, layer: int, expert: int, projection: str) -> str:
     """Hub module name of one projection ("gate", "up" or "down") of a routed expert."""
-    if model_type == "mixtral":
-        w = {"gate": "w1", "up": "w3", "down": "w2"}[projection]
-        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}"
-    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj"
+    return family_of(model_type).tensors.expert_module(layer, expert, projection)
 
 
 def expert_tensor_name(model_type: str, layer: int, expert: int, projection: str) -> str:
