@@ -216,16 +216,18 @@ def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     _matmul_checked(w, x, out, n_threads, 0)
 
 
-def dequantize(object w, cnp.ndarray out=None):
+def dequantize(object w, cnp.ndarray out=None, int n_threads=1):
     """The float32 values [R, C] of a weight: exactly what the kernels multiply by.
 
     Args:
         w: a QuantizedWeight or a float32/float16/bfloat16 [R, C] array.
         out: optional [R, C] float32, C-contiguous, writable; allocated if None.
+        n_threads: OpenMP threads (rows are split between them).
     Returns `out`. Raises ValueError on a bad weight or `out`.
     """
     cdef moed_weight d
     _describe(w, "w", &d)
+    _need_threads(n_threads)
     if out is None:
         out = np.empty((d.rows, d.cols), np.float32)
     _need_f32(out, "out", 2)
@@ -233,10 +235,13 @@ def dequantize(object w, cnp.ndarray out=None):
     if out.shape[0] != d.rows or out.shape[1] != d.cols:
         raise ValueError(f"out: shape {_shape(out)}, expected {(d.rows, d.cols)}")
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t r
-    with nogil:
-        for r in range(d.rows):
-            moed_w_dequant(&d, r, 0, d.cols, op + r * d.cols)
+    cdef Py_ssize_t g, r0
+    cdef int nr
+    for g in prange((d.rows + MOED_ROWS - 1) // MOED_ROWS, nogil=True, schedule="static",
+                    num_threads=_threads_for(d.rows * d.cols, n_threads)):
+        r0 = g * MOED_ROWS
+        nr = <int>(d.rows - r0) if d.rows - r0 < MOED_ROWS else MOED_ROWS
+        moed_w_dequant_rows(&d, r0, nr, op + r0 * d.cols, d.cols)
     return out
 
 

@@ -80,6 +80,10 @@ static inline float moed_e4m3_to_f32(uint8_t b) {
     return f;
 }
 
+/* moed_e4m3_to_f32 of every byte, filled by moed_quant_init (the scalar decoder of
+ * moed_w_dequant). */
+static float moed_e4m3_table[256];
+
 /* E2M1 (OCP MXFP4 element): bit 3 sign, 2 exponent bits, 1 mantissa bit. */
 static const float moed_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -133,7 +137,7 @@ static void moed_w_dequant(const moed_weight *w, ptrdiff_t r, ptrdiff_t j0, ptrd
         float s = moed_scale_at(w, si);
         switch (w->fmt) {
         case MOED_FP8_E4M3:
-            for (; j < stop; j++) *out++ = moed_e4m3_to_f32(row[j]) * s;
+            for (; j < stop; j++) *out++ = moed_e4m3_table[row[j]] * s;
             break;
         case MOED_MXFP4:
             for (; j < stop; j++) *out++ = moed_e2m1[moed_nibble(row, j)] * s;
@@ -198,6 +202,19 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
  * Each lane is computed with the reference path's f32 multiplies and adds in the same
  * order, so all paths give the same bits (tests compare them). Several rows per pass
  * and a software prefetch per row, as the bf16 kernel does. */
+/* Per format: mat-vec of four rows or one row, and the tile decoder of four rows or
+ * one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
+typedef struct {
+    void (*dot4)(const moed_weight *, ptrdiff_t, const float *, float *);
+    void (*dot1)(const moed_weight *, ptrdiff_t, const float *, float *);
+    void (*tile4)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
+    void (*tile1)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
+} moed_qkernel;
+
+/* Tokens sharing one decoded tile, and the tile's width in columns. */
+#define MOED_TILE_TOKENS 8
+#define MOED_TILE_COLS 512
+
 #if defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2)
 #define MOED_Q_SIMD 1
 /* Bytes of a row prefetched ahead: a bf16 row's 1024 bytes are 512 columns; a 4-bit
@@ -305,11 +322,11 @@ moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c
 #if defined(MOED_V16_AVX512) && defined(__AVX512VBMI__)
 /* Byte tables of the f32 value of each 7-bit e4m3 magnitude (its bits 16..23 and
  * 24..31; the low 16 bits are zero for every e4m3 value), and the byte placement of
- * four 16-value groups into f32 lanes. Filled by moed_quant_init. */
+ * four 16-value groups into f32 lanes. Filled by moed_quant_init_simd. */
 static uint8_t moed_e4m3_lut[2][128] __attribute__((aligned(64)));
 static uint8_t moed_e4m3_place[4][64] __attribute__((aligned(64)));
 
-static inline void moed_quant_init(void) {
+static inline void moed_quant_init_simd(void) {
     for (int m = 0; m < 128; m++) {
         float f = moed_e4m3_to_f32((uint8_t)m);
         uint32_t u;
@@ -349,7 +366,7 @@ moed_e4m3_decode(const moed_e4m3_tables *t, const uint8_t *p, const int n, moed_
 #define MOED_E4M3_STEP 64
 #define MOED_E4M3_UNIT 1.0f
 #else
-static inline void moed_quant_init(void) {}
+static inline void moed_quant_init_simd(void) {}
 
 typedef int moed_e4m3_tables;
 static inline void moed_e4m3_tables_load(moed_e4m3_tables *t) { *t = 0; }
@@ -461,15 +478,6 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
     return s;
 }
 
-/* Per format: mat-vec of four rows or one row, and the tile decoder of four rows or
- * one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
-typedef struct {
-    void (*dot4)(const moed_weight *, ptrdiff_t, const float *, float *);
-    void (*dot1)(const moed_weight *, ptrdiff_t, const float *, float *);
-    void (*tile4)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
-    void (*tile1)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
-} moed_qkernel;
-
 #define MOED_DEFINE_QKERNEL_N(FMT, N, NAME)                                           \
     static void moed_qdot_##FMT##_##NAME(const moed_weight *w, ptrdiff_t r0,          \
                                          const float *x, float *out) {                \
@@ -517,10 +525,6 @@ static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nr
     else for (int q = 0; q < nrows; q++) k->dot1(w, r0 + q, x, out + q);
     return 1;
 }
-
-/* Tokens sharing one decoded tile, and the tile's width in columns. */
-#define MOED_TILE_TOKENS 8
-#define MOED_TILE_COLS 512
 
 /* The accumulation of one token over a decoded tile (row q at buf + q * MOED_TILE_COLS),
  * columns [c0, c1) of x: the lane arithmetic of the mat-vec, in the same order. */
@@ -583,7 +587,12 @@ static inline int moed_qmatmul_rows_simd(const moed_weight *w, ptrdiff_t r0, int
     return 1;
 }
 #else
-static inline void moed_quant_init(void) {}
+static inline void moed_quant_init_simd(void) {}
+static inline const moed_qkernel *moed_qkernel_for(const moed_weight *w, ptrdiff_t r0,
+                                                   int nrows) {
+    (void)w; (void)r0; (void)nrows;
+    return NULL;
+}
 static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
                                       const float *x, float *out) {
     (void)w; (void)r0; (void)nrows; (void)x; (void)out;
@@ -607,6 +616,42 @@ static inline const char *moed_simd_path(void) {
 #else
     return "portable";
 #endif
+}
+
+/* Fill the decoding tables; called once when the module is imported. */
+static inline void moed_quant_init(void) {
+    for (int b = 0; b < 256; b++) moed_e4m3_table[b] = moed_e4m3_to_f32((uint8_t)b);
+    moed_quant_init_simd();
+}
+
+/* out[q * ldo + j] = the value of weight (r0 + q, j), exactly, for q < nrows <=
+ * MOED_ROWS: the SIMD decoders where they apply (paired lanes put back in column
+ * order), else moed_w_dequant. */
+static inline void moed_w_dequant_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                       float *out, ptrdiff_t ldo) {
+    const ptrdiff_t C = w->cols, C32 = C - C % 32;
+    const moed_qkernel *k = w->fmt > MOED_BF16 ? moed_qkernel_for(w, r0, nrows) : NULL;
+    ptrdiff_t j = 0;
+    if (k) {
+        float buf[MOED_ROWS * MOED_TILE_COLS] __attribute__((aligned(64)));
+        const int paired = moed_is_paired(w->fmt);
+        for (; j < C32; j += MOED_TILE_COLS) {
+            ptrdiff_t c1 = j + MOED_TILE_COLS < C32 ? j + MOED_TILE_COLS : C32;
+            if (nrows == MOED_ROWS) k->tile4(w, r0, j, c1, buf, MOED_TILE_COLS);
+            else for (int q = 0; q < nrows; q++) k->tile1(w, r0 + q, j, c1, buf + q * MOED_TILE_COLS, MOED_TILE_COLS);
+            for (int q = 0; q < nrows; q++)
+                for (ptrdiff_t c = j; c < c1; c += 32) {
+                    const float *v = buf + q * MOED_TILE_COLS + (c - j);
+                    float *o = out + q * ldo + c;
+                    for (int l = 0; l < 16; l++) {
+                        if (paired) { o[2 * l] = v[l]; o[2 * l + 1] = v[16 + l]; }
+                        else { o[l] = v[l]; o[16 + l] = v[16 + l]; }
+                    }
+                }
+        }
+        j = C32;
+    }
+    for (int q = 0; q < nrows; q++) moed_w_dequant(w, r0 + q, j, C - j, out + q * ldo + j);
 }
 
 /* The instruction-set extensions the kernels were compiled to use, space-separated. */

@@ -26,6 +26,8 @@ cdef extern from "_quant_impl.h" nogil:
                          float *out, int simd)
     void moed_w_matmul_rows(const moed_weight *w, Py_ssize_t r0, int nrows, const float *x,
                             Py_ssize_t T, float *out, Py_ssize_t ldo, int simd)
+    void moed_w_dequant_rows(const moed_weight *w, Py_ssize_t r0, int nrows, float *out,
+                             Py_ssize_t ldo)
     void moed_w_dequant(const moed_weight *w, Py_ssize_t r, Py_ssize_t j0, Py_ssize_t n,
                         float *out)
     const char *moed_simd_path()

@@ -133,7 +133,7 @@ def test_dequantize_is_exact(variant, R, C):
     assert got.dtype == np.float32 and got.shape == (R, C)
     assert _bits_equal(got, values)
     out = np.full((R, C), np.nan, np.float32)
-    assert kern.dequantize(w, out) is out and _bits_equal(out, values)
+    assert kern.dequantize(w, out, 2) is out and _bits_equal(out, values)
 
 
 def test_dequantize_fp8_special_codes_and_scales():
