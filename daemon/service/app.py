@@ -179,7 +179,7 @@ class HttpApp:
     def _model_card(self, loaded: Loaded) -> dict:
         return {"id": loaded.model_names[0], "object": "model",
                 "created": int(self.state.started_wall), "owned_by": "moed",
-                "max_model_len": loaded.context}
+                "max_model_len": loaded.context, "weights": loaded.weight_formats}
 
     async def models(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
