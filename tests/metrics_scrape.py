@@ -7,8 +7,9 @@ the given MoE layer ids — written out from the issue's list, not from the code
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
+
+import tools
 
 TYPES = {
     # requests
@@ -123,9 +124,6 @@ def total(samples: dict[Series, float], name: str, **match: str) -> float:
 
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
-    """`promtool check metrics` on a scrape; fails the test when promtool is missing
-    (CI installs Debian's `prometheus` package: see .ci/run)."""
-    promtool = shutil.which("promtool")
-    assert promtool is not None, "promtool is not installed (apt-get install prometheus)"
-    return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=60)
+    """`promtool check metrics` on a scrape (the test declares @pytest.mark.tools("promtool"))."""
+    return subprocess.run([tools.path("promtool"), "check", "metrics"], input=text,
+                          capture_output=True, text=True, timeout=60)

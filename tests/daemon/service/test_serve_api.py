@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import tools
 from daemon_proc import Daemon, UnixHTTPConnection, short_dir
 
 from daemon.store.streaming import minimum_cache_bytes
@@ -31,7 +32,6 @@ from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.tokenizer import Tokenizer
 
-CURL = "/usr/bin/curl"
 MODEL = "model"                      # the canonical name: the model directory's basename
 CONTEXT = 4096                       # make_model's max_position_embeddings
 MAX_BODY = 64 * 1024
@@ -289,12 +289,12 @@ def test_openai_client_chat_and_completion(daemon, tokenizer):
 # ---------------------------------------------------------------------- 2. curl and SSE framing
 
 
+@pytest.mark.tools("curl")
 def test_curl_streaming_sse_framing(daemon, tokenizer):
-    assert os.access(CURL, os.X_OK), f"{CURL} is required"     # absent: fail, never skip
     messages = [{"role": "user", "content": "Stream me some tokens."}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 9, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    run = subprocess.run([CURL, "-sS", "-N", "--unix-socket", daemon.socket, "-D", "-",
+    run = subprocess.run([tools.path("curl"), "-sS", "-N", "--unix-socket", daemon.socket, "-D", "-",
                           "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
                           "http://localhost/v1/chat/completions"],
                          capture_output=True, timeout=120, check=True)
@@ -337,10 +337,11 @@ def test_curl_streaming_sse_framing(daemon, tokenizer):
     assert full["usage"] == usage["usage"]
 
 
+@pytest.mark.tools("curl")
 def test_curl_completions_stream_without_usage(daemon):
     body = {"prompt": "once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    run = subprocess.run([CURL, "-sS", "-N", "--unix-socket", daemon.socket,
+    run = subprocess.run([tools.path("curl"), "-sS", "-N", "--unix-socket", daemon.socket,
                           "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
                           "http://localhost/v1/completions"],
                          capture_output=True, timeout=120, check=True)
