@@ -19,6 +19,7 @@ TYPES = {
     "moed_inter_token_latency_seconds": "histogram",
     "moed_request_duration_seconds": "histogram", "moed_prompt_tokens_total": "counter",
     "moed_generation_tokens_total": "counter", "moed_requests_finished_total": "counter",
+    "moed_connections_refused_total": "counter",
     # experts
     "moed_expert_lookups_total": "counter", "moed_expert_bytes_read_total": "counter",
     "moed_expert_read_seconds": "histogram", "moed_expert_read_errors_total": "counter",
@@ -44,9 +45,11 @@ TYPES = {
 }
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
              "pins_reset", "other")
-STATUSES = ("200", "400", "401", "403", "404", "405", "413", "429", "499", "500", "503", "other")
+STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",
+            "other")
 LABELS = {
     "moed_requests_total": [{"endpoint": e, "status": s} for e in ENDPOINTS for s in STATUSES],
+    "moed_connections_refused_total": [{"listener": x} for x in ("socket", "tcp", "metrics")],
     "moed_requests_finished_total": [{"finish_reason": r} for r in
                                      ("stop", "length", "timeout", "cancelled", "error")],
     "moed_expert_bytes_read_total": [{"reason": r} for r in ("demand", "prefetch", "pin_load")],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import socket
@@ -51,8 +52,19 @@ def _is_tcp(request: web.Request) -> bool:
     return sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
 
 
+def api_key_matches(authorization: str, api_key: str) -> bool:
+    """Whether an Authorization header value is ``Bearer <api_key>``, compared in constant
+    time (hmac.compare_digest): how long the check takes says nothing about the key."""
+    scheme, _, key = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
+                                                              api_key.encode())
+
+
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers)
+    response = web.json_response(e.body(), status=e.status, headers=e.headers)
+    if e.headers.get("Connection") == "close":
+        response.force_close()
+    return response
 
 
 class HttpApp:
@@ -125,8 +137,8 @@ class HttpApp:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if _is_tcp(request) and self.state.config.api_key:
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or key.strip() != self.state.config.api_key:
+            if not api_key_matches(request.headers.get("Authorization", ""),
+                                   self.state.config.api_key):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)
@@ -153,11 +165,21 @@ class HttpApp:
             raise ApiError(413, f"request body of {request.content_length} bytes is over the "
                                 f"limit of {limit} bytes (max_body_bytes)", code="request_too_large")
         data = bytearray()      # read(n) returns what has arrived: loop until EOF or over
-        while len(data) <= limit:
-            part = await request.content.read(limit + 1 - len(data))
-            if not part:
-                break
-            data += part
+        timeout = self.state.config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                while len(data) <= limit:
+                    part = await request.content.read(limit + 1 - len(data))
+                    if not part:
+                        break
+                    data += part
+        except TimeoutError:
+            # what is left of the body may never come: the connection cannot be reused
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
+                                f"(body_timeout_s): {len(data)} of "
+                                f"{request.content_length if request.content_length is not None else 'unknown'}"
+                                " bytes received", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         if len(data) > limit:
             raise ApiError(413, f"request body is over the limit of {limit} bytes (max_body_bytes)",
                            code="request_too_large")

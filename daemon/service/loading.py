@@ -16,6 +16,7 @@ from pathlib import Path
 from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
 from daemon.service.engine import Engine, RequestHandle
+from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.session import open_model
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
@@ -43,6 +44,13 @@ class Loaded:
     model_type: str
     tuner: object | None = None  # daemon.tuning.live.LiveTuner (tuner = live / live+idle)
     workload: object | None = None  # daemon.tuning.workload.Workload for live+idle
+    templates: TemplateWorkers | None = None   # the chat template's render processes
+
+    def close(self) -> None:
+        """Release what the load holds: the model's files and the render processes."""
+        self.engine.model.close()
+        if self.templates is not None:
+            self.templates.close()
 
 
 def request_finished(handle: RequestHandle, telemetry=None) -> None:
@@ -67,7 +75,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
 
     telemetry: the daemon's DaemonMetrics, fed by the engine's hooks (or None)."""
     model_dir = config.require_model()
-    tokenizer = Tokenizer.from_model_dir(model_dir)
+    templates = TemplateWorkers(config.chat_template_max_chars, config.chat_template_timeout_s)
+    tokenizer = Tokenizer.from_model_dir(model_dir, renderer=templates.render)
     stop_ids = frozenset(stop_token_ids(model_dir))
     cache_bytes = config.expert_cache_bytes
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
@@ -103,11 +112,14 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             engine.step_observers.append(tuner.step_done)
             if config.tuner == "live+idle":
                 workload = Workload(model, workload_prompts(model_dir, model.config.vocab_size))
+    if tokenizer.chat_template is not None:
+        templates.start()
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
                   context=model.config.max_position_embeddings, session=session,
-                  model_type=model.config.model_type, tuner=tuner, workload=workload)
+                  model_type=model.config.model_type, tuner=tuner, workload=workload,
+                  templates=templates)
 
 
 PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)
