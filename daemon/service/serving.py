@@ -40,6 +40,14 @@ class ServingState:
         self.started = time.monotonic()
         self.started_wall = time.time()
 
+    def read_failure(self) -> str | None:
+        """Why expert reads fail now (the latest read to finish failed), else None. Reads
+        the io pool of the current expert cache; memory-mapped experts have none."""
+        session = self.loaded.session if self.loaded is not None else None
+        if session is None:
+            return None
+        return session.provider.io.failing()
+
     def stats_snapshot(self, loaded: Loaded) -> dict:
         """moed's own statistics (runs on the engine thread); the same reading becomes
         `last_snapshot`, which /metrics exports (daemon/service/stats.py)."""

@@ -3,8 +3,10 @@
 The real daemon subprocess with short limits: a slowloris connection that trickles its
 headers is closed at header_timeout_s; a body shorter than its Content-Length is a 408 at
 body_timeout_s; a listener holding max_connections answers the next connection 503 at
-once (the Unix socket and the TCP metrics listener alike); and through all of it the
-daemon keeps serving and every line it logs is JSON. No sleeps: each wait is for the
+once (the Unix socket and the TCP metrics listener alike); a chat template bomb in the
+model directory is a 400; and through all of it the daemon keeps serving and every line
+it logs is JSON. A shard whose expert bytes vanish makes /health say "degraded" until a
+read succeeds again. No sleeps: each wait is for the
 daemon's answer or its close, bounded by a deadline.
 """
 from __future__ import annotations
@@ -19,7 +21,11 @@ import pytest
 from daemon_proc import Daemon, short_dir
 
 from daemon.service import app as app_module
+from daemon.store.streaming import minimum_cache_bytes
+from ext.formats.checkpoint import Checkpoint
 from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout
 
 TEMPLATE_MAX_CHARS = 100_000
 TEMPLATE_TIMEOUT_S = 0.5
@@ -224,3 +230,45 @@ def test_the_api_key_is_compared_in_constant_time(monkeypatch):
     assert not app_module.api_key_matches("Basic s3cret", "s3cret")
     assert not app_module.api_key_matches("", "s3cret")
     assert seen[:2] == [(b"s3cret", b"s3cret"), (b"s3cre", b"s3cret")]
+
+
+# ------------------------------------------------------------------ a shard that breaks
+
+
+@pytest.fixture(scope="module")
+def sharded_model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("broken") / "model", arch="qwen3_moe", layers=4,
+                      experts=16, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=1,
+                      shard_size=64 << 10)
+
+
+def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sharded_model):
+    checkpoint = Checkpoint(sharded_model)
+    config = load_config(sharded_model)
+    cache = minimum_cache_bytes(ExpertLayout(checkpoint, config), config)
+    checkpoint.close()
+    shards = sorted(sharded_model.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--expert-cache-bytes", str(cache),
+               "--no-prefetch")
+    try:
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        saved = {p: p.read_bytes() for p in shards}
+        for p in shards:                     # every expert's bytes gone: only headers stay
+            header = 8 + int.from_bytes(saved[p][:8], "little")
+            with open(p, "r+b") as f:
+                f.truncate(header)
+        status, body = d.json("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 16,
+                                                           "temperature": 0})
+        assert status == 500 and "generation failed" in body["error"]["message"]
+        status, health = d.json("GET", "/health")
+        assert status == 503 and health["status"] == "degraded"
+        assert health["reason"].startswith("expert reads are failing: reading expert (")
+        assert any(str(p) in health["reason"] for p in shards)
+        for p, data in saved.items():        # the disk is back
+            p.write_bytes(data)
+        assert serving(d)
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
