@@ -36,6 +36,8 @@ PACKAGES: Mapping[str, str] = {
     "curl": "curl",
     "kill": "procps",          # /bin/kill: the units' ExecReload=
     "prlimit": "util-linux",
+    "unshare": "util-linux",
+    "mount": "mount",
     "python3": "python3",      # the system interpreter (the test that runs as nobody)
 }
 # Where a program must be, when the test needs that exact file rather than any on PATH.

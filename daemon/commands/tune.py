@@ -21,7 +21,7 @@ from daemon.commands.args import (MODEL_HELP, Parents, check_model_dir, cpu_thre
                                   positive_int, size)
 from daemon.store.reads import drop_page_cache
 from daemon.store.session import open_model
-from daemon.store.state import default_state_dir
+from daemon.store.state import StateReadOnlyError, default_state_dir
 from daemon.tuning.knobs import (IO_WORKERS, PREFETCH_WIDTH, THREADS, LiveKnobs, default_knobs,
                                  probe_proposals)
 from daemon.tuning.saved import TunedStore, hardware_facts
@@ -87,6 +87,8 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         try:      # fail now, not after minutes of tuning, when the winners cannot be saved
             store = TunedStore(cfg.state_dir, model.checkpoint.fingerprint(), facts)
             store.load()
+            if not store.writable:
+                raise StateReadOnlyError(f"{cfg.state_dir} is read-only")
         except OSError as e:
             raise OSError(f"the state directory {cfg.state_dir} cannot hold the tuned "
                           f"settings: {e}") from None

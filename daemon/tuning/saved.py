@@ -108,8 +108,13 @@ class TunedStore:
             return None
         return valid_settings(payload["settings"], self.path)
 
+    @property
+    def writable(self) -> bool:
+        return self.store.writable
+
     def save(self, settings: Mapping[str, Any], report: Mapping[str, Any] | None = None) -> None:
-        """Write the winners (replacing any earlier ones). Raises OSError."""
+        """Write the winners (replacing any earlier ones). Raises OSError
+        (StateReadOnlyError in a read-only state directory)."""
         payload = {"version": TUNED_VERSION, "hardware": self.hardware,
                    "hardware_facts": self.facts, "settings": dict(settings),
                    "report": dict(report or {})}

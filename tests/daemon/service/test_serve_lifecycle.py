@@ -332,6 +332,46 @@ def test_sigterm_drains_a_running_request_flushes_state_and_pins_it_next_time(
         assert d2.stop() == 0
 
 
+# ------------------------------------------------------------------ 1b. read-only state
+
+
+def read_only_launcher(directory: str) -> tuple[str, ...]:
+    """Run the daemon in a mount namespace where `directory` is a read-only bind mount
+    (skips where this process may not make one)."""
+    unshare, mount = tools.path("unshare"), tools.path("mount")
+    probe = subprocess.run([unshare, "-m", mount, "--bind", "-o", "ro", directory, directory],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here: {probe.stderr.strip()}")
+    return (unshare, "-m", "sh", "-c",
+            f'{mount} --bind -o ro "$0" "$0" && exec "$@"', directory)
+
+
+@pytest.mark.tools("unshare", "mount")
+def test_a_read_only_state_directory_is_read_and_used_and_warned_about_once(model_dir, workdir):
+    args = ("--expert-cache-bytes", str(CACHE_BYTES), "--no-prefetch")
+    with serving(model_dir, workdir, *args) as d:          # learn, and save on SIGTERM
+        status, _ = d.json("POST", "/v1/completions", completion_body(64, stream=False))
+        assert status == 200
+        assert d.stop() == 0
+    (state_file,) = usage_files(d.state_dir)
+    saved = Path(state_file).read_bytes()
+    with serving(model_dir, workdir, *args, launcher=read_only_launcher(d.state_dir)) as ro:
+        status, pins = ro.json("GET", "/v1/moed/pins")
+        assert status == 200 and pins["pins"]               # the learned usage is in use
+        status, _ = ro.json("POST", "/v1/completions", completion_body(64, stream=False))
+        assert status == 200
+        status, body = ro.json("POST", "/v1/moed/pins/reset")
+        assert status == 200 and body["reset"] is True      # in memory; the file stays
+        assert ro.stop() == 0
+        warnings = [e for e in ro.events if e["level"] in ("warning", "error")]
+        assert [e["event"] for e in warnings] == ["state_dir_read_only"], warnings
+        assert warnings[0]["learned_usage_loaded"] is True
+        assert warnings[0]["state_dir"] == d.state_dir
+    assert Path(state_file).read_bytes() == saved            # nothing written
+    assert usage_files(d.state_dir) == [state_file]
+
+
 # ---------------------------------------------------------------------------- 2. no grace
 
 
