@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Steps, UsageError,
+from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
                                   nonempty, size)
 
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # 5 % of --seconds stays for the interpreter's start, the imports and the save.
         budget = max(0.0, 0.95 * args.seconds - (time.monotonic() - t0))
-        report = run_iobench(target, seconds=budget, progress=Steps("iobench passes"))
+        report = run_iobench(target, seconds=budget, progress=Progress("iobench passes", unit="pass"))
     finally:
         if created:
             os.unlink(args.file)

@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
                      vocab_size=args.vocab_size, heads=args.heads, kv_heads=args.kv_heads,
                      initializer_range=args.initializer_range, overwrite=args.force,
                      routing_skew=args.routing_skew,
-                     progress=Progress(f"writing {args.out}"))
+                     progress=Progress(f"writing {args.out}", unit="B"))
     print(json.dumps({"model": str(out)}))
     return 0
