@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subparser of `command` (for its usage line), else `parser` itself."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status (see the module doc)."""
     parser = build_parser()
@@ -61,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except UsageError as e:
-        parser.error(str(e))  # exits 2, like argparse's own checks
+    except UsageError as e:  # exits 2 with the command's own usage, like argparse's checks
+        command_parser(parser, args.command).error(str(e))
     except (CheckpointError, ConfigError, ServeConfigError, TokenizerFilesError, ChatTemplateError,
             ExpertReadError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"moed {args.command}: error: {e}", file=sys.stderr)

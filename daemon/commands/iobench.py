@@ -8,6 +8,7 @@ import sys
 import time
 
 from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
+                                  check_model_dir,
                                   nonempty, size)
 
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     created = False
     if args.model is not None:
-        target = model_target(args.model)
+        target = model_target(check_model_dir(args.model))
     else:
         target, created = scratch_target(args.file, args.size, args.block)
     try:

@@ -143,6 +143,7 @@ class Daemon:
             self.state.load_seconds = time.monotonic() - load_started
         except (OSError, ValueError) as e:
             log.error("model_load_failed", error=str(e))
+            print(f"moed serve: error: {e}", file=sys.stderr, flush=True)   # for a person too
             self.exit_code = 1
             return False
         self.state.loaded.engine.start()
