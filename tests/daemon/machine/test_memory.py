@@ -220,3 +220,18 @@ def test_the_serving_plan_refuses_with_the_numbers(planned_model):
     with pytest.raises(MemoryPlanError, match=r"the dense part does not fit: needs \d+ B"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                             reading=MemoryReading(100 << 20, ()))
+
+
+def test_the_live_system_is_read_through_psutil():
+    import os
+
+    import psutil
+
+    from daemon.machine.memory import read_mem_available, read_mem_total
+    from daemon.machine.system import mem_total_bytes, usable_cpus
+    assert read_mem_total() == psutil.virtual_memory().total == mem_total_bytes()
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    assert read_mem_total() == int(meminfo["MemTotal"].split()[0]) * 1024
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    assert abs(read_mem_available() - available) < 0.1 * read_mem_total()   # it moves
+    assert usable_cpus() == len(os.sched_getaffinity(0))

@@ -201,6 +201,11 @@ def test_health_models_metrics_stats_pins(daemon, model_dir, cache_bytes):
     assert s["requests"]["max_concurrent_sequences"] == 4
     assert s["requests"]["max_queue"] == CLIENTS * PER_CLIENT
     assert s["memory"]["budget_bytes"] == cache_bytes
+    # the daemon's resident memory (psutil), as the kernel counts it
+    status_rss = next(int(line.split()[1]) * 1024 for line in
+                      Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines()
+                      if line.startswith("VmRSS:"))
+    assert 0.5 * status_rss < s["memory"]["rss_bytes"] < 2 * status_rss
     cache = s["cache"]
     slots = cache["pinned"]["slots"] + cache["dynamic"]["slots"] + cache["staging"]["slots"]
     assert slots * cache["slot_bytes"] <= cache_bytes < (slots + 1) * cache["slot_bytes"]
