@@ -145,3 +145,19 @@ def test_service_timeouts_fit_the_daemon():
 def test_units_mention_no_path_of_this_checkout(name):
     text = (UNITS / name).read_text()
     assert str(ROOT) not in text and ".venv" not in text
+
+
+def test_units_name_their_documentation_and_the_user_install_service_creates():
+    for name in ("moed.socket", "moed.service"):
+        docs = _directives(UNITS / name)["Unit"]["Documentation"]
+        assert docs == ["file:/usr/local/share/doc/moed/README.md"]
+    user = _directives(UNITS / "moed.service")["Service"]["User"][0]
+    [line] = [x for x in (UNITS / "moed.sysusers").read_text().splitlines()
+              if x and not x.startswith("#")]
+    kind, name, _id, _gecos, home, shell = line.split(maxsplit=2)[:2] + ["-"] + \
+        line.split('"')[1:2] + line.split('"')[2].split()
+    assert (kind, name, home, shell) == ("u", user, "/var/lib/moed", "/usr/sbin/nologin")
+    from importlib import resources
+    shipped = resources.files("daemon") / "systemd"           # what a wheel carries
+    assert {p.name for p in shipped.iterdir()} >= {"moed.service", "moed.socket", "moed.toml",
+                                                   "moed.sysusers"}
