@@ -233,10 +233,13 @@ class HttpApp:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
         handle.endpoint = "chat_completions" if chat else "completions"
+        headers = api.max_tokens_header(parsed, loaded.context, self.state.config.max_tokens)
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, handle)
-            return await self._collect(parsed, handle)
+                return await self._stream(request, parsed, handle, headers)
+            response = await self._collect(parsed, handle)
+            response.headers.update(headers)
+            return response
         finally:
             if not handle.finished:
                 handle.cancel()      # the client went away (or we failed): free the place
@@ -255,9 +258,9 @@ class HttpApp:
                                                    event.stats))
 
     async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
-                      handle: RequestHandle) -> web.StreamResponse:
+                      handle: RequestHandle, headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+                                               "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
         created = int(time.time())
 

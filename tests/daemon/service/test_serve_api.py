@@ -618,6 +618,32 @@ def test_bad_requests_get_openai_errors(daemon, path, body, status, param, code)
     assert_serving(daemon)
 
 
+def test_a_max_tokens_cut_by_the_context_says_so_in_a_header(daemon):
+    prompt = [5] * (CONTEXT - 3)
+    status, headers, raw = daemon.request("POST", COMPLETIONS, {
+        "prompt": prompt, "max_tokens": 100000, "ignore_eos": True})
+    body = json.loads(raw)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    assert headers["X-Moed-Max-Tokens"] == (
+        f"3; limited by the context: {CONTEXT} tokens, {CONTEXT - 3} of them the prompt")
+    status, headers, _ = daemon.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and headers["X-Moed-Max-Tokens"] == "2"
+
+
+def test_a_max_tokens_cut_by_the_server_ceiling_is_named_too():
+    from daemon.service import api
+
+    class Vocab:
+        vocab_size = 100
+    parsed = api.parse_request({"prompt": [1, 2, 3], "max_tokens": 500}, chat=False,
+                               model_names=("m",), tokenizer=Vocab(), stop_ids=frozenset(),
+                               context=4096, max_tokens_cap=64, request_timeout_s=60, now=0.0)
+    assert parsed.engine.max_tokens == 64 and parsed.max_tokens_limited_by == "max_tokens"
+    assert api.max_tokens_header(parsed, 4096, 64) == {
+        "X-Moed-Max-Tokens": "64; limited by the server's max_tokens ceiling (64)"}
+
+
 def test_prompt_of_exactly_the_context_is_rejected_one_less_is_served(daemon):
     status, body = daemon.json("POST", COMPLETIONS, {"prompt": [5] * CONTEXT, "max_tokens": 1})
     assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
