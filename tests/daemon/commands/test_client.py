@@ -316,8 +316,8 @@ def test_demo_refuses_a_directory_that_is_not_a_model(tmp_path):
     assert f"moed demo: error: the model in {not_a_model} cannot be served" in proc.stderr
     assert "neither model.safetensors.index.json nor model.safetensors found" in proc.stderr
     missing = moed("demo", "--dir", str(tmp_path / "state"), "--model", str(tmp_path / "nope"))
-    assert missing.returncode == 1
-    assert f"no model directory at {tmp_path / 'nope'}" in missing.stderr
+    assert missing.returncode == 2                  # a --model that does not exist: usage
+    assert f"moed demo: error: --model: {tmp_path / 'nope'} does not exist" in missing.stderr
 
 
 def test_demo_keep_serves_until_interrupted(tmp_path):
