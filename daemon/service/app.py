@@ -33,6 +33,7 @@ from telemetry.logs import get_logger
 log = get_logger("server")
 
 RETRY_AFTER_S = 1
+CLIENT_GONE = web.RequestKey("moed_client_gone", bool)  # the client left mid-answer
 SCRAPE_WAIT_S = 2.0             # /metrics waits at most this long for a fresh snapshot, else the last one
 SNAPSHOT_REUSE_S = 0.5          # a snapshot younger than this serves a scrape (scrape storms cost nothing)
 
@@ -99,7 +100,7 @@ class HttpApp:
         status = 500
         try:
             response = await handler(request)
-            status = response.status
+            status = 499 if request.get(CLIENT_GONE) else response.status
             return response
         except web.HTTPException as e:
             status = e.status
@@ -268,23 +269,29 @@ class HttpApp:
             data = payload if isinstance(payload, bytes) else json.dumps(payload, separators=(",", ":")).encode()
             await response.write(b"data: " + data + b"\n\n")
 
-        if parsed.chat:
-            await send(api.chunk(parsed, created, role=True))
-        while True:
-            event = await handle.events.get()
-            if event.text:
-                await send(api.chunk(parsed, created, text=event.text))
-            if event.finish_reason is not None:
-                break
-        if event.finish_reason == "error":
-            await send(ApiError(500, f"generation failed: {event.error}", type="server_error",
-                                code="engine_error").body())
-        else:
-            await send(api.chunk(parsed, created, finish_reason=event.finish_reason))
-            if parsed.include_usage:
-                await send(api.chunk(parsed, created, stats=event.stats))
-        await send(b"[DONE]")
-        await response.write_eof()
+        try:
+            if parsed.chat:
+                await send(api.chunk(parsed, created, role=True))
+            while True:
+                event = await handle.events.get()
+                if event.text:
+                    await send(api.chunk(parsed, created, text=event.text))
+                if event.finish_reason is not None:
+                    break
+            if event.finish_reason == "error":
+                await send(ApiError(500, f"generation failed: {event.error}", type="server_error",
+                                    code="engine_error").body())
+            else:
+                await send(api.chunk(parsed, created, finish_reason=event.finish_reason))
+                if parsed.include_usage:
+                    await send(api.chunk(parsed, created, stats=event.stats))
+            await send(b"[DONE]")
+            await response.write_eof()
+        except ConnectionError:
+            # The client left mid-answer ("Cannot write to closing transport"): its request
+            # stops (the caller cancels it) and there is nobody to tell; aiohttp would log
+            # the error as a traceback of its own.
+            request[CLIENT_GONE] = True
         return response
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -272,3 +272,47 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
         assert d.stop() == 0
     finally:
         d.cleanup()
+
+
+def test_a_client_that_leaves_mid_stream_is_a_499_not_a_traceback(monkeypatch):
+    """A write to a closing transport ends the answer quietly and counts as 499 (aiohttp
+    would log it as an "Error handling request" traceback)."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from daemon.service import api
+    from daemon.service.engine import EngineRequest
+
+    counted = []
+
+    class State:
+        class telemetry:                                    # noqa: N801
+            @staticmethod
+            def response(route, status):
+                counted.append(status)
+
+    async def closing(self, data):
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    async def prepared(self, request):
+        return None
+    monkeypatch.setattr(web.StreamResponse, "write", closing)
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepared)
+    http = app_module.HttpApp(State())
+    parsed = api.ParsedRequest(engine=EngineRequest(request_id="cmpl-1", prompt_ids=(1,),
+                                                    max_tokens=2),
+                               model="m", stream=True, include_usage=False, chat=True)
+
+    async def scenario():
+        class Handle:
+            events = asyncio.Queue()
+        request = make_mocked_request("POST", "/v1/chat/completions")
+
+        async def handler(req):
+            return await http._stream(req, parsed, Handle(), {})
+        return await http._count(request, handler)
+    response = asyncio.run(scenario())
+    assert isinstance(response, web.StreamResponse)
+    assert counted == [499]
