@@ -39,6 +39,10 @@ PACKAGES: Mapping[str, str] = {
     "unshare": "util-linux",
     "mount": "mount",
     "python3": "python3",      # the system interpreter (the test that runs as nobody)
+    "gcc": "gcc",              # building moed's kernels (the install-service test)
+    "python3-venv": "python3-venv",   # not programs: checked by CHECKS below
+    "python3-dev": "python3-dev",
+    "runuser": "util-linux",
 }
 # Where a program must be, when the test needs that exact file rather than any on PATH.
 FIXED: Mapping[str, str] = {"kill": "/bin/kill", "python3": "/usr/bin/python3"}
@@ -51,8 +55,28 @@ def mode(environ: Mapping[str, str] = os.environ) -> str:
     return value
 
 
+def _system_python_has(code: str) -> bool:
+    python = "/usr/bin/python3"
+    return os.access(python, os.X_OK) and subprocess.run(
+        [python, "-c", code], capture_output=True).returncode == 0
+
+
+# What is not a program on PATH: name -> (a check, what `find` returns when it passes).
+CHECKS: Mapping[str, tuple] = {
+    "python3-venv": (lambda: _system_python_has("import ensurepip, venv"), "/usr/bin/python3"),
+    "python3-dev": (lambda: _system_python_has(
+        "import os, sysconfig, sys; "
+        "sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"),
+        "/usr/bin/python3"),
+}
+
+
 def find(name: str) -> str | None:
-    """The absolute path of program `name`, or None."""
+    """The absolute path of program `name` (for CHECKS entries: the system Python when the
+    check passes), or None."""
+    if name in CHECKS:
+        check, path = CHECKS[name]
+        return path if check() else None
     fixed = FIXED.get(name)
     if fixed is not None:
         return fixed if os.access(fixed, os.X_OK) else None
