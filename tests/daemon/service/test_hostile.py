@@ -37,7 +37,7 @@ HOSTILE_TEMPLATE = """\
 {%- elif messages[0].content == "one" -%}
 {{ "y" * 30000000 }}
 {%- elif messages[0].content == "slow" -%}
-{%- for i in range(100000) %}{% for j in range(300) %}{% endfor %}{% endfor -%}
+{%- for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor -%}
 {%- else -%}
 {%- for m in messages %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
