@@ -61,6 +61,6 @@ def run(args: argparse.Namespace) -> int:
                      vocab_size=args.vocab_size, heads=args.heads, kv_heads=args.kv_heads,
                      initializer_range=args.initializer_range, overwrite=args.force,
                      routing_skew=args.routing_skew, scale_dtype=args.scale_dtype,
-                     scale_fmt=args.scale_fmt, progress=Progress(f"writing {args.out}"))
+                     scale_fmt=args.scale_fmt, progress=Progress(f"writing {args.out}", unit="B"))
     print(json.dumps({"model": str(out)}))
     return 0
