@@ -1,0 +1,235 @@
+"""Quality of every repack variant: KL(original || repacked), top-1 agreement, bits/byte.
+
+Each variant quantises the routed experts (and, for "+dense" variants, the attention
+projections) of --model with moed's own quantiser (ext/quant), decodes them back to
+float32 with the format's decode (ext.formats.repacked.dequantize) and runs moed's
+forward pass on those weights — exactly the values a natively loaded repacked model
+computes with — teacher-forced against the unmodified model (ext/evaluate.py).
+
+Texts, kept apart:
+  calibration  importance statistics (importance weightings only): training modules of
+               the default model (CALIBRATION_FILES), first --calibration-tokens tokens
+  tuning       where choices are made: other training modules (TUNING_FILES), the first
+               1024 tokens of each
+  held-out     where the figures are reported: argparse.py (first 4096 tokens, the
+               issue's reference text) and the other held-out modules of
+               training/default_model.py (first 1024 tokens of each)
+All from the standard library of the interpreter running this script (the default
+model was trained on CPython 3.11.7's). For a `moed make-model` checkpoint (--random,
+no meaningful text) every text is a fixed sequence of uniform random token ids
+(seeded), and calibration uses another seed.
+
+    python bench/quant_quality.py [--model default] [--variants all|NAME,...] [--random]
+
+Prints one JSON object: per variant, its scheme, bits per weight and the figures of
+each text. Progress on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ext.evaluate import (TokenStream, log_softmax, score_window, summarize,  # noqa: E402
+                          token_stream, window_logprobs)
+from ext.formats.repacked import QuantScheme  # noqa: E402
+from ext.models.experts import ExpertProvider, ExpertWeights  # noqa: E402
+from ext.models.model import Model  # noqa: E402
+from ext.quant.importance import gather  # noqa: E402
+from ext.quant.repack import RepackSpec, dense_weight_names, quantize_dense, quantize_expert  # noqa: E402
+from ext.tokenizer import Tokenizer  # noqa: E402
+
+CALIBRATION_FILES = ("typing.py", "pathlib.py", "subprocess.py", "inspect.py",
+                     "collections/__init__.py", "logging/__init__.py", "functools.py", "enum.py",
+                     "ast.py", "dis.py", "pickle.py", "zipfile.py")
+TUNING_FILES = ("optparse.py", "configparser.py", "tarfile.py", "datetime.py",
+                "email/message.py", "http/client.py", "threading.py", "shutil.py")
+HELD_OUT_REF = "argparse.py"
+
+
+def _scheme(text: str) -> QuantScheme:
+    """"int4-g32-min" / "int4-g64" / "int8-g32" -> QuantScheme."""
+    parts = text.split("-")
+    return QuantScheme(parts[0], int(parts[1][1:]), "min" in parts[2:])
+
+
+def variants() -> dict[str, RepackSpec]:
+    """Every variant measured, by name: <scheme>/<method>[/<weighting>][/p<prior>][+dense]."""
+    out: dict[str, RepackSpec] = {}
+    for g in (32, 64, 128):
+        for s in (f"int8-g{g}", f"int4-g{g}-min", f"int4-g{g}"):
+            scheme = _scheme(s)
+            out[f"{s}/rtn"] = RepackSpec(scheme, method="rtn", weighting="uniform")
+            for w in ("uniform", "magnitude", "importance", "importance*magnitude"):
+                out[f"{s}/search/{w}"] = RepackSpec(scheme, weighting=w)
+    for g in (32, 64, 128):
+        for s in (f"int8-g{g}", f"int4-g{g}-min", f"int4-g{g}"):
+            out[f"{s}/gptq"] = RepackSpec(_scheme(s), method="gptq")
+    for prior in (0.0, 4.0, 64.0, 1e9):
+        for s in ("int4-g32-min", "int4-g64-min"):
+            out[f"{s}/search/importance/p{prior:g}"] = RepackSpec(_scheme(s), weighting="importance",
+                                                                prior_tokens=prior)
+    for s, w in (("int4-g32-min", "importance"), ("int4-g32-min", "magnitude"),
+                 ("int4-g64-min", "importance"), ("int8-g32", "magnitude")):
+        out[f"{s}/search/{w}+dense-int8-g32"] = RepackSpec(_scheme(s), dense=_scheme("int8-g32"),
+                                                          weighting=w)
+    return out
+
+
+class _Resident(ExpertProvider):
+    def __init__(self, weights: dict[tuple[int, int], ExpertWeights]):
+        self._w = weights
+
+    def acquire(self, layer, experts):
+        return [self._w[(layer, int(e))] for e in experts]
+
+
+def _dense_slots(model: Model):
+    """tensor name -> (object, attribute) of the dense weights a "+dense" variant replaces."""
+    slots = {}
+    for l, layer in enumerate(model.layers):
+        for a in "qkvo":
+            slots[f"model.layers.{l}.self_attn.{a}_proj.weight"] = (layer, a)
+        for prefix, mlp in (("mlp.shared_expert", layer.shared_expert), ("mlp", layer.mlp)):
+            if mlp is not None:
+                for p in ("gate", "up", "down"):
+                    slots[f"model.layers.{l}.{prefix}.{p}_proj.weight"] = (mlp, p)
+    return slots
+
+
+def variant_model(model_dir: str, spec: RepackSpec, stats, threads: int) -> Model:
+    def provider(checkpoint, layout, config):
+        weights = {}
+        for loc in layout:
+            arrays = {p: checkpoint.load(i.name) for p, i in zip(("gate", "up", "down"), loc.projections())}
+            q = quantize_expert(spec, arrays, loc.layer, loc.expert, stats)
+            weights[(loc.layer, loc.expert)] = ExpertWeights(*(q[p].dequantize() for p in ("gate", "up", "down")))
+        return _Resident(weights)
+    model = Model.load(model_dir, n_threads=threads, experts=provider)
+    if spec.dense is not None:
+        slots = _dense_slots(model)
+        experts = {i.name for loc in model.layout for i in loc.projections()}
+        for name in dense_weight_names(model.checkpoint, experts):
+            obj, attr = slots[name]
+            setattr(obj, attr, quantize_dense(spec, model.checkpoint.load(name)).dequantize())
+    return model
+
+
+def _bits_per_weight(spec: RepackSpec, model: Model) -> dict:
+    experts = [(i.shape, spec.experts) for loc in model.layout for i in loc.projections()]
+    n = sum(s[0] * s[1] for s, _ in experts)
+    bits = sum(s[0] * s[1] * sc.bits + s[0] * (s[1] // sc.group(s[1])) * 16 * (2 if sc.min else 1)
+               for s, sc in experts)
+    return {"experts_bits_per_weight": round(bits / n, 4)}
+
+
+def _stdlib() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _files_text(names, tok: Tokenizer, per_file: int) -> str:
+    """Each file's first `per_file` tokens, decoded back, joined by newlines."""
+    parts = []
+    for n in names:
+        ids = tok.encode((_stdlib() / n).read_text(encoding="utf-8"), add_special_tokens=False)
+        parts.append(tok.decode(ids[:per_file], skip_special_tokens=False))
+    return "\n".join(parts)
+
+
+def _random_stream(vocab: int, tokens: int, seed: int, context: int) -> TokenStream:
+    ids = np.random.default_rng(seed).integers(0, vocab, tokens + 1).astype(np.int64)
+    return TokenStream(ids=ids, prefix=(), context=context, n_bytes=tokens, sha256=f"random-seed-{seed}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="model directory (default: moed's default model)")
+    parser.add_argument("--variants", default="all", help="comma-separated names, or all")
+    parser.add_argument("--random", action="store_true",
+                        help="texts are seeded random token ids (for make-model checkpoints)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens of each random text / of argparse")
+    parser.add_argument("--calibration-tokens", type=int, default=16384)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--texts", default="argparse,held_out,tuning",
+                        help="which texts to score (argparse, held_out, tuning)")
+    args = parser.parse_args()
+    from daemon.service.config import resolve_model_alias
+    model_dir = resolve_model_alias(args.model)
+    reference = Model.load(model_dir, n_threads=args.threads, experts="resident")
+    vocab = reference.config.vocab_size
+    texts: dict[str, TokenStream] = {}
+    wanted = args.texts.split(",")
+    if args.random:
+        for i, name in enumerate(("random_a", "random_b")):
+            texts[name] = _random_stream(vocab, args.tokens, 1000 + i, args.context)
+        calibration = _random_stream(vocab, args.calibration_tokens, 7, args.context)
+        text_info = {"random_a": "uniform random ids, seed 1000", "random_b": "seed 1001",
+                     "calibration": "uniform random ids, seed 7"}
+    else:
+        tok = Tokenizer.from_model_dir(model_dir)
+        files = json.loads((Path(model_dir) / "training_files.json").read_text())
+        held, train = files["held_out_files"], set(files["train_files"])
+        assert set(CALIBRATION_FILES) <= train and set(TUNING_FILES) <= train
+        assert not set(CALIBRATION_FILES) & set(TUNING_FILES)
+        if "argparse" in wanted:
+            texts["argparse"] = token_stream(tok, (_stdlib() / HELD_OUT_REF).read_text(encoding="utf-8"),
+                                             tokens=args.tokens, context=args.context)
+        if "held_out" in wanted:
+            texts["held_out"] = token_stream(tok, _files_text([h for h in held if h != HELD_OUT_REF], tok, 1024),
+                                             context=args.context)
+        if "tuning" in wanted:
+            texts["tuning"] = token_stream(tok, _files_text(TUNING_FILES, tok, 1024), context=args.context)
+        calibration = token_stream(tok, _files_text(CALIBRATION_FILES, tok, 10**9),
+                                   tokens=args.calibration_tokens, context=args.context)
+        text_info = {"argparse": f"{HELD_OUT_REF}, first {args.tokens} tokens (held out)",
+                     "held_out": "the other 17 held-out modules, first 1024 tokens of each",
+                     "tuning": f"training modules {list(TUNING_FILES)}, first 1024 tokens of each",
+                     "calibration": f"training modules {list(CALIBRATION_FILES)}, first "
+                                    f"{args.calibration_tokens} tokens"}
+    print("reference log-probs ...", file=sys.stderr)
+    ref_logp = {name: [window_logprobs(reference, inp, tgt.size) for inp, tgt in s.windows()]
+                for name, s in texts.items()}
+    all_variants = variants()
+    names = list(all_variants) if args.variants == "all" else args.variants.split(",")
+    stats = None
+    if any(all_variants[n].needs_importance for n in names):
+        t0 = time.perf_counter()
+        stats = gather(reference, [inp for inp, _ in calibration.windows()],
+                       second_moments=any(all_variants[n].method == "gptq" for n in names))
+        print(f"importance from {stats.tokens} calibration tokens in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+    rows = []
+    for i, name in enumerate(names):
+        spec = all_variants[name]
+        t0 = time.perf_counter()
+        model = variant_model(model_dir, spec, stats, args.threads)
+        quant_s = time.perf_counter() - t0
+        row = {"variant": name, **_bits_per_weight(spec, model),
+               "dense": None if spec.dense is None else f"int8-g{spec.dense.group_size}"}
+        for tname, stream in texts.items():
+            scores = [score_window(window_logprobs(model, inp, tgt.size), ref, tgt)
+                      for (inp, tgt), ref in zip(stream.windows(), ref_logp[tname])]
+            c = summarize(scores, stream)
+            row[tname] = {"kl_mean": round(c.kl_mean_nats, 6), "kl_p99": round(c.kl_p99_nats, 5),
+                          "top1": round(c.top1_agreement, 4),
+                          "bpb": round(c.bits_per_byte_model, 4),
+                          "bpb_reference": round(c.bits_per_byte_reference, 4), "tokens": c.tokens}
+        model.close()
+        rows.append(row)
+        print(f"[{i + 1}/{len(names)}] {name} quantised in {quant_s:.1f} s: "
+              + " ".join(f"{t}={row[t]['kl_mean']:.5f}/{row[t]['top1']:.3f}" for t in texts),
+              file=sys.stderr)
+    print(json.dumps({"model": model_dir, "texts": text_info, "context": args.context,
+                      "calibration_tokens": args.calibration_tokens, "variants": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

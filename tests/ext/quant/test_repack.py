@@ -1,0 +1,269 @@
+"""`moed repack`'s output: a spec-conforming, streaming-friendly model directory whose
+config and tensors agree, and whose bad inputs are refused with the culprit named."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from daemon.commands.cli import main
+from ext.formats.checkpoint import Checkpoint
+from ext.formats.repacked import (ALIGNMENT, PADDING_PREFIX, QuantScheme, RepackConfig,
+                                  RepackFormatError)
+from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout, expert_tensor_name
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A bf16 make-model checkpoint in several shards."""
+    out = tmp_path_factory.mktemp("src") / "model"
+    make_model(out, arch="qwen3_moe", layers=2, experts=6, top_k=2, hidden=64, intermediate=64,
+               dtype="bf16", shard_size=40_000, initializer_range=0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def repacked(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rp") / "int4"
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(out),
+                 "--shard-size", "64K"]) == 0
+    return out
+
+
+def _raw_config(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def _decode(scheme: QuantScheme, codes, scale, minimum):
+    """Independent decode from the README's spec (low nibble first; g = min(g, C))."""
+    if scheme.scheme == "int4":
+        q = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1).astype(np.float32)
+        q = q if scheme.min else q - 8
+    else:
+        q = codes.astype(np.float32)
+    g = q.shape[1] // scale.shape[1]
+    out = q * np.repeat(scale.astype(np.float32), g, axis=1)
+    if scheme.min:
+        out = out + np.repeat(minimum.astype(np.float32), g, axis=1)
+    return out
+
+
+def test_the_output_is_valid_safetensors_without_holes(repacked):
+    """The safetensors library (which refuses holes and overlaps) reads every shard, and
+    each shard's data starts on a 4 KiB boundary of the file."""
+    shards = sorted(repacked.glob("*.safetensors"))
+    assert len(shards) >= 2
+    for shard in shards:
+        with safe_open(shard, "np") as f:
+            for name in f.keys():
+                if name.startswith(PADDING_PREFIX):
+                    assert not f.get_tensor(name).any()
+        with open(shard, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        assert (8 + n) % ALIGNMENT == 0
+
+
+def test_config_lists_the_scheme_and_matches_the_tensors(repacked, source):
+    raw = _raw_config(repacked)
+    q = raw["quantization_config"]
+    assert q["quant_method"] == "moed" and q["scheme"] == "int4" and q["group_size"] == 32
+    assert q["min"] is True and q["dense"] is None
+    assert q["source"]["experts_dtype"] == "BF16"
+    assert {k: v for k, v in raw.items() if k != "quantization_config"} == _raw_config(source)
+    rc = RepackConfig.from_json(q)
+    with Checkpoint(repacked) as ckpt:
+        quantised = rc.check(ckpt)
+        assert len(quantised) == 2 * 6 * 3
+        assert not any(n.startswith(PADDING_PREFIX) for n in ckpt.tensors)   # not in the index
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (repacked / name).read_bytes() == (source / name).read_bytes()
+
+
+def test_each_expert_is_one_aligned_read(repacked):
+    """An expert's 9 tensors lie in one shard, start on 4 KiB, and sit back to back (gaps
+    only to 64-byte tensor starts), so one aligned read of the expert's span covers them."""
+    rc = RepackConfig.from_json(_raw_config(repacked)["quantization_config"])
+    with Checkpoint(repacked) as ckpt:
+        parts = rc.check(ckpt)
+    for layer in range(2):
+        for expert in range(6):
+            infos = [i for p in ("gate", "up", "down")
+                     for i in parts[expert_tensor_name("qwen3_moe", layer, expert, p)].parts()]
+            assert len(infos) == 9 and len({i.path for i in infos}) == 1
+            infos.sort(key=lambda i: i.offset)
+            assert infos[0].offset % ALIGNMENT == 0
+            assert all(i.offset % 64 == 0 for i in infos)
+            for a, b in zip(infos, infos[1:]):
+                assert 0 <= b.offset - (a.offset + a.nbytes) < 64
+
+
+def test_values_decode_close_to_the_source_weights(repacked, source):
+    """An independent decode of the codes is within one quantisation step of the bf16
+    weights (every tensor, every group)."""
+    rc = RepackConfig.from_json(_raw_config(repacked)["quantization_config"])
+    with Checkpoint(source) as src, Checkpoint(repacked) as rp:
+        for name, info in rc.check(rp).items():
+            codes = _load_any(rp, info.codes)
+            scale = rp.load(info.scale.name)
+            mins = rp.load(info.min.name)
+            values = _decode(rc.experts.scheme, codes, scale, mins)
+            w = src.load(name).astype(np.float32)
+            step = np.repeat(np.abs(scale.astype(np.float32)), 32, axis=1)
+            assert values.shape == w.shape
+            assert np.all(np.abs(values - w) <= step * 1.01 + 1e-6), name
+
+
+def _load_any(ckpt: Checkpoint, info) -> np.ndarray:
+    with open(info.path, "rb") as f:
+        f.seek(info.offset)
+        raw = f.read(info.nbytes)
+    return np.frombuffer(raw, {"U8": np.uint8, "I8": np.int8}[info.dtype]).reshape(info.shape)
+
+
+def test_int8_with_dense_int8_quantises_attention_but_not_routers_or_embeddings(source, tmp_path):
+    out = tmp_path / "int8"
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--dense", "int8",
+                 "--out", str(out)]) == 0
+    q = _raw_config(out)["quantization_config"]
+    assert q["scheme"] == "int8" and q["min"] is False and q["dense"]["scheme"] == "int8"
+    rc = RepackConfig.from_json(q)
+    with Checkpoint(out) as ckpt:
+        names = set(rc.check(ckpt))
+        assert "model.layers.0.self_attn.q_proj.weight" in names
+        assert "model.layers.0.mlp.gate.weight" not in names
+        assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names
+        assert ckpt.info("model.layers.0.mlp.gate.weight").dtype == "BF16"
+        assert ckpt.info("model.layers.0.self_attn.q_proj.weight").dtype == "I8"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_repacks(arch, tmp_path):
+    src = tmp_path / "src"
+    make_model(src, arch=arch, layers=2, experts=4, top_k=2, hidden=64, intermediate=32)
+    out = tmp_path / "out"
+    assert main(["repack", "--model", str(src), "--scheme", "int4", "--symmetric",
+                 "--out", str(out)]) == 0
+    rc = RepackConfig.from_json(_raw_config(out)["quantization_config"])
+    with Checkpoint(out) as ckpt, Checkpoint(src) as s:
+        parts = rc.check(ckpt)
+        layout = ExpertLayout(s, load_config(src))
+        assert set(parts) == {i.name for loc in layout for i in loc.projections()}
+        # C = 32 for down: one group of 32; gate/up C = 64: two groups
+        down = parts[expert_tensor_name(arch, 0, 0, "down")]
+        assert down.scale.shape == (64, 1) and down.min is None
+
+
+def test_an_existing_out_is_refused_without_force_and_replaced_with_it(source, repacked, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out)]) == 1
+    assert "--force" in capsys.readouterr().err and (out / "keep.txt").exists()
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out),
+                 "--force"]) == 0
+    assert not (out / "keep.txt").exists()
+    assert _raw_config(out)["quantization_config"]["scheme"] == "int8"
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".taken")] == []
+
+
+def test_out_may_not_be_the_model_and_a_repacked_model_is_not_repacked_again(source, repacked,
+                                                                             capsys):
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(source),
+                 "--force"]) == 1
+    assert "model directory itself" in capsys.readouterr().err
+    assert main(["repack", "--model", str(repacked), "--scheme", "int4", "--out",
+                 str(repacked.parent / "again")]) == 1
+    assert "already repacked" in capsys.readouterr().err
+
+
+def test_unknown_scheme_and_bad_flag_combinations_are_usage_errors(source, tmp_path):
+    for argv in (["--scheme", "int3"], ["--scheme", "int8", "--symmetric"],
+                 ["--scheme", "int4", "--method", "gptq"], ["--scheme", "int4", "--group-size", "48"]):
+        with pytest.raises(SystemExit) as e:
+            main(["repack", "--model", str(source), "--out", str(tmp_path / "x"), *argv])
+        assert e.value.code == 2
+
+
+def test_a_row_the_scheme_cannot_cut_is_refused_naming_the_tensor(tmp_path, capsys):
+    src = tmp_path / "odd"
+    make_model(src, arch="qwen3_moe", layers=1, experts=2, top_k=1, hidden=64, intermediate=48)
+    assert main(["repack", "--model", str(src), "--scheme", "int4", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "down_proj.weight" in err and "48 columns" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------- config and tensors disagree
+
+def _tamper(repacked: Path, tmp_path: Path, edit) -> Path:
+    bad = tmp_path / "bad"
+    shutil.copytree(repacked, bad)
+    raw = _raw_config(bad)
+    edit(raw["quantization_config"])
+    (bad / "config.json").write_text(json.dumps(raw))
+    return bad
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda q: q.update(scheme="int8", min=False), "I8"),
+    (lambda q: q.update(min=False), "no min tensor"),
+    (lambda q: q.update(group_size=64), r"F16 \[64, 1\]"),
+    (lambda q: q.update(weights=["model.layers.*.mlp.experts.*.gate_proj.weight"]), "does not quantise"),
+    (lambda q: q.update(weights=["nothing.*"]), "match no tensor"),
+])
+def test_config_and_tensors_that_disagree_are_refused_naming_the_tensor(repacked, tmp_path, edit,
+                                                                        message):
+    bad = _tamper(repacked, tmp_path, edit)
+    rc = RepackConfig.from_json(_raw_config(bad)["quantization_config"], bad / "config.json")
+    with Checkpoint(bad) as ckpt, pytest.raises(RepackFormatError, match=message) as e:
+        rc.check(ckpt)
+    assert e.value.path is not None
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda q: q.update(scheme="int2"), "scheme"),
+    (lambda q: q.update(group_size=16), "group_size"),
+    (lambda q: q.update(format_version=9), "format_version"),
+    (lambda q: q.update(scheme="int8"), "min"),
+    (lambda q: q.update(weights=[]), "weights"),
+    (lambda q: q.update(alignment=1000), "alignment"),
+])
+def test_bad_quantization_config_fields_are_named(repacked, tmp_path, edit, field):
+    bad = _tamper(repacked, tmp_path, edit)
+    with pytest.raises(RepackFormatError, match=f"quantization_config.{field}") as e:
+        RepackConfig.from_json(_raw_config(bad)["quantization_config"], bad / "config.json")
+    assert str(bad / "config.json") in str(e.value)
+
+
+def test_a_missing_or_non_finite_scale_is_refused(repacked, tmp_path):
+    from safetensors.numpy import load_file
+    bad = tmp_path / "nan"
+    shutil.copytree(repacked, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
+    shard = bad / index["weight_map"][name]
+    info = Checkpoint(bad).info(name)
+    with open(shard, "r+b") as f:
+        f.seek(info.offset)
+        f.write(np.array([np.nan], np.float16).tobytes())
+    rc = RepackConfig.from_json(_raw_config(bad)["quantization_config"])
+    with Checkpoint(bad) as ckpt, pytest.raises(RepackFormatError, match="NaN or inf") as e:
+        rc.check(ckpt)
+    assert e.value.tensor == name
+    del index["weight_map"][name]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with Checkpoint(bad) as ckpt, pytest.raises(RepackFormatError, match="missing") as e:
+        rc.check(ckpt)
+    assert e.value.tensor == name
+    assert load_file(shard)  # the shard itself is still valid safetensors
+    assert os.path.exists(shard)
