@@ -58,6 +58,8 @@ extensions = [
         "ext.kernels._kernels",
         ["ext/kernels/_kernels.pyx"],
         include_dirs=[numpy.get_include(), "ext/kernels"],
+        depends=["ext/kernels/_kernels_impl.h", "ext/kernels/_quant_impl.h",
+                 "ext/kernels/_weights.pxi"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -102,7 +102,9 @@ def main() -> None:
     active = moed.config
     # Weight bytes one decode step reads: attention, router and top_k experts per
     # layer, plus lm_head (embeddings are a row lookup).
-    per_layer = sum(getattr(moed.layers[0], n).nbytes for n in ("q", "k", "v", "o", "router"))
+    attention = vars(moed.layers[0].attention).values()
+    per_layer = (sum(a.nbytes for a in attention if a is not None)
+                 + moed.layers[0].router.weight.nbytes)
     expert_bytes = moed.layout[(0, 0)].nbytes
     step_bytes = active.num_hidden_layers * (per_layer + active.top_k * expert_bytes) + moed.lm_head.nbytes
     print(json.dumps({

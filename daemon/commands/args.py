@@ -7,13 +7,14 @@ same exit 2.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-log = logging.getLogger("moed")
+from telemetry.logs import get_logger
+
+log = get_logger("cli")
 
 
 class Parents(NamedTuple):

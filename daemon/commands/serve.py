@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     config, warnings = load_config(args, os.environ)
     configure_logging(config.log_level)
     for w in warnings:
-        log.warning("config_warning: %s", w)
+        log.warning("config_warning", warning=w)
     config.require_model()
-    log.info("config: %s", json.dumps(config.to_dict()))
+    log.info("config", **config.to_dict())
     return serve(config, reload=lambda: load_config(args, os.environ)[0], environ=os.environ,
                  version=version())

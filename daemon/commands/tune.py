@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
@@ -29,8 +28,9 @@ from daemon.tuning.saved import TunedStore, hardware_facts
 from daemon.tuning.search import WINDOW_STEPS, replay_cache_split, tune
 from daemon.tuning.workload import RoutingRecorder, Workload, workload_prompts
 from ext.models.model import Model
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.tuning")
+log = get_logger("tuning")
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         try:
             session.flush()                 # the usage it learned, for the next start
         except OSError as e:
-            log.warning("usage_state_not_saved: %s", e)
+            log.warning("usage_state_not_saved", error=str(e))
         return report
     finally:
         model.close()

@@ -12,14 +12,14 @@ placement.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.machine.memory import read_mem_total, read_memory, read_memory_pressure
 from scheduler.planner import CacheSqueeze, SqueezePolicy, available_bytes, default_squeeze_policy
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.squeeze")
+log = get_logger("squeeze")
 
 MEMORY_POLL_S = 5.0
 
@@ -93,7 +93,8 @@ class MemoryWatcher:
         fraction = 0.0 if spare <= 0 else min(1.0, (new_pinned + 0.5) / spare)
         self.run_on_engine(lambda: self.session.rebuild(cache_bytes=target, pin_fraction=fraction))
         (log.warning if target < current else log.info)(
-            "expert_cache_%s from=%d to=%d available=%s pressure_avg10=%s pinned_slots=%d",
-            "shrunk" if target < current else "grown", current, target, reading.available_bytes,
-            reading.pressure_avg10, self.session.provider.cache.pinned_slots)
+            "expert_cache_shrunk" if target < current else "expert_cache_grown",
+            from_bytes=current, to_bytes=target, available_bytes=reading.available_bytes,
+            pressure_avg10=reading.pressure_avg10,
+            pinned_slots=self.session.provider.cache.pinned_slots)
         return target

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,8 +36,9 @@ from ext.models.model import PREFILL_CHUNK, Model, Sequence
 from ext.sampling import Sampler, SamplingParams
 from ext.tokenizer import StreamDecoder, Tokenizer
 from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.engine")
+log = get_logger("engine")
 
 RATE_WINDOW_S = 10.0   # tokens_per_second averages the decode steps of this many seconds
 
@@ -446,7 +446,7 @@ class Engine:
             # A read error (or NaN weights) of one row's experts must not fail its step
             # mates: run each row alone. Nothing was committed — a KV cache only grows at
             # the end of a step — and a row's logits do not depend on its company.
-            log.warning("engine_batch_failed_retrying_alone rows=%d error=%s", len(rows), e)
+            log.warning("engine_batch_failed_retrying_alone", rows=len(rows), error=str(e))
             for r in rows:
                 try:
                     self._step([r])
@@ -562,11 +562,11 @@ class Engine:
             try:
                 self.on_finish(handle)
             except Exception:  # a logging hook must never stop the engine
-                log.exception("on_finish hook failed")
+                log.exception("on_finish_hook_failed")
 
     def _fail(self, rows: list[_Running], e: BaseException) -> None:
         """A step failed (a read error, a bad input): its requests end, the engine goes on."""
-        log.error("engine_step_failed requests=%s error=%s", [r.handle.request.request_id for r in rows], e)
+        log.error("engine_step_failed", requests=[r.handle.request.request_id for r in rows], error=str(e))
         now = self.clock()
         for r in rows:
             with self._cond:

@@ -24,6 +24,7 @@ from daemon.tuning.workload import Workload, workload_prompts
 from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
+from ext.models.families import kv_bytes_per_token
 from ext.tokenizer import Tokenizer, stop_token_ids
 from scheduler.planner import available_bytes, plan_memory
 from telemetry.logs import get_logger
@@ -134,8 +135,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
                         pin_fraction: float, reading: MemoryReading | None = None) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
     machine (default: `read_memory()`): dense weights (every tensor that is not a routed
-    expert), KV cache (f32 K and V, every layer, PLANNED_CONTEXT or the model's context if
-    smaller, per sequence), RUNTIME_BYTES, a MARGIN_FRACTION margin; the expert cache
+    expert), KV cache (f32, in the layout of the model's attention kind, every layer,
+    PLANNED_CONTEXT or the model's context if smaller, per sequence), RUNTIME_BYTES, a MARGIN_FRACTION margin; the expert cache
     gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
     giving every number) when the dense part does not fit, and the model loaders' errors.
     """
@@ -148,7 +149,7 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     reading = reading or read_memory()
     available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
     context = min(PLANNED_CONTEXT, config.max_position_embeddings)
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 4
+    kv = kv_bytes_per_token(config) * context
     slot = max(slots)
     plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_sequence=kv,
                        max_concurrent_sequences=max_concurrent_sequences,

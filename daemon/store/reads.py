@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import logging
 import mmap
 import os
 import threading
@@ -29,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.store.plans import ALIGN, ReadPlan, ReadSpan
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.io")
+log = get_logger("io")
 
 FADVISE_PIECE_BYTES = 8 << 20  # bytes per posix_fadvise call (read_ahead_kb = 8 MiB)
 
@@ -65,7 +65,7 @@ def probe_direct_io(path: str | os.PathLike) -> bool:
         finally:
             os.close(fd)
     except OSError as e:
-        log.info("direct_io_unavailable path=%s error=%s", path, e)
+        log.info("direct_io_unavailable", path=str(path), error=str(e))
         return False
     finally:
         buf.close()
@@ -348,7 +348,7 @@ class IoPool:
                 n = self._read_plan(job.plan, job.buffer)
                 seconds = time.perf_counter() - start
             except ExpertReadError as e:
-                log.warning("expert_read_failed reason=%s %s", job.reason, e)
+                log.warning("expert_read_failed", reason=job.reason, error=str(e))
                 with self._stats_lock:
                     self._read_errors += 1
                     self._in_flight -= 1
@@ -398,8 +398,8 @@ class IoPool:
                 if f is not None:
                     self._files.release(f)
             if attempt:
-                log.info("expert_read_retry_succeeded expert=(%d, %d) path=%s after: %s",
-                         plan.layer, plan.expert, span.path, failures[0])
+                log.info("expert_read_retry_succeeded", layer=plan.layer, expert=plan.expert,
+                         path=str(span.path), first_error=str(failures[0]))
                 with self._stats_lock:
                     self._retries_succeeded += 1
             return n

@@ -10,7 +10,6 @@ model (the engine thread in the daemon).
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -19,9 +18,10 @@ from daemon.store.state import StateStore, default_state_dir
 from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, expert_counters,
                                     flush_usage, load_usage_counts)
 from ext.models.model import Model
+from telemetry.logs import get_logger
 from telemetry.metrics import ExpertCounters
 
-log = logging.getLogger("moed.session")
+log = get_logger("session")
 
 
 class ExpertSession:
@@ -104,8 +104,8 @@ class ExpertSession:
         self.provider, self.options = provider, options
         old.close()
         self.retired = self.retired + expert_counters(old)
-        log.info("expert cache rebuilt: %d bytes, pin fraction %.2f, prefetch %s",
-                 options.cache_bytes, options.pin_fraction, "on" if options.prefetch else "off")
+        log.info("expert_cache_rebuilt", cache_bytes=options.cache_bytes,
+                 pin_fraction=round(options.pin_fraction, 3), prefetch=options.prefetch)
 
     def summary(self) -> dict:
         snap = self.provider.cache.snapshot()
@@ -146,7 +146,8 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
             counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
                                        options.half_life_tokens)
         except OSError as e:
-            log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
+            log.warning("state_dir_unusable", error=str(e),
+                        effect="expert usage will not be learned across runs")
             store = None
         provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
         built.append((provider, store, fingerprint))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import fcntl
 import json
-import logging
 import math
 import os
 import pwd
@@ -33,7 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("moed.state")
+from telemetry.logs import get_logger
+
+log = get_logger("state")
 
 VERSION = 1
 DIR_MODE = 0o700
@@ -160,11 +161,11 @@ class StateStore:
         try:
             os.rename(self.path, target)
         except OSError as e:
-            log.warning("state_file_unusable path=%s reason=%s; could not move it aside (%s); "
-                        "learning starts fresh", self.path, bad, e)
+            log.warning("state_file_unusable", path=str(self.path), kind=bad.kind, reason=str(bad),
+                        error=f"could not move it aside: {e}", effect="learning starts fresh")
             return
-        log.warning("state_file_set_aside path=%s kind=%s reason=%s moved_to=%s; "
-                    "learning starts fresh", self.path, bad.kind, bad, target)
+        log.warning("state_file_set_aside", path=str(self.path), kind=bad.kind, reason=str(bad),
+                    moved_to=str(target), effect="learning starts fresh")
 
     # -- writing
 

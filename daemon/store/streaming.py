@@ -27,7 +27,6 @@ Placement never changes output: the bytes in a slot are the bytes of the shard.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -45,9 +44,10 @@ from scheduler.cache import (OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_DECODE, Cache
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
 from scheduler.usage import UsageStats
+from telemetry.logs import get_logger
 from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters
 
-log = logging.getLogger("moed.streaming")
+log = get_logger("streaming")
 
 DEFAULT_HALF_LIFE_TOKENS = 2048.0
 PIN_REEVALUATE_TOKENS = 256
@@ -215,10 +215,9 @@ class StreamingExpertProvider(ExpertProvider):
         if pinned_slots:
             self._apply_pins(select_pins(self.usage.counts(), self.slot_bytes,
                                          pinned_slots * self.slot_bytes))
-        log.info("expert cache: %d slots of %d bytes (%d pinned, %d staging), io path %s, "
-                 "%d io workers, prefetch %s", total_slots, self.slot_bytes, pinned_slots,
-                 staging_slots, self.io.io_path, options.io_workers,
-                 "on" if options.prefetch else "off")
+        log.info("expert_cache_built", slots=total_slots, slot_bytes=self.slot_bytes,
+                 pinned_slots=pinned_slots, staging_slots=staging_slots, io_path=self.io.io_path,
+                 io_workers=options.io_workers, prefetch=options.prefetch)
 
     # ------------------------------------------------------------ provider API
 
@@ -277,7 +276,7 @@ class StreamingExpertProvider(ExpertProvider):
                         # needs failed: one demand read decides, as if it had missed.
                         self.read_failures += 1
                         self.demand_rereads += 1
-                        log.warning("expert_reread_on_demand: %s", e)
+                        log.warning("expert_reread_on_demand", error=str(e))
                         self._submit(layer, a.expert, a.slot, DEMAND)
                         self._inflight.pop(a.slot).result()
                     self.cache.loaded(a.slot)
@@ -413,7 +412,7 @@ class StreamingExpertProvider(ExpertProvider):
             else:
                 self.cache.failed(slot)
                 self.read_failures += 1
-                log.warning("expert_read_failed: %s", future.exception())
+                log.warning("expert_read_failed", reason="background", error=str(future.exception()))
 
     def _reap(self) -> None:
         """Mark finished background reads (prefetch, pin loads) loaded or failed."""
@@ -450,7 +449,7 @@ def load_usage_counts(store, moe_layers: Sequence[int], num_experts: int, finger
     try:
         stats = UsageStats.from_dict(payload, moe_layers, num_experts, fingerprint, half_life_tokens)
     except UsageFormatError as e:
-        log.warning("usage_state_ignored: %s", e)
+        log.warning("usage_state_ignored", error=str(e))
         return None
     return stats.counts()
 
@@ -475,7 +474,7 @@ def flush_usage(store, usage: UsageStats, fingerprint: str) -> None:
                                                fingerprint).counts()
                 counts = merge_counts(on_disk, tokens, delta, usage.half_life_tokens)
             except UsageFormatError as e:
-                log.warning("usage_state_replaced: %s", e)
+                log.warning("usage_state_replaced", error=str(e))
         merged_counts.append(counts)
         payload = usage.to_dict(fingerprint)
         payload["counts"] = counts.tolist()

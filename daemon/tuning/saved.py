@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import platform
 from collections.abc import Mapping
@@ -19,8 +18,9 @@ from typing import Any
 from daemon.store.probe import block_device
 from daemon.store.state import StateStore
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.tuning")
+log = get_logger("tuning")
 
 TUNED_VERSION = 1
 
@@ -67,8 +67,9 @@ def valid_settings(settings: Mapping[str, Any], path: Path | str) -> dict[str, A
         if ok:
             kept[name] = value
         else:
-            log.warning("tuned_setting_ignored path=%s setting=%s value=%r: not a usable value",
-                        path, str(name)[:64], value if len(repr(value)) < 80 else "<long>")
+            log.warning("tuned_setting_ignored", path=str(path), setting=str(name)[:64],
+                        value=value if len(repr(value)) < 80 else "<long>",
+                        reason="not a usable value")
     return kept
 
 class TunedStore:
@@ -93,17 +94,17 @@ class TunedStore:
         if payload is None:
             return None
         if payload.get("version") != TUNED_VERSION or not isinstance(payload.get("settings"), dict):
-            log.warning("tuned_settings_ignored path=%s reason=unknown payload version or shape",
-                        self.path)
+            log.warning("tuned_settings_ignored", path=str(self.path),
+                        reason="unknown payload version or shape")
             return None
         if payload.get("hardware") != self.hardware:
             before = payload.get("hardware_facts")
             before = before if isinstance(before, dict) else {}
             changed = sorted(str(k) for k in set(before) | set(self.facts)
                              if before.get(k) != self.facts.get(k))
-            log.warning("tuned_settings_invalidated path=%s reason=hardware changed (%s); "
-                        "the defaults apply until the tuner runs again", self.path,
-                        ", ".join(changed) or "fingerprint")
+            log.warning("tuned_settings_invalidated", path=str(self.path), reason="hardware changed",
+                        changed=changed or ["fingerprint"],
+                        effect="the defaults apply until the tuner runs again")
             return None
         return valid_settings(payload["settings"], self.path)
 

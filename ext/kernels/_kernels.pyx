@@ -19,11 +19,41 @@ Design:
 Shape legend: T tokens, H hidden_size, R rows of a weight, C columns, E
 num_experts, K top_k, N token-expert pairs, I expert intermediate_size,
 nH attention heads, nKV key/value heads, D head_dim, S KV-cache capacity.
+
+Block-quantised weights (`QuantizedWeight`, C helpers in `_quant_impl.h`):
+- Every weight-taking kernel (`matmul`, `expert_ffn`, `dequantize_rows`,
+  `dequantize`) accepts a `QuantizedWeight` wherever it accepts an f32/f16/bf16
+  array; the caller's code does not change. Logical shape [R, C] =
+  [out_features, in_features]. Formats (`fmt`):
+    "fp8_e4m3"  codes uint8 [R, C] (or ml_dtypes.float8_e4m3fn) holding
+                float8_e4m3fn bytes; scales [ceil(R/br), ceil(C/bc)] float32,
+                bfloat16 or uint8 UE8M0 (2^(s-127)), one per (br, bc) block
+                (`block_size`, the config's `weight_block_size`; the last block
+                of each direction may be partial). value = fp8 * scale of its
+                block (DeepSeek-V3's `weight` / `weight_scale_inv`).
+    "mxfp4"     codes uint8 [R, C/32, 16], two E2M1 values per byte (element 2i
+                in the low nibble of byte i, 2i+1 in the high nibble); scales
+                uint8 E8M0 [R, C/32]. value = e2m1 * 2^(s-127) (OCP Microscaling
+                Formats v1.0; GPT-OSS's `*_blocks` / `*_scales`).
+    "int8"      codes int8 [R, C]; scales float16 [R, C/g], one per g
+                consecutive inputs. value = code * scale.
+    "int4"      codes uint8 [R, C/2], nibble order as MXFP4; scales float16
+                [R, C/g]; optional mins float16 [R, C/g]. value = code * scale +
+                min, or (code - 8) * scale without mins.
+  g is a multiple of 32 (moed's repack uses 32, 64 or 128).
+- Dequantisation is exact (the f32 value numpy computes from the definition
+  above) and a quantised row is reduced exactly like the dense row of its
+  dequantised values: fp8/int8 like f32, mxfp4/int4 like bf16 (see
+  `_quant_impl.h`). So `matmul(q, x)` is bit-equal to `matmul(dequantize(q), x)`
+  for fp8/int8 and to `matmul(dequantize(q).astype(bfloat16), x)` for mxfp4
+  (E2M1 x 2^k is exact in bf16), on every SIMD path.
+- Values are not checked per call: NaN, inf or negative scales and E8M0 255 are
+  refused by the loader; the kernels compute with what the bytes say.
 """
 cimport cython
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, sqrtf, INFINITY
-from libc.stdint cimport uint16_t, int32_t, int64_t, uintptr_t
+from libc.stdint cimport uint16_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 
 import numpy as np
@@ -42,7 +72,6 @@ cdef extern from "_kernels_impl.h" nogil:
     int MOED_ROWS
     void moed_dot_rows(int dtype, const char *w, size_t ldw, int nrows, const float *x,
                        Py_ssize_t n, float *out)
-    void moed_dequant_row(int dtype, const void *w, float *out, Py_ssize_t n)
     void moed_axpy(float a, const float *x, float *y, Py_ssize_t n)
     float moed_silu(float g)
 
@@ -81,7 +110,8 @@ cdef int _wcode(cnp.ndarray a, str name) except -1:
         return MOED_F16
     if dt == _F32:
         return MOED_F32
-    raise ValueError(f"{name}: unsupported weight dtype {dt} (f32, f16, bf16)")
+    raise ValueError(f"{name}: unsupported weight dtype {dt} (f32, f16, bf16; "
+                     "quantised codes go in a QuantizedWeight)")
 
 
 cdef inline void _need_c(cnp.ndarray a, str name) except *:
@@ -117,39 +147,58 @@ cdef inline int _threads_for(Py_ssize_t work, int n_threads) noexcept nogil:
     return n_threads if work >= MIN_PARALLEL_WORK else 1
 
 
+include "_weights.pxi"
+
+
 # ------------------------------------------------------------------- matmul
 
-cdef inline void _matmul_rows(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
-                              const float *x, Py_ssize_t T, float *out,
-                              Py_ssize_t g) noexcept nogil:
+cdef inline void _matmul_rows(const moed_weight *w, const float *x, Py_ssize_t T,
+                              float *out, Py_ssize_t g, int simd) noexcept nogil:
     """out[t, r] = w_r . x[t] for the rows r of group g (MOED_ROWS rows) and t < T.
 
     The group's rows stay in cache while the T tokens pass over them."""
     cdef float o[8]
-    cdef size_t row_bytes = C * moed_dtype_size(code)
+    cdef Py_ssize_t R = w.rows, C = w.cols
     cdef Py_ssize_t r0 = g * MOED_ROWS, t, q
     cdef int nr = <int>(R - r0) if R - r0 < MOED_ROWS else MOED_ROWS
     for t in range(T):
-        moed_dot_rows(code, w + r0 * row_bytes, row_bytes, nr, x + t * C, C, o)
+        moed_w_dot_rows(w, r0, nr, x + t * C, o, simd)
         for q in range(nr):
             out[t * R + r0 + q] = o[q]
 
 
-cdef void _matmul(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
-                  const float *x, Py_ssize_t T, float *out,
-                  int n_threads) noexcept nogil:
+cdef void _matmul(const moed_weight *w, const float *x, Py_ssize_t T, float *out,
+                  int n_threads, int simd) noexcept nogil:
     cdef Py_ssize_t g
-    for g in prange((R + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
+    for g in prange((w.rows + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
                     schedule="static"):
-        _matmul_rows(code, w, R, C, x, T, out, g)
+        _matmul_rows(w, x, T, out, g, simd)
 
 
-def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, int simd):
+    cdef moed_weight d
+    _describe(w, "w", &d)
+    _need_f32(x, "x", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_threads(n_threads)
+    cdef Py_ssize_t R = d.rows, C = d.cols, T = x.shape[0]
+    if x.shape[1] != C:
+        raise ValueError(f"x: shape {_shape(x)} does not match w {(R, C)}")
+    if out.shape[0] != T or out.shape[1] != R:
+        raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {R})")
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    with nogil:
+        _matmul(&d, xp, T, op, _threads_for(R * C * T, n_threads), simd)
+
+
+def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     """out = x @ w.T with w dequantised on the fly.
 
     Args:
-        w: [R, C] float32, float16 or bfloat16, C-contiguous (may be read-only,
-            e.g. a memory map; any alignment).
+        w: [R, C] float32, float16 or bfloat16 array, C-contiguous (may be
+            read-only, e.g. a memory map; any alignment), or a QuantizedWeight.
         x: [T, C] float32, C-contiguous.
         out: [T, R] float32, C-contiguous, writable; fully overwritten.
         n_threads: OpenMP threads (rows are split between them).
@@ -157,44 +206,55 @@ def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     Row t of `out` is bit-equal whatever T is (mat-mat rows equal mat-vec).
     Raises ValueError on a shape, dtype or contiguity mismatch.
     """
-    cdef int code = _wcode(w, "w")
-    _need_c(w, "w")
-    _need_f32(x, "x", 2)
+    _matmul_checked(w, x, out, n_threads, 1)
+
+
+def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+    """`matmul` on the portable reference path of the quantised formats (what a
+    MOED_PORTABLE=1 build runs), for tests that compare the SIMD path with it."""
+    _matmul_checked(w, x, out, n_threads, 0)
+
+
+def dequantize(object w, cnp.ndarray out=None):
+    """The float32 values [R, C] of a weight: exactly what the kernels multiply by.
+
+    Args:
+        w: a QuantizedWeight or a float32/float16/bfloat16 [R, C] array.
+        out: optional [R, C] float32, C-contiguous, writable; allocated if None.
+    Returns `out`. Raises ValueError on a bad weight or `out`.
+    """
+    cdef moed_weight d
+    _describe(w, "w", &d)
+    if out is None:
+        out = np.empty((d.rows, d.cols), np.float32)
     _need_f32(out, "out", 2)
     _need_writable(out, "out")
-    _need_threads(n_threads)
-    if w.ndim != 2:
-        raise ValueError(f"w: expected 2 dimensions, got shape {_shape(w)}")
-    cdef Py_ssize_t R = w.shape[0], C = w.shape[1], T = x.shape[0]
-    if x.shape[1] != C:
-        raise ValueError(f"x: shape {_shape(x)} does not match w {_shape(w)}")
-    if out.shape[0] != T or out.shape[1] != R:
-        raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {R})")
-    cdef const char *wp = <const char *>cnp.PyArray_DATA(w)
-    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    if out.shape[0] != d.rows or out.shape[1] != d.cols:
+        raise ValueError(f"out: shape {_shape(out)}, expected {(d.rows, d.cols)}")
     cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t r
     with nogil:
-        _matmul(code, wp, R, C, xp, T, op, _threads_for(R * C * T, n_threads))
+        for r in range(d.rows):
+            moed_w_dequant(&d, r, 0, d.cols, op + r * d.cols)
+    return out
 
 
-def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
+def dequantize_rows(object w, cnp.ndarray ids, cnp.ndarray out):
     """out[t] = f32(w[ids[t]]): embedding lookup.
 
     Args:
-        w: [V, H] float32/float16/bfloat16, C-contiguous.
+        w: [V, H] float32/float16/bfloat16, C-contiguous, or a QuantizedWeight.
         ids: [T] int64 row indices, each in [0, V).
         out: [T, H] float32, writable.
     Raises ValueError on shape/dtype mismatch or an id out of range.
     """
-    cdef int code = _wcode(w, "w")
-    _need_c(w, "w")
+    cdef moed_weight d
+    _describe(w, "w", &d)
     _need_f32(out, "out", 2)
     _need_writable(out, "out")
-    if w.ndim != 2:
-        raise ValueError(f"w: expected 2 dimensions, got shape {_shape(w)}")
     if ids.dtype != np.int64 or ids.ndim != 1:
         raise ValueError("ids: expected a 1-D int64 array")
-    cdef Py_ssize_t V = w.shape[0], H = w.shape[1], T = ids.shape[0]
+    cdef Py_ssize_t V = d.rows, H = d.cols, T = ids.shape[0]
     if out.shape[0] != T or out.shape[1] != H:
         raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {H})")
     cdef const int64_t[::1] idv = ids
@@ -202,12 +262,10 @@ def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
     for t in range(T):
         if idv[t] < 0 or idv[t] >= V:
             raise ValueError(f"token id {idv[t]} out of range [0, {V})")
-    cdef const char *wp = <const char *>cnp.PyArray_DATA(w)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef size_t row_bytes = H * moed_dtype_size(code)
     with nogil:
         for t in range(T):
-            moed_dequant_row(code, wp + idv[t] * row_bytes, op + t * H, H)
+            moed_w_dequant(&d, idv[t], 0, H, op + t * H)
 
 
 # ------------------------------------------------------------------ rmsnorm
@@ -437,19 +495,18 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
 
 # ------------------------------------------------------------- expert FFN
 
-cdef void _gate_up_rows(int code, const char *wg, const char *wu, Py_ssize_t g,
-                        Py_ssize_t H, Py_ssize_t I, const float *x, Py_ssize_t n,
-                        float *hbuf) noexcept nogil:
+cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t g,
+                        const float *x, Py_ssize_t n, float *hbuf) noexcept nogil:
     """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the rows i of group g
     and the n tokens x_j."""
-    cdef size_t row_bytes = H * moed_dtype_size(code)
+    cdef Py_ssize_t H = wg.cols, I = wg.rows
     cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
     cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
     cdef float go[8]
     cdef float uo[8]
     for j in range(n):
-        moed_dot_rows(code, wg + i0 * row_bytes, row_bytes, nr, x + j * H, H, go)
-        moed_dot_rows(code, wu + i0 * row_bytes, row_bytes, nr, x + j * H, H, uo)
+        moed_w_dot_rows(wg, i0, nr, x + j * H, go, 1)
+        moed_w_dot_rows(wu, i0, nr, x + j * H, uo, 1)
         for q in range(nr):
             hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
 
@@ -465,21 +522,19 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     over experts is done afterwards by `combine_experts`, in top-k rank order.
 
     Args:
-        gates, ups: K arrays [I, H]; downs: K arrays [H, I]; all the same dtype
-            (f32, f16 or bf16), C-contiguous, any alignment, may be read-only.
+        gates, ups: K weights [I, H]; downs: K weights [H, I]; all of one format:
+            arrays of one dtype (f32, f16 or bf16; C-contiguous, any alignment,
+            may be read-only) or QuantizedWeights of one `fmt` (their scale
+            dtypes, block and group sizes may differ).
         x: [N, H] float32 gathered token rows, grouped by expert.
         group_start: [K + 1] int64, 0 = group_start[0] <= ... <= group_start[K] = N.
         hbuf: [N, I] float32 scratch (the activations silu(gate x) * up x).
         out: [N, H] float32, writable.
-    Raises ValueError on any shape or dtype mismatch, naming the expert index.
+    Raises ValueError on any shape, dtype or format mismatch, naming the expert index.
     """
     cdef Py_ssize_t K = len(gates)
     if len(ups) != K or len(downs) != K:
         raise ValueError("expert_ffn: gates, ups and downs differ in length")
-    for name, arrays in (("gates", gates), ("ups", ups), ("downs", downs)):
-        for idx, item in enumerate(arrays):
-            if not isinstance(item, np.ndarray):
-                raise ValueError(f"{name}[{idx}]: expected a numpy array, got {type(item).__name__}")
     _need_f32(x, "x", 2)
     _need_f32(hbuf, "hbuf", 2)
     _need_f32(out, "out", 2)
@@ -493,58 +548,63 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
         if N:
             raise ValueError(f"expert_ffn: {N} token rows but no experts")
         return
-    cdef Py_ssize_t I = (<cnp.ndarray>gates[0]).shape[0]
-    if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
-        raise ValueError(f"expert_ffn: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
     cdef const int64_t[::1] gs = group_start
     if gs[0] != 0 or gs[K] != N:
         raise ValueError(f"group_start must run from 0 to {N}")
-    cdef int code = _wcode(<cnp.ndarray>gates[0], "gates[0]")
-    cdef int k
-    cdef cnp.ndarray a
-    for k in range(K):
-        if gs[k + 1] < gs[k]:
-            raise ValueError("group_start must be non-decreasing")
-        for a, name, shape in ((gates[k], "gates", (I, H)), (ups[k], "ups", (I, H)),
-                               (downs[k], "downs", (H, I))):
-            if _wcode(a, f"{name}[{k}]") != code:
-                raise ValueError(f"{name}[{k}]: dtype {a.dtype} differs from gates[0]")
-            if a.ndim != 2 or a.shape[0] != shape[0] or a.shape[1] != shape[1]:
-                raise ValueError(f"{name}[{k}]: shape {_shape(a)}, expected {shape}")
-            _need_c(a, f"{name}[{k}]")
-    cdef const char **gp = <const char **>malloc(3 * K * sizeof(char *))
-    if gp == NULL:
+    cdef moed_weight *wd = <moed_weight *>malloc(3 * K * sizeof(moed_weight))
+    if wd == NULL:
         raise MemoryError()
-    cdef const char **up = gp + K
-    cdef const char **dp = gp + 2 * K
-    for k in range(K):
-        gp[k] = <const char *>cnp.PyArray_DATA(gates[k])
-        up[k] = <const char *>cnp.PyArray_DATA(ups[k])
-        dp[k] = <const char *>cnp.PyArray_DATA(downs[k])
+    cdef moed_weight *wg = wd
+    cdef moed_weight *wu = wd + K
+    cdef moed_weight *wdn = wd + 2 * K
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t f, n, row0
-    cdef Py_ssize_t GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
-    cdef Py_ssize_t GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
-    n_threads = _threads_for(3 * N * H * I, n_threads)
+    cdef Py_ssize_t f, n, row0, I, GI, GH
+    cdef int k
     try:
+        for k in range(K):
+            _describe(gates[k], f"gates[{k}]", wg + k)
+            _describe(ups[k], f"ups[{k}]", wu + k)
+            _describe(downs[k], f"downs[{k}]", wdn + k)
+        I = wg[0].rows
+        if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
+            raise ValueError(f"expert_ffn: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
+        for k in range(K):
+            if gs[k + 1] < gs[k]:
+                raise ValueError("group_start must be non-decreasing")
+            _check_expert(wg + k, wg, f"gates[{k}]", I, H)
+            _check_expert(wu + k, wg, f"ups[{k}]", I, H)
+            _check_expert(wdn + k, wg, f"downs[{k}]", H, I)
+        GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
+        GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
+        n_threads = _threads_for(3 * N * H * I, n_threads)
         with nogil:
             for f in prange(K * GI, num_threads=n_threads, schedule="static"):
                 k = <int>(f // GI)
                 row0 = gs[k]
                 n = gs[k + 1] - row0
                 if n > 0:
-                    _gate_up_rows(code, gp[k], up[k], f % GI, H, I, xp + row0 * H, n,
-                                  hp + row0 * I)
+                    _gate_up_rows(wg + k, wu + k, f % GI, xp + row0 * H, n, hp + row0 * I)
             for f in prange(K * GH, num_threads=n_threads, schedule="static"):
                 k = <int>(f // GH)
                 row0 = gs[k]
                 n = gs[k + 1] - row0
                 if n > 0:
-                    _matmul_rows(code, dp[k], H, I, hp + row0 * I, n, op + row0 * H, f % GH)
+                    _matmul_rows(wdn + k, hp + row0 * I, n, op + row0 * H, f % GH, 1)
     finally:
-        free(gp)
+        free(wd)
+
+
+cdef int _check_expert(const moed_weight *d, const moed_weight *first, str name,
+                       Py_ssize_t rows, Py_ssize_t cols) except -1:
+    """An expert projection has the format of gates[0] and the shape [rows, cols]."""
+    if d.fmt != first.fmt:
+        raise ValueError(f"{name}: format {_FORMAT_NAMES[d.fmt]} differs from gates[0] "
+                         f"({_FORMAT_NAMES[first.fmt]})")
+    if d.rows != rows or d.cols != cols:
+        raise ValueError(f"{name}: shape {(d.rows, d.cols)}, expected {(rows, cols)}")
+    return 0
 
 
 def combine_experts(cnp.ndarray y, cnp.ndarray rows, cnp.ndarray weights,

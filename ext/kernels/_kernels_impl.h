@@ -14,9 +14,9 @@
  *   -ffp-contract=off so a multiply and an add are never fused differently in two
  *   code paths (mat-vec and mat-mat rows are bit-equal).
  * - Weights are dequantised on the fly to f32 and accumulated in f32. Formats:
- *   f32, f16 (IEEE binary16), bf16 (upper half of an f32). fp8-e4m3 with block
- *   scales and MXFP4 will be new MOED_DTYPE codes with their own load functions;
- *   the row-dot dispatch below is the one place they plug in.
+ *   f32, f16 (IEEE binary16), bf16 (upper half of an f32). The block-quantised
+ *   formats (fp8 e4m3, MXFP4, int8, int4) live in _quant_impl.h and reuse the
+ *   reduction orders defined here.
  */
 #ifndef MOED_KERNELS_IMPL_H
 #define MOED_KERNELS_IMPL_H

@@ -8,6 +8,10 @@ class defaults of the family (transformers 5, `configuration_<family>.py`); a
 field the architecture needs and has no default for raises
 `MissingConfigFieldError`; anything we cannot compute faithfully (another
 `hidden_act`, a RoPE scaling type) raises `UnsupportedConfigError` naming it.
+
+What every family reads the same way is here (`ConfigReader` and the `read_*`
+helpers); what one family reads its own way is in its module of
+`ext/models/families/`, whose table `parse_config` consults by `model_type`.
 """
 from __future__ import annotations
 
@@ -18,7 +22,6 @@ from typing import Any
 
 from ext.formats.files import MetadataFileError, read_json
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 MAX_LAYERS = 4096  # sanity bound: a config beyond it is corrupt, not a model
 
 
@@ -49,7 +52,7 @@ class ModelConfig:
     """What the forward pass needs to know, normalised across families.
 
     Attributes (HF names where one exists):
-        model_type: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe".
+        model_type: the family (a key of `ext.models.families.FAMILIES`).
         vocab_size, hidden_size, num_hidden_layers: as in config.json.
         num_attention_heads, num_key_value_heads, head_dim: attention shape;
             head_dim defaults to hidden_size // num_attention_heads.
@@ -100,8 +103,8 @@ class ModelConfig:
         return self.num_experts_per_tok
 
 
-class _Reader:
-    """Typed access to one config dict, raising errors that name the field."""
+class ConfigReader:
+    """Typed access to one config dict, raising errors that name the file and field."""
 
     def __init__(self, path: Path, raw: dict[str, Any]):
         self.path = path
@@ -125,22 +128,28 @@ class _Reader:
             raise ConfigError(self.path, name, f"must be positive, got {value}")
         return value
 
+    def error(self, field: str | None, message: str) -> ConfigError:
+        return ConfigError(self.path, field, message)
 
-def _rope_theta(r: _Reader, default: float) -> float:
+    def unsupported(self, field: str, message: str) -> UnsupportedConfigError:
+        return UnsupportedConfigError(self.path, field, message)
+
+
+def read_rope_theta(r: ConfigReader, default: float) -> float:
+    """The RoPE base from `rope_parameters.rope_theta` or top-level `rope_theta`; only
+    the default RoPE type over the whole head is accepted."""
     params = r.raw.get("rope_parameters")
     scaling = r.raw.get("rope_scaling")
     for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
         if block is None:
             continue
         if not isinstance(block, dict):
-            raise ConfigError(r.path, name, f"expected an object, got {block!r}")
+            raise r.error(name, f"expected an object, got {block!r}")
         rope_type = block.get("rope_type", block.get("type", "default"))
         if rope_type != "default":
-            raise UnsupportedConfigError(
-                r.path, f"{name}.rope_type", f"RoPE type {rope_type!r} is not supported (only 'default')")
+            raise r.unsupported(f"{name}.rope_type", f"RoPE type {rope_type!r} is not supported (only 'default')")
         if block.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedConfigError(
-                r.path, f"{name}.partial_rotary_factor", "partial rotary embeddings are not supported")
+            raise r.unsupported(f"{name}.partial_rotary_factor", "partial rotary embeddings are not supported")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = params["rope_theta"]
         field = "rope_parameters.rope_theta"
@@ -148,62 +157,121 @@ def _rope_theta(r: _Reader, default: float) -> float:
         theta = r.raw.get("rope_theta", default)
         field = "rope_theta"
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < math.inf:
-        raise ConfigError(r.path, field, f"expected a positive finite number, got {theta!r}")
+        raise r.error(field, f"expected a positive finite number, got {theta!r}")
     return float(theta)
 
 
-def _eos_ids(r: _Reader) -> tuple[int, ...]:
+def read_eos_ids(r: ConfigReader) -> tuple[int, ...]:
     eos = r.raw.get("eos_token_id")
     if eos is None:
         return ()
     ids = eos if isinstance(eos, list) else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ConfigError(r.path, "eos_token_id", f"expected an int or a list of ints, got {eos!r}")
+        raise r.error("eos_token_id", f"expected an int or a list of ints, got {eos!r}")
     return tuple(ids)
 
 
-def _moe_layers(r: _Reader, n_layers: int, n_experts: int) -> tuple[bool, ...]:
-    """Qwen2/3-MoE: a layer is MoE unless in mlp_only_layers, and (l+1) % step == 0."""
-    mlp_only = r.get("mlp_only_layers", list, [])
-    for i in mlp_only:
-        if not isinstance(i, int) or not 0 <= i < n_layers:
-            raise ConfigError(r.path, "mlp_only_layers", f"layer {i!r} not in [0, {n_layers})")
-    step = r.positive("decoder_sparse_step", 1)
-    return tuple(l not in mlp_only and n_experts > 0 and (l + 1) % step == 0 for l in range(n_layers))
-
-
-def _sliding_windows(r: _Reader, model_type: str, n_layers: int) -> tuple[int | None, ...]:
-    if model_type == "olmoe":
-        return (None,) * n_layers
+def read_window(r: ConfigReader) -> int:
+    """`sliding_window`, which must be a positive int where it is used."""
     window = r.raw.get("sliding_window")
-    if model_type == "mixtral":
-        active = window is not None
-    else:
-        active = bool(r.raw.get("use_sliding_window", False)) and window is not None
-    if not active:
-        return (None,) * n_layers
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise ConfigError(r.path, "sliding_window", f"expected a positive int, got {window!r}")
-    if model_type != "qwen2_moe":
-        return (window,) * n_layers
-    # Qwen2-MoE: per-layer types; default as transformers' Qwen2MoeConfig builds them.
+        raise r.error("sliding_window", f"expected a positive int, got {window!r}")
+    return window
+
+
+def read_layer_types(r: ConfigReader, n_layers: int, window: int,
+                     default: list[str] | None = None) -> tuple[int | None, ...]:
+    """Per-layer windows from `layer_types` ("sliding_attention" | "full_attention"),
+    or from `default` when the field is absent."""
     layer_types = r.raw.get("layer_types")
     if layer_types is None:
-        max_window_layers = r.get("max_window_layers", int, 28)
-        layer_types = ["sliding_attention" if (i + 1) % 2 and i < max_window_layers else "full_attention"
-                       for i in range(n_layers)]
+        layer_types = default
     if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-        raise ConfigError(r.path, "layer_types", f"expected a list of {n_layers} layer types")
+        raise r.error("layer_types", f"expected a list of {n_layers} layer types")
     out = []
     for t in layer_types:
         if t not in ("sliding_attention", "full_attention"):
-            raise UnsupportedConfigError(r.path, "layer_types", f"unknown layer type {t!r}")
+            raise r.unsupported("layer_types", f"unknown layer type {t!r}")
         out.append(window if t == "sliding_attention" else None)
     return tuple(out)
 
 
+def read_mlp_only_layers(r: ConfigReader, n_layers: int, n_experts: int) -> tuple[bool, ...]:
+    """Per layer, True where the MLP is routed (Qwen2/3-MoE): a layer is MoE unless in
+    `mlp_only_layers`, and when (l + 1) % `decoder_sparse_step` == 0."""
+    mlp_only = r.get("mlp_only_layers", list, [])
+    for i in mlp_only:
+        if not isinstance(i, int) or not 0 <= i < n_layers:
+            raise r.error("mlp_only_layers", f"layer {i!r} not in [0, {n_layers})")
+    step = r.positive("decoder_sparse_step", 1)
+    return tuple(l not in mlp_only and n_experts > 0 and (l + 1) % step == 0 for l in range(n_layers))
+
+
+def read_uniform_window(r: ConfigReader, n_layers: int, active: bool) -> tuple[int | None, ...]:
+    """`sliding_window` for every layer when `active` and the window is set, else none."""
+    if not active or r.raw.get("sliding_window") is None:
+        return (None,) * n_layers
+    return (read_window(r),) * n_layers
+
+
+def read_experts(r: ConfigReader, field: str, other: str) -> tuple[int, int, str]:
+    """(num_experts, top_k, the field the count was read from): the family's own name
+    for the count, or the other name when only that one is present."""
+    if field not in r.raw and other in r.raw:
+        field = other
+    n_experts = r.positive(field)
+    top_k = r.positive("num_experts_per_tok")
+    if top_k > n_experts:
+        raise r.error("num_experts_per_tok", f"{top_k} exceeds {field} {n_experts}")
+    return n_experts, top_k, field
+
+
+def read_decoder(r: ConfigReader, *, default_theta: float, default_eps: float) -> dict[str, Any]:
+    """The fields every decoder family reads alike (ModelConfig keyword arguments):
+    vocabulary, layers, attention heads and head_dim, RoPE base, RMSNorm epsilon,
+    embeddings tying, context length and special ids."""
+    act = r.raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise r.unsupported("hidden_act", f"{act!r} is not supported (only 'silu')")
+    hidden = r.positive("hidden_size")
+    n_layers = r.positive("num_hidden_layers")
+    if n_layers > MAX_LAYERS:
+        raise r.error("num_hidden_layers", f"{n_layers} exceeds the {MAX_LAYERS} moed accepts")
+    n_heads = r.positive("num_attention_heads")
+    n_kv = r.positive("num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise r.error("num_key_value_heads", f"{n_kv} does not divide num_attention_heads {n_heads}")
+    head_dim = r.raw.get("head_dim")
+    if head_dim is None:
+        if hidden % n_heads:
+            raise r.error("hidden_size", f"{hidden} not divisible by num_attention_heads {n_heads}")
+        head_dim = hidden // n_heads
+    else:
+        head_dim = r.positive("head_dim")
+    if head_dim % 2:
+        raise r.unsupported("head_dim", f"RoPE needs an even head_dim, got {head_dim}")
+    eps = r.get("rms_norm_eps", float, default_eps)
+    if not (eps > 0 and math.isfinite(eps)):
+        raise r.error("rms_norm_eps", f"must be a positive number, got {eps}")
+    bos = r.raw.get("bos_token_id")
+    return dict(
+        vocab_size=r.positive("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        rope_theta=read_rope_theta(r, default_theta),
+        rms_norm_eps=eps,
+        tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
+        max_position_embeddings=r.positive("max_position_embeddings", 4096),
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        eos_token_ids=read_eos_ids(r),
+    )
+
+
 def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> ModelConfig:
-    """Build a ModelConfig from a parsed config.json.
+    """Build a ModelConfig from a parsed config.json, with its family's reader.
 
     Raises:
         UnsupportedModelError: model_type not in SUPPORTED_MODEL_TYPES.
@@ -212,97 +280,19 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
             than silu, RoPE scaling, attention biases on OLMoE's o_proj, ...).
         ConfigError: a field of the wrong type or range.
     """
+    from ext.models.families import FAMILIES  # the family modules import this one
+
     path = Path(path)
     if not isinstance(raw, dict):
         raise ConfigError(path, None, "expected a JSON object")
-    r = _Reader(path, raw)
     model_type = raw.get("model_type")
     if model_type is None:
         raise MissingConfigFieldError(path, "model_type", "is required and missing")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
         raise UnsupportedModelError(
-            path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedConfigError(path, "hidden_act", f"{act!r} is not supported (only 'silu')")
-
-    hidden = r.positive("hidden_size")
-    n_layers = r.positive("num_hidden_layers")
-    if n_layers > MAX_LAYERS:
-        raise ConfigError(path, "num_hidden_layers", f"{n_layers} exceeds the {MAX_LAYERS} moed accepts")
-    n_heads = r.positive("num_attention_heads")
-    n_kv = r.positive("num_key_value_heads", n_heads)
-    if n_heads % n_kv:
-        raise ConfigError(path, "num_key_value_heads", f"{n_kv} does not divide num_attention_heads {n_heads}")
-    head_dim = r.raw.get("head_dim")
-    if head_dim is None:
-        if hidden % n_heads:
-            raise ConfigError(path, "hidden_size", f"{hidden} not divisible by num_attention_heads {n_heads}")
-        head_dim = hidden // n_heads
-    else:
-        head_dim = r.positive("head_dim")
-    if head_dim % 2:
-        raise UnsupportedConfigError(path, "head_dim", f"RoPE needs an even head_dim, got {head_dim}")
-
-    expert_field = "num_local_experts" if model_type == "mixtral" else "num_experts"
-    other_field = "num_experts" if model_type == "mixtral" else "num_local_experts"
-    if expert_field not in raw and other_field in raw:
-        expert_field = other_field
-    n_experts = r.positive(expert_field)
-    top_k = r.positive("num_experts_per_tok")
-    if top_k > n_experts:
-        raise ConfigError(path, "num_experts_per_tok", f"{top_k} exceeds {expert_field} {n_experts}")
-
-    intermediate = r.positive("intermediate_size")
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        moe_intermediate = r.positive("moe_intermediate_size")
-        moe_layers = _moe_layers(r, n_layers, n_experts)
-    else:
-        moe_intermediate = intermediate
-        moe_layers = (True,) * n_layers
-
-    shared = r.positive("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
-    norm_topk = True if model_type == "mixtral" else r.get("norm_topk_prob", bool, False)
-    qkv_bias = r.get("qkv_bias", bool, True) if model_type == "qwen2_moe" else False
-    if model_type in ("qwen3_moe", "olmoe") and r.get("attention_bias", bool, False):
-        raise UnsupportedConfigError(path, "attention_bias", "attention biases are not supported for this family")
-    qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(model_type, "none")
-    clip_qkv = r.get("clip_qkv", float, None) if model_type == "olmoe" else None
-    if clip_qkv is not None and not 0 < clip_qkv < math.inf:
-        raise ConfigError(path, "clip_qkv", f"must be a positive finite number, got {clip_qkv}")
-
-    default_theta = {"mixtral": 1e6, "qwen2_moe": 1e4, "qwen3_moe": 1e4, "olmoe": 1e4}[model_type]
-    default_eps = {"mixtral": 1e-5, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6, "olmoe": 1e-5}[model_type]
-    eps = r.get("rms_norm_eps", float, default_eps)
-    if not (eps > 0 and math.isfinite(eps)):
-        raise ConfigError(path, "rms_norm_eps", f"must be a positive number, got {eps}")
-    bos = r.raw.get("bos_token_id")
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=r.positive("vocab_size"),
-        hidden_size=hidden,
-        num_hidden_layers=n_layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
-        head_dim=head_dim,
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=moe_intermediate,
-        intermediate_size=intermediate,
-        shared_expert_intermediate_size=shared,
-        norm_topk_prob=norm_topk,
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
-        clip_qkv=clip_qkv,
-        rope_theta=_rope_theta(r, default_theta),
-        rms_norm_eps=eps,
-        tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
-        sliding_windows=_sliding_windows(r, model_type, n_layers),
-        moe_layers=moe_layers,
-        max_position_embeddings=r.positive("max_position_embeddings", 4096),
-        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
-        eos_token_ids=_eos_ids(r),
-    )
+            path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return family.read_config(ConfigReader(path, raw))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

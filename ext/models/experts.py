@@ -21,16 +21,13 @@ import numpy as np
 
 from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorInfo, TensorRangeError
 from ext.models.config import ModelConfig
-
-PROJECTIONS = ("gate", "up", "down")
+from ext.models.families import family_of
+from ext.models.family import PROJECTIONS
 
 
 def expert_tensor_name(model_type: str, layer: int, expert: int, projection: str) -> str:
     """Hub tensor name of one projection ("gate", "up" or "down") of a routed expert."""
-    if model_type == "mixtral":
-        w = {"gate": "w1", "up": "w3", "down": "w2"}[projection]
-        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"
-    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
+    return family_of(model_type).tensors.expert(layer, expert, projection)
 
 
 class ExpertWeights(NamedTuple):

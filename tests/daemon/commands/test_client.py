@@ -78,7 +78,9 @@ def test_generate_over_the_socket_streams_what_the_daemon_and_in_process_generat
     proc = moed("generate", "--socket", daemon.socket, "--max-tokens", str(TOKENS), PROMPT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == text + "\n"
-    assert f"generated {TOKENS} tokens" in proc.stderr
+    [finished] = [e for e in map(json.loads, proc.stderr.splitlines())
+                  if e["event"] == "generation_finished"]
+    assert finished["completion_tokens"] == TOKENS and finished["socket"] == daemon.socket
     # the in-process mode (greedy by default) gives the same text
     assert main(["generate", "--model", str(model_dir), "--max-tokens", str(TOKENS), PROMPT]) == 0
     assert capsys.readouterr().out == text + "\n"

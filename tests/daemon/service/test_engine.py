@@ -296,4 +296,4 @@ def test_a_failing_step_observer_changes_nothing(model_dir, tokenizer, log_recor
     records = log_records("moed.engine")
     assert results(observer) == baseline          # no retry, no failure, the same text
     assert max(calls) > 1                         # it saw batched steps
-    assert sum(r.getMessage() == "step_observer_failed" for r in records) == 2
+    assert sum(r["event"] == "step_observer_failed" for r in records) == 2

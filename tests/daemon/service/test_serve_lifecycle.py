@@ -153,9 +153,8 @@ def finished(d: Daemon) -> list[dict]:
     return [e for e in d.events if e.get("event") == "request_finished"]
 
 
-def events_starting(d: Daemon, prefix: str) -> list[dict]:
-    """Log lines of the standard-library loggers, whose event is the whole message."""
-    return [e for e in d.events if str(e.get("event", "")).startswith(prefix)]
+def events_named(d: Daemon, event: str) -> list[dict]:
+    return [e for e in d.events if e.get("event") == event]
 
 
 def usage_files(state_dir: str) -> list[str]:
@@ -284,7 +283,7 @@ def test_sigterm_drains_a_running_request_flushes_state_and_pins_it_next_time(
         assert status == 200 and pins["pins"] == []          # nothing learned yet
         fingerprint = pins["model_fingerprint"]
         assert usage_files(d.state_dir) == []
-        assert events_starting(d, "slot_arena_mlock_refused") == []  # root may mlock
+        assert events_named(d, "slot_arena_mlock_refused") == []  # root may mlock
 
         stream = Stream(d.socket, completion_body(DRAINED_TOKENS))
         assert stream.first.wait(WAIT_S) and stream.chunks, stream.error
@@ -419,14 +418,14 @@ def test_stale_socket_is_replaced_and_a_live_one_or_a_file_is_refused(model_dir,
     assert stat.S_ISSOCK(os.lstat(first.socket).st_mode)   # left behind by kill -9
 
     with serving(model_dir, workdir, *args) as d:
-        d.wait_line(f'"event": "stale_socket_replaced: {d.socket} (nothing answered on it)"')
+        d.wait_event("stale_socket_replaced", socket=d.socket, reason="nothing answered on it")
         assert d.json("GET", "/health") == (200, {"status": "ok"})
         bound = os.lstat(d.socket).st_ino
 
         with serving(model_dir, workdir, *args, wait_ready=False) as second:
             assert second.wait_exit(WAIT_S) == 1
         assert f"moed serve: error: another moed serves {d.socket}" in "".join(second.stderr_lines)
-        assert events_starting(second, "expert cache") == []       # the model was not loaded
+        assert events_named(second, "expert_cache_built") == []       # the model was not loaded
         assert [e for e in second.events if e.get("event") in ("socket_listening", "ready")] == []
         assert os.lstat(d.socket).st_ino == bound
         assert d.json("GET", "/health") == (200, {"status": "ok"})
@@ -554,7 +553,7 @@ def test_admin_calls_are_refused_to_other_users(model_dir, workdir):
         state = json.loads(Path(state_file).read_text())
         assert state["tokens"] == 0
         assert all(c == 0 for row in state["payload"]["counts"] for c in row)
-        assert events_starting(d, "slot_arena_mlock_refused") == []
+        assert events_named(d, "slot_arena_mlock_refused") == []
         assert d.stop() == 0
 
 
@@ -566,12 +565,11 @@ def test_mlock_refused_falls_back_and_the_daemons_own_user_is_admin(model_dir, w
                  "--socket-mode", "0666", user=NOBODY, moed=moed_for(NOBODY),
                  launcher=("prlimit", f"--memlock={memlock}:{memlock}")) as d:
         slot = d.json("GET", "/v1/moed/stats")[1]["cache"]["slot_bytes"]
-        (refused,) = events_starting(d, "slot_arena_mlock_refused")
+        (refused,) = events_named(d, "slot_arena_mlock_refused")
         assert refused["level"] == "warning" and refused["logger"] == "moed.io"
-        assert refused["event"].startswith(
-            f"slot_arena_mlock_refused bytes={CACHE_BYTES // slot * slot} error=")
-        assert refused["event"].endswith(
-            f"rlimit_memlock={memlock}/{memlock}: slots stay pageable")
+        assert refused["bytes"] == CACHE_BYTES // slot * slot and refused["error"]
+        assert refused["rlimit_memlock"] == f"{memlock}/{memlock}"
+        assert refused["effect"] == "slots stay pageable"
         status, body = d.json("POST", "/v1/completions", completion_body(8, stream=False))
         assert status == 200 and body["usage"]["completion_tokens"] == 8   # serves pageable
 
@@ -602,8 +600,9 @@ def test_config_precedence_flag_over_environment_over_file(model_dir, workdir):
     with serving(model_dir, workdir, "--config", str(config),
                  env={"MOED_MAX_TOKENS": "7", "MOED_FOO": "1"}) as d:
         assert _cap(d) == 7
-        (warning,) = events_starting(d, "config_warning: unknown environment variable MOED_FOO")
+        (warning,) = events_named(d, "config_warning")
         assert warning["level"] == "warning"
+        assert warning["warning"].startswith("unknown environment variable MOED_FOO")
         assert d.stop() == 0
     with serving(model_dir, workdir, "--config", str(config), "--max-tokens", "5",
                  env={"MOED_MAX_TOKENS": "7"}) as d:

@@ -458,8 +458,9 @@ def test_locked_arena_is_mlocked_and_release_unlocks_a_slot():
 
 
 MLOCK_REFUSED_SCRIPT = r"""
-import ctypes, ctypes.util, json, logging, resource, sys
-logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+import ctypes, ctypes.util, json, resource, sys
+from telemetry.logs import configure
+configure("warning", json=True)
 # Drop CAP_IPC_LOCK (root ignores RLIMIT_MEMLOCK while it holds it), then lower the limit.
 libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 class Header(ctypes.Structure):
@@ -497,8 +498,10 @@ def test_mlock_refused_by_rlimit_falls_back_with_a_warning():
         pytest.skip("cannot drop CAP_IPC_LOCK here")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"locked": False, "usable": True, "released": True}
-    assert "WARNING:moed.io:slot_arena_mlock_refused bytes=262144" in proc.stderr
-    assert "rlimit_memlock=4096/4096" in proc.stderr
+    [warning] = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert (warning["event"], warning["level"], warning["logger"]) == (
+        "slot_arena_mlock_refused", "warning", "moed.io")
+    assert (warning["bytes"], warning["rlimit_memlock"]) == (262144, "4096/4096")
 
 
 # ----------------------------------------------------------------------------- live resizing

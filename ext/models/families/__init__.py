@@ -1,0 +1,26 @@
+"""The table of model families moed serves: `model_type` -> `Family` (ext/models/family.py).
+
+Each family is one module here (its config reading, attention kind, routing rule and
+tensor names); adding a family is adding its module and its entry below.
+"""
+from ext.models.config import ModelConfig
+from ext.models.family import Family
+from ext.models.families import mixtral, olmoe, qwen2_moe, qwen3_moe
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    mixtral.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
+    olmoe.FAMILY,
+)}
+
+
+def family_of(model_type: str) -> Family:
+    """The family of a parsed config's model_type (KeyError for one not in the table)."""
+    return FAMILIES[model_type]
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes of KV cache one token of one sequence takes, every layer (the attention
+    kind's real layout: GQA's K and V per key/value head, MLA's compressed latent)."""
+    return family_of(config.model_type).attention.kv_bytes_per_token(config)
