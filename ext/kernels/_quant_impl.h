@@ -24,7 +24,7 @@
  *   -ffp-contract=off), so every path below gives the same bits.
  * - Paths: moed_qdot_rows_generic is the reference, written for clarity (dequantise
  *   32 columns into a buffer, then the dense lane arithmetic). It is what the
- *   portable build runs.
+ *   portable build runs; the SIMD paths below decode in registers.
  * - Values are not checked per call: NaN/inf/negative scales and E8M0 255 are the
  *   loader's business; the kernels compute with whatever the bytes say (an e4m3
  *   NaN code or an E8M0 255 scale gives NaN, exactly as the format defines).
@@ -162,30 +162,21 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
     ptrdiff_t n = w->cols;
     int paired = moed_is_paired(w->fmt);
     for (int q = 0; q < nrows; q++) {
-        moed_vf a0 = {0}, a1 = {0};
+        moed_v16 a0 = moed_v16_zero(), a1 = moed_v16_zero();
         float v[32];
         ptrdiff_t j = 0;
         for (; j + 32 <= n; j += 32) {
             moed_w_dequant(w, r0 + q, j, 32, v);
-            moed_vf v0 = moed_load_f32(v), v1 = moed_load_f32(v + 16);
-            moed_vf x0 = moed_load_f32(x + j), x1 = moed_load_f32(x + j + 16);
+            moed_v16 v0 = moed_v16_load(v), v1 = moed_v16_load(v + 16);
+            moed_v16 x0 = moed_v16_load(x + j), x1 = moed_v16_load(x + j + 16);
             if (paired) {
-                moed_vf ve = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14,
-                                                     16, 18, 20, 22, 24, 26, 28, 30);
-                moed_vf vo = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                     17, 19, 21, 23, 25, 27, 29, 31);
-                moed_vf xe = __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14,
-                                                     16, 18, 20, 22, 24, 26, 28, 30);
-                moed_vf xo = __builtin_shufflevector(x0, x1, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                     17, 19, 21, 23, 25, 27, 29, 31);
-                a0 = a0 + ve * xe;
-                a1 = a1 + vo * xo;
-            } else {
-                a0 = a0 + v0 * x0;
-                a1 = a1 + v1 * x1;
+                moed_v16_deinterleave(v0, v1, &v0, &v1);
+                moed_v16_deinterleave(x0, x1, &x0, &x1);
             }
+            a0 = moed_v16_add(a0, moed_v16_mul(v0, x0));
+            a1 = moed_v16_add(a1, moed_v16_mul(v1, x1));
         }
-        float s = moed_hsum(a0 + a1);
+        float s = moed_v16_hsum(moed_v16_add(a0, a1));
         if (j < n) {
             moed_w_dequant(w, r0 + q, j, n - j, v);
             for (ptrdiff_t k = j; k < n; k++) s = s + v[k - j] * x[k];
@@ -194,22 +185,327 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
     }
 }
 
+/* ------------------------------------------------------------- the SIMD paths */
+/* Chosen at compile time (the build is -march=native unless MOED_PORTABLE=1), by the
+ * vectors of _simd.h:
+ *   "avx512": fp8 decoded by two 128-entry byte tables (vpermt2b, with AVX-512 VBMI;
+ *             else as on AVX2), nibbles by one 16-entry vpermps.
+ *   "avx2":   fp8 decoded through binary16 bit placement (F16C), nibbles by two
+ *             8-entry vpermps and a blend.
+ *   "portable": moed_qdot_rows_generic.
+ * Each lane is computed with the reference path's f32 multiplies and adds in the same
+ * order, so all paths give the same bits (tests compare them). Several rows per pass
+ * and a software prefetch per row, as the bf16 kernel does. */
+#if defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2)
+#define MOED_Q_SIMD 1
+/* Bytes of a row prefetched ahead: a bf16 row's 1024 bytes are 512 columns; a 4-bit
+ * row streams a quarter as many bytes per column. */
+#define MOED_Q_PREFETCH 512
+
+/* int4 / mxfp4: nibble-packed rows, one 16-entry table of exact values per group of
+ * g columns and row (base[c] * scale (+ min): the reference path's arithmetic).
+ * `kind` (a constant in each instantiation): MOED_MXFP4, MOED_INT4 (mins) or
+ * MOED_INT4 + 16 (symmetric). */
+static inline __attribute__((always_inline)) void
+moed_qrows_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
+                   float *out, const int kind) {
+    static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    static const float codes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    static const float centred[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+    const moed_v16 base = moed_v16_load(kind == MOED_MXFP4 ? e2m1 : kind == MOED_INT4 ? codes : centred);
+    const ptrdiff_t C = w->cols, g = w->scale_cols;
+    const uint8_t *row[MOED_ROWS];
+    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS], tab[MOED_ROWS];
+    for (int q = 0; q < nrows; q++) {
+        row[q] = w->codes + (r0 + q) * w->row_bytes;
+        a0[q] = a1[q] = moed_v16_zero();
+    }
+    for (ptrdiff_t j = 0, si = 0; j < C; j += g, si++) {
+        for (int q = 0; q < nrows; q++) {
+            ptrdiff_t i = (r0 + q) * w->scale_ld + si;
+            if (kind == MOED_MXFP4) {
+                tab[q] = moed_v16_mul(base, moed_v16_set1(moed_e8m0_to_f32(((const uint8_t *)w->scales)[i])));
+            } else {
+                uint16_t h;
+                memcpy(&h, (const uint16_t *)w->scales + i, 2);
+                tab[q] = moed_v16_mul(base, moed_v16_set1(moed_f16_to_f32(h)));
+                if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(moed_min_at(w, i)));
+            }
+        }
+        for (ptrdiff_t k = j; k < j + g; k += 32) {
+            moed_v16 xe, xo;
+            moed_v16_deinterleave(moed_v16_load(x + k), moed_v16_load(x + k + 16), &xe, &xo);
+            for (int q = 0; q < nrows; q++) {
+                __builtin_prefetch(row[q] + k / 2 + MOED_Q_PREFETCH);
+                moed_v16i i = moed_v16i_load_u8(row[q] + k / 2);
+                a0[q] = moed_v16_add(a0[q], moed_v16_mul(moed_v16_lookup(tab[q], i), xe));
+                a1[q] = moed_v16_add(a1[q], moed_v16_mul(moed_v16_lookup(tab[q], moed_v16i_srl4(i)), xo));
+            }
+        }
+    }
+    for (int q = 0; q < nrows; q++) out[q] = moed_v16_hsum(moed_v16_add(a0[q], a1[q]));
+}
+#define moed_qrows_mxfp4(w, r0, n, x, out) moed_qrows_nibbles(w, r0, n, x, out, MOED_MXFP4)
+#define moed_qrows_int4m(w, r0, n, x, out) moed_qrows_nibbles(w, r0, n, x, out, MOED_INT4)
+#define moed_qrows_int4s(w, r0, n, x, out) moed_qrows_nibbles(w, r0, n, x, out, MOED_INT4 + 16)
+
+/* int8: natural order, value = code * scale of its group. */
+static inline __attribute__((always_inline)) void
+moed_qrows_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
+                float *out) {
+    const ptrdiff_t C = w->cols, g = w->scale_cols;
+    const uint8_t *row[MOED_ROWS];
+    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS], s[MOED_ROWS];
+    for (int q = 0; q < nrows; q++) {
+        row[q] = w->codes + (r0 + q) * w->row_bytes;
+        a0[q] = a1[q] = moed_v16_zero();
+    }
+    for (ptrdiff_t j = 0, si = 0; j < C; j += g, si++) {
+        for (int q = 0; q < nrows; q++) {
+            uint16_t h;
+            memcpy(&h, (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si, 2);
+            s[q] = moed_v16_set1(moed_f16_to_f32(h));
+        }
+        for (ptrdiff_t k = j; k < j + g; k += 32) {
+            moed_v16 x0 = moed_v16_load(x + k), x1 = moed_v16_load(x + k + 16);
+            for (int q = 0; q < nrows; q++) {
+                __builtin_prefetch(row[q] + k + 2 * MOED_Q_PREFETCH);
+                moed_v16 w0 = moed_v16_mul(moed_v16_load_i8(row[q] + k), s[q]);
+                moed_v16 w1 = moed_v16_mul(moed_v16_load_i8(row[q] + k + 16), s[q]);
+                a0[q] = moed_v16_add(a0[q], moed_v16_mul(w0, x0));
+                a1[q] = moed_v16_add(a1[q], moed_v16_mul(w1, x1));
+            }
+        }
+    }
+    for (int q = 0; q < nrows; q++) out[q] = moed_v16_hsum(moed_v16_add(a0[q], a1[q]));
+}
+
+/* fp8 e4m3 decoders: moed_e4m3_decode(t, p, n, f) writes the values of n codes at p
+ * (n = 32, or MOED_E4M3_STEP), 16 per vector, times MOED_E4M3_UNIT (exact). */
+#if defined(MOED_V16_AVX512) && defined(__AVX512VBMI__)
+/* Byte tables of the f32 value of each 7-bit e4m3 magnitude (its bits 16..23 and
+ * 24..31; the low 16 bits are zero for every e4m3 value), and the byte placement of
+ * four 16-value groups into f32 lanes. Filled by moed_quant_init. */
+static uint8_t moed_e4m3_lut[2][128] __attribute__((aligned(64)));
+static uint8_t moed_e4m3_place[4][64] __attribute__((aligned(64)));
+
+static inline void moed_quant_init(void) {
+    for (int m = 0; m < 128; m++) {
+        float f = moed_e4m3_to_f32((uint8_t)m);
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        moed_e4m3_lut[0][m] = (uint8_t)(u >> 16);
+        moed_e4m3_lut[1][m] = (uint8_t)(u >> 24);
+    }
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < 16; i++) {
+            moed_e4m3_place[k][4 * i + 2] = (uint8_t)(16 * k + i);        /* from lo */
+            moed_e4m3_place[k][4 * i + 3] = (uint8_t)(64 + 16 * k + i);   /* from hi */
+        }
+}
+
+typedef struct { __m512i lo0, lo1, hi0, hi1, sign, place[4]; } moed_e4m3_tables;
+
+static inline void moed_e4m3_tables_load(moed_e4m3_tables *t) {
+    t->lo0 = _mm512_load_si512(moed_e4m3_lut[0]);
+    t->lo1 = _mm512_load_si512(moed_e4m3_lut[0] + 64);
+    t->hi0 = _mm512_load_si512(moed_e4m3_lut[1]);
+    t->hi1 = _mm512_load_si512(moed_e4m3_lut[1] + 64);
+    t->sign = _mm512_set1_epi8((char)0x80);
+    for (int k = 0; k < 4; k++) t->place[k] = _mm512_load_si512(moed_e4m3_place[k]);
+}
+
+static inline __attribute__((always_inline)) void
+moed_e4m3_decode(const moed_e4m3_tables *t, const uint8_t *p, const int n, moed_v16 *f) {
+    __m512i b = n == 64 ? _mm512_loadu_si512(p)
+                        : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+    __m512i lo = _mm512_permutex2var_epi8(t->lo0, b, t->lo1);
+    __m512i hi = _mm512_permutex2var_epi8(t->hi0, b, t->hi1);
+    hi = _mm512_ternarylogic_epi32(hi, b, t->sign, 0xF8);   /* hi | (b & 0x80) */
+    for (int k = 0; k < n / 16; k++)
+        f[k] = _mm512_castsi512_ps(
+            _mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, t->place[k], hi));
+}
+#define MOED_E4M3_STEP 64
+#define MOED_E4M3_UNIT 1.0f
+#else
+static inline void moed_quant_init(void) {}
+
+typedef int moed_e4m3_tables;
+static inline void moed_e4m3_tables_load(moed_e4m3_tables *t) { *t = 0; }
+
+/* 16 e4m3 codes -> their values * 2^-8, exactly: the code's bits placed in a binary16
+ * (sign to bit 15, exponent and mantissa to bits 7..13) read as f16; NaN codes NaN. */
+static inline moed_v16 moed_e4m3_x2m8(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i t = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+    t = _mm256_and_si256(t, _mm256_set1_epi16((short)0xBFFF));
+    __m128i nan = _mm_cmpeq_epi8(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8(-1));
+    int any_nan = _mm_movemask_epi8(nan) != 0;
+#ifdef MOED_V16_AVX512
+    moed_v16 f = _mm512_cvtph_ps(t);
+    if (__builtin_expect(any_nan, 0))
+        f = _mm512_mask_mov_ps(f, (__mmask16)_mm_movemask_epi8(nan), _mm512_set1_ps(__builtin_nanf("")));
+    return f;
+#else
+    __m256 f0 = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
+    __m256 f1 = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
+    if (__builtin_expect(any_nan, 0)) {
+        __m256 q = _mm256_set1_ps(__builtin_nanf(""));
+        f0 = _mm256_blendv_ps(f0, q, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan)));
+        f1 = _mm256_blendv_ps(f1, q, _mm256_castsi256_ps(
+                                         _mm256_cvtepi8_epi32(_mm_srli_si128(nan, 8))));
+    }
+    return (moed_v16){f0, f1};
+#endif
+}
+
+static inline __attribute__((always_inline)) void
+moed_e4m3_decode(const moed_e4m3_tables *t, const uint8_t *p, const int n, moed_v16 *f) {
+    (void)t;
+    for (int k = 0; k < n / 16; k++) f[k] = moed_e4m3_x2m8(p + 16 * k);
+}
+#define MOED_E4M3_STEP 32
+#define MOED_E4M3_UNIT 0x1p-8f
+#endif
+
+/* fp8 e4m3: natural order, value = fp8 * scale of its (br, bc) block. Needs bc % 32
+ * == 0, so that 32-column steps never straddle two blocks, and (when the decoder's
+ * unit is 2^-8, folded into the scale) no finite scale at or above 2^120: see
+ * moed_fp8_simd_ok. The decoded value times (scale / unit) is then exactly
+ * fl(fp8 * scale). */
+static inline __attribute__((always_inline)) void
+moed_qrows_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
+               float *out) {
+    enum { STEP = MOED_E4M3_STEP, NV = MOED_E4M3_STEP / 16 };
+    const ptrdiff_t C = w->cols, bc = w->scale_cols;
+    const uint8_t *row[MOED_ROWS];
+    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS], s[MOED_ROWS];
+    moed_e4m3_tables t;
+    moed_e4m3_tables_load(&t);
+    for (int q = 0; q < nrows; q++) {
+        row[q] = w->codes + (r0 + q) * w->row_bytes;
+        a0[q] = a1[q] = moed_v16_zero();
+    }
+    ptrdiff_t j = 0;
+    for (ptrdiff_t c0 = 0; c0 < C; c0 += bc) {
+        ptrdiff_t c1 = c0 + bc < C ? c0 + bc : C;
+        for (int q = 0; q < nrows; q++)
+            s[q] = moed_v16_set1(moed_scale_at(w, moed_scale_index(w, r0 + q, c0)) / MOED_E4M3_UNIT);
+        for (j = c0; j + STEP <= c1; j += STEP) {
+            moed_v16 xv[NV], f[NV];
+            for (int k = 0; k < NV; k++) xv[k] = moed_v16_load(x + j + 16 * k);
+            for (int q = 0; q < nrows; q++) {
+                __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
+                moed_e4m3_decode(&t, row[q] + j, STEP, f);
+                for (int k = 0; k < NV; k += 2) {
+                    a0[q] = moed_v16_add(a0[q], moed_v16_mul(moed_v16_mul(f[k], s[q]), xv[k]));
+                    a1[q] = moed_v16_add(a1[q], moed_v16_mul(moed_v16_mul(f[k + 1], s[q]), xv[k + 1]));
+                }
+            }
+        }
+        if (STEP > 32 && j + 32 <= c1) {
+            moed_v16 f[2], x0 = moed_v16_load(x + j), x1 = moed_v16_load(x + j + 16);
+            for (int q = 0; q < nrows; q++) {
+                moed_e4m3_decode(&t, row[q] + j, 32, f);
+                a0[q] = moed_v16_add(a0[q], moed_v16_mul(moed_v16_mul(f[0], s[q]), x0));
+                a1[q] = moed_v16_add(a1[q], moed_v16_mul(moed_v16_mul(f[1], s[q]), x1));
+            }
+            j += 32;
+        }
+    }
+    for (int q = 0; q < nrows; q++) {   /* j: start of the n mod 32 tail */
+        float v[32], sum = moed_v16_hsum(moed_v16_add(a0[q], a1[q]));
+        if (j < C) {
+            moed_w_dequant(w, r0 + q, j, C - j, v);
+            for (ptrdiff_t k = j; k < C; k++) sum = sum + v[k - j] * x[k];
+        }
+        out[q] = sum;
+    }
+}
+
+/* Can moed_qrows_fp8 take these rows (see there)? */
+static inline int moed_fp8_simd_ok(const moed_weight *w, ptrdiff_t r0, int nrows) {
+    if (w->scale_cols % 32) return 0;
+    if (MOED_E4M3_UNIT == 1.0f) return 1;
+    ptrdiff_t last = (r0 + nrows - 1) / w->scale_rows;
+    for (ptrdiff_t sr = r0 / w->scale_rows; sr <= last; sr++)
+        for (ptrdiff_t b = 0; b < w->scale_ld; b++) {
+            float s = fabsf(moed_scale_at(w, sr * w->scale_ld + b));
+            if (s >= 0x1p120f && s <= 3.4028235e38f) return 0;
+        }
+    return 1;
+}
+
+#define MOED_DEFINE_QROWS(FMT)                                                     \
+    static void moed_qrows_##FMT##_4(const moed_weight *w, ptrdiff_t r0,           \
+                                     const float *x, float *out) {                 \
+        moed_qrows_##FMT(w, r0, MOED_ROWS, x, out);                                \
+    }                                                                              \
+    static void moed_qrows_##FMT##_1(const moed_weight *w, ptrdiff_t r0,           \
+                                     const float *x, float *out) {                 \
+        moed_qrows_##FMT(w, r0, 1, x, out);                                        \
+    }
+MOED_DEFINE_QROWS(mxfp4)
+MOED_DEFINE_QROWS(int4m)
+MOED_DEFINE_QROWS(int4s)
+MOED_DEFINE_QROWS(int8)
+MOED_DEFINE_QROWS(fp8)
+
+/* The SIMD path for nrows <= MOED_ROWS rows; 0 if it does not apply. */
+static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                      const float *x, float *out) {
+    void (*four)(const moed_weight *, ptrdiff_t, const float *, float *);
+    void (*one)(const moed_weight *, ptrdiff_t, const float *, float *);
+    switch (w->fmt) {
+    case MOED_MXFP4: four = moed_qrows_mxfp4_4; one = moed_qrows_mxfp4_1; break;
+    case MOED_INT4:
+        if (w->mins) { four = moed_qrows_int4m_4; one = moed_qrows_int4m_1; }
+        else { four = moed_qrows_int4s_4; one = moed_qrows_int4s_1; }
+        break;
+    case MOED_INT8: four = moed_qrows_int8_4; one = moed_qrows_int8_1; break;
+    case MOED_FP8_E4M3:
+        if (!moed_fp8_simd_ok(w, r0, nrows)) return 0;
+        four = moed_qrows_fp8_4; one = moed_qrows_fp8_1;
+        break;
+    default: return 0;
+    }
+    if (nrows == MOED_ROWS) four(w, r0, x, out);
+    else for (int q = 0; q < nrows; q++) one(w, r0 + q, x, out + q);
+    return 1;
+}
+#else
+static inline void moed_quant_init(void) {}
+static inline int moed_qdot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                      const float *x, float *out) {
+    (void)w; (void)r0; (void)nrows; (void)x; (void)out;
+    return 0;
+}
+#endif
+
 /* ------------------------------------------------------------------ dispatch */
 
 static inline const char *moed_simd_path(void) {
+#if defined(MOED_V16_AVX512)
+    return "avx512";
+#elif defined(MOED_V16_AVX2)
+    return "avx2";
+#else
     return "portable";
+#endif
 }
 
 /* out[q] = w_(r0+q) . x for q < nrows <= MOED_ROWS. `simd` = 0 forces the
  * reference path for the quantised formats (the same bits; tests compare them). */
 static inline void moed_w_dot_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
                                    const float *x, float *out, int simd) {
-    (void)simd;
     if (w->fmt <= MOED_BF16) {
         moed_dot_rows(w->fmt, (const char *)w->codes + r0 * w->row_bytes, w->row_bytes,
                       nrows, x, w->cols, out);
         return;
     }
+    if (simd && moed_qdot_rows_simd(w, r0, nrows, x, out)) return;
     moed_qdot_rows_generic(w, r0, nrows, x, out);
 }
 

@@ -231,6 +231,34 @@ def test_quantised_row_reduces_like_the_dense_row_of_its_values(variant, C):
     assert _bits_equal(_matmul(w, x), _matmul(dense, x))
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16", "ue8m0"])
+def test_fp8_extreme_scales_and_nan_codes_give_the_reference_bits(scale_dtype):
+    # Scales near the top of the f32 range (the binary16 decoding path folds 2^8 into
+    # the scale and must step aside), zero, negative, inf and NaN; NaN codes in one row.
+    rng = _rng(23, len(scale_dtype))
+    R, C = 8, 256
+    codes = rng.integers(0, 256, (R, C), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] ^= 1
+    codes[:2] &= 0xBF  # |value| < 2 where the scales reach 2^125 (keeps the products finite)
+    codes[1, 200] = 0x7F
+    if scale_dtype == "ue8m0":
+        scales = np.array([[247, 250], [127, 0], [255, 120], [1, 254]], np.uint8)
+    else:
+        scales = np.array([[2.0 ** 125, 2.0 ** 121], [-1.0, 0.0], [np.nan, np.inf],
+                           [2.0 ** -140, 3e38]], np.float32)
+        if scale_dtype == "bfloat16":
+            scales = scales.astype(ml_dtypes.bfloat16)
+    w = kern.QuantizedWeight("fp8_e4m3", codes, scales, block_size=(2, 128))
+    x = rng.standard_normal((2, C), dtype=np.float32) * np.float32(1e-30)
+    with np.errstate(all="ignore"):
+        dense = _matmul(kern.dequantize(w), x)
+    fast, portable = _matmul(w, x), _matmul(w, x, fn=kern._matmul_portable)
+    for got in (fast, portable):
+        assert np.array_equal(np.isnan(got), np.isnan(dense))
+        assert _bits_equal(np.nan_to_num(got), np.nan_to_num(dense))
+    assert np.isnan(fast[:, 1]).all() and np.isfinite(fast[:, 0]).all()
+
+
 @variants
 def test_matmul_rows_equal_mat_vec_and_do_not_depend_on_neighbours(variant):
     w, _, x = _case(variant, 11, 200, 7, 7)
