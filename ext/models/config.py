@@ -16,11 +16,12 @@ helpers); what one family reads its own way is in its module of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ext.formats.files import MetadataFileError, read_json
+from ext.formats.quant import QuantMethod, parse_quantization_config
 
 MAX_LAYERS = 4096  # sanity bound: a config beyond it is corrupt, not a model
 
@@ -71,6 +72,8 @@ class ModelConfig:
         moe_layers: per layer, True where the MLP is a routed MoE block.
         max_position_embeddings: context length the model was trained for.
         bos_token_id, eos_token_ids: special ids from config.json.
+        quantization: the parsed `quantization_config` (ext.formats.quant: which stored
+            formats the weights may have), or None when the weights are plain floats.
     """
 
     model_type: str
@@ -97,6 +100,7 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: QuantMethod | None = None
 
     @property
     def top_k(self) -> int:
@@ -279,6 +283,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         UnsupportedConfigError: a value moed cannot compute (hidden_act other
             than silu, RoPE scaling, attention biases on OLMoE's o_proj, ...).
         ConfigError: a field of the wrong type or range.
+        ext.formats.quant.QuantizationConfigError: a `quantization_config` moed does
+            not read (unknown quant_method, fmt, activation scheme, ...).
     """
     from ext.models.families import FAMILIES  # the family modules import this one
 
@@ -292,7 +298,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
     if family is None:
         raise UnsupportedModelError(
             path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    return family.read_config(ConfigReader(path, raw))
+    config = family.read_config(ConfigReader(path, raw))
+    return replace(config, quantization=parse_quantization_config(raw, path))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ext.formats.quant import ROUTER
 from ext.kernels import _kernels as K_
 from ext.models.config import ModelConfig
+from ext.models.weights import Weight
 
 
 @dataclass
 class RouterWeights:
-    """One MoE layer's router: weight [E, H] in its stored dtype."""
+    """One MoE layer's router: weight [E, H] in its stored format (an array, or a
+    QuantizedWeight if the checkpoint quantised it)."""
 
-    weight: np.ndarray
+    weight: Weight
 
 
 class SoftmaxTopK:
@@ -33,10 +36,11 @@ class SoftmaxTopK:
     def __init__(self, config: ModelConfig):
         self.config = config
 
-    def load(self, prefix: str, tensor) -> RouterWeights:
-        """The router under `prefix` (e.g. model.layers.3.mlp.gate) via `tensor(name, shape)`."""
+    def load(self, prefix: str, linear) -> RouterWeights:
+        """The router module `prefix` (e.g. model.layers.3.mlp.gate) via
+        `linear(module, shape, role)`."""
         c = self.config
-        return RouterWeights(weight=tensor(f"{prefix}.weight", (c.num_experts, c.hidden_size)))
+        return RouterWeights(weight=linear(prefix, (c.num_experts, c.hidden_size), ROUTER))
 
     def logits(self, router: RouterWeights, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
         """out [T, E] = the router applied to h [T, H]."""
