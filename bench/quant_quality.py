@@ -1,10 +1,9 @@
 """Quality of every repack variant: KL(original || repacked), top-1 agreement, bits/byte.
 
-Each variant quantises the routed experts (and, for "+dense" variants, the attention
-projections) of --model with moed's own quantiser (ext/quant), decodes them back to
-float32 with the format's decode (ext.formats.repacked.dequantize) and runs moed's
-forward pass on those weights — exactly the values a natively loaded repacked model
-computes with — teacher-forced against the unmodified model (ext/evaluate.py).
+Each variant is written by `moed repack`'s own writer (ext/quant/repack.py: the routed
+experts, and for "+dense" variants the attention projections, in moed's int4/int8
+format) into a scratch directory, loaded natively (codes stay codes; the kernels decode
+them) and teacher-forced against the unmodified model (ext/evaluate.py).
 
 Texts, kept apart:
   calibration  importance statistics (importance weightings only): training modules of
@@ -28,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import sysconfig
 import time
 from pathlib import Path
@@ -40,10 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ext.evaluate import (TokenStream, log_softmax, score_window, summarize,  # noqa: E402
                           token_stream, window_logprobs)
 from ext.formats.repacked import QuantScheme  # noqa: E402
-from ext.models.experts import ExpertProvider, ExpertWeights  # noqa: E402
 from ext.models.model import Model  # noqa: E402
 from ext.quant.importance import gather  # noqa: E402
-from ext.quant.repack import RepackSpec, dense_weight_names, quantize_dense, quantize_expert  # noqa: E402
+from ext.quant.repack import RepackSpec, repack  # noqa: E402
 from ext.tokenizer import Tokenizer  # noqa: E402
 
 CALIBRATION_FILES = ("typing.py", "pathlib.py", "subprocess.py", "inspect.py",
@@ -83,51 +83,16 @@ def variants() -> dict[str, RepackSpec]:
     return out
 
 
-class _Resident(ExpertProvider):
-    def __init__(self, weights: dict[tuple[int, int], ExpertWeights]):
-        self._w = weights
-
-    def acquire(self, layer, experts):
-        return [self._w[(layer, int(e))] for e in experts]
+def variant_model(model_dir: str, spec: RepackSpec, stats, threads: int, scratch: Path) -> Model:
+    """`moed repack`'s own writer into `scratch`, loaded natively (codes in RAM)."""
+    repack(model_dir, scratch, spec, importance=stats, overwrite=True)
+    return Model.load(scratch, n_threads=threads, experts="resident")
 
 
-def _dense_slots(model: Model):
-    """tensor name -> (object, attribute) of the dense weights a "+dense" variant replaces."""
-    slots = {}
-    for l, layer in enumerate(model.layers):
-        for a in "qkvo":
-            slots[f"model.layers.{l}.self_attn.{a}_proj.weight"] = (layer, a)
-        for prefix, mlp in (("mlp.shared_expert", layer.shared_expert), ("mlp", layer.mlp)):
-            if mlp is not None:
-                for p in ("gate", "up", "down"):
-                    slots[f"model.layers.{l}.{prefix}.{p}_proj.weight"] = (mlp, p)
-    return slots
-
-
-def variant_model(model_dir: str, spec: RepackSpec, stats, threads: int) -> Model:
-    def provider(checkpoint, layout, config):
-        weights = {}
-        for loc in layout:
-            arrays = {p: checkpoint.load(i.name) for p, i in zip(("gate", "up", "down"), loc.projections())}
-            q = quantize_expert(spec, arrays, loc.layer, loc.expert, stats)
-            weights[(loc.layer, loc.expert)] = ExpertWeights(*(q[p].dequantize() for p in ("gate", "up", "down")))
-        return _Resident(weights)
-    model = Model.load(model_dir, n_threads=threads, experts=provider)
-    if spec.dense is not None:
-        slots = _dense_slots(model)
-        experts = {i.name for loc in model.layout for i in loc.projections()}
-        for name in dense_weight_names(model.checkpoint, experts):
-            obj, attr = slots[name]
-            setattr(obj, attr, quantize_dense(spec, model.checkpoint.load(name)).dequantize())
-    return model
-
-
-def _bits_per_weight(spec: RepackSpec, model: Model) -> dict:
-    experts = [(i.shape, spec.experts) for loc in model.layout for i in loc.projections()]
-    n = sum(s[0] * s[1] for s, _ in experts)
-    bits = sum(s[0] * s[1] * sc.bits + s[0] * (s[1] // sc.group(s[1])) * 16 * (2 if sc.min else 1)
-               for s, sc in experts)
-    return {"experts_bits_per_weight": round(bits / n, 4)}
+def _bits_per_weight(model: Model) -> dict:
+    """Stored bits per routed-expert weight: every piece's bytes (codes, scales, mins)."""
+    n = sum(w.shape[0] * w.shape[1] for loc in model.layout for w in loc.projections())
+    return {"experts_bits_per_weight": round(8 * sum(loc.nbytes for loc in model.layout) / n, 4)}
 
 
 def _stdlib() -> Path:
@@ -207,12 +172,13 @@ def main() -> None:
         print(f"importance from {stats.tokens} calibration tokens in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
     rows = []
+    scratch = Path(tempfile.mkdtemp(prefix="quant-quality-"))
     for i, name in enumerate(names):
         spec = all_variants[name]
         t0 = time.perf_counter()
-        model = variant_model(model_dir, spec, stats, args.threads)
+        model = variant_model(model_dir, spec, stats, args.threads, scratch / "variant")
         quant_s = time.perf_counter() - t0
-        row = {"variant": name, **_bits_per_weight(spec, model),
+        row = {"variant": name, **_bits_per_weight(model),
                "dense": None if spec.dense is None else f"int8-g{spec.dense.group_size}"}
         for tname, stream in texts.items():
             scores = [score_window(window_logprobs(model, inp, tgt.size), ref, tgt)
@@ -227,6 +193,7 @@ def main() -> None:
         print(f"[{i + 1}/{len(names)}] {name} quantised in {quant_s:.1f} s: "
               + " ".join(f"{t}={row[t]['kl_mean']:.5f}/{row[t]['top1']:.3f}" for t in texts),
               file=sys.stderr)
+    shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps({"model": model_dir, "texts": text_info, "context": args.context,
                       "calibration_tokens": args.calibration_tokens, "variants": rows}, indent=1))
 

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             raise EvaluationInputError(f"{args.model} and {args.reference} tokenize {args.text} "
                                        "differently: compare models that share a tokenizer")
         result = compare(model, reference, stream, progress=Steps("eval windows"))
+        weights = {"model": model.weight_formats(), "reference": reference.weight_formats()}
     finally:
         model.close()
         reference.close()
@@ -71,5 +72,6 @@ def run(args: argparse.Namespace) -> int:
              kl_mean_nats=round(result.kl_mean_nats, 6), top1_agreement=round(result.top1_agreement, 4),
              seconds=round(time.perf_counter() - t0, 2))
     print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text,
-                      "token_ids_sha256": stream.sha256, **result.to_json()}, indent=2))
+                      "token_ids_sha256": stream.sha256, **result.to_json(),
+                      "weights": weights}, indent=2))
     return 0

@@ -113,13 +113,16 @@ def run(args: argparse.Namespace) -> int:
     result = repack(args.model, out, spec, importance=stats, provenance=provenance,
                     shard_size=args.shard_size, overwrite=args.force,
                     progress=Progress(f"repacking into {out}"))
-    for loss in result.losses:
-        log.info("repack_loses_precision", model=args.model, detail=loss)
+    quantised_source = result.source_format not in ("f32", "f16", "bf16")
+    for loss in result.losses:   # a second rounding of FP8 / MXFP4 experts is worth a warning
+        (log.warning if quantised_source else log.info)("repack_loses_precision",
+                                                        model=args.model, detail=loss)
     log.info("repack_finished", model=args.model, out=str(out), scheme=result.config.label(),
              method=method, shards=result.shards, expert_bytes_before=result.expert_bytes_before,
              expert_bytes_after=result.expert_bytes_after,
              seconds=round(time.perf_counter() - t0, 1))
-    print(json.dumps({"model": str(out), "scheme": result.config.label(), "method": method,
+    print(json.dumps({"model": str(out), "source_format": result.source_format,
+                      "scheme": result.config.label(), "method": method,
                       "bits_per_weight": round(experts.bits_per_weight, 3),
                       "expert_bytes_before": result.expert_bytes_before,
                       "expert_bytes_after": result.expert_bytes_after,

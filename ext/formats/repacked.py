@@ -52,11 +52,16 @@ explicit padding tensor: dtype U8, shape [n], zero bytes, named
 shard's header only: the index's ``weight_map`` lists every other tensor (a repacked
 directory always has an index, even with one shard).
 
-This module is the format's definition: parsing and checking ``quantization_config``
-(`RepackConfig`), the tensor names (`scale_name`, `min_name`), shapes
-(`QuantScheme.shapes`), the packing of int4 codes (`pack_int4` / `unpack_int4`) and a
-reference decode (`dequantize`). Errors are `RepackFormatError` (a CheckpointError) naming
-config.json and the field, or the shard and tensor at fault.
+This module is the format's definition, plugged into ext/formats/quant.py's registry:
+`MoedMethod` reads ``quantization_config`` (`RepackConfig`: which tensors, which scheme;
+`check_checkpoint` refuses patterns that match no tensor and scale or min tensors beside
+a weight the config does not quantise), and `IntLayout` ("int4", "int8") recognises a
+weight's pieces by their dtypes and shapes, checks them against the config's scheme and
+hands the kernels a `QuantizedWeight`. Also here: the tensor names (`scale_name`,
+`min_name`), shapes (`QuantScheme.shapes`), the packing of int4 codes (`pack_int4` /
+`unpack_int4`) and a reference decode (`dequantize`, what the quantiser's tests and
+research use; the oracle tests decode with their own implementation). Errors are
+QuantizationError subclasses naming config.json and the field, or the shard and tensor.
 """
 from __future__ import annotations
 
@@ -68,7 +73,12 @@ from typing import Any
 
 import numpy as np
 
-from ext.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from ext.formats.checkpoint import TensorInfo
+from ext.formats.quant import (BadScaleError, FormatMismatchError, MissingPieceError,
+                               PieceShapeError, QuantizationConfigError, QuantizationError,
+                               QuantMethod, StoredWeight, WeightLayout,
+                               parse_quantization_config, register_layout,
+                               register_quant_method)
 
 QUANT_METHOD = "moed"
 FORMAT_VERSION = 1
@@ -79,8 +89,8 @@ TENSOR_ALIGNMENT = 64       # bytes: each tensor inside an expert
 PADDING_PREFIX = "moed.padding."
 
 
-class RepackFormatError(CheckpointError):
-    """A repacked model whose quantization_config, or whose tensors against it, is wrong."""
+class RepackFormatError(QuantizationError):
+    """A repacked model whose tensors disagree with its quantization_config."""
 
 
 def _base(name: str) -> str:
@@ -230,11 +240,11 @@ class RepackConfig:
         quant_method, an unknown format_version, scheme, group_size or alignment, "min"
         on int8, patterns that are not a non-empty list of strings.
         """
-        def fail(field: str, message: str) -> RepackFormatError:
-            return RepackFormatError(f"quantization_config.{field}: {message}", path=path)
+        def fail(field: str, message: str) -> QuantizationConfigError:
+            return QuantizationConfigError(path, f"quantization_config.{field}", message)
 
         if not isinstance(raw, dict):
-            raise RepackFormatError("quantization_config is not an object", path=path)
+            raise QuantizationConfigError(path, "quantization_config", "expected an object")
         if raw.get("quant_method") != QUANT_METHOD:
             raise fail("quant_method", f"{raw.get('quant_method')!r} is not {QUANT_METHOD!r}")
         if raw.get("format_version") != FORMAT_VERSION:
@@ -274,91 +284,24 @@ class RepackConfig:
 
     # ------------------------------------------------------------------ checking
 
-    def check(self, checkpoint: Checkpoint) -> dict[str, QuantizedTensorInfo]:
-        """Check every tensor of `checkpoint` against this config.
-
-        Returns name -> QuantizedTensorInfo of every quantised tensor. Raises
-        RepackFormatError naming the shard and tensor when a pattern matches nothing, a
-        quantised tensor's codes have the wrong dtype or shape, its scale (or min) is
-        missing, not F16, of the wrong shape or holds NaN/inf, or a scale / min tensor
-        exists for a tensor that is not quantised (the config and tensors disagree).
-        """
-        out: dict[str, QuantizedTensorInfo] = {}
-        siblings = set()
+    def check_checkpoint(self, tensors: Mapping[str, TensorInfo], where: str | os.PathLike) -> None:
+        """What no single weight can see: every pattern matches a tensor, and no scale
+        or min tensor sits beside a weight the config does not quantise. Raises
+        RepackFormatError naming config.json (`where` is the model directory) or the
+        stray tensor."""
         for group in self.groups():
-            hits = [n for n in checkpoint.tensors if group.matches(n)]
-            if not hits:
+            if not any(group.matches(n) for n in tensors):
                 raise RepackFormatError(
-                    f"quantization_config pattern(s) {list(group.weights)} match no tensor",
-                    path=checkpoint.model_dir / "config.json")
-            for name in hits:
-                if name in out:
-                    continue
-                q = self._check_one(checkpoint, name, group.scheme)
-                out[name] = q
-                siblings.update(i.name for i in (q.scale, q.min) if i is not None)
-        for name, info in checkpoint.tensors.items():
-            if name in out or name in siblings:
-                continue
-            if name.endswith((".weight_scale", ".weight_min")):
-                raise RepackFormatError(
-                    "a quantisation sibling of a tensor quantization_config does not quantise "
-                    "(the config and the tensors disagree)", path=info.path, tensor=name)
-        return out
-
-    def _check_one(self, checkpoint: Checkpoint, name: str, scheme: QuantScheme) -> QuantizedTensorInfo:
-        codes = checkpoint.info(name)
-
-        def fail(info: TensorInfo | None, tensor: str, message: str) -> RepackFormatError:
-            return RepackFormatError(message, path=info.path if info else codes.path, tensor=tensor)
-
-        if codes.dtype != scheme.code_dtype or len(codes.shape) != 2:
-            raise fail(codes, name, f"{scheme.scheme} codes must be 2-D {scheme.code_dtype}, got "
-                                    f"{codes.dtype} {list(codes.shape)} (the config and the "
-                                    "tensors disagree)")
-        R, stored = codes.shape
-        C = stored * 2 if scheme.scheme == "int4" else stored
-        try:
-            shapes = scheme.shapes((R, C))
-        except ValueError as e:
-            raise fail(codes, name, str(e)) from None
-        infos = {}
-        for part, sibling in (("scale", scale_name(name)), ("min", min_name(name))):
-            if part not in shapes:
-                if sibling in checkpoint:
-                    raise fail(checkpoint.info(sibling), sibling,
-                               f"{scheme.scheme} without a minimum has no {part} tensor (the "
-                               "config and the tensors disagree)")
-                continue
-            if sibling not in checkpoint:
-                raise fail(None, sibling, f"missing: the {part} tensor of {name}")
-            info = checkpoint.info(sibling)
-            if info.dtype != "F16" or info.shape != shapes[part]:
-                raise fail(info, sibling, f"{part} must be F16 {list(shapes[part])} for codes "
-                                          f"{list(codes.shape)} in groups of {scheme.group(C)}, "
-                                          f"got {info.dtype} {list(info.shape)}")
-            values = checkpoint.load(sibling)
-            if not np.isfinite(values).all():
-                raise fail(info, sibling, f"{part} holds NaN or inf")
-            infos[part] = info
-        return QuantizedTensorInfo(name=name, scheme=scheme, shape=(R, C), codes=codes,
-                                   scale=infos["scale"], min=infos.get("min"))
-
-
-@dataclass(frozen=True)
-class QuantizedTensorInfo:
-    """Where a quantised tensor's parts are: codes, scale and (int4 with min) min, each a
-    TensorInfo; `shape` is the weight's logical [R, C]."""
-
-    name: str
-    scheme: QuantScheme
-    shape: tuple[int, int]
-    codes: TensorInfo
-    scale: TensorInfo
-    min: TensorInfo | None
-
-    def parts(self) -> tuple[TensorInfo, ...]:
-        return (self.codes, self.scale) + ((self.min,) if self.min is not None else ())
+                    f"quantization_config pattern(s) {list(group.weights)} match no tensor "
+                    "(the config and the tensors disagree)",
+                    path=os.path.join(os.fspath(where), "config.json"))
+        for name, info in tensors.items():
+            for suffix in (".weight_scale", ".weight_min"):
+                if name.endswith(suffix) and self.scheme_of(name[: -len(suffix)] + ".weight") is None:
+                    raise RepackFormatError(
+                        "a scale or min tensor beside a weight quantization_config does not "
+                        "quantise (the config and the tensors disagree)",
+                        path=info.path, tensor=name)
 
 
 def read_repack_config(raw_config: Mapping[str, Any],
@@ -369,6 +312,147 @@ def read_repack_config(raw_config: Mapping[str, Any],
     if isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD:
         return RepackConfig.from_json(q, path)
     return None
+
+
+# ---------------------------------------------------------------------- registry
+
+
+@register_quant_method
+class MoedMethod(QuantMethod):
+    """`"quant_method": "moed"`: moed repack's int4 / int8 groups (see the module doc).
+    The weights the config's patterns match must be stored in their entry's scheme; all
+    others as they were (any format moed reads)."""
+
+    quant_method = QUANT_METHOD
+    formats = SCHEMES
+
+    def __init__(self, raw: dict[str, Any], path: str):
+        super().__init__(raw, path)
+        self.repack = RepackConfig.from_json(raw, path)
+        # The quantization_config of the model that was repacked (FP8, MXFP4): the weights
+        # the repack kept as they were still follow it.
+        kept = self.repack.source.get("quantization_config")
+        self.kept = None if kept is None else parse_quantization_config(
+            {"quantization_config": kept}, path)
+
+    def scheme_of(self, module: str) -> QuantScheme | None:
+        return self.repack.scheme_of(f"{module}.weight")
+
+    def requires(self, module: str, role: str) -> bool:
+        if self.scheme_of(module) is not None:
+            return True
+        return self.kept is not None and self.kept.requires(module, role)
+
+    def allows(self, module: str, fmt: str) -> bool:
+        scheme = self.scheme_of(module)
+        if scheme is not None:
+            return scheme.scheme == fmt
+        return self.kept is not None and self.kept.allows(module, fmt)
+
+    def refusal(self, module: str, fmt: str) -> str:
+        scheme = self.scheme_of(module)
+        if scheme is not None:
+            return f"it stores this weight as {scheme.scheme} (the config and the tensors disagree)"
+        if self.kept is not None:
+            return self.kept.refusal(module, fmt)
+        return "its weights patterns do not cover this weight (the config and the tensors disagree)"
+
+    def delegate(self, module: str) -> QuantMethod:
+        return self if self.scheme_of(module) is not None or self.kept is None else self.kept
+
+    @property
+    def label(self) -> str:
+        return self.repack.scheme
+
+    def describe(self) -> dict[str, Any]:
+        e, d = self.repack.experts.scheme, self.repack.dense
+        return {"quant_method": QUANT_METHOD, "scheme": e.scheme, "group_size": e.group_size,
+                "min": e.min, "label": self.repack.label(),
+                "dense": None if d is None else d.scheme.to_json()}
+
+    def check_checkpoint(self, tensors: Mapping[str, TensorInfo], where: str | os.PathLike) -> None:
+        self.repack.check_checkpoint(tensors, where)
+
+
+class IntLayout(WeightLayout):
+    """int4 / int8: `<module>.weight` codes (U8 [R, C/2] / I8 [R, C]), `.weight_scale`
+    F16 [R, C/g] and, for int4 with a minimum, `.weight_min` F16 [R, C/g]."""
+
+    roles = ("weight", "scale", "min")
+    checked_roles = ("scale", "min")
+
+    def __init__(self, fmt: str):
+        self.format = fmt
+        self.code_dtype = "U8" if fmt == "int4" else "I8"
+
+    def present(self, tensors, module):
+        w = tensors.get(f"{module}.weight")
+        mine = w is not None and w.dtype == self.code_dtype
+        other = w is not None and w.dtype == ("I8" if self.format == "int4" else "U8")
+        found = [w.name] if mine else []
+        siblings = [f"{module}.weight_scale"] + ([f"{module}.weight_min"] if self.format == "int4" else [])
+        if not other:   # a scale beside int8 codes belongs to int8, and the other way round
+            found += [n for n in siblings if n in tensors]
+        return found
+
+    def build(self, tensors, module, shape, quant, where):
+        name, sname, mname = f"{module}.weight", f"{module}.weight_scale", f"{module}.weight_min"
+        if name not in tensors:
+            raise MissingPieceError(f"the {self.format} codes of {sname!r} are missing",
+                                    path=where, tensor=name)
+        codes = tensors[name]
+        if codes.dtype != self.code_dtype:
+            raise FormatMismatchError(f"dtype {codes.dtype}, but {sname!r} exists: {self.format} "
+                                      f"codes are {self.code_dtype}", path=codes.path, tensor=name)
+        # resolve_weight has checked that moed's config stores this module in this format
+        scheme = quant.scheme_of(module)
+        R, C = shape
+        try:
+            want = scheme.shapes((R, C))
+        except ValueError as e:
+            raise PieceShapeError(f"weight {[R, C]}: {e}", path=codes.path, tensor=name) from None
+        if codes.shape != want["codes"]:
+            raise PieceShapeError(f"shape {list(codes.shape)}, but {self.format} codes of a weight "
+                                  f"{[R, C]} are {list(want['codes'])}", path=codes.path, tensor=name)
+        pieces = [codes]
+        for part, piece_name in (("scale", sname), ("min", mname)):
+            if part not in want:
+                if piece_name in tensors:
+                    info = tensors[piece_name]
+                    raise RepackFormatError(f"{self.format} without a minimum has no min tensor "
+                                            "(the config and the tensors disagree)",
+                                            path=info.path, tensor=piece_name)
+                continue
+            if piece_name not in tensors:
+                raise MissingPieceError(f"the {part} tensor of {name!r} is missing",
+                                        path=codes.path, tensor=piece_name)
+            info = tensors[piece_name]
+            if info.dtype != "F16" or info.shape != want[part]:
+                raise PieceShapeError(f"{part} must be F16 {list(want[part])} for a weight "
+                                      f"{[R, C]} in groups of {scheme.group(C)}, got {info.dtype} "
+                                      f"{list(info.shape)}", path=info.path, tensor=piece_name)
+            pieces.append(info)
+        return StoredWeight(name=name, shape=(R, C), format=self.format, pieces=tuple(pieces),
+                            block=(1, scheme.group(C)))
+
+    def check_values(self, weight, arrays):
+        for role in ("scale", "min"):
+            if role not in arrays:
+                continue
+            values = arrays[role]
+            bad = ~np.isfinite(values.astype(np.float32))
+            if bad.any():
+                info = weight.piece(role)
+                raise BadScaleError(f"{int(bad.sum())} of {values.size} {role} values are NaN or "
+                                    "infinite", path=info.path, tensor=info.name)
+
+    def kernel_args(self, weight, arrays):
+        return {"fmt": self.format, "codes": arrays[0], "scales": arrays[1],
+                "mins": arrays[2] if len(arrays) > 2 else None, "group_size": weight.block[1]}
+
+
+for _fmt in SCHEMES:
+    register_layout(IntLayout(_fmt))
 
 
 # ---------------------------------------------------------------------- codes

@@ -180,6 +180,8 @@ class Model:
         """
         config = load_config(model_dir)
         checkpoint = Checkpoint(model_dir)
+        if config.quantization is not None:
+            config.quantization.check_checkpoint(checkpoint.tensors, checkpoint.model_dir)
         layout = ExpertLayout(checkpoint, config)
         layout.check_scales(checkpoint)
         if experts == "mmap":

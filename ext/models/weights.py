@@ -14,7 +14,7 @@ import numpy as np
 
 from ext.formats.checkpoint import Checkpoint, TensorInfo
 from ext.formats.quant import PLAIN_FORMATS, StoredWeight
-from ext.kernels._kernels import QuantizedWeight
+from ext.kernels._kernels import QuantizedWeight, dequantize
 
 Weight = np.ndarray | QuantizedWeight   # what the kernels accept as a weight [R, C]
 
@@ -41,3 +41,9 @@ def view_weight(weight: StoredWeight, view: Callable[[TensorInfo], np.ndarray]) 
     """The kernels' weight over arrays that `view(piece)` returns (memory maps, slots)."""
     return compute_weight(weight, tuple(view(p) for p in weight.pieces))
 
+
+def weight_values(checkpoint: Checkpoint, weight: StoredWeight) -> np.ndarray:
+    """float32 [R, C]: the values the kernels multiply by for `weight` (its stored format
+    decoded by the kernels' own `dequantize`), in a new array. Raises as `read_weight`."""
+    w = read_weight(checkpoint, weight)
+    return np.array(w, np.float32) if isinstance(w, np.ndarray) else dequantize(w)

@@ -29,12 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ext.formats.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, TensorInfo
+from ext.formats.checkpoint import CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, Checkpoint, TensorInfo
 from ext.formats.files import read_json
 from ext.formats.repacked import (ALIGNMENT, PADDING_PREFIX, TENSOR_ALIGNMENT, QuantGroup, QuantScheme, RepackConfig,
                                   min_name, read_repack_config, scale_name)
 from ext.models.config import load_config
-from ext.models.experts import PROJECTIONS, ExpertLayout
+from ext.models.experts import ExpertLayout, expert_tensor_name
+from ext.models.family import PROJECTIONS
+from ext.models.weights import weight_values
 from ext.quant.codec import (QuantizedTensor, importance_weights, magnitude_weights,
                              quantize, quantize_gptq)
 from ext.quant.importance import PRIOR_TOKENS, ImportanceStats
@@ -118,12 +120,14 @@ def _error_weights(spec, w, scheme, importance, layer, expert, proj):
     return importance_weights(w, imp, scheme, magnitude=spec.weighting == "importance*magnitude")
 
 
-def dense_weight_names(checkpoint: Checkpoint, expert_names: set[str]) -> list[str]:
+def dense_weight_names(checkpoint: Checkpoint, expert_pieces: set[str]) -> list[str]:
     """The dense weights `spec.dense` applies to: attention q/k/v/o projections, shared
-    experts' and dense MLPs' gate/up/down (never routers, norms, embeddings, lm_head)."""
+    experts' and dense MLPs' gate/up/down stored as plain floats (never routers, norms,
+    embeddings, lm_head; FP8 ones stay FP8)."""
     pattern = re.compile("|".join(f"(?:{p})" for p in _DENSE_PATTERNS))
     return [n for n, info in checkpoint.tensors.items()
-            if n not in expert_names and len(info.shape) == 2 and pattern.fullmatch(n)]
+            if n not in expert_pieces and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
+            and pattern.fullmatch(n)]
 
 
 def name_patterns(names: list[str], all_names: list[str]) -> list[str]:
@@ -246,26 +250,39 @@ class RepackResult:
     expert_bytes_before: int
     expert_bytes_after: int
     total_bytes: int
+    source_format: str
     losses: tuple[str, ...] = ()
 
 
 def _source_description(raw_config: dict, layout: ExpertLayout) -> dict:
-    q = raw_config.get("quantization_config")
-    return {"experts_dtype": layout.dtype, "quantization_config": q}
+    """What was repacked: its experts' stored format, and its quantization_config (which
+    the weights kept as they were still follow; ext/formats/repacked.py MoedMethod)."""
+    return {"experts_format": layout.format,
+            "quantization_config": raw_config.get("quantization_config")}
 
 
-_SOURCE_BITS = {"F32": 32, "F16": 16, "BF16": 16}
+# Bits per weight of the formats a repack may read, and what a second rounding loses.
+_SOURCE_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "fp8_e4m3": 8.0, "mxfp4": 4.25}
 
 
-def _losses(raw_config: dict, layout: ExpertLayout, spec: RepackSpec) -> tuple[str, ...]:
-    """What the repack gives up, one sentence each (the command logs them as warnings
-    when the source was already quantised)."""
-    bits = _SOURCE_BITS.get(layout.dtype)
-    what = f"{layout.dtype}" + (f" ({bits} bits per weight)" if bits else "")
-    out = [f"routed experts {what} -> {spec.experts.scheme} in groups of "
-           f"{spec.experts.group_size}{' with a minimum' if spec.experts.min else ''} "
-           f"({spec.experts.bits_per_weight:g} bits per weight): every weight is rounded "
-           f"to one of {2 ** spec.experts.bits} levels of its group"]
+def _losses(layout: ExpertLayout, spec: RepackSpec) -> tuple[str, ...]:
+    """What the repack gives up, one sentence each."""
+    src = layout.format
+    bits = _SOURCE_BITS.get(src)
+    target = (f"{spec.experts.scheme} in groups of {spec.experts.group_size}"
+              f"{' with a minimum' if spec.experts.min else ''} "
+              f"({spec.experts.bits_per_weight:g} bits per weight)")
+    out = [f"routed experts {src}" + (f" ({bits:g} bits per weight)" if bits else "")
+           + f" -> {target}: every weight is rounded to one of {2 ** spec.experts.bits} "
+           "levels of its group"]
+    if src == "fp8_e4m3":
+        out.append("the FP8 E4M3 values (3 mantissa bits, a scale per 128x128 block) are "
+                   f"rounded a second time into {spec.experts.scheme} groups: the repack is "
+                   "lossy against the FP8 checkpoint, not only against its bf16 original")
+    elif src == "mxfp4":
+        out.append("the MXFP4 values (E2M1 levels 0..6 with a power-of-two scale per 32) do "
+                   f"not fall on {spec.experts.scheme}'s uniform levels in general: they are "
+                   "rounded a second time (compare with 'moed eval' before serving)")
     if spec.dense is not None:
         out.append(f"dense projections -> {spec.dense.scheme} in groups of {spec.dense.group_size}")
     return tuple(out)
@@ -300,21 +317,26 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
     config = load_config(src)
     with Checkpoint(src) as checkpoint:
         layout = ExpertLayout(checkpoint, config)
-        expert_names = {i.name for loc in layout for i in loc.projections()}
-        dense_names = set(dense_weight_names(checkpoint, expert_names)) if spec.dense else set()
-        for name in sorted(expert_names | dense_names):
+        layout.check_scales(checkpoint)
+        source_pieces = {p.name for loc in layout for p in loc.pieces()}
+        expert_names = {expert_tensor_name(config.model_type, loc.layer, loc.expert, proj): w.shape
+                        for loc in layout for proj, w in zip(PROJECTIONS, loc.projections())}
+        dense_names = set(dense_weight_names(checkpoint, source_pieces)) if spec.dense else set()
+        for name, shape in sorted({**expert_names,
+                                   **{n: checkpoint.info(n).shape for n in dense_names}}.items()):
             scheme = spec.experts if name in expert_names else spec.dense
-            why = scheme.check_columns(checkpoint.info(name).shape[1])
+            why = scheme.check_columns(shape[1])
             if why:
-                raise ValueError(f"{checkpoint.info(name).path}: tensor {name!r}: {why}; "
-                                 f"{scheme.scheme} cannot repack it")
-        blocks = _dense_blocks(checkpoint, expert_names, dense_names, spec)
+                where = checkpoint.info(name).path if name in checkpoint else checkpoint.model_dir
+                raise ValueError(f"{where}: tensor {name!r}: {why}; {scheme.scheme} cannot "
+                                 "repack it")
+        blocks = _dense_blocks(checkpoint, source_pieces, dense_names, spec)
         blocks += _expert_blocks(checkpoint, layout, spec, importance)
-        all_names = list(checkpoint.tensors)
+        out_names = [p.name for b in blocks for p in b.pieces]
         rc = RepackConfig(
-            experts=QuantGroup(spec.experts, tuple(name_patterns(sorted(expert_names), all_names))),
+            experts=QuantGroup(spec.experts, tuple(name_patterns(sorted(expert_names), out_names))),
             dense=None if not dense_names else QuantGroup(
-                spec.dense, tuple(name_patterns(sorted(dense_names), all_names))),
+                spec.dense, tuple(name_patterns(sorted(dense_names), out_names))),
             alignment=ALIGNMENT,
             quantizer={"method": spec.method, "weighting": spec.weighting,
                        **({"prior_tokens": spec.prior_tokens} if spec.needs_importance else {}),
@@ -343,7 +365,7 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
         after = sum(p.nbytes for b in blocks if b.align == ALIGNMENT for p in b.pieces)
         return RepackResult(out_dir=out, config=rc, shards=len(shards),
                             expert_bytes_before=before, expert_bytes_after=after,
-                            total_bytes=written, losses=_losses(raw_config, layout, spec))
+                            total_bytes=written, source_format=layout.format, losses=_losses(layout, spec))
 
 
 def _umask() -> int:
@@ -352,11 +374,11 @@ def _umask() -> int:
     return mask
 
 
-def _dense_blocks(checkpoint: Checkpoint, expert_names: set[str], dense_names: set[str],
+def _dense_blocks(checkpoint: Checkpoint, expert_pieces: set[str], dense_names: set[str],
                   spec: RepackSpec) -> list[_Block]:
     blocks = []
     for name, info in checkpoint.tensors.items():
-        if name in expert_names:
+        if name in expert_pieces:
             continue
         if name in dense_names:
             shape = (info.shape[0], info.shape[1])
@@ -370,14 +392,16 @@ def _dense_blocks(checkpoint: Checkpoint, expert_names: set[str], dense_names: s
 
 def _expert_blocks(checkpoint: Checkpoint, layout: ExpertLayout, spec: RepackSpec,
                    importance: ImportanceStats | None) -> list[_Block]:
+    model_type = layout.config.model_type
     blocks = []
     for loc in sorted(layout, key=lambda l: (l.layer, l.expert)):
         pieces = []
-        for info in loc.projections():
-            pieces += _quant_pieces(info.name, spec.experts, (info.shape[0], info.shape[1]))
+        for proj, w in zip(PROJECTIONS, loc.projections()):
+            pieces += _quant_pieces(expert_tensor_name(model_type, loc.layer, loc.expert, proj),
+                                    spec.experts, w.shape)
 
         def produce(loc=loc):
-            arrays = {p: checkpoint.load(i.name) for p, i in zip(PROJECTIONS, loc.projections())}
+            arrays = {p: weight_values(checkpoint, w) for p, w in zip(PROJECTIONS, loc.projections())}
             q = quantize_expert(spec, arrays, loc.layer, loc.expert, importance)
             return [a for p in PROJECTIONS for a in _arrays(q[p])]
         blocks.append(_Block(pieces, ALIGNMENT, produce))

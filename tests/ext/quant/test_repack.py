@@ -3,7 +3,6 @@ config and tensors agree, and whose bad inputs are refused with the culprit name
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -14,11 +13,12 @@ from safetensors import safe_open
 
 from daemon.commands.cli import main
 from ext.formats.checkpoint import Checkpoint
-from ext.formats.repacked import (ALIGNMENT, PADDING_PREFIX, QuantScheme, RepackConfig,
-                                  RepackFormatError)
+from ext.formats.quant import QuantizationConfigError, QuantizationError
+from ext.formats.repacked import ALIGNMENT, PADDING_PREFIX, QuantScheme
 from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout, expert_tensor_name
+from ext.models.model import Model
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -42,6 +42,14 @@ def repacked(source, tmp_path_factory):
 
 def _raw_config(d: Path) -> dict:
     return json.loads((d / "config.json").read_text())
+
+
+def _experts(d: Path) -> dict:
+    """Weight name -> StoredWeight of every routed expert projection, as moed reads them."""
+    config = load_config(d)
+    with Checkpoint(d) as ckpt:
+        layout = ExpertLayout(ckpt, config)
+    return {w.name: w for loc in layout for w in loc.projections()}
 
 
 def _decode(scheme: QuantScheme, codes, scale, minimum):
@@ -78,13 +86,17 @@ def test_config_lists_the_scheme_and_matches_the_tensors(repacked, source):
     q = raw["quantization_config"]
     assert q["quant_method"] == "moed" and q["scheme"] == "int4" and q["group_size"] == 32
     assert q["min"] is True and q["dense"] is None
-    assert q["source"]["experts_dtype"] == "BF16"
+    assert q["source"] == {"experts_format": "bf16", "quantization_config": None}
     assert {k: v for k, v in raw.items() if k != "quantization_config"} == _raw_config(source)
-    rc = RepackConfig.from_json(q)
+    experts = _experts(repacked)
+    assert len(experts) == 2 * 6 * 3 and {w.format for w in experts.values()} == {"int4"}
     with Checkpoint(repacked) as ckpt:
-        quantised = rc.check(ckpt)
-        assert len(quantised) == 2 * 6 * 3
         assert not any(n.startswith(PADDING_PREFIX) for n in ckpt.tensors)   # not in the index
+    model = Model.load(repacked, n_threads=1)
+    assert model.weight_formats()["quantization"] == {
+        "quant_method": "moed", "scheme": "int4", "group_size": 32, "min": True,
+        "label": "int4-g32-min", "dense": None}
+    assert model.weight_formats()["experts"] == "int4"
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (repacked / name).read_bytes() == (source / name).read_bytes()
 
@@ -92,13 +104,11 @@ def test_config_lists_the_scheme_and_matches_the_tensors(repacked, source):
 def test_each_expert_is_one_aligned_read(repacked):
     """An expert's 9 tensors lie in one shard, start on 4 KiB, and sit back to back (gaps
     only to 64-byte tensor starts), so one aligned read of the expert's span covers them."""
-    rc = RepackConfig.from_json(_raw_config(repacked)["quantization_config"])
-    with Checkpoint(repacked) as ckpt:
-        parts = rc.check(ckpt)
+    parts = _experts(repacked)
     for layer in range(2):
         for expert in range(6):
             infos = [i for p in ("gate", "up", "down")
-                     for i in parts[expert_tensor_name("qwen3_moe", layer, expert, p)].parts()]
+                     for i in parts[expert_tensor_name("qwen3_moe", layer, expert, p)].pieces]
             assert len(infos) == 9 and len({i.path for i in infos}) == 1
             infos.sort(key=lambda i: i.offset)
             assert infos[0].offset % ALIGNMENT == 0
@@ -110,24 +120,15 @@ def test_each_expert_is_one_aligned_read(repacked):
 def test_values_decode_close_to_the_source_weights(repacked, source):
     """An independent decode of the codes is within one quantisation step of the bf16
     weights (every tensor, every group)."""
-    rc = RepackConfig.from_json(_raw_config(repacked)["quantization_config"])
+    scheme = QuantScheme("int4", 32, True)
     with Checkpoint(source) as src, Checkpoint(repacked) as rp:
-        for name, info in rc.check(rp).items():
-            codes = _load_any(rp, info.codes)
-            scale = rp.load(info.scale.name)
-            mins = rp.load(info.min.name)
-            values = _decode(rc.experts.scheme, codes, scale, mins)
-            w = src.load(name).astype(np.float32)
+        for name, w in _experts(repacked).items():
+            codes, scale, mins = (rp.read(p) for p in w.pieces)
+            values = _decode(scheme, codes, scale, mins)
+            original = src.load(name).astype(np.float32)
             step = np.repeat(np.abs(scale.astype(np.float32)), 32, axis=1)
-            assert values.shape == w.shape
-            assert np.all(np.abs(values - w) <= step * 1.01 + 1e-6), name
-
-
-def _load_any(ckpt: Checkpoint, info) -> np.ndarray:
-    with open(info.path, "rb") as f:
-        f.seek(info.offset)
-        raw = f.read(info.nbytes)
-    return np.frombuffer(raw, {"U8": np.uint8, "I8": np.int8}[info.dtype]).reshape(info.shape)
+            assert values.shape == original.shape
+            assert np.all(np.abs(values - original) <= step * 1.01 + 1e-6), name
 
 
 def test_int8_with_dense_int8_quantises_attention_but_not_routers_or_embeddings(source, tmp_path):
@@ -136,14 +137,14 @@ def test_int8_with_dense_int8_quantises_attention_but_not_routers_or_embeddings(
                  "--out", str(out)]) == 0
     q = _raw_config(out)["quantization_config"]
     assert q["scheme"] == "int8" and q["min"] is False and q["dense"]["scheme"] == "int8"
-    rc = RepackConfig.from_json(q)
+    model = Model.load(out, n_threads=1)
+    formats = {m: w.format for m, w in model.dense_weights.items()}
+    assert formats["model.layers.0.self_attn.q_proj"] == "int8"
+    assert formats["model.layers.0.mlp.gate"] == "bf16"           # the router
+    assert model.weight_formats()["dense"] == "mixed" and model.layout.format == "int8"
     with Checkpoint(out) as ckpt:
-        names = set(rc.check(ckpt))
-        assert "model.layers.0.self_attn.q_proj.weight" in names
-        assert "model.layers.0.mlp.gate.weight" not in names
-        assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names
-        assert ckpt.info("model.layers.0.mlp.gate.weight").dtype == "BF16"
-        assert ckpt.info("model.layers.0.self_attn.q_proj.weight").dtype == "I8"
+        assert ckpt.info("model.embed_tokens.weight").dtype == "BF16"
+        assert ckpt.info("lm_head.weight").dtype == "BF16"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -153,14 +154,15 @@ def test_every_architecture_repacks(arch, tmp_path):
     out = tmp_path / "out"
     assert main(["repack", "--model", str(src), "--scheme", "int4", "--symmetric",
                  "--out", str(out)]) == 0
-    rc = RepackConfig.from_json(_raw_config(out)["quantization_config"])
-    with Checkpoint(out) as ckpt, Checkpoint(src) as s:
-        parts = rc.check(ckpt)
+    parts = _experts(out)
+    with Checkpoint(src) as s:
         layout = ExpertLayout(s, load_config(src))
-        assert set(parts) == {i.name for loc in layout for i in loc.projections()}
-        # C = 32 for down: one group of 32; gate/up C = 64: two groups
-        down = parts[expert_tensor_name(arch, 0, 0, "down")]
-        assert down.scale.shape == (64, 1) and down.min is None
+        assert set(parts) == {w.name for loc in layout for w in loc.projections()}
+    # down has C = 32 columns: one group of 32; gate/up C = 64: two groups
+    down = parts[expert_tensor_name(arch, 0, 0, "down")]
+    assert down.pieces[1].shape == (64, 1) and len(down.pieces) == 2
+    assert parts[expert_tensor_name(arch, 0, 0, "up")].pieces[1].shape == (32, 2)
+    Model.load(out, n_threads=1).close()
 
 
 def test_an_existing_out_is_refused_without_force_and_replaced_with_it(source, repacked, tmp_path, capsys):
@@ -215,19 +217,19 @@ def _tamper(repacked: Path, tmp_path: Path, edit) -> Path:
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda q: q.update(scheme="int8", min=False), "I8"),
+    (lambda q: q.update(scheme="int8", min=False), "stored as int4, but .* it stores this weight as int8"),
     (lambda q: q.update(min=False), "no min tensor"),
     (lambda q: q.update(group_size=64), r"F16 \[64, 1\]"),
-    (lambda q: q.update(weights=["model.layers.*.mlp.experts.*.gate_proj.weight"]), "does not quantise"),
+    (lambda q: q.update(weights=["model.layers.*.mlp.experts.*.gate_proj.weight"]),
+     "does not quantise"),
     (lambda q: q.update(weights=["nothing.*"]), "match no tensor"),
 ])
 def test_config_and_tensors_that_disagree_are_refused_naming_the_tensor(repacked, tmp_path, edit,
                                                                         message):
     bad = _tamper(repacked, tmp_path, edit)
-    rc = RepackConfig.from_json(_raw_config(bad)["quantization_config"], bad / "config.json")
-    with Checkpoint(bad) as ckpt, pytest.raises(RepackFormatError, match=message) as e:
-        rc.check(ckpt)
-    assert e.value.path is not None
+    with pytest.raises(QuantizationError, match=message) as e:
+        Model.load(bad, n_threads=1)
+    assert e.value.path is not None and str(bad) in e.value.path
 
 
 @pytest.mark.parametrize("edit,field", [
@@ -238,32 +240,31 @@ def test_config_and_tensors_that_disagree_are_refused_naming_the_tensor(repacked
     (lambda q: q.update(weights=[]), "weights"),
     (lambda q: q.update(alignment=1000), "alignment"),
 ])
-def test_bad_quantization_config_fields_are_named(repacked, tmp_path, edit, field):
+def test_bad_quantization_config_fields_are_named(repacked, tmp_path, edit, field, capsys):
     bad = _tamper(repacked, tmp_path, edit)
-    with pytest.raises(RepackFormatError, match=f"quantization_config.{field}") as e:
-        RepackConfig.from_json(_raw_config(bad)["quantization_config"], bad / "config.json")
+    with pytest.raises(QuantizationConfigError) as e:
+        load_config(bad)
+    assert e.value.field == f"quantization_config.{field}"
     assert str(bad / "config.json") in str(e.value)
+    assert main(["generate", "--model", str(bad), "--max-tokens", "2", "x"]) == 1
+    assert f"quantization_config.{field}" in capsys.readouterr().err
 
 
 def test_a_missing_or_non_finite_scale_is_refused(repacked, tmp_path):
-    from safetensors.numpy import load_file
     bad = tmp_path / "nan"
     shutil.copytree(repacked, bad)
     index = json.loads((bad / "model.safetensors.index.json").read_text())
     name = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
-    shard = bad / index["weight_map"][name]
-    info = Checkpoint(bad).info(name)
-    with open(shard, "r+b") as f:
+    with Checkpoint(bad) as ckpt:
+        info = ckpt.info(name)
+    with open(info.path, "r+b") as f:
         f.seek(info.offset)
         f.write(np.array([np.nan], np.float16).tobytes())
-    rc = RepackConfig.from_json(_raw_config(bad)["quantization_config"])
-    with Checkpoint(bad) as ckpt, pytest.raises(RepackFormatError, match="NaN or inf") as e:
-        rc.check(ckpt)
+    with pytest.raises(QuantizationError, match="NaN or infinite") as e:
+        Model.load(bad, n_threads=1)
     assert e.value.tensor == name
     del index["weight_map"][name]
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with Checkpoint(bad) as ckpt, pytest.raises(RepackFormatError, match="missing") as e:
-        rc.check(ckpt)
+    with pytest.raises(QuantizationError, match="missing") as e:
+        Model.load(bad, n_threads=1)
     assert e.value.tensor == name
-    assert load_file(shard)  # the shard itself is still valid safetensors
-    assert os.path.exists(shard)
