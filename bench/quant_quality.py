@@ -67,19 +67,18 @@ def variants() -> dict[str, RepackSpec]:
         for s in (f"int8-g{g}", f"int4-g{g}-min", f"int4-g{g}"):
             scheme = _scheme(s)
             out[f"{s}/rtn"] = RepackSpec(scheme, method="rtn", weighting="uniform")
-            for w in ("uniform", "magnitude", "importance", "importance*magnitude"):
+            weightings = (("magnitude",) if s.startswith("int8") else
+                          ("uniform", "magnitude", "importance", "importance*magnitude")
+                          if s.endswith("-min") else ("magnitude", "importance"))
+            for w in weightings:
                 out[f"{s}/search/{w}"] = RepackSpec(scheme, weighting=w)
-    for g in (32, 64, 128):
-        for s in (f"int8-g{g}", f"int4-g{g}-min", f"int4-g{g}"):
-            out[f"{s}/gptq"] = RepackSpec(_scheme(s), method="gptq")
-    for prior in (0.0, 4.0, 64.0, 1e9):
-        for s in ("int4-g32-min", "int4-g64-min"):
-            out[f"{s}/search/importance/p{prior:g}"] = RepackSpec(_scheme(s), weighting="importance",
-                                                                prior_tokens=prior)
-    for s, w in (("int4-g32-min", "importance"), ("int4-g32-min", "magnitude"),
-                 ("int4-g64-min", "importance"), ("int8-g32", "magnitude")):
-        out[f"{s}/search/{w}+dense-int8-g32"] = RepackSpec(_scheme(s), dense=_scheme("int8-g32"),
-                                                          weighting=w)
+            if not s.startswith("int8") or g == 32:
+                out[f"{s}/gptq"] = RepackSpec(scheme, method="gptq")
+    for prior in (0.0, 64.0):
+        out[f"int4-g32-min/gptq/p{prior:g}"] = RepackSpec(_scheme("int4-g32-min"), method="gptq",
+                                                           prior_tokens=prior)
+    for s, m in (("int4-g32-min", "gptq"), ("int4-g32-min", "search"), ("int8-g32", "search")):
+        out[f"{s}/{m}+dense-int8-g32"] = RepackSpec(_scheme(s), dense=_scheme("int8-g32"), method=m)
     return out
 
 
@@ -120,7 +119,8 @@ def main() -> None:
     parser.add_argument("--random", action="store_true",
                         help="texts are seeded random token ids (for make-model checkpoints)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of each random text / of argparse")
-    parser.add_argument("--calibration-tokens", type=int, default=16384)
+    parser.add_argument("--calibration-tokens", type=int, default=32768,
+                        help="tokens of calibration text (default: moed repack's, 32768)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--texts", default="argparse,held_out,tuning",

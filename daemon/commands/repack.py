@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 from daemon.commands.args import (ExamplesFormatter, Parents, Progress, Steps, UsageError,
-                                  check_model_dir, nonempty, positive_int, read_text_file, size)
+                                  check_model_dir, cpu_threads, nonempty, positive_int,
+                                  read_text_file, size)
 from telemetry.logs import get_logger
 
 log = get_logger("repack")
 
 DEFAULT_GROUP_SIZE = 32
-DEFAULT_CALIBRATION_TOKENS = 16384
+DEFAULT_CALIBRATION_TOKENS = 32768
 
 
 def register(sub, parents: Parents) -> None:
@@ -67,31 +68,41 @@ def register(sub, parents: Parents) -> None:
     r.set_defaults(func=run)
 
 
-def _calibration(args, model_dir: str):
-    """Importance statistics from --calibration-text, and their provenance."""
+MOMENT_MEMORY_SHARE = 0.25   # of the memory available, for GPTQ's second moments at once
+
+
+def _calibration(args, model, method: str):
+    """Statistics of `model` over --calibration-text, and their provenance: column
+    importances, plus for GPTQ second moments gathered a few layers at a time within
+    MOMENT_MEMORY_SHARE of the memory available (scheduler.planner's reading)."""
+    from daemon.machine.memory import read_memory
     from ext.evaluate import token_stream
-    from ext.models.model import Model
-    from ext.quant.importance import gather
+    from ext.quant.importance import LayerwiseMoments, gather
     from ext.tokenizer import Tokenizer
+    from scheduler.planner import available_bytes
 
     texts = [read_text_file(path, "--calibration-text") for path in args.calibration_text]
-    tokenizer = Tokenizer.from_model_dir(model_dir)
-    model = Model.load(model_dir, n_threads=args.threads)
-    try:
-        context = min(512, model.config.max_position_embeddings)
-        stream = token_stream(tokenizer, "\n".join(texts), tokens=args.calibration_tokens,
-                              context=context)
-        stats = gather(model, [inputs for inputs, _ in stream.windows()],
-                       progress=Steps("calibration windows"), second_moments=True)
-    finally:
-        model.close()
+    tokenizer = Tokenizer.from_model_dir(args.model)
+    context = min(512, model.config.max_position_embeddings)
+    stream = token_stream(tokenizer, "\n".join(texts), tokens=args.calibration_tokens,
+                          context=context)
+    windows = [inputs for inputs, _ in stream.windows()]
+    progress = Steps("calibration windows")
+    if method == "gptq":
+        reading = read_memory()
+        budget = int(MOMENT_MEMORY_SHARE * available_bytes(reading.mem_available_bytes,
+                                                           reading.cgroup_limits))
+        stats = LayerwiseMoments(model, windows, budget, progress)
+    else:
+        stats = gather(model, windows, progress)
     digest = hashlib.sha256("\0".join(texts).encode("utf-8")).hexdigest()
     return stats, {"calibration": {"files": [Path(p).name for p in args.calibration_text],
-                                   "sha256": digest, "tokens": stats.tokens}}
+                                   "sha256": digest, "tokens": sum(len(w) for w in windows)}}
 
 
 def run(args: argparse.Namespace) -> int:
     from ext.formats.repacked import QuantScheme
+    from ext.models.model import Model
     from ext.quant.repack import RepackSpec, repack
 
     check_model_dir(args.model)
@@ -109,10 +120,16 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
         raise FileExistsError(f"{out} exists and is not empty; use --force to replace it")
     t0 = time.perf_counter()
-    stats, provenance = (_calibration(args, args.model) if spec.needs_importance else (None, {}))
-    result = repack(args.model, out, spec, importance=stats, provenance=provenance,
-                    shard_size=args.shard_size, overwrite=args.force,
-                    progress=Progress(f"repacking into {out}"))
+    model = Model.load(args.model, n_threads=args.threads) if spec.needs_importance else None
+    try:
+        stats, provenance = _calibration(args, model, method) if model else (None, {})
+        result = repack(args.model, out, spec, importance=stats, provenance=provenance,
+                        shard_size=args.shard_size, overwrite=args.force,
+                        threads=args.threads or cpu_threads(),
+                        progress=Progress(f"repacking into {out}"))
+    finally:
+        if model is not None:
+            model.close()
     quantised_source = result.source_format not in ("f32", "f16", "bf16")
     for loss in result.losses:   # a second rounding of FP8 / MXFP4 experts is worth a warning
         (log.warning if quantised_source else log.info)("repack_loses_precision",

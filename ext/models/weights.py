@@ -42,8 +42,13 @@ def view_weight(weight: StoredWeight, view: Callable[[TensorInfo], np.ndarray]) 
     return compute_weight(weight, tuple(view(p) for p in weight.pieces))
 
 
+def float_values(weight: Weight) -> np.ndarray:
+    """float32 [R, C]: the values the kernels multiply by (a QuantizedWeight decoded by
+    the kernels' own `dequantize`), in a new array."""
+    return np.array(weight, np.float32) if isinstance(weight, np.ndarray) else dequantize(weight)
+
+
 def weight_values(checkpoint: Checkpoint, weight: StoredWeight) -> np.ndarray:
-    """float32 [R, C]: the values the kernels multiply by for `weight` (its stored format
-    decoded by the kernels' own `dequantize`), in a new array. Raises as `read_weight`."""
-    w = read_weight(checkpoint, weight)
-    return np.array(w, np.float32) if isinstance(w, np.ndarray) else dequantize(w)
+    """float32 [R, C] values of `weight` read from `checkpoint` (see `float_values`).
+    Raises as `read_weight`."""
+    return float_values(read_weight(checkpoint, weight))

@@ -180,80 +180,117 @@ def _rtn_asym(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # ------------------------------------------------------------------ search
 
-def _fit_asym(x, wt, q):
-    """Weighted least-squares (scale, min) for fixed codes q, and its error, per group.
-    Groups whose codes are all equal get scale 0 and the weighted mean."""
-    sw = wt.sum(1)
-    sl = (wt * q).sum(1)
-    sll = (wt * q * q).sum(1)
-    sx = (wt * x).sum(1)
-    sxl = (wt * x * q).sum(1)
-    det = sw * sll - sl * sl
-    ok = det > F32(1e-12) * np.maximum(sw * sll, F32(1e-30))
-    safe = np.where(ok, det, F32(1))
-    scale = np.where(ok, (sw * sxl - sx * sl) / safe, F32(0))
-    minimum = np.where(ok, (sll * sx - sl * sxl) / safe, sx / sw)
-    err = (wt * (scale[:, None] * q + minimum[:, None] - x) ** 2).sum(1)
-    return scale, minimum, err
+def _rowsum(spec: str, *arrays: np.ndarray) -> np.ndarray:
+    return np.einsum(spec, *arrays).astype(np.float64)
+
+
+class _Sums:
+    """Per-group weighted sums that do not depend on the codes: sum w, sum w x, sum w x^2,
+    so that each candidate's least-squares fit and its error cost three reductions over
+    the codes instead of a pass over the residuals. Reductions are float32 einsums (far
+    faster than ndarray.sum over a short last axis), combined in float64."""
+
+    def __init__(self, x: np.ndarray, wt: np.ndarray):
+        self.x, self.wt = x, wt
+        self.sw = _rowsum("gi->g", wt)
+        self.sx = _rowsum("gi,gi->g", wt, x)
+        self.sxx = _rowsum("gi,gi,gi->g", wt, x, x)
+        self.tol = 1e-9 * self.sxx           # errors closer than this are ties
+
+    def code_sums(self, q: np.ndarray):
+        wq = self.wt * q
+        return (_rowsum("gi->g", wq), _rowsum("gi,gi->g", wq, q),
+                _rowsum("gi,gi->g", wq, self.x))
+
+    def fit_asym(self, q: np.ndarray):
+        """Weighted least-squares (scale, min) for codes q, and the weighted squared error,
+        per group. Groups whose codes are all equal get scale 0 and the weighted mean."""
+        sl, sll, sxl = self.code_sums(q)
+        sw, sx = self.sw, self.sx
+        det = sw * sll - sl * sl
+        ok = det > 1e-9 * np.maximum(sw * sll, 1e-300)
+        safe = np.where(ok, det, 1.0)
+        scale = np.where(ok, (sw * sxl - sx * sl) / safe, 0.0)
+        minimum = np.where(ok, (sll * sx - sl * sxl) / safe, sx / sw)
+        err = (self.sxx - 2 * scale * sxl - 2 * minimum * sx + scale * scale * sll
+               + 2 * scale * minimum * sl + minimum * minimum * sw)
+        return scale, minimum, err
+
+    def fit_sym(self, q: np.ndarray):
+        """Weighted least-squares scale for signed codes q, and the error, per group."""
+        _, sll, sxl = self.code_sums(q)
+        ok = sll > 0
+        scale = np.where(ok, sxl / np.where(ok, sll, 1.0), 0.0)
+        return scale, self.sxx - 2 * scale * sxl + scale * scale * sll
+
+
+def _keep_better(best: list, new: tuple, tol: np.ndarray) -> None:
+    """best = [values..., err]: take `new`'s entries where its error is smaller by more
+    than `tol` (a tie keeps the earlier candidate: round to nearest comes first)."""
+    better = new[-1] < best[-1] - tol
+    for i, v in enumerate(new):
+        best[i] = np.where(better, v, best[i])
 
 
 def _search_asym(x: np.ndarray, wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sums = _Sums(x, wt)
     mn, mx = x.min(axis=1), x.max(axis=1)
     rng = mx - mn
     flat = rng <= 0
     inv_rng = np.where(flat, F32(0), F32(1) / np.where(flat, F32(1), rng))
-    best_s, best_m = rng / F32(15), mn.copy()
-    best_e = (wt * (np.clip(np.rint((x - mn[:, None]) * (inv_rng * 15)[:, None]), 0, 15)
-                    * best_s[:, None] + mn[:, None] - x) ** 2).sum(1)
+    shifted = x - mn[:, None]
+    q = np.empty_like(x)
+
+    def codes(iscale):
+        np.multiply(shifted, iscale[:, None], out=q)
+        np.rint(q, out=q)
+        return np.clip(q, 0, 15, out=q)
+
+    s0, m0 = (rng / F32(15)).astype(np.float64), mn.astype(np.float64)
+    sl, sll, sxl = sums.code_sums(codes(inv_rng * 15))
+    e0 = (sums.sxx - 2 * s0 * sxl - 2 * m0 * sums.sx + s0 * s0 * sll + 2 * s0 * m0 * sl
+          + m0 * m0 * sums.sw)
+    best = [s0, m0, e0]                                   # round to nearest on the range
     for step in ASYM_STEPS:
-        iscale = (F32(15) + step) * inv_rng
-        q = np.clip(np.rint((x - mn[:, None]) * iscale[:, None]), 0, 15)
-        s, m, e = _fit_asym(x, wt, q)
-        better = e < best_e
-        best_s, best_m, best_e = (np.where(better, s, best_s), np.where(better, m, best_m),
-                                  np.where(better, e, best_e))
-    for _ in range(REFINE_ROUNDS):
-        safe = np.where(best_s == 0, F32(1), best_s)
-        q = np.clip(np.rint((x - best_m[:, None]) / safe[:, None]), 0, 15)
-        q = np.where(best_s[:, None] == 0, F32(0), q)
-        s, m, e = _fit_asym(x, wt, q)
-        better = e < best_e
-        best_s, best_m, best_e = (np.where(better, s, best_s), np.where(better, m, best_m),
-                                  np.where(better, e, best_e))
-    return best_s, best_m
-
-
-def _fit_sym(x, wt, q):
-    sqq = (wt * q * q).sum(1)
-    ok = sqq > 0
-    scale = np.where(ok, (wt * x * q).sum(1) / np.where(ok, sqq, F32(1)), F32(0))
-    err = (wt * (scale[:, None] * q - x) ** 2).sum(1)
-    return scale, err
+        _keep_better(best, sums.fit_asym(codes((F32(15) + step) * inv_rng)), sums.tol)
+    for _ in range(REFINE_ROUNDS):                        # nearest codes <-> least squares
+        s, m = best[0].astype(F32), best[1].astype(F32)
+        safe = np.where(s == 0, F32(1), s)
+        np.subtract(x, m[:, None], out=q)
+        np.divide(q, safe[:, None], out=q)
+        np.rint(q, out=q)
+        np.clip(q, 0, 15, out=q)
+        q[s == 0] = 0
+        _keep_better(best, sums.fit_asym(q), sums.tol)
+    return best[0].astype(F32), best[1].astype(F32)
 
 
 def _search_sym(x: np.ndarray, wt: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
+    sums = _Sums(x, wt)
     v = x[np.arange(x.shape[0]), np.abs(x).argmax(axis=1)]
     zero = v == 0
     inv_v = np.where(zero, F32(0), F32(1) / np.where(zero, F32(1), v))
     # int4 puts v on the wide side (level qmin); int8 is symmetric, either side will do.
-    top = F32(-qmin if qmin == -qmax - 1 else qmax)
-    sign = F32(-1) if qmin == -qmax - 1 else F32(1)
-    best_s = _rtn_sym(x, qmin, qmax)
-    safe = np.where(best_s == 0, F32(1), best_s)
-    best_e = (wt * (np.clip(np.rint(x / safe[:, None]), qmin, qmax) * best_s[:, None] - x) ** 2).sum(1)
+    wide = qmin == -qmax - 1
+    top, sign = (F32(-qmin), F32(-1)) if wide else (F32(qmax), F32(1))
+    unit = F32(1) if qmax < 16 else F32(10)
+    q = np.empty_like(x)
+
+    def codes(iscale):
+        np.multiply(x, iscale[:, None], out=q)
+        np.rint(q, out=q)
+        return np.clip(q, qmin, qmax, out=q)
+
+    s0 = _rtn_sym(x, qmin, qmax).astype(np.float64)
+    _, sll, sxl = sums.code_sums(codes(np.where(s0 == 0, 0, 1 / np.where(s0 == 0, 1, s0)).astype(F32)))
+    best = [s0, sums.sxx - 2 * s0 * sxl + s0 * s0 * sll]  # round to nearest
     for step in SYM_STEPS:
-        iscale = sign * (top + step * (F32(1) if qmax < 16 else F32(10))) * inv_v
-        q = np.clip(np.rint(x * iscale[:, None]), qmin, qmax)
-        s, e = _fit_sym(x, wt, q)
-        better = e < best_e
-        best_s, best_e = np.where(better, s, best_s), np.where(better, e, best_e)
+        _keep_better(best, sums.fit_sym(codes(sign * (top + step * unit) * inv_v)), sums.tol)
     for _ in range(REFINE_ROUNDS):
-        safe = np.where(best_s == 0, F32(1), best_s)
-        q = np.clip(np.rint(x / safe[:, None]), qmin, qmax)
-        s, e = _fit_sym(x, wt, q)
-        better = e < best_e
-        best_s, best_e = np.where(better, s, best_s), np.where(better, e, best_e)
-    return best_s
+        s = best[0].astype(F32)
+        inv = np.where(s == 0, F32(0), F32(1) / np.where(s == 0, F32(1), s))
+        _keep_better(best, sums.fit_sym(codes(inv)), sums.tol)
+    return best[0].astype(F32)
 
 
 # ------------------------------------------------------------------ error feedback (GPTQ)
@@ -263,16 +300,20 @@ GPTQ_BLOCK = 128     # columns updated lazily together
 
 
 def quantize_gptq(w: np.ndarray, scheme: QuantScheme, moments: np.ndarray, *,
-                  damp: float = GPTQ_DAMP) -> QuantizedTensor:
+                  damp: float = GPTQ_DAMP, static_groups: bool = False,
+                  act_order: bool = False) -> QuantizedTensor:
     """Quantise W [R, C] column by column, pushing each column's rounding error onto the
     columns not yet quantised so as to keep W x close for the inputs x whose mean
     x x^T is `moments` [C, C] (the method of Frantar et al., "GPTQ", 2022, section 3, with
     lazy block updates). Each group's scale (and min) is searched, weighted by the
-    diagonal of `moments`, when the quantiser reaches the group's first column.
+    diagonal of `moments`: when the quantiser reaches the group's first column (on the
+    weights as the error feedback has left them), or with `static_groups` for every group
+    at once on the original weights — which lets `act_order` take the columns in order of
+    decreasing importance (GPTQ's "act-order").
     """
     x, g = _groups(w, scheme)
     R, C = w.shape
-    W = np.array(w, np.float64)
+    W = np.array(w, F32)
     H = np.array(moments, np.float64)
     if H.shape != (C, C):
         raise ValueError(f"moments of shape {list(H.shape)} for a weight of {C} columns")
@@ -280,35 +321,48 @@ def quantize_gptq(w: np.ndarray, scheme: QuantScheme, moments: np.ndarray, *,
     dead = diag <= 0
     H[dead, dead] = 1.0
     H[np.diag_indices(C)] += damp * max(float(np.mean(np.diag(H))), 1e-30)
-    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T          # upper triangular
     imp = np.where(dead, 0.0, diag).astype(F32)
-    codes = np.empty((R, C), np.int16)
+    qmin, qmax = _levels(scheme)
     scales = np.empty((R, C // g), F32)
     mins = np.empty((R, C // g), F32) if scheme.min else None
-    qmin, qmax = _levels(scheme)
-    for b0 in range(0, C, max(GPTQ_BLOCK, g)):
-        b1 = min(C, b0 + max(GPTQ_BLOCK, g))
-        err = np.zeros((R, b1 - b0))
+
+    def fit(cols: slice, values: np.ndarray) -> None:
+        grp = values.astype(F32).reshape(-1, g)
+        wt = np.ascontiguousarray(np.broadcast_to(imp[cols], values.shape), F32)
+        wt = wt.reshape(-1, g)
+        wt = np.where(wt.sum(1, keepdims=True) > 0, wt, F32(1))
+        k0, k1 = cols.start // g, cols.stop // g
+        if scheme.min:
+            sc, mn = _search_asym(grp, wt)
+            mins[:, k0:k1] = _to_f16(mn, "min").astype(F32).reshape(R, -1)
+        else:
+            sc = _search_sym(grp, wt, qmin, qmax)
+        scales[:, k0:k1] = _to_f16(sc, "scale").astype(F32).reshape(R, -1)
+
+    if static_groups:
+        fit(slice(0, C), W)
+    order = np.argsort(-imp, kind="stable") if (act_order and static_groups) else np.arange(C)
+    W, H = W[:, order], H[np.ix_(order, order)]
+    # The upper Cholesky factor U of H^-1 (H^-1 = U^T U): row j holds what quantising
+    # column j does to the columns after it. Factored in float64, used in float32.
+    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T.astype(F32)
+    codes = np.empty((R, C), np.int16)
+    block = max(GPTQ_BLOCK, g)
+    for b0 in range(0, C, block):
+        b1 = min(C, b0 + block)
+        err = np.zeros((R, b1 - b0), F32)
         for j in range(b0, b1):
-            if j % g == 0:
-                grp = W[:, j:j + g].astype(F32)
-                wt = np.broadcast_to(imp[j:j + g], grp.shape)
-                wt = np.where(wt.sum(1, keepdims=True) > 0, wt, F32(1))
-                if scheme.min:
-                    s, m = _search_asym(grp, np.ascontiguousarray(wt, F32))
-                    mins[:, j // g] = _to_f16(m, "min").astype(F32)
-                else:
-                    s = _search_sym(grp, np.ascontiguousarray(wt, F32), qmin, qmax)
-                scales[:, j // g] = _to_f16(s, "scale").astype(F32)
-            s = scales[:, j // g]
-            m = None if mins is None else mins[:, j // g]
-            col = W[:, j:j + 1].astype(F32)
-            q = _nearest(col, s, m, scheme)[:, 0]
+            col = order[j]                                   # the column's own index
+            if not static_groups and col % g == 0:
+                fit(slice(col, col + g), W[:, j:j + g])
+            s = scales[:, col // g]
+            m = None if mins is None else mins[:, col // g]
+            q = _nearest(W[:, j:j + 1], s, m, scheme)[:, 0]
             value = q * s + (m if m is not None else 0)
             e = (W[:, j] - value) / Hinv[j, j]
             W[:, j + 1:b1] -= np.outer(e, Hinv[j, j + 1:b1])
             err[:, j - b0] = e
-            codes[:, j] = q
+            codes[:, col] = q
         W[:, b1:] -= err @ Hinv[b0:b1, b1:]
     if scheme.scheme == "int4":
         stored = pack_int4(codes + (0 if scheme.min else 8))

@@ -23,7 +23,9 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from ext.models.family import PROJECTIONS
 from ext.models.weights import weight_values
 from ext.quant.codec import (QuantizedTensor, importance_weights, magnitude_weights,
                              quantize, quantize_gptq)
-from ext.quant.importance import PRIOR_TOKENS, ImportanceStats
+from ext.quant.importance import PRIOR_TOKENS, ImportanceStats, LayerwiseMoments
 
 DEFAULT_SHARD_SIZE = 2 << 30      # bytes of tensor data per shard
 WEIGHTINGS = ("uniform", "magnitude", "importance", "importance*magnitude")
@@ -289,12 +291,16 @@ def _losses(layout: ExpertLayout, spec: RepackSpec) -> tuple[str, ...]:
 
 
 def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: RepackSpec, *,
-           importance: ImportanceStats | None = None, provenance: dict | None = None,
-           shard_size: int = DEFAULT_SHARD_SIZE, overwrite: bool = False,
+           importance: ImportanceStats | LayerwiseMoments | None = None,
+           provenance: dict | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+           overwrite: bool = False, threads: int = 1,
            progress: Callable[[int, int], None] | None = None) -> RepackResult:
     """Repack `model_dir` into `out_dir` (see the module doc).
 
-    importance: statistics from calibration text, needed by the importance weightings.
+    importance: statistics from calibration text, needed by the importance weightings and
+    GPTQ (`LayerwiseMoments` gathers GPTQ's a few layers at a time).
+    threads: blocks quantised at once (numpy releases the GIL); the output is the same
+    for any count.
     provenance: extra fields for quantization_config.quantizer (e.g. the text used).
     progress(done, total): expert and dense tensors quantised or copied, in bytes of input.
     Raises FileExistsError (`out_dir` exists and is not empty, without `overwrite`),
@@ -348,7 +354,7 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
         try:
             shards = _plan_shards(blocks, shard_size, ALIGNMENT)
             total_in = sum(b.nbytes for b in blocks)   # progress in bytes written
-            written = _write_shards(tmp, shards, ALIGNMENT, progress, total_in)
+            written = _write_shards(tmp, shards, ALIGNMENT, progress, total_in, threads)
             new_config = {**raw_config, "quantization_config": rc.to_json()}
             (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
             for entry in sorted(src.iterdir()):
@@ -391,7 +397,7 @@ def _dense_blocks(checkpoint: Checkpoint, expert_pieces: set[str], dense_names: 
 
 
 def _expert_blocks(checkpoint: Checkpoint, layout: ExpertLayout, spec: RepackSpec,
-                   importance: ImportanceStats | None) -> list[_Block]:
+                   importance: ImportanceStats | LayerwiseMoments | None) -> list[_Block]:
     model_type = layout.config.model_type
     blocks = []
     for loc in sorted(layout, key=lambda l: (l.layer, l.expert)):
@@ -402,17 +408,39 @@ def _expert_blocks(checkpoint: Checkpoint, layout: ExpertLayout, spec: RepackSpe
 
         def produce(loc=loc):
             arrays = {p: weight_values(checkpoint, w) for p, w in zip(PROJECTIONS, loc.projections())}
-            q = quantize_expert(spec, arrays, loc.layer, loc.expert, importance)
+            stats = None if importance is None else importance.for_layer(loc.layer)
+            q = quantize_expert(spec, arrays, loc.layer, loc.expert, stats)
             return [a for p in PROJECTIONS for a in _arrays(q[p])]
         blocks.append(_Block(pieces, ALIGNMENT, produce))
     return blocks
 
 
+def _produced(blocks: list[_Block], threads: int) -> Iterator[list]:
+    """Each block's produce(), in order, up to 2 x threads of them computed ahead."""
+    if threads <= 1:
+        yield from (b.produce() for b in blocks)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        ahead: deque = deque()
+        it = iter(blocks)
+        for block in it:
+            ahead.append(pool.submit(block.produce))
+            if len(ahead) >= 2 * threads:
+                break
+        while ahead:
+            done = ahead.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                ahead.append(pool.submit(nxt.produce))
+            yield done
+
+
 def _write_shards(out: Path, shards: list[_Shard], alignment: int,
-                  progress: Callable[[int, int], None] | None, total: int) -> int:
+                  progress: Callable[[int, int], None] | None, total: int, threads: int) -> int:
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, done, written = {}, 0, 0
+    produced = _produced([b for s in shards for b in s.blocks], threads)
     for file_name, shard in zip(names, shards):
         header = _header(shard, alignment)
         with open(out / file_name, "wb") as f:
@@ -421,7 +449,7 @@ def _write_shards(out: Path, shards: list[_Shard], alignment: int,
             start = f.tell()
             pieces = iter(shard.entries)
             for block in shard.blocks:
-                for data in block.produce():
+                for data in next(produced):
                     piece = next(pieces)
                     while piece.name.startswith(PADDING_PREFIX):
                         f.write(bytes(piece.nbytes))

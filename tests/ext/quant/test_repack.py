@@ -19,6 +19,8 @@ from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout, expert_tensor_name
 from ext.models.model import Model
+from ext.quant.importance import LayerwiseMoments, gather, moment_bytes
+from ext.quant.repack import RepackSpec, repack
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -268,3 +270,55 @@ def test_a_missing_or_non_finite_scale_is_refused(repacked, tmp_path):
     with pytest.raises(QuantizationError, match="missing") as e:
         Model.load(bad, n_threads=1)
     assert e.value.tensor == name
+
+
+# ----------------------------------------------------------- calibration and threads
+
+def test_threads_do_not_change_a_byte(source, tmp_path):
+    spec = RepackSpec(QuantScheme("int4", 32, True))
+    outs = []
+    for threads in (1, 3):
+        out = tmp_path / f"t{threads}"
+        repack(source, out, spec, shard_size=64 << 10, threads=threads)
+        outs.append({p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))})
+    assert outs[0] == outs[1] and len(outs[0]) >= 2
+
+
+def test_second_moments_in_layer_passes_equal_one_pass(source):
+    """A budget of one layer's moments gathers them in one pass per MoE layer, and each
+    layer's moments equal those of a single pass over every layer."""
+    model = Model.load(source, n_threads=1)
+    windows = [np.arange(1, 40), np.arange(100, 131)]
+    whole = gather(model, windows, second_moments=True)
+    lazy = LayerwiseMoments(model, windows, budget_bytes=moment_bytes(model.config))
+    for layer in (0, 1):
+        stats = lazy.for_layer(layer)
+        assert stats.moment_layers == {layer}
+        for e in range(6):
+            np.testing.assert_array_equal(stats.moment_matrix(layer, e, "down"),
+                                          whole.moment_matrix(layer, e, "down"))
+    assert lazy.passes == 2
+    assert lazy.for_layer(1) is stats and lazy.passes == 2      # held: no third pass
+    np.testing.assert_array_equal(whole.counts[1], stats.counts[1])
+    assert whole.counts[0].sum() == 2 * (39 + 31)               # top_k 2 per token
+
+
+def test_gptq_from_calibration_text_is_recorded_and_loads(source, tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    out = tmp_path / "gptq"
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(out),
+                 "--calibration-text", str(text), "--calibration-tokens", "200"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["method"] == "gptq" and printed["bits_per_weight"] == 5.0
+    q = _raw_config(out)["quantization_config"]
+    assert q["quantizer"]["method"] == "gptq"
+    assert q["quantizer"]["calibration"]["files"] == ["calib.txt"]
+    assert 0 < q["quantizer"]["calibration"]["tokens"] <= 200
+    searched = tmp_path / "search"
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(searched)]) == 0
+    assert _raw_config(searched)["quantization_config"]["quantizer"]["method"] == "search"
+    a = {p.name: p.read_bytes() for p in out.glob("*.safetensors")}
+    b = {p.name: p.read_bytes() for p in searched.glob("*.safetensors")}
+    assert a.keys() == b.keys() and a != b
+    Model.load(out, n_threads=1).close()
