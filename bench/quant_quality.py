@@ -9,10 +9,10 @@ Texts, kept apart:
   calibration  importance statistics (importance weightings only): training modules of
                the default model (CALIBRATION_FILES), first --calibration-tokens tokens
   tuning       where choices are made: other training modules (TUNING_FILES), the first
-               1024 tokens of each
+               --per-file tokens (512) of each
   held-out     where the figures are reported: argparse.py (first 4096 tokens, the
                issue's reference text) and the other held-out modules of
-               training/default_model.py (first 1024 tokens of each)
+               training/default_model.py (first --per-file tokens of each)
 All from the standard library of the interpreter running this script (the default
 model was trained on CPython 3.11.7's). For a `moed make-model` checkpoint (--random,
 no meaningful text) every text is a fixed sequence of uniform random token ids
@@ -67,17 +67,19 @@ def variants() -> dict[str, RepackSpec]:
         for s in (f"int8-g{g}", f"int4-g{g}-min", f"int4-g{g}"):
             scheme = _scheme(s)
             out[f"{s}/rtn"] = RepackSpec(scheme, method="rtn", weighting="uniform")
-            weightings = (("magnitude",) if s.startswith("int8") else
-                          ("uniform", "magnitude", "importance", "importance*magnitude")
-                          if s.endswith("-min") else ("magnitude", "importance"))
-            for w in weightings:
-                out[f"{s}/search/{w}"] = RepackSpec(scheme, weighting=w)
-            if not s.startswith("int8") or g == 32:
-                out[f"{s}/gptq"] = RepackSpec(scheme, method="gptq")
+            if s.startswith("int8") and g > 32:
+                continue
+            out[f"{s}/search/magnitude"] = RepackSpec(scheme, weighting="magnitude")
+            if s.startswith("int4") and g == 32:
+                weightings = ("uniform", "importance") + (("importance*magnitude",)
+                                                          if s.endswith("-min") else ())
+                for w in weightings:
+                    out[f"{s}/search/{w}"] = RepackSpec(scheme, weighting=w)
+            out[f"{s}/gptq"] = RepackSpec(scheme, method="gptq")
     for prior in (0.0, 64.0):
         out[f"int4-g32-min/gptq/p{prior:g}"] = RepackSpec(_scheme("int4-g32-min"), method="gptq",
                                                            prior_tokens=prior)
-    for s, m in (("int4-g32-min", "gptq"), ("int4-g32-min", "search"), ("int8-g32", "search")):
+    for s, m in (("int4-g32-min", "gptq"), ("int8-g32", "search")):
         out[f"{s}/{m}+dense-int8-g32"] = RepackSpec(_scheme(s), dense=_scheme("int8-g32"), method=m)
     return out
 
@@ -121,6 +123,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of each random text / of argparse")
     parser.add_argument("--calibration-tokens", type=int, default=32768,
                         help="tokens of calibration text (default: moed repack's, 32768)")
+    parser.add_argument("--per-file", type=int, default=512,
+                        help="tokens from each held-out / tuning module (default 512)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--texts", default="argparse,held_out,tuning",
@@ -148,15 +152,16 @@ def main() -> None:
             texts["argparse"] = token_stream(tok, (_stdlib() / HELD_OUT_REF).read_text(encoding="utf-8"),
                                              tokens=args.tokens, context=args.context)
         if "held_out" in wanted:
-            texts["held_out"] = token_stream(tok, _files_text([h for h in held if h != HELD_OUT_REF], tok, 1024),
+            texts["held_out"] = token_stream(tok, _files_text([h for h in held if h != HELD_OUT_REF], tok, args.per_file),
                                              context=args.context)
         if "tuning" in wanted:
-            texts["tuning"] = token_stream(tok, _files_text(TUNING_FILES, tok, 1024), context=args.context)
+            texts["tuning"] = token_stream(tok, _files_text(TUNING_FILES, tok, args.per_file), context=args.context)
         calibration = token_stream(tok, _files_text(CALIBRATION_FILES, tok, 10**9),
                                    tokens=args.calibration_tokens, context=args.context)
         text_info = {"argparse": f"{HELD_OUT_REF}, first {args.tokens} tokens (held out)",
-                     "held_out": "the other 17 held-out modules, first 1024 tokens of each",
-                     "tuning": f"training modules {list(TUNING_FILES)}, first 1024 tokens of each",
+                     "held_out": f"the other 17 held-out modules, first {args.per_file} tokens of each",
+                     "tuning": f"training modules {list(TUNING_FILES)}, first {args.per_file} "
+                               "tokens of each",
                      "calibration": f"training modules {list(CALIBRATION_FILES)}, first "
                                     f"{args.calibration_tokens} tokens"}
     print("reference log-probs ...", file=sys.stderr)

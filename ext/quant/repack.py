@@ -344,7 +344,8 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
             dense=None if not dense_names else QuantGroup(
                 spec.dense, tuple(name_patterns(sorted(dense_names), out_names))),
             alignment=ALIGNMENT,
-            quantizer={"method": spec.method, "weighting": spec.weighting,
+            quantizer={"method": spec.method,
+                       **({"weighting": spec.weighting} if spec.method == "search" else {}),
                        **({"prior_tokens": spec.prior_tokens} if spec.needs_importance else {}),
                        **(provenance or {})},
             source=_source_description(raw_config, layout))

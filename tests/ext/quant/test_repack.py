@@ -19,6 +19,7 @@ from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout, expert_tensor_name
 from ext.models.model import Model
+from ext.models.weights import float_values
 from ext.quant.importance import LayerwiseMoments, gather, moment_bytes
 from ext.quant.repack import RepackSpec, repack
 
@@ -322,3 +323,31 @@ def test_gptq_from_calibration_text_is_recorded_and_loads(source, tmp_path, caps
     b = {p.name: p.read_bytes() for p in searched.glob("*.safetensors")}
     assert a.keys() == b.keys() and a != b
     Model.load(out, n_threads=1).close()
+
+
+@pytest.mark.parametrize("dtype,kept", [("fp8", "fp8_e4m3"), ("mxfp4", "bf16")])
+def test_a_low_bit_source_repacks_to_int4_and_says_what_it_loses(dtype, kept, tmp_path, capsys):
+    """FP8 / MXFP4 experts are decoded and rounded again into int4 (a warning says so);
+    the weights the repack keeps (FP8 attention) still load in their format."""
+    src = make_model(tmp_path / dtype, arch="qwen2_moe", layers=2, experts=4, top_k=2,
+                     hidden=64, intermediate=64, dtype=dtype, initializer_range=0.1)
+    out = tmp_path / "int4"
+    assert main(["repack", "--model", str(src), "--scheme", "int4", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert printed["source_format"] == {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}[dtype]
+    assert any("rounded a second time" in loss for loss in printed["losses"])
+    assert '"level": "warning"' in captured.err and "repack_loses_precision" in captured.err
+    q = _raw_config(out)["quantization_config"]
+    assert q["source"]["quantization_config"]["quant_method"] == dtype
+    model = Model.load(out, n_threads=1)
+    formats = model.weight_formats()
+    assert formats["experts"] == "int4"
+    assert model.dense_weights["model.layers.0.self_attn.q_proj"].format == kept
+    ids = model.forward(model.new_sequence(), [1, 2, 3])
+    assert np.isfinite(ids).all()
+    # the int4 values are close to the low-bit source's (one int4 step)
+    src_model = Model.load(src, n_threads=1)
+    a = float_values(model.experts.acquire(1, [1])[0].down)
+    b = float_values(src_model.experts.acquire(1, [1])[0].down)
+    assert 0 < np.abs(a - b).max() <= np.abs(b).max() / 7
