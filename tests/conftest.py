@@ -91,3 +91,10 @@ def log_records():
     for logger, handler, level in attached:
         logger.setLevel(level)
         logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="session")
+def lowbit_oracle(tmp_path_factory):
+    """tests/lowbit_reference.py's LowBitOracle: each low-bit case's reference and moed run."""
+    from lowbit_reference import LowBitOracle
+    return LowBitOracle(tmp_path_factory)

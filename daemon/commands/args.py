@@ -125,6 +125,17 @@ def check_model_dir(path: str) -> str:
                          "with config.json, tokenizer.json and *.safetensors)")
     return path
 
+def read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of `path`: a usage error naming `flag` when it is not a file, a
+    ValueError naming the file when it is not UTF-8."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{flag}: {path} is not a file")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
 def sampling_params(args: argparse.Namespace):
     """SamplingParams from the command's flags; a usage error naming the flag at fault."""
     from ext.sampling import SamplingParamError, SamplingParams

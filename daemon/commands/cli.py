@@ -23,13 +23,13 @@ from collections.abc import Sequence
 # libgomp loads (the kernels import it lazily); OMP_WAIT_POLICY=ACTIVE overrides.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from daemon.commands import (bench, chat, demo, generate, install_service, iobench,  # noqa: E402
-                             make_model, replay, serve, stats, tune)
+from daemon.commands import (bench, chat, demo, evaluate, generate, install_service,  # noqa: E402
+                             iobench, make_model, repack, replay, serve, stats, tune)
 from daemon.commands.args import UsageError, configure_logging, parents, version  # noqa: E402
 
 # The order of `moed --help`.
-COMMANDS = (demo, generate, chat, stats, make_model, bench, tune, iobench, replay, serve,
-            install_service)
+COMMANDS = (demo, generate, chat, stats, make_model, repack, evaluate, bench, tune, iobench,
+            replay, serve, install_service)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,7 +154,8 @@ class Daemon:
         log.info("ready", model=self.state.loaded.model_names[0], socket=self.listener.path,
                  load_seconds=round(self.state.load_seconds, 3),
                  expert_format=formats.get("experts"), dense_format=formats.get("dense"),
-                 quant_method=(formats.get("quantization") or {}).get("quant_method", "none"))
+                 quant_method=(formats.get("quantization") or {}).get("quant_method", "none"),
+                 quantization=formats.get("quantization"))
         return True
 
     def _site(self, runner: web.BaseRunner, sock, listener: str) -> GatedSite:
