@@ -5,14 +5,17 @@ tensor names); adding a family is adding its module and its entry below.
 """
 from ext.models.config import ModelConfig
 from ext.models.family import Family
-from ext.models.families import mixtral, olmoe, qwen2_moe, qwen3_moe
+from ext.models.families import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
     olmoe.FAMILY,
+    deepseek_v3.FAMILY,
+    glm4_moe.FAMILY,
 )}
+FAMILIES["kimi_k2"] = deepseek_v3.FAMILY   # Kimi K2: DeepseekV3ForCausalLM under its own name
 
 
 def family_of(model_type: str) -> Family:
