@@ -13,6 +13,7 @@ Shape legend: T tokens, V vocab_size, E num_experts, K num_experts_per_tok.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ MAX_SEEDS = 20
 LOGIT_GAP_REL = 1e-4    # top-1 minus top-2 logit, relative to max |logit| of the step
 ROUTER_GAP = 1e-6       # k-th minus (k+1)-th router probability (softmax in f32)
 SHARD_SIZE = "50KB"
+LOGIT_TOL_REL = 1e-4    # moed's logits against the reference, relative to max |logit|
 
 # Sizes shared by every family; a case's `overrides` replace or extend them.
 _COMMON: dict[str, Any] = dict(
@@ -232,3 +234,41 @@ def select_seed(case: ArchCase, dtype: str, root: Path) -> Reference:
         return ref
     pytest.fail(f"oracle case {name}: no seed in 0..{MAX_SEEDS - 1} gives clear margins "
                          f"(last: {last})")
+
+
+# ------------------------------------------------------------- the moed side
+
+
+@contextlib.contextmanager
+def open_model(model_dir, n_threads=2, experts="mmap"):
+    """moed's Model of `model_dir`, closed on exit."""
+    from ext.models.model import Model
+
+    model = Model.load(model_dir, n_threads=n_threads, experts=experts)
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+def moed_greedy(model, prompt: list[int], n_new: int = NEW_TOKENS):
+    """(tokens, [n_new, V] logits that chose them): prefill, then one token per forward."""
+    seq = model.new_sequence()
+    logits = model.forward(seq, prompt)
+    tokens, steps = [], []
+    while True:
+        assert logits.shape == (1, model.config.vocab_size)
+        steps.append(logits[0])
+        tokens.append(int(np.argmax(logits[0])))
+        if len(tokens) == n_new:
+            return tokens, np.stack(steps)
+        logits = model.forward(seq, [tokens[-1]])
+
+
+def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    """max |actual - expected| <= LOGIT_TOL_REL x max |expected|."""
+    assert actual.shape == expected.shape, what
+    scale = float(np.abs(expected).max())
+    err = float(np.abs(actual - expected).max())
+    assert err <= LOGIT_TOL_REL * scale, \
+        f"{what}: max |Δ| {err:.3g} > {LOGIT_TOL_REL:g} × max |logit| {scale:.3g}"

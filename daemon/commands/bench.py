@@ -25,11 +25,16 @@ Figures (decode phase only, prefill excluded; per generated token):
                             1 / max(bytes_needed_per_token / disk bandwidth,
                                     flops_per_token / kernel throughput), both measured in
                             this run: bandwidth with expert-sized reads through an io pool
-                            of the same workers, throughput with the expert FFN kernel.
+                            of the same workers, throughput with the expert FFN kernel on
+                            the model's own experts in their stored format.
+The model's experts: expert_format (bf16, fp8_e4m3, mxfp4, ...), expert_bytes (the
+largest expert's pieces: weights and scales), slot_bytes (the aligned read of one expert,
+what a miss costs), expert_bytes_total.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -41,7 +46,7 @@ import numpy as np
 
 from daemon.commands.args import (MODEL_HELP, Parents, Steps, check_model_dir, cpu_threads,
                                   nonempty, positive_int, size)
-from daemon.store.plans import plans_for
+from daemon.store.plans import max_slot_bytes, plans_for
 from daemon.store.probe import probe_summary
 from daemon.store.reads import IoPool, drop_page_cache, probe_direct_io
 from daemon.store.slots import SlotArena
@@ -52,6 +57,7 @@ from ext.kernels import _kernels
 from ext.models.config import ModelConfig, load_config
 from ext.models.experts import ExpertLayout
 from ext.models.model import Model
+from ext.models.weights import read_weight
 from ext.sampling import Sampler, SamplingParams
 
 
@@ -100,16 +106,14 @@ def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
         return done / (time.perf_counter() - t0)
 
 
-def measure_kernel_flops(config: ModelConfig, layout: ExpertLayout, threads: int,
-                         seconds: float = 0.5) -> float:
-    """FLOP/s of the expert FFN kernel on one token, weights in RAM (the compute term)."""
+def measure_kernel_flops(config: ModelConfig, checkpoint: Checkpoint, layout: ExpertLayout,
+                         threads: int, seconds: float = 0.5) -> float:
+    """FLOP/s of the expert FFN kernel on one token through top_k of the model's own
+    experts (their stored format: bf16, FP8, MXFP4, ...), read into RAM (the compute term)."""
     H, I, K = config.hidden_size, config.moe_intermediate_size, config.top_k
-    loc = next(iter(layout))
-    dtype = loc.gate.numpy_dtype
-    rng = np.random.default_rng(0)
-    gates = [rng.standard_normal((I, H), dtype=np.float32).astype(dtype) for _ in range(K)]
-    ups = [g.copy() for g in gates]
-    downs = [rng.standard_normal((H, I), dtype=np.float32).astype(dtype) for _ in range(K)]
+    experts = [[read_weight(checkpoint, w) for w in loc.projections()]
+               for loc in itertools.islice(layout, K)]
+    gates, ups, downs = ([e[i] for e in experts] for i in range(3))
     x = np.ones((K, H), np.float32)
     hbuf, y = np.empty((K, I), np.float32), np.empty((K, H), np.float32)
     starts = np.arange(K + 1, dtype=np.int64)
@@ -232,7 +236,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
             if progress:
                 progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
     bandwidth = measure_disk_bandwidth(layout, bench.io_workers, direct)
-    flops = measure_kernel_flops(config, layout, bench.threads)
+    flops = measure_kernel_flops(config, checkpoint, layout, bench.threads)
     fpt = flops_per_token(config)
 
     def summary(mode: str) -> dict:
@@ -252,6 +256,8 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
               "disk_bytes_per_second": bandwidth, "kernel_flops_per_second": flops,
               "flops_per_token": fpt, "expert_cache_bytes": bench.cache_bytes,
               "expert_bytes_total": sum(loc.nbytes for loc in layout),
+              "expert_format": layout.format, "expert_bytes": layout.max_expert_bytes,
+              "slot_bytes": max_slot_bytes(layout),
               "tokens": bench.tokens, "repeats": bench.repeats, "threads": bench.threads,
               "io_workers": bench.io_workers, "temperature": bench.temperature,
               "prefetch": bench.prefetch, "idle_prefetch": bench.prefetch and bench.idle_prefetch,

@@ -59,6 +59,7 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         return _generate_over_socket(args)
+    from ext.formats.quant import quantization_label
     from ext.generate import Generation
     from ext.tokenizer import Tokenizer, stop_token_ids
 
@@ -70,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
     model, session = _load_model(args)
+    formats = model.weight_formats()
     log.info("model_loaded", model=args.model, model_type=model.config.model_type,
              layers=model.config.num_hidden_layers, experts=model.config.num_experts,
-             top_k=model.config.top_k, load_seconds=round(time.perf_counter() - t0, 3),
-             threads=model.n_threads)
+             top_k=model.config.top_k, expert_format=formats["experts"],
+             dense_format=formats["dense"], quantization=quantization_label(model.config.quantization),
+             load_seconds=round(time.perf_counter() - t0, 3), threads=model.n_threads)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)

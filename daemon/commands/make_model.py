@@ -24,8 +24,17 @@ def register(sub, parents: Parents) -> None:
     m.add_argument("--hidden", type=positive_int, required=True, help="hidden_size")
     m.add_argument("--intermediate", type=positive_int, required=True,
                    help="each expert's intermediate size")
-    m.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="bf16",
-                   help="stored dtype (default: bf16)")
+    m.add_argument("--dtype", choices=["f32", "f16", "bf16", "fp8", "mxfp4"], default="bf16",
+                   help="stored dtype (default: bf16); fp8: attention and expert projections "
+                        "FP8 E4M3 with 128x128 block scales (as DeepSeek-V3 and the Qwen3 "
+                        "FP8 releases), the rest bf16; mxfp4: routed experts MXFP4 (GPT-OSS's "
+                        "blocks and scales), the rest bf16")
+    m.add_argument("--scale-dtype", choices=["f32", "bf16", "e8m0"], default=None,
+                   help="fp8 only: dtype of the block scales (default f32; e8m0: UE8M0 "
+                        "exponents stored as U8, implies --scale-fmt ue8m0)")
+    m.add_argument("--scale-fmt", choices=["float", "ue8m0"], default=None,
+                   help="fp8 only: ue8m0 rounds every block scale up to a power of two and "
+                        "writes \"scale_fmt\": \"ue8m0\" (DeepSeek-V3.1); default float")
     m.add_argument("--shard-size", type=size, default=size("2G"), metavar="BYTES",
                    help="largest shard, e.g. 64M or 2G (default: 2G)")
     m.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
@@ -51,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                      dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,
                      vocab_size=args.vocab_size, heads=args.heads, kv_heads=args.kv_heads,
                      initializer_range=args.initializer_range, overwrite=args.force,
-                     routing_skew=args.routing_skew,
-                     progress=Progress(f"writing {args.out}"))
+                     routing_skew=args.routing_skew, scale_dtype=args.scale_dtype,
+                     scale_fmt=args.scale_fmt, progress=Progress(f"writing {args.out}"))
     print(json.dumps({"model": str(out)}))
     return 0

@@ -177,7 +177,7 @@ class HttpApp:
         loaded = self._require_ready()
         return web.json_response({"object": "list", "data": [
             {"id": loaded.model_names[0], "object": "model", "created": int(self.state.started_wall),
-             "owned_by": "moed"}]})
+             "owned_by": "moed", "weights": loaded.weight_formats}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)

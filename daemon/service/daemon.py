@@ -33,6 +33,7 @@ from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
 from daemon.tuning.knobs import PREFETCH_WIDTH
+from ext.formats.quant import quantization_label
 from ext.models.config import load_config as load_model_config
 from telemetry.logs import get_logger, set_level
 from telemetry.metrics import DaemonMetrics
@@ -143,8 +144,11 @@ class Daemon:
         self.state.loaded.engine.start()
         self.state.phase = "ready"
         self.state.notifier.ready()
+        formats = self.state.loaded.weight_formats
         log.info("ready", model=self.state.loaded.model_names[0], socket=self.listener.path,
-                 load_seconds=round(self.state.load_seconds, 3))
+                 load_seconds=round(self.state.load_seconds, 3),
+                 expert_format=formats.get("experts"), dense_format=formats.get("dense"),
+                 quant_method=(formats.get("quantization") or {}).get("quant_method", "none"))
         return True
 
     async def main_loop(self) -> None:
@@ -259,11 +263,13 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     try:
         model_config = load_model_config(config.require_model())
         model_type = model_config.model_type
+        quantization = quantization_label(model_config.quantization)
         moe_layers = [l for l, is_moe in enumerate(model_config.moe_layers) if is_moe]
     except ValueError:
-        model_type, moe_layers = "unknown", []   # the load reports the real error
+        model_type, quantization, moe_layers = "unknown", "unknown", []   # the load reports the real error
     daemon: Daemon | None = None
     telemetry = DaemonMetrics(version=version, model_type=model_type, moe_layers=moe_layers,
+                              quantization=quantization,
                               read_seconds_buckets=READ_SECONDS_BUCKETS,
                               source=lambda: daemon.state.last_snapshot if daemon is not None else None)
     notifier = Notifier(environ)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon.machine.memory import MemoryReading, read_memory
@@ -44,6 +44,7 @@ class Loaded:
     model_type: str
     tuner: object | None = None  # daemon.tuning.live.LiveTuner (tuner = live / live+idle)
     workload: object | None = None  # daemon.tuning.workload.Workload for live+idle
+    weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
 
 
 def request_finished(handle: RequestHandle, telemetry=None) -> None:
@@ -108,7 +109,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
                   context=model.config.max_position_embeddings, session=session,
-                  model_type=model.config.model_type, tuner=tuner, workload=workload)
+                  model_type=model.config.model_type, tuner=tuner, workload=workload,
+                  weight_formats=model.weight_formats())
 
 
 PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)

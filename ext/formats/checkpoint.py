@@ -9,7 +9,9 @@ tensor name -> shard file name; an unsharded one is a single ``model.safetensors
 
 Conventions: every offset here is an *absolute* file offset in bytes (``8 + N + begin``),
 every size is in bytes. Data is little-endian, row-major, and loaded in its native dtype
-(bf16 stays ``ml_dtypes.bfloat16``; a little-endian host is assumed). We parse headers
+(bf16 stays ``ml_dtypes.bfloat16``, F8_E4M3 ``ml_dtypes.float8_e4m3fn``, F8_E8M0
+``ml_dtypes.float8_e8m0fnu``, U8 ``uint8``; a little-endian host is assumed). What the
+bytes of a quantised weight mean is ext/formats/quant.py's business. We parse headers
 ourselves, not with the safetensors library, because expert reads need byte ranges for
 direct ``preadv``. Everything is validated at open; errors are ``CheckpointError``
 subclasses whose message and ``.path`` / ``.tensor`` name the offending file and tensor.
@@ -37,10 +39,15 @@ CONFIG_NAME = "config.json"
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's bound on N
 # Bytes per element of every dtype we recognise (for range checks).
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 # The subset load() can return, little-endian as stored on disk.
 NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-                "BF16": np.dtype(ml_dtypes.bfloat16)}
+                "BF16": np.dtype(ml_dtypes.bfloat16),
+                "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+                "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+                "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8)}
+# Float dtypes the kernels compute with as they are (no scales).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -97,6 +104,19 @@ class TensorInfo:
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+
+    def index(self, i: int) -> TensorInfo:
+        """Entry ``i`` of the leading axis as a tensor of its own (a byte range inside this one).
+
+        For tensors fused over experts ([E, ...], as GPT-OSS stores ``gate_up_proj_blocks``):
+        name ``f"{name}[{i}]"``, shape ``shape[1:]``, ``nbytes / shape[0]`` bytes at
+        ``offset + i * that``. Raises IndexError when ``i`` is not in ``[0, shape[0])``.
+        """
+        if not self.shape or not 0 <= i < self.shape[0]:
+            raise IndexError(f"{self.name}: index {i} outside the leading axis of {list(self.shape)}")
+        step = self.nbytes // self.shape[0]
+        return TensorInfo(name=f"{self.name}[{i}]", path=self.path, offset=self.offset + i * step,
+                          nbytes=step, dtype=self.dtype, shape=self.shape[1:])
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -305,13 +325,19 @@ class Checkpoint:
         """Read tensor ``name`` into a new array.
 
         Returns a fresh, writable, C-contiguous array that owns its memory (the caller
-        owns it), shape ``info(name).shape`` and dtype F32 -> float32, F16 -> float16,
-        BF16 -> ml_dtypes.bfloat16, bytes copied verbatim with ``os.preadv``.
-        Raises MissingTensorError (unknown name), UnsupportedDtypeError (dtype not
-        loadable), TruncatedFileError (the file shrank since open), CheckpointError
-        (after ``close()``), OSError (read failure).
+        owns it), shape ``info(name).shape`` and the dtype of ``NUMPY_DTYPES`` (F32 ->
+        float32, F16 -> float16, BF16 -> ml_dtypes.bfloat16, F8_E4M3 ->
+        ml_dtypes.float8_e4m3fn, U8 -> uint8, ...), bytes copied verbatim with
+        ``os.preadv``. Raises MissingTensorError (unknown name), UnsupportedDtypeError
+        (dtype not loadable), TruncatedFileError (the file shrank since open),
+        CheckpointError (after ``close()``), OSError (read failure).
         """
-        info = self.info(name)
+        return self.read(self.info(name))
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """Read the bytes ``info`` describes (a tensor, or a range of one from
+        ``TensorInfo.index``) into a new array; as ``load``."""
+        name = info.name
         out = np.empty(info.shape, dtype=info.numpy_dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))  # [nbytes], aliases out
         fd = self._fd(info.path) if info.nbytes else -1

@@ -25,6 +25,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { MOED_F32 = 0, MOED_F16 = 1, MOED_BF16 = 2 };
 
@@ -65,10 +68,21 @@ static inline moed_vf moed_load_bf16(const uint16_t *p) {
     return f;
 }
 
+/* 16 binary16 values to f32 (exact). GCC 12 converts a vector of _Float16 one element
+ * at a time, so the F16C / AVX-512 instruction is used where the target has it. */
 static inline moed_vf moed_load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (moed_vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && defined(__AVX__)
+    typedef float vf8 __attribute__((vector_size(32)));
+    vf8 lo = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    vf8 hi = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
     moed_vh h;
     memcpy(&h, p, sizeof h);
     return __builtin_convertvector(h, moed_vf);
+#endif
 }
 
 /* Fixed pairwise tree over 16 lanes: (0+8, 1+9, ...), then 4, 2, 1. */

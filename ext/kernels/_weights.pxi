@@ -27,6 +27,9 @@ cdef extern from "_quant_impl.h" nogil:
     void moed_w_dequant(const moed_weight *w, Py_ssize_t r, Py_ssize_t j0, Py_ssize_t n,
                         float *out)
     const char *moed_simd_path()
+    void moed_quant_init()
+
+moed_quant_init()
 
 _U8 = np.dtype(np.uint8)
 _I8 = np.dtype(np.int8)

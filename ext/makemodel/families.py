@@ -24,13 +24,24 @@ _ARCH = {
 }
 
 
+# What a tensor is to the model, which decides how a low-bit --dtype stores it:
+EXPERT = "expert"          # a routed expert's gate/up/down weight
+ATTENTION = "attention"    # q/k/v/o projection weights
+MLP = "mlp"                # a shared expert's (or dense MLP's) projection weights
+ROUTER = "router"          # a router (mlp.gate) or a shared expert's gate: linear, kept
+HEAD = "head"              # lm_head: linear, kept
+OTHER = "other"            # embeddings, norms, biases: never quantised
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor to write: name, shape and how to fill it ("random" or "ones")."""
+    """One tensor to write: name, shape, how to fill it ("random" or "ones") and its
+    role (EXPERT, ATTENTION, MLP, ROUTER, HEAD or OTHER)."""
 
     name: str
     shape: tuple[int, ...]
     fill: str
+    role: str = OTHER
 
     @property
     def numel(self) -> int:
@@ -45,10 +56,10 @@ def tensor_specs(arch: str, d: dict) -> Iterator[TensorSpec]:
         p = f"model.layers.{layer}."
         yield TensorSpec(p + "input_layernorm.weight", (H,), "ones")
         for proj, rows in (("q", Nq * D), ("k", Nkv * D), ("v", Nkv * D)):
-            yield TensorSpec(f"{p}self_attn.{proj}_proj.weight", (rows, H), "random")
+            yield TensorSpec(f"{p}self_attn.{proj}_proj.weight", (rows, H), "random", ATTENTION)
             if arch == "qwen2_moe":
                 yield TensorSpec(f"{p}self_attn.{proj}_proj.bias", (rows,), "random")
-        yield TensorSpec(p + "self_attn.o_proj.weight", (H, Nq * D), "random")
+        yield TensorSpec(p + "self_attn.o_proj.weight", (H, Nq * D), "random", ATTENTION)
         if arch == "qwen3_moe":
             yield TensorSpec(p + "self_attn.q_norm.weight", (D,), "ones")
             yield TensorSpec(p + "self_attn.k_norm.weight", (D,), "ones")
@@ -57,27 +68,27 @@ def tensor_specs(arch: str, d: dict) -> Iterator[TensorSpec]:
             yield TensorSpec(p + "self_attn.k_norm.weight", (Nkv * D,), "ones")
         yield TensorSpec(p + "post_attention_layernorm.weight", (H,), "ones")
         if arch == "mixtral":
-            yield TensorSpec(p + "block_sparse_moe.gate.weight", (E, H), "random")
+            yield TensorSpec(p + "block_sparse_moe.gate.weight", (E, H), "random", ROUTER)
             for e in range(E):
                 q = f"{p}block_sparse_moe.experts.{e}."
-                yield TensorSpec(q + "w1.weight", (I, H), "random")  # gate
-                yield TensorSpec(q + "w3.weight", (I, H), "random")  # up
-                yield TensorSpec(q + "w2.weight", (H, I), "random")  # down
+                yield TensorSpec(q + "w1.weight", (I, H), "random", EXPERT)  # gate
+                yield TensorSpec(q + "w3.weight", (I, H), "random", EXPERT)  # up
+                yield TensorSpec(q + "w2.weight", (H, I), "random", EXPERT)  # down
             continue
-        yield TensorSpec(p + "mlp.gate.weight", (E, H), "random")
+        yield TensorSpec(p + "mlp.gate.weight", (E, H), "random", ROUTER)
         for e in range(E):
             q = f"{p}mlp.experts.{e}."
-            yield TensorSpec(q + "gate_proj.weight", (I, H), "random")
-            yield TensorSpec(q + "up_proj.weight", (I, H), "random")
-            yield TensorSpec(q + "down_proj.weight", (H, I), "random")
+            yield TensorSpec(q + "gate_proj.weight", (I, H), "random", EXPERT)
+            yield TensorSpec(q + "up_proj.weight", (I, H), "random", EXPERT)
+            yield TensorSpec(q + "down_proj.weight", (H, I), "random", EXPERT)
         if arch == "qwen2_moe":
             S = d["S"]
-            yield TensorSpec(p + "mlp.shared_expert.gate_proj.weight", (S, H), "random")
-            yield TensorSpec(p + "mlp.shared_expert.up_proj.weight", (S, H), "random")
-            yield TensorSpec(p + "mlp.shared_expert.down_proj.weight", (H, S), "random")
-            yield TensorSpec(p + "mlp.shared_expert_gate.weight", (1, H), "random")
+            yield TensorSpec(p + "mlp.shared_expert.gate_proj.weight", (S, H), "random", MLP)
+            yield TensorSpec(p + "mlp.shared_expert.up_proj.weight", (S, H), "random", MLP)
+            yield TensorSpec(p + "mlp.shared_expert.down_proj.weight", (H, S), "random", MLP)
+            yield TensorSpec(p + "mlp.shared_expert_gate.weight", (1, H), "random", ROUTER)
     yield TensorSpec("model.norm.weight", (H,), "ones")
-    yield TensorSpec("lm_head.weight", (d["V"], H), "random")
+    yield TensorSpec("lm_head.weight", (d["V"], H), "random", HEAD)
 
 
 def config_json(arch: str, d: dict, top_k: int, config_dtype: str, ids: dict,

@@ -25,13 +25,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ext.makemodel.families import _ARCH, ARCHITECTURES, config_json, tensor_specs
-from ext.makemodel.shards import _DTYPES, write_json, write_shards
+from ext.makemodel.families import (_ARCH, ARCHITECTURES, ATTENTION, EXPERT, HEAD, MLP, ROUTER,
+                                    TensorSpec, config_json, tensor_specs)
+from ext.makemodel.lowbit import (_PLAIN, MXFP4_GROUP, SCALE_DTYPES, Encoding, Fp8, Mxfp4, Plain,
+                                  quantization_config)
+from ext.makemodel.shards import write_json, write_shards
 from ext.makemodel.skew import skew_adjustments
 from ext.makemodel.tokenizer import SPECIAL_TOKENS, build_tokenizer, tokenizer_config
 
 _VOCAB_MULTIPLE = 64
 DEFAULT_SHARD_SIZE = 2 << 30  # bytes
+DTYPES = ("f32", "f16", "bf16", "fp8", "mxfp4")
 
 
 def make_model(
@@ -56,6 +60,8 @@ def make_model(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     routing_skew: float | None = None,
+    scale_dtype: str | None = None,
+    scale_fmt: str | None = None,
 ) -> Path:
     """Write a random-weight checkpoint for one MoE architecture in Hugging Face layout.
 
@@ -69,7 +75,18 @@ def make_model(
         hidden: H, `hidden_size`.
         intermediate: I, per-expert FFN width: `intermediate_size` for mixtral/olmoe,
             `moe_intermediate_size` for qwen2_moe/qwen3_moe.
-        dtype: "bf16", "f16" or "f32" — the stored dtype of every tensor.
+        dtype: "bf16", "f16" or "f32" — the stored dtype of every tensor; or a published
+            low-bit layout (ext/makemodel/lowbit.py) with config.json's
+            `quantization_config` as those models write it: "fp8" — attention, routed
+            and shared expert projections FP8 E4M3 with 128 x 128 block scales
+            (DeepSeek-V3 / Qwen3-FP8), everything else bf16 (routers and lm_head listed
+            in `modules_to_not_convert`); "mxfp4" — routed experts MXFP4 (GPT-OSS's
+            blocks and scales), everything else bf16. The values are the bf16 model's
+            (same seed) before rounding.
+        scale_dtype: fp8 only: "f32" (the default), "bf16" or "e8m0" (UE8M0 exponents, U8).
+        scale_fmt: fp8 only: "float" or "ue8m0" (scales rounded up to powers of two and
+            `"scale_fmt": "ue8m0"` in the config, as DeepSeek-V3.1); default "ue8m0"
+            for scale_dtype "e8m0", else "float".
         shard_size: maximum bytes of tensor data per shard file; tensors are assigned
             greedily in order, a tensor larger than this gets a shard of its own. If
             everything fits, a single `model.safetensors` is written with no index.
@@ -101,14 +118,22 @@ def make_model(
     Raises:
         ValueError: unknown arch or dtype, or sizes that are non-positive or
             inconsistent (top_k > experts, Nq not divisible by Nkv, H != Nq * D for an
-            arch that requires it, odd head_dim), or routing_skew negative / not finite.
+            arch that requires it, odd head_dim, mxfp4 with hidden or intermediate not
+            a multiple of 32), scale options that do not fit the dtype, or routing_skew
+            negative / not finite.
         FileExistsError: out_dir already holds a checkpoint and overwrite is False.
     See ext/makemodel/skew.py for the routing-skew construction and its measurements.
     """
     if arch not in _ARCH:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if (scale_dtype is not None or scale_fmt is not None) and dtype != "fp8":
+        raise ValueError(f"scale_dtype and scale_fmt apply to dtype 'fp8' only, not {dtype!r}")
+    scale_dtype = scale_dtype or "f32"
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {tuple(SCALE_DTYPES)}, got {scale_dtype!r}")
+    scale_fmt = scale_fmt or ("ue8m0" if scale_dtype == "e8m0" else "float")
     if sys.byteorder != "little":
         raise ValueError("make_model writes little-endian safetensors and needs a little-endian host")
     for field, value in (("layers", layers), ("experts", experts), ("top_k", top_k),
@@ -140,6 +165,10 @@ def make_model(
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim = hidden / heads = {hidden} / {heads} = {head_dim} must be a positive "
                          f"even number (RoPE rotates pairs); choose heads so that it is")
+    if dtype == "mxfp4" and (hidden % MXFP4_GROUP or intermediate % MXFP4_GROUP):
+        raise ValueError(f"dtype mxfp4 groups {MXFP4_GROUP} values along each expert's inputs: "
+                         f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples "
+                         f"of {MXFP4_GROUP}")
     if shared_intermediate is not None and arch != "qwen2_moe":
         raise ValueError(f"shared_intermediate applies to qwen2_moe only, not {arch}")
     if arch == "qwen2_moe":
@@ -147,6 +176,7 @@ def make_model(
         if shared_intermediate <= 0:
             raise ValueError(f"shared_intermediate must be positive, got {shared_intermediate}")
 
+    encoding_of = _encodings(dtype, scale_dtype, scale_fmt)   # checks the scale options
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
@@ -160,13 +190,16 @@ def make_model(
     dims = dict(L=layers, E=experts, H=hidden, I=intermediate, S=shared_intermediate,
                 V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim)
     specs = list(tensor_specs(arch, dims))
-    np_dtype, st_dtype, config_dtype = _DTYPES[dtype]
     adjust = (skew_adjustments(arch, dims, top_k, seed, initializer_range, float(routing_skew))
               if routing_skew else None)             # None and 0: plain random weights
-    write_shards(out, specs, np_dtype, st_dtype, shard_size, seed, initializer_range, progress,
-                  adjust)
+    write_shards(out, specs, encoding_of, shard_size, seed, initializer_range, progress, adjust)
 
+    config_dtype = _PLAIN[dtype if dtype in _PLAIN else "bf16"][2]
     config = config_json(arch, dims, top_k, config_dtype, ids, max_position_embeddings, initializer_range)
+    kept = [spec.name.removesuffix(".weight") for spec in specs if spec.role in (ROUTER, HEAD)]
+    quant = quantization_config(dtype, arch, kept, scale_fmt)
+    if quant is not None:
+        config = dict(sorted({**config, "quantization_config": quant}.items()))
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
@@ -176,6 +209,19 @@ def make_model(
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out / "tokenizer_config.json", tokenizer_config(ids, max_position_embeddings))
     return out
+
+
+def _encodings(dtype: str, scale_dtype: str, scale_fmt: str) -> Callable[[TensorSpec], Encoding]:
+    """How each tensor of a `dtype` checkpoint is stored (by its role)."""
+    if dtype in _PLAIN:
+        plain = Plain(dtype)
+        return lambda spec: plain
+    bf16 = Plain("bf16")
+    if dtype == "fp8":
+        fp8 = Fp8(scale_dtype, scale_fmt)
+        return lambda spec: fp8 if spec.role in (EXPERT, ATTENTION, MLP) else bf16
+    mxfp4 = Mxfp4()
+    return lambda spec: mxfp4 if spec.role == EXPERT else bf16
 
 
 def _clear_checkpoint(out: Path, overwrite: bool) -> None:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ext.formats.quant import ATTENTION
 from ext.kernels import _kernels as K_
 from ext.models.config import ModelConfig
+from ext.models.weights import Weight
 from ext.models.kvcache import CacheShapes, KVCache, cache_bytes_per_token
 from ext.models.rope import Rope
 
@@ -45,12 +47,13 @@ class ScoresScratch:
 
 @dataclass
 class GqaWeights:
-    """One layer's attention weights (norm vectors and biases in f32)."""
+    """One layer's attention weights: projections in their stored format (arrays or
+    QuantizedWeights, ext/models/weights.py), norm vectors and biases in f32."""
 
-    q: np.ndarray                    # [nH*D, H]
-    k: np.ndarray                    # [nKV*D, H]
-    v: np.ndarray                    # [nKV*D, H]
-    o: np.ndarray                    # [H, nH*D]
+    q: Weight                        # [nH*D, H]
+    k: Weight                        # [nKV*D, H]
+    v: Weight                        # [nKV*D, H]
+    o: Weight                        # [H, nH*D]
     q_bias: np.ndarray | None        # [nH*D]
     k_bias: np.ndarray | None        # [nKV*D]
     v_bias: np.ndarray | None        # [nKV*D]
@@ -92,8 +95,9 @@ class GroupedQueryAttention:
     def new_cache(self, capacity: int, max_capacity: int) -> KVCache:
         return KVCache(self.cache_shapes(self.config), capacity, max_capacity)
 
-    def load(self, layer: int, tensor) -> GqaWeights:
-        """Layer `layer`'s weights through `tensor(name, shape, f32=False)`."""
+    def load(self, layer: int, tensor, linear) -> GqaWeights:
+        """Layer `layer`'s weights: linear weights through `linear(module, shape, role)`
+        (in their stored format), norms and biases through `tensor(name, shape, f32=False)`."""
         c = self.config
         H, D = c.hidden_size, c.head_dim
         q_dim, kv_dim = c.num_attention_heads * D, c.num_key_value_heads * D
@@ -102,10 +106,10 @@ class GroupedQueryAttention:
         norm_q = {"head": (D,), "full": (q_dim,)}.get(c.qk_norm)
         norm_k = {"head": (D,), "full": (kv_dim,)}.get(c.qk_norm)
         return GqaWeights(
-            q=tensor(f"{a}.q_proj.weight", (q_dim, H)),
-            k=tensor(f"{a}.k_proj.weight", (kv_dim, H)),
-            v=tensor(f"{a}.v_proj.weight", (kv_dim, H)),
-            o=tensor(f"{a}.o_proj.weight", (H, q_dim)),
+            q=linear(f"{a}.q_proj", (q_dim, H), ATTENTION),
+            k=linear(f"{a}.k_proj", (kv_dim, H), ATTENTION),
+            v=linear(f"{a}.v_proj", (kv_dim, H), ATTENTION),
+            o=linear(f"{a}.o_proj", (H, q_dim), ATTENTION),
             q_bias=tensor(f"{a}.q_proj.bias", (q_dim,), f32=True) if bias else None,
             k_bias=tensor(f"{a}.k_proj.bias", (kv_dim,), f32=True) if bias else None,
             v_bias=tensor(f"{a}.v_proj.bias", (kv_dim,), f32=True) if bias else None,

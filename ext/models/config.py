@@ -16,11 +16,12 @@ helpers); what one family reads its own way is in its module of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ext.formats.files import MetadataFileError, read_json
+from ext.formats.quant import QuantMethod, parse_quantization_config
 
 MAX_LAYERS = 4096  # sanity bound: a config beyond it is corrupt, not a model
 
@@ -127,6 +128,8 @@ class ModelConfig:
             biases (GPT-OSS).
         num_nextn_predict_layers: multi-token-prediction layers stored after the
             decoder's (DeepSeek-V3, GLM-4.5); not used for decoding, their tensors ignored.
+        quantization: the parsed `quantization_config` (ext.formats.quant: which stored
+            formats the weights may have), or None when the weights are plain floats.
     """
 
     model_type: str
@@ -168,6 +171,7 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     expert_bias: bool = False
     num_nextn_predict_layers: int = 0
+    quantization: QuantMethod | None = None
 
     @property
     def top_k(self) -> int:
@@ -407,6 +411,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         UnsupportedConfigError: a value moed cannot compute (hidden_act other
             than silu, RoPE scaling, attention biases on OLMoE's o_proj, ...).
         ConfigError: a field of the wrong type or range.
+        ext.formats.quant.QuantizationConfigError: a `quantization_config` moed does
+            not read (unknown quant_method, fmt, activation scheme, ...).
     """
     from ext.models.families import FAMILIES  # the family modules import this one
 
@@ -420,7 +426,8 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
     if family is None:
         raise UnsupportedModelError(
             path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    return family.read_config(ConfigReader(path, raw))
+    config = family.read_config(ConfigReader(path, raw))
+    return replace(config, quantization=parse_quantization_config(raw, path))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -1,12 +1,14 @@
 """Routed experts: where each one lives in the checkpoint, and how the MoE block gets it.
 
 An expert is addressed as `(layer, expert)`. Its three projections — gate [I, H],
-up [I, H], down [H, I] in Hugging Face naming (Mixtral's w1, w3, w2) — are tensors
-of the model's own shards, possibly in three different files (transformers ≥ 5
-writes them so). `ExpertLayout` maps an address to those byte ranges; the MoE block
-asks an `ExpertProvider` for weights through `acquire` / `release`, so that the
-streaming cache can replace the simple providers defined here without touching
-the forward pass.
+up [I, H], down [H, I] in Hugging Face naming (Mixtral's w1, w3, w2) — are linear
+weights stored in one of the formats of ext/formats/quant.py: one tensor each
+(f32/f16/bf16), or several *pieces* each (FP8: the weight and its block scales; MXFP4:
+blocks and scales), possibly in different files (transformers ≥ 5 writes them so), or
+byte ranges of tensors fused over experts. `ExpertLayout` maps an address to those
+pieces; the MoE block asks an `ExpertProvider` for weights through `acquire` /
+`release`, so that the streaming cache can replace the simple providers defined here
+without touching the forward pass.
 """
 from __future__ import annotations
 
@@ -19,56 +21,77 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorInfo, TensorRangeError
+from ext.formats.checkpoint import Checkpoint, TensorInfo, TensorRangeError
+from ext.formats.quant import EXPERT, StoredWeight, resolve_weight
 from ext.models.config import ModelConfig
 from ext.models.families import family_of
 from ext.models.family import PROJECTIONS
+from ext.models.weights import Weight, read_weight, view_weight
+
+
+def expert_module_name(model_type: str, layer: int, expert: int, projection: str) -> str:
+    """Hub module name of one projection ("gate", "up" or "down") of a routed expert."""
+    return family_of(model_type).tensors.expert_module(layer, expert, projection)
 
 
 def expert_tensor_name(model_type: str, layer: int, expert: int, projection: str) -> str:
-    """Hub tensor name of one projection ("gate", "up" or "down") of a routed expert."""
-    return family_of(model_type).tensors.expert(layer, expert, projection)
+    """Hub name of one projection's weight, `<module>.weight` (its only tensor when the
+    weight is plain floats)."""
+    return expert_module_name(model_type, layer, expert, projection) + ".weight"
 
 
 class ExpertWeights(NamedTuple):
-    """One expert's projections as arrays in their native dtype (f32, f16 or bf16).
+    """One expert's projections as the kernels take them: arrays in their native dtype
+    (f32, f16, bf16) or QuantizedWeights over the stored pieces (ext/models/weights.py).
 
     gate, up: [moe_intermediate_size, hidden_size]; down: [hidden_size,
-    moe_intermediate_size]; C-contiguous. They stay valid until the provider's
-    `release` for the same acquire.
+    moe_intermediate_size]. They stay valid until the provider's `release` for the
+    same acquire.
     """
 
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 @dataclass(frozen=True)
 class ExpertLocation:
-    """Where one routed expert's projections lie on disk (per projection: file,
-    absolute offset, byte length, dtype, shape — see `checkpoint.TensorInfo`)."""
+    """Where one routed expert's projections lie on disk: per projection a StoredWeight,
+    whose pieces give file, absolute offset, byte length, dtype and shape."""
 
     layer: int
     expert: int
-    gate: TensorInfo
-    up: TensorInfo
-    down: TensorInfo
+    gate: StoredWeight
+    up: StoredWeight
+    down: StoredWeight
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        """Bytes of every piece of the expert (weights and scales)."""
+        return sum(p.nbytes for p in self.pieces())
 
-    def projections(self) -> tuple[TensorInfo, TensorInfo, TensorInfo]:
+    def projections(self) -> tuple[StoredWeight, StoredWeight, StoredWeight]:
         return (self.gate, self.up, self.down)
+
+    def pieces(self) -> tuple[TensorInfo, ...]:
+        """Every tensor (or byte range) the expert is made of, projection by projection."""
+        return tuple(p for w in self.projections() for p in w.pieces)
 
 
 class ExpertLayout:
     """Addresses of every routed expert of a checkpoint, validated against the config.
 
+    `format` is the experts' stored format (ext.formats.quant.formats(): "bf16",
+    "fp8_e4m3", "mxfp4", ...). Reads tensor headers only; the scale values are checked
+    by `check_scales`.
+
     Raises:
-        MissingTensorError: a projection of some (layer, expert) is absent.
-        TensorRangeError: a projection's shape or dtype disagrees with the config
-            or with its siblings (every expert of a model shares one dtype).
+        MissingTensorError: a projection (or a piece of it) of some (layer, expert) is
+            absent.
+        TensorRangeError: a projection's shape disagrees with the config, or its format
+            or piece dtypes with its siblings' (every expert of a model shares one).
+        QuantizationError: pieces that disagree with each other or with the
+            quantization config (ext/formats/quant.py).
     """
 
     def __init__(self, checkpoint: Checkpoint, config: ModelConfig):
@@ -76,32 +99,26 @@ class ExpertLayout:
         H, I = config.hidden_size, config.moe_intermediate_size
         expected = {"gate": (I, H), "up": (I, H), "down": (H, I)}
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
-        dtype = None
+        kind = None
         for layer, is_moe in enumerate(config.moe_layers):
             if not is_moe:
                 continue
             for expert in range(config.num_experts):
-                infos = {}
+                weights = {}
                 for proj in PROJECTIONS:
-                    name = expert_tensor_name(config.model_type, layer, expert, proj)
-                    if name not in checkpoint:
-                        raise MissingTensorError(
-                            f"expert ({layer}, {expert}) projection {proj} is missing",
-                            path=checkpoint.model_dir, tensor=name)
-                    info = checkpoint.info(name)
-                    if info.shape != expected[proj]:
+                    module = expert_module_name(config.model_type, layer, expert, proj)
+                    w = resolve_weight(checkpoint.tensors, module, expected[proj], EXPERT,
+                                       config.quantization, checkpoint.model_dir)
+                    this = (w.format, tuple(p.dtype for p in w.pieces), w.block)
+                    kind = kind or this
+                    if this != kind:
+                        first = w.pieces[0]
                         raise TensorRangeError(
-                            f"shape {list(info.shape)} but the config implies {list(expected[proj])}",
-                            path=info.path, tensor=name)
-                    dtype = dtype or info.dtype
-                    if info.dtype != dtype:
-                        raise TensorRangeError(
-                            f"dtype {info.dtype} differs from the other experts' {dtype}",
-                            path=info.path, tensor=name)
-                    info.numpy_dtype  # raises UnsupportedDtypeError for a dtype we cannot compute
-                    infos[proj] = info
-                self._locations[(layer, expert)] = ExpertLocation(layer, expert, **infos)
-        self.dtype = dtype
+                            f"stored as {_describe(this)}, unlike the other experts' {_describe(kind)}",
+                            path=first.path, tensor=first.name)
+                    weights[proj] = w
+                self._locations[(layer, expert)] = ExpertLocation(layer, expert, **weights)
+        self.format = kind[0] if kind else None
 
     def __getitem__(self, key: tuple[int, int]) -> ExpertLocation:
         return self._locations[key]
@@ -115,6 +132,22 @@ class ExpertLayout:
     @property
     def max_expert_bytes(self) -> int:
         return max((loc.nbytes for loc in self._locations.values()), default=0)
+
+    def check_scales(self, checkpoint: Checkpoint) -> None:
+        """Read every expert's scale pieces and refuse unusable ones (BadScaleError naming
+        the file and tensor): NaN, inf or negative scales, E8M0 255. Nothing to do for
+        plain float experts. Reads only the scales (1/16 of an MXFP4 expert, far less
+        of an FP8 one)."""
+        for loc in self:
+            for w in loc.projections():
+                pieces = w.checked_pieces()
+                if pieces:
+                    w.check_values({role: checkpoint.read(p) for role, p in pieces.items()})
+
+
+def _describe(kind: tuple) -> str:
+    fmt, dtypes, block = kind
+    return f"{fmt} ({', '.join(dtypes)})" if len(dtypes) > 1 else fmt
 
 
 class ExpertProvider(ABC):
@@ -162,12 +195,13 @@ class ExpertProvider(ABC):
 
 
 def _view(buf, offset: int, info: TensorInfo) -> np.ndarray:
-    return np.frombuffer(buf, dtype=info.numpy_dtype, count=info.nbytes // info.numpy_dtype.itemsize,
+    dtype = info.numpy_dtype
+    return np.frombuffer(buf, dtype=dtype, count=info.nbytes // dtype.itemsize,
                          offset=offset).reshape(info.shape)
 
 
 class ResidentExpertProvider(ExpertProvider):
-    """Every routed expert read into RAM at start (anonymous memory, native dtype).
+    """Every routed expert read into RAM at start (anonymous memory, stored format).
 
     Memory: `layout` total expert bytes. For models whose experts fit in RAM, and
     as the all-experts-resident reference of the benchmarks.
@@ -176,8 +210,8 @@ class ResidentExpertProvider(ExpertProvider):
     def __init__(self, checkpoint: Checkpoint, layout: ExpertLayout):
         self._weights: dict[tuple[int, int], ExpertWeights] = {}
         for loc in layout:
-            arrays = [checkpoint.load(info.name) for info in loc.projections()]
-            self._weights[(loc.layer, loc.expert)] = ExpertWeights(*arrays)
+            weights = [read_weight(checkpoint, w) for w in loc.projections()]
+            self._weights[(loc.layer, loc.expert)] = ExpertWeights(*weights)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         return [self._weights[(layer, int(e))] for e in experts]
@@ -217,7 +251,8 @@ class MmapExpertProvider(ExpertProvider):
             w = self._views.get(key)
             if w is None:
                 loc = self._layout[key]
-                w = ExpertWeights(*(_view(self._map(i.path), i.offset, i) for i in loc.projections()))
+                w = ExpertWeights(*(view_weight(p, lambda i: _view(self._map(i.path), i.offset, i))
+                                    for p in loc.projections()))
                 self._views[key] = w
             out.append(w)
         return out

@@ -42,10 +42,15 @@ class TensorNames:
     def moe(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_block}"
 
-    def expert(self, layer: int, expert: int, projection: str) -> str:
-        """Hub tensor name of one projection ("gate", "up" or "down") of a routed expert."""
+    def expert_module(self, layer: int, expert: int, projection: str) -> str:
+        """Hub module name of one projection ("gate", "up" or "down") of a routed expert
+        (its weight's tensors are named after it: ext/formats/quant.py)."""
         name = self.expert_projections[PROJECTIONS.index(projection)]
-        return f"{self.moe(layer)}.experts.{expert}.{name}.weight"
+        return f"{self.moe(layer)}.experts.{expert}.{name}"
+
+    def expert(self, layer: int, expert: int, projection: str) -> str:
+        """Hub tensor name of one projection's weight (plain floats: its only tensor)."""
+        return self.expert_module(layer, expert, projection) + ".weight"
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ext.formats.quant import ATTENTION
 from ext.kernels import _kernels as K_
 from ext.models.attention import ScoresScratch, Segments
 from ext.models.config import ModelConfig
 from ext.models.kvcache import CacheShapes, KVCache, cache_bytes_per_token
 from ext.models.rope import Rope, yarn_mscale
+from ext.models.weights import Weight
 
 F32 = np.float32
 MLA_NORM_EPS = 1e-6   # DeepseekV3RMSNorm's default, used for q_a_layernorm and kv_a_layernorm
@@ -39,18 +41,19 @@ MLA_NORM_EPS = 1e-6   # DeepseekV3RMSNorm's default, used for q_a_layernorm and 
 
 @dataclass
 class MlaWeights:
-    """One layer's MLA weights (norm vectors and biases in f32)."""
+    """One layer's MLA weights: linear weights in their stored format, norm vectors
+    and biases in f32."""
 
-    q: np.ndarray | None             # [nH*(dn+dr), H] q_proj, when q_lora_rank is None
-    q_a: np.ndarray | None           # [qr, H]
+    q: Weight | None                 # [nH*(dn+dr), H] q_proj, when q_lora_rank is None
+    q_a: Weight | None               # [qr, H]
     q_a_bias: np.ndarray | None      # [qr] (attention_bias)
     q_a_norm: np.ndarray | None      # [qr]
-    q_b: np.ndarray | None           # [nH*(dn+dr), qr]
-    kv_a: np.ndarray                 # [r+dr, H] kv_a_proj_with_mqa
+    q_b: Weight | None               # [nH*(dn+dr), qr]
+    kv_a: Weight                     # [r+dr, H] kv_a_proj_with_mqa
     kv_a_bias: np.ndarray | None     # [r+dr]
     kv_a_norm: np.ndarray            # [r]
-    kv_b: np.ndarray                 # [nH*(dn+dv), r]: per head dn key rows, then dv value rows
-    o: np.ndarray                    # [H, nH*dv]
+    kv_b: Weight                     # [nH*(dn+dv), r]: per head dn key rows, then dv value rows
+    o: Weight                        # [H, nH*dv]
     o_bias: np.ndarray | None        # [H]
 
 
@@ -94,8 +97,10 @@ class LatentAttention:
     def new_cache(self, capacity: int, max_capacity: int) -> KVCache:
         return KVCache(self.cache_shapes(self.config), capacity, max_capacity)
 
-    def load(self, layer: int, tensor) -> MlaWeights:
-        """Layer `layer`'s weights through `tensor(name, shape, f32=False)`."""
+    def load(self, layer: int, tensor, linear) -> MlaWeights:
+        """Layer `layer`'s weights: linear weights through `linear(module, shape, role)`
+        (in their stored format: FP8 stays FP8), norms and biases through
+        `tensor(name, shape, f32=False)`."""
         c, m = self.config, self.mla
         H, nH = c.hidden_size, c.num_attention_heads
         a = f"model.layers.{layer}.self_attn"
@@ -103,16 +108,17 @@ class LatentAttention:
         lora = m.q_lora_rank
         bias = c.qkv_bias
         return MlaWeights(
-            q=tensor(f"{a}.q_proj.weight", (q_rows, H)) if lora is None else None,
-            q_a=tensor(f"{a}.q_a_proj.weight", (lora, H)) if lora else None,
+            q=linear(f"{a}.q_proj", (q_rows, H), ATTENTION) if lora is None else None,
+            q_a=linear(f"{a}.q_a_proj", (lora, H), ATTENTION) if lora else None,
             q_a_bias=tensor(f"{a}.q_a_proj.bias", (lora,), f32=True) if lora and bias else None,
             q_a_norm=tensor(f"{a}.q_a_layernorm.weight", (lora,), f32=True) if lora else None,
-            q_b=tensor(f"{a}.q_b_proj.weight", (q_rows, lora)) if lora else None,
-            kv_a=tensor(f"{a}.kv_a_proj_with_mqa.weight", (lat, H)),
+            q_b=linear(f"{a}.q_b_proj", (q_rows, lora), ATTENTION) if lora else None,
+            kv_a=linear(f"{a}.kv_a_proj_with_mqa", (lat, H), ATTENTION),
             kv_a_bias=tensor(f"{a}.kv_a_proj_with_mqa.bias", (lat,), f32=True) if bias else None,
             kv_a_norm=tensor(f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,), f32=True),
-            kv_b=tensor(f"{a}.kv_b_proj.weight", (nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
-            o=tensor(f"{a}.o_proj.weight", (H, nH * m.v_head_dim)),
+            kv_b=linear(f"{a}.kv_b_proj", (nH * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                        ATTENTION),
+            o=linear(f"{a}.o_proj", (H, nH * m.v_head_dim), ATTENTION),
             o_bias=tensor(f"{a}.o_proj.bias", (H,), f32=True) if c.o_bias else None,
         )
 

@@ -5,7 +5,9 @@ heads, nKV key/value heads, D head_dim, E num_experts, K top_k (num_experts_per_
 I moe_intermediate_size, N token-expert pairs (T*K), S KV-cache capacity.
 
 Conventions: activations, the KV cache and routing are float32; weights stay in
-the checkpoint's dtype and are dequantised inside the kernels (`ext.kernels._kernels`).
+the checkpoint's format (f32/f16/bf16 arrays, or FP8 / MXFP4 / ... pieces behind a
+`QuantizedWeight`: ext/models/weights.py) and are dequantised inside the kernels
+(`ext.kernels._kernels`). Norms, biases and embeddings stay as stored (f32/f16/bf16).
 The forward pass reads in the order the math happens: embed → per layer
 (RMSNorm, attention, residual, RMSNorm, router, experts, weighted sum, residual)
 → final RMSNorm → logits. What differs between families — the attention kind
@@ -26,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorRangeError
+from ext.formats.checkpoint import (FLOAT_DTYPES, Checkpoint, MissingTensorError,
+                                    TensorRangeError, UnsupportedDtypeError)
+from ext.formats.quant import ATTENTION, HEAD, MLP, ROUTER, StoredWeight, resolve_weight
 from ext.kernels import _kernels as K_
 from ext.models.attention import Segments
 from ext.models.config import ModelConfig, load_config
@@ -35,6 +39,7 @@ from ext.models.experts import (ExpertLayout, ExpertProvider, MmapExpertProvider
 from ext.models.families import family_of
 from ext.models.kvcache import KVCache
 from ext.models.routing import RouterWeights
+from ext.models.weights import Weight, read_weight
 
 F32 = np.float32
 PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
@@ -51,16 +56,17 @@ def default_threads() -> int:
 @dataclass
 class MLPWeights:
     """A SwiGLU MLP held resident: gate/up [I, H], down [H, I] (dense layers and
-    shared experts)."""
+    shared experts), in their stored format."""
 
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 @dataclass
 class LayerWeights:
-    """Resident weights of one decoder layer (norm vectors in f32)."""
+    """Resident weights of one decoder layer (linear weights in their stored format,
+    norm vectors in f32)."""
 
     input_norm: np.ndarray           # [H]
     post_norm: np.ndarray            # [H]
@@ -68,7 +74,7 @@ class LayerWeights:
     router: RouterWeights | None     # MoE layers
     mlp: MLPWeights | None           # dense layers
     shared_expert: MLPWeights | None  # Qwen2-MoE
-    shared_expert_gate: np.ndarray | None  # [1, H], or None for an ungated shared expert
+    shared_expert_gate: Weight | None  # [1, H], or None for an ungated shared expert
 
 
 class _Workspace:
@@ -142,6 +148,7 @@ class Model:
         self.layout = layout
         self.experts = experts
         self.n_threads = n_threads
+        self.dense_weights: dict[str, StoredWeight] = {}   # every resident linear weight
         self.family = family_of(config.model_type)
         self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads)
         self.routing = self.family.routing(config)
@@ -164,11 +171,13 @@ class Model:
                 (all experts read into RAM), an ExpertProvider, or a factory called
                 as experts(checkpoint, layout, config) once those are open.
         Raises:
-            ConfigError / CheckpointError subclasses naming the field, file or tensor.
+            ConfigError / CheckpointError subclasses naming the field, file or tensor
+            (QuantizationError ones for quantised weights: ext/formats/quant.py).
         """
         config = load_config(model_dir)
         checkpoint = Checkpoint(model_dir)
         layout = ExpertLayout(checkpoint, config)
+        layout.check_scales(checkpoint)
         if experts == "mmap":
             provider: ExpertProvider = MmapExpertProvider(layout)
         elif experts == "resident":
@@ -184,6 +193,7 @@ class Model:
     # ------------------------------------------------------------- loading
 
     def _tensor(self, name: str, shape: tuple[int, ...], *, f32: bool = False) -> np.ndarray:
+        """A tensor that is not a linear weight (embedding, norm, bias): f32/f16/bf16."""
         if name not in self.checkpoint:
             raise MissingTensorError("required by the config but missing from the checkpoint",
                                      path=self.checkpoint.model_dir, tensor=name)
@@ -191,14 +201,25 @@ class Model:
         if info.shape != shape:
             raise TensorRangeError(f"shape {list(info.shape)} but the config implies {list(shape)}",
                                    path=info.path, tensor=name)
+        if info.dtype not in FLOAT_DTYPES:
+            raise UnsupportedDtypeError(f"dtype {info.dtype}: embeddings, norms and biases are "
+                                        f"read as stored ({', '.join(FLOAT_DTYPES)})",
+                                        path=info.path, tensor=name)
         arr = self.checkpoint.load(name)
         return np.ascontiguousarray(arr, dtype=F32) if f32 else arr
 
+    def _linear(self, module: str, shape: tuple[int, int], role: str) -> Weight:
+        """The linear weight of `module` [R, C] in its stored format (its scales checked)."""
+        stored = resolve_weight(self.checkpoint.tensors, module, shape, role,
+                                self.config.quantization, self.checkpoint.model_dir)
+        self.dense_weights[module] = stored
+        return read_weight(self.checkpoint, stored)
+
     def _mlp(self, prefix: str, inter: int) -> MLPWeights:
         H = self.config.hidden_size
-        return MLPWeights(gate=self._tensor(f"{prefix}.gate_proj.weight", (inter, H)),
-                          up=self._tensor(f"{prefix}.up_proj.weight", (inter, H)),
-                          down=self._tensor(f"{prefix}.down_proj.weight", (H, inter)))
+        return MLPWeights(gate=self._linear(f"{prefix}.gate_proj", (inter, H), MLP),
+                          up=self._linear(f"{prefix}.up_proj", (inter, H), MLP),
+                          down=self._linear(f"{prefix}.down_proj", (H, inter), MLP))
 
     def _load_dense(self) -> None:
         c, names = self.config, self.family.tensors
@@ -207,7 +228,7 @@ class Model:
         if c.tie_word_embeddings:
             self.lm_head = self.embed
         else:
-            self.lm_head = self._tensor("lm_head.weight", (V, H))
+            self.lm_head = self._linear("lm_head", (V, H), HEAD)
         self.final_norm = self._tensor("model.norm.weight", (H,), f32=True)
         self.layers: list[LayerWeights] = []
         for l in range(c.num_hidden_layers):
@@ -218,14 +239,31 @@ class Model:
             self.layers.append(LayerWeights(
                 input_norm=self._tensor(f"{p}.input_layernorm.weight", (H,), f32=True),
                 post_norm=self._tensor(f"{p}.post_attention_layernorm.weight", (H,), f32=True),
-                attention=self.attention.load(l, self._tensor),
-                router=self.routing.load(f"{moe}.{names.router}", self._tensor) if is_moe else None,
+                attention=self.attention.load(l, self._tensor, self._linear),
+                router=self.routing.load(f"{moe}.{names.router}", self._tensor, self._linear)
+                if is_moe else None,
                 mlp=None if is_moe else self._mlp(f"{p}.mlp", c.intermediate_size),
                 shared_expert=self._mlp(f"{moe}.{names.shared_expert}", c.shared_expert_intermediate_size)
                 if shared else None,
-                shared_expert_gate=self._tensor(f"{moe}.{names.shared_expert_gate}.weight", (1, H))
+                shared_expert_gate=self._linear(f"{moe}.{names.shared_expert_gate}", (1, H), ROUTER)
                 if gated else None,
             ))
+
+    def weight_formats(self) -> dict:
+        """Which stored formats the model uses (JSON-able; logs, /v1/models, metrics):
+        experts: the routed experts' format (ext.formats.quant.formats(), None without
+        experts); dense: the resident linear weights' format, or "mixed" when they differ
+        (e.g. FP8 projections beside a bf16 router); dense_formats: each format used and
+        how many weights have it; quantization: the quantization_config's fields, or None.
+        """
+        counts: dict[str, int] = {}
+        for w in self.dense_weights.values():
+            counts[w.format] = counts.get(w.format, 0) + 1
+        quant = self.config.quantization
+        return {"experts": self.layout.format,
+                "dense": next(iter(counts)) if len(counts) == 1 else "mixed",
+                "dense_formats": dict(sorted(counts.items())),
+                "quantization": quant.describe() if quant is not None else None}
 
     # ------------------------------------------------------------- serving
 

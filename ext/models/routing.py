@@ -14,19 +14,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ext.formats.quant import ROUTER
 from ext.kernels import _kernels as K_
 from ext.models.config import ModelConfig
+from ext.models.weights import Weight
 
 F32 = np.float32
 
 
 @dataclass
 class RouterWeights:
-    """One MoE layer's router: weight [E, H] in its stored dtype; bias [E] f32 of the
-    linear (GPT-OSS) and the selection-only correction bias [E] f32 (DeepSeek-V3,
-    GLM-4.5 `e_score_correction_bias`), or None."""
+    """One MoE layer's router: weight [E, H] in its stored format (an array, or a
+    QuantizedWeight if the checkpoint quantised it); bias [E] f32 of the linear
+    (GPT-OSS) and the selection-only correction bias [E] f32 (DeepSeek-V3, GLM-4.5
+    `e_score_correction_bias`), or None."""
 
-    weight: np.ndarray
+    weight: Weight
     bias: np.ndarray | None = None
     correction_bias: np.ndarray | None = None
 
@@ -39,10 +42,15 @@ class SoftmaxTopK:
     def __init__(self, config: ModelConfig):
         self.config = config
 
-    def load(self, prefix: str, tensor) -> RouterWeights:
-        """The router under `prefix` (e.g. model.layers.3.mlp.gate) via `tensor(name, shape)`."""
+    def load(self, prefix: str, tensor, linear) -> RouterWeights:
+        """The router module `prefix` (e.g. model.layers.3.mlp.gate): its weight through
+        `linear(module, shape, role)` (in its stored format), vectors through
+        `tensor(name, shape, f32=False)`."""
+        return RouterWeights(weight=self._weight(prefix, linear))
+
+    def _weight(self, prefix: str, linear) -> Weight:
         c = self.config
-        return RouterWeights(weight=tensor(f"{prefix}.weight", (c.num_experts, c.hidden_size)))
+        return linear(prefix, (c.num_experts, c.hidden_size), ROUTER)
 
     def logits(self, router: RouterWeights, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
         """out [T, E] = the router applied to h [T, H]."""
@@ -67,11 +75,10 @@ class SigmoidGroupedTopK(SoftmaxTopK):
     `routed_scaling_factor` (`_kernels.route_grouped`). Source: transformers'
     DeepseekV3TopkRouter and Glm4MoeTopkRouter."""
 
-    def load(self, prefix: str, tensor) -> RouterWeights:
-        c = self.config
-        return RouterWeights(weight=tensor(f"{prefix}.weight", (c.num_experts, c.hidden_size)),
+    def load(self, prefix: str, tensor, linear) -> RouterWeights:
+        return RouterWeights(weight=self._weight(prefix, linear),
                              correction_bias=tensor(f"{prefix}.e_score_correction_bias",
-                                                    (c.num_experts,), f32=True))
+                                                    (self.config.num_experts,), f32=True))
 
     def select(self, router: RouterWeights, logits: np.ndarray, ids: np.ndarray,
                weights: np.ndarray) -> None:
@@ -101,10 +108,9 @@ class TopKSoftmax(SoftmaxTopK):
     first and only they are softmaxed (`_kernels.route_topk_softmax`). Source:
     transformers' GptOssTopKRouter."""
 
-    def load(self, prefix: str, tensor) -> RouterWeights:
-        c = self.config
-        return RouterWeights(weight=tensor(f"{prefix}.weight", (c.num_experts, c.hidden_size)),
-                             bias=tensor(f"{prefix}.bias", (c.num_experts,), f32=True))
+    def load(self, prefix: str, tensor, linear) -> RouterWeights:
+        return RouterWeights(weight=self._weight(prefix, linear),
+                             bias=tensor(f"{prefix}.bias", (self.config.num_experts,), f32=True))
 
     def logits(self, router: RouterWeights, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
         K_.matmul(router.weight, h, out, n_threads)

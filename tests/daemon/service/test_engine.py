@@ -60,9 +60,24 @@ def _engine(model, tokenizer, **kw) -> Engine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def model_dirs(model_dir, tmp_path_factory):
+    """The fixture model in each stored format (same values before rounding)."""
+    dirs = {"bf16": model_dir}
+    for dtype in ("fp8", "mxfp4"):
+        dirs[dtype] = make_model(tmp_path_factory.mktemp(f"engine-{dtype}") / "m", arch="qwen3_moe",
+                                 layers=3, experts=8, top_k=2, hidden=64, intermediate=32,
+                                 dtype=dtype, seed=5, initializer_range=0.2)
+    return dirs
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "mxfp4"])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_tokens_are_the_same_alone_and_in_company(model_dir, tokenizer, streaming):
-    """12 requests with mixed sampling: one at a time vs eight sharing each step."""
+def test_tokens_are_the_same_alone_and_in_company(model_dirs, tokenizer, streaming, dtype):
+    """12 requests with mixed sampling: one at a time vs eight sharing each step, for
+    every stored format of the experts."""
+    model_dir = model_dirs[dtype]
+
     def load():
         if streaming:  # the smallest cache moed accepts: batch unions overflow it
             from daemon.store.plans import plans_for  # noqa: F401  (the budget helper reads plans)

@@ -1,0 +1,86 @@
+"""Low-bit checkpoints read independently of moed, for the oracle tests.
+
+The element formats are decoded by tests/quant_reference.py (numpy, written from the OCP
+FP8 and MX specs, not from moed's kernels); this module reads a whole checkpoint with
+the safetensors library and applies them by the checkpoint's own description — never
+ext/formats, and never transformers' FP8 dequantiser (which infers the block size from
+the scale grid and is wrong for shapes that are not multiples of 128):
+
+  FP8: `<module>.weight` F8_E4M3 [R, C] x `<module>.weight_scale_inv` per block of
+      quantization_config.weight_block_size (the last block partial); scales F32, BF16,
+      or UE8M0 exponents (U8 / F8_E8M0).
+  MXFP4: `<module>.weight_blocks` U8 [R, C/32, 16] with `<module>.weight_scales` U8.
+
+`dequantised_twin` writes a plain float32 copy of a low-bit checkpoint (same tensor
+names, `<module>.weight` for every quantised weight, no quantization_config) that
+transformers loads with its own model classes.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+from quant_reference import dequantize_fp8, dequantize_mxfp4
+from safetensors.torch import load_file, save_file
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """Codes and E8M0 scales as uint8, bf16 as ml_dtypes.bfloat16, the rest as float32."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8):
+        return t.view(torch.uint8).numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.float().numpy()
+
+
+def read_tensors(model_dir: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (torch dtype name, numpy array: codes as uint8, bf16 as bf16, else float32)."""
+    out = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, t in load_file(path).items():
+            out[name] = (str(t.dtype).removeprefix("torch."), _as_numpy(t))
+    return out
+
+
+def dequantise(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint as float32, quantised weights dequantised (by the
+    config's quantization_config, never by guessing from the shapes)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    block = tuple(quant.get("weight_block_size", (128, 128)))
+    tensors = read_tensors(model_dir)
+    out = {}
+    for name, (dtype, array) in tensors.items():
+        if name.endswith(("_scale_inv", "_scales")):
+            continue
+        if name.endswith(".weight_blocks"):
+            assert method == "mxfp4"
+            base = name.removesuffix("_blocks")
+            out[base] = dequantize_mxfp4(array, tensors[base + "_scales"][1])
+        elif dtype == "float8_e4m3fn":
+            assert method == "fp8"
+            out[name] = dequantize_fp8(array, tensors[name + "_scale_inv"][1], block)
+        else:
+            out[name] = array.astype(np.float32)
+    return out
+
+
+def dequantised_twin(model_dir: Path, twin_dir: Path) -> Path:
+    """Write the float32 dequantised copy of `model_dir` (config without its
+    quantization_config) into `twin_dir`; returns twin_dir."""
+    twin_dir.mkdir(parents=True)
+    save_file({k: torch.from_numpy(v) for k, v in dequantise(model_dir).items()},
+              str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["dtype"] = config["torch_dtype"] = "float32"
+    (twin_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, twin_dir / name)
+    return twin_dir
