@@ -75,6 +75,7 @@ cdef extern from "_kernels_impl.h" nogil:
     void moed_axpy(float a, const float *x, float *y, Py_ssize_t n)
     void moed_axpy_w(int dtype, float a, const void *w, float *y, Py_ssize_t n)
     float moed_silu(float g)
+    float moed_clamped_swiglu(float g, float u, float alpha, float limit)
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16 = np.dtype(np.float16)
@@ -842,6 +843,29 @@ cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t
             hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
 
 
+cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray group_start,
+                           cnp.ndarray hbuf, cnp.ndarray out, int n_threads) except -1:
+    """Check an expert FFN's token rows, groups and buffers; 1 when there is nothing to
+    compute (no experts and no rows)."""
+    _need_f32(x, "x", 2)
+    _need_f32(hbuf, "hbuf", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_writable(hbuf, "hbuf")
+    _need_threads(n_threads)
+    if group_start.dtype != np.int64 or group_start.ndim != 1 or group_start.shape[0] != K + 1:
+        raise ValueError(f"group_start: expected int64 [{K + 1}]")
+    cdef Py_ssize_t N = x.shape[0]
+    if K == 0:
+        if N:
+            raise ValueError(f"{name}: {N} token rows but no experts")
+        return 1
+    cdef const int64_t[::1] gs = group_start
+    if gs[0] != 0 or gs[K] != N:
+        raise ValueError(f"group_start must run from 0 to {N}")
+    return 0
+
+
 def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
                cnp.ndarray group_start, cnp.ndarray hbuf, cnp.ndarray out,
                int n_threads=1):
@@ -866,22 +890,10 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     cdef Py_ssize_t K = len(gates)
     if len(ups) != K or len(downs) != K:
         raise ValueError("expert_ffn: gates, ups and downs differ in length")
-    _need_f32(x, "x", 2)
-    _need_f32(hbuf, "hbuf", 2)
-    _need_f32(out, "out", 2)
-    _need_writable(out, "out")
-    _need_writable(hbuf, "hbuf")
-    _need_threads(n_threads)
-    if group_start.dtype != np.int64 or group_start.ndim != 1 or group_start.shape[0] != K + 1:
-        raise ValueError(f"group_start: expected int64 [{K + 1}]")
-    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
-    if K == 0:
-        if N:
-            raise ValueError(f"expert_ffn: {N} token rows but no experts")
+    if _need_expert_rows("expert_ffn", K, x, group_start, hbuf, out, n_threads):
         return
+    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
     cdef const int64_t[::1] gs = group_start
-    if gs[0] != 0 or gs[K] != N:
-        raise ValueError(f"group_start must run from 0 to {N}")
     cdef moed_weight *wd = <moed_weight *>malloc(3 * K * sizeof(moed_weight))
     if wd == NULL:
         raise MemoryError()
@@ -936,6 +948,179 @@ cdef int _check_expert(const moed_weight *d, const moed_weight *first, str name,
     if d.rows != rows or d.cols != cols:
         raise ValueError(f"{name}: shape {(d.rows, d.cols)}, expected {(rows, cols)}")
     return 0
+
+
+cdef enum:
+    FUSED_COLUMNS = 64    # output columns per unit of a transposed ([in, out]) projection
+
+
+cdef void _fused_gate_up_rows(const moed_weight *w, const float *bias, Py_ssize_t g,
+                              const float *x, Py_ssize_t n, float *hbuf, float alpha,
+                              float limit) noexcept nogil:
+    """Rows 4g..4g+3 of an interleaved gate_up [2I, H] (gate i = row 2i, up i = row
+    2i + 1) for the n tokens x_j: hbuf[j, i] = clamped_swiglu(gate + b[2i], up + b[2i+1])."""
+    cdef Py_ssize_t H = w.cols, I = w.rows // 2
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    cdef float o[8]
+    for j in range(n):
+        moed_w_dot_rows(w, r0, nr, x + j * H, o, 1)
+        for q in range(0, nr, 2):
+            hbuf[j * I + (r0 + q) // 2] = moed_clamped_swiglu(
+                o[q] + bias[r0 + q], o[q + 1] + bias[r0 + q + 1], alpha, limit)
+
+
+cdef void _columns_t(const moed_weight *w, Py_ssize_t c0, Py_ssize_t nc, const float *x,
+                     float *acc) noexcept nogil:
+    """acc[c] = sum over rows r, in order, of x[r] * w[r, c0 + c] for c < nc, w a plain
+    [in, out] weight (one f32 add per row and output)."""
+    cdef Py_ssize_t r, c
+    cdef size_t item = w.row_bytes // w.cols
+    for c in range(nc):
+        acc[c] = 0.0
+    for r in range(w.rows):
+        moed_axpy_w(w.fmt, x[r], w.codes + r * w.row_bytes + c0 * item, acc, nc)
+
+
+cdef void _fused_gate_up_cols(const moed_weight *w, const float *bias, Py_ssize_t g,
+                              const float *x, Py_ssize_t n, float *hbuf, float alpha,
+                              float limit) noexcept nogil:
+    """Columns of block g of a transposed interleaved gate_up [H, 2I] (gate i = column
+    2i, up i = column 2i + 1) for the n tokens x_j, into hbuf[j, i]."""
+    cdef Py_ssize_t H = w.rows, I = w.cols // 2
+    cdef Py_ssize_t c0 = g * FUSED_COLUMNS, j, c
+    cdef Py_ssize_t nc = w.cols - c0 if w.cols - c0 < FUSED_COLUMNS else FUSED_COLUMNS
+    cdef float acc[FUSED_COLUMNS]
+    for j in range(n):
+        _columns_t(w, c0, nc, x + j * H, acc)
+        for c in range(0, nc, 2):
+            hbuf[j * I + (c0 + c) // 2] = moed_clamped_swiglu(
+                acc[c] + bias[c0 + c], acc[c + 1] + bias[c0 + c + 1], alpha, limit)
+
+
+cdef void _down_rows(const moed_weight *w, const float *bias, Py_ssize_t g, const float *h,
+                     Py_ssize_t n, float *out) noexcept nogil:
+    """out[j, r] = w_r . h_j + bias[r] for the rows r of group g of a down [H, I]."""
+    cdef Py_ssize_t H = w.rows, I = w.cols
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(H - r0) if H - r0 < MOED_ROWS else MOED_ROWS
+    cdef float o[8]
+    for j in range(n):
+        moed_w_dot_rows(w, r0, nr, h + j * I, o, 1)
+        for q in range(nr):
+            out[j * H + r0 + q] = o[q] + bias[r0 + q]
+
+
+cdef void _down_cols(const moed_weight *w, const float *bias, Py_ssize_t g, const float *h,
+                     Py_ssize_t n, float *out) noexcept nogil:
+    """Columns of block g of a transposed down [I, H]: out[j, c] = sum_i h_j[i] w[i, c] + bias[c]."""
+    cdef Py_ssize_t I = w.rows, H = w.cols
+    cdef Py_ssize_t c0 = g * FUSED_COLUMNS, j, c
+    cdef Py_ssize_t nc = H - c0 if H - c0 < FUSED_COLUMNS else FUSED_COLUMNS
+    cdef float acc[FUSED_COLUMNS]
+    for j in range(n):
+        _columns_t(w, c0, nc, h + j * I, acc)
+        for c in range(nc):
+            out[j * H + c0 + c] = acc[c] + bias[c0 + c]
+
+
+def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
+                     cnp.ndarray down_bias, cnp.ndarray x, cnp.ndarray group_start,
+                     cnp.ndarray hbuf, cnp.ndarray out, bint transposed, float alpha,
+                     float limit, int n_threads=1):
+    """GPT-OSS's expert FFNs for groups of tokens: y = down(act(gate_up x + b1)) + b2,
+    act the clamped SwiGLU of `moed_clamped_swiglu` on the interleaved gate/up pairs.
+
+    Expert k is applied to x[group_start[k]:group_start[k+1]]. The projections are
+    stored as GPT-OSS ships them: `transposed` False — gate_up [2I, H] with gate i in
+    row 2i and up i in row 2i + 1, down [H, I], rows = outputs (MXFP4 QuantizedWeights,
+    or plain arrays); `transposed` True — plain f32/f16/bf16 arrays [in, out] as
+    transformers stores them: gate_up [H, 2I] (gate i in column 2i) and down [I, H].
+    A row-major output is reduced as `matmul` reduces a row; a transposed one sums
+    its inputs in order, one f32 add each. Each (expert, block of outputs) is one unit
+    of parallel work; results do not depend on the thread count or on which tokens
+    share a call.
+
+    Args:
+        gate_ups, downs: K weights as above, all of one format.
+        gate_up_bias: [K, 2I] float32 (`gate_up_proj_bias` rows of the K experts).
+        down_bias: [K, H] float32.
+        x: [N, H] float32 token rows grouped by expert. group_start: [K + 1] int64.
+        hbuf: [N, I] float32 scratch. out: [N, H] float32, writable.
+        alpha, limit: `swiglu_alpha`, `swiglu_limit`.
+    Raises ValueError on a shape, dtype or format mismatch, naming the expert index.
+    """
+    cdef Py_ssize_t K = len(gate_ups)
+    if len(downs) != K:
+        raise ValueError("expert_ffn_fused: gate_ups and downs differ in length")
+    _need_f32(gate_up_bias, "gate_up_bias", 2)
+    _need_f32(down_bias, "down_bias", 2)
+    if _need_expert_rows("expert_ffn_fused", K, x, group_start, hbuf, out, n_threads):
+        return
+    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
+    cdef const int64_t[::1] gs = group_start
+    cdef moed_weight *wd = <moed_weight *>malloc(2 * K * sizeof(moed_weight))
+    if wd == NULL:
+        raise MemoryError()
+    cdef moed_weight *wg = wd
+    cdef moed_weight *wdn = wd + K
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *b1 = <const float *>cnp.PyArray_DATA(gate_up_bias)
+    cdef const float *b2 = <const float *>cnp.PyArray_DATA(down_bias)
+    cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t f, n, row0, I, G1, G2
+    cdef int k
+    try:
+        for k in range(K):
+            _describe(gate_ups[k], f"gate_ups[{k}]", wg + k)
+            _describe(downs[k], f"downs[{k}]", wdn + k)
+        I = (wg[0].cols if transposed else wg[0].rows) // 2
+        if transposed and wg[0].fmt not in (MOED_F32, MOED_F16, MOED_BF16):
+            raise ValueError("expert_ffn_fused: transposed ([in, out]) weights must be plain "
+                             "f32/f16/bf16 arrays")
+        if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
+            raise ValueError(f"expert_ffn_fused: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
+        if _shape(gate_up_bias) != (K, 2 * I) or _shape(down_bias) != (K, H):
+            raise ValueError(f"expert_ffn_fused: biases {_shape(gate_up_bias)}, {_shape(down_bias)}, "
+                             f"expected {(K, 2 * I)}, {(K, H)}")
+        for k in range(K):
+            if gs[k + 1] < gs[k]:
+                raise ValueError("group_start must be non-decreasing")
+            if transposed:
+                _check_expert(wg + k, wg, f"gate_ups[{k}]", H, 2 * I)
+                _check_expert(wdn + k, wg, f"downs[{k}]", I, H)
+            else:
+                _check_expert(wg + k, wg, f"gate_ups[{k}]", 2 * I, H)
+                _check_expert(wdn + k, wg, f"downs[{k}]", H, I)
+        if transposed:
+            G1 = (2 * I + FUSED_COLUMNS - 1) // FUSED_COLUMNS
+            G2 = (H + FUSED_COLUMNS - 1) // FUSED_COLUMNS
+        else:
+            G1 = (2 * I + MOED_ROWS - 1) // MOED_ROWS
+            G2 = (H + MOED_ROWS - 1) // MOED_ROWS
+        n_threads = _threads_for(3 * N * H * I, n_threads)
+        with nogil:
+            for f in prange(K * G1, num_threads=n_threads, schedule="static"):
+                k = <int>(f // G1)
+                row0 = gs[k]
+                n = gs[k + 1] - row0
+                if n > 0 and transposed:
+                    _fused_gate_up_cols(wg + k, b1 + k * 2 * I, f % G1, xp + row0 * H, n,
+                                        hp + row0 * I, alpha, limit)
+                elif n > 0:
+                    _fused_gate_up_rows(wg + k, b1 + k * 2 * I, f % G1, xp + row0 * H, n,
+                                        hp + row0 * I, alpha, limit)
+            for f in prange(K * G2, num_threads=n_threads, schedule="static"):
+                k = <int>(f // G2)
+                row0 = gs[k]
+                n = gs[k + 1] - row0
+                if n > 0 and transposed:
+                    _down_cols(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
+                elif n > 0:
+                    _down_rows(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
+    finally:
+        free(wd)
 
 
 def combine_experts(cnp.ndarray y, cnp.ndarray rows, cnp.ndarray weights,

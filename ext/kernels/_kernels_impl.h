@@ -268,6 +268,16 @@ static inline void moed_axpy(float a, const float *x, float *y, ptrdiff_t n) {
     for (ptrdiff_t j = 0; j < n; j++) y[j] = y[j] + a * x[j];
 }
 
+/* GPT-OSS's clamped SwiGLU: gate clamped from above, up both ways at `limit`, then
+ * (up + 1) * gate * sigmoid(alpha * gate) (transformers' GptOssExperts._apply_gate). */
+static inline float moed_clamped_swiglu(float g, float u, float alpha, float limit) {
+    if (g > limit) g = limit;
+    if (u > limit) u = limit;
+    if (u < -limit) u = -limit;
+    float sig = 1.0f / (1.0f + expf(-(g * alpha)));
+    return (u + 1.0f) * (g * sig);
+}
+
 static inline float moed_silu(float g) {
     return g / (1.0f + expf(-g));
 }

@@ -75,6 +75,7 @@ class LayerWeights:
     mlp: MLPWeights | None           # dense layers
     shared_expert: MLPWeights | None  # Qwen2-MoE
     shared_expert_gate: Weight | None  # [1, H], or None for an ungated shared expert
+    expert_resident: object = None   # what the expert kind keeps resident (GPT-OSS: biases)
 
 
 class _Workspace:
@@ -152,6 +153,7 @@ class Model:
         self.family = family_of(config.model_type)
         self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads)
         self.routing = self.family.routing(config)
+        self.expert_ffn = self.family.experts(config, layout.transposed)
         self._load_dense()
         self.ws = _Workspace(config, PREFILL_CHUNK)
         moe = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
@@ -247,6 +249,7 @@ class Model:
                 if shared else None,
                 shared_expert_gate=self._linear(f"{moe}.{names.shared_expert_gate}", (1, H), ROUTER)
                 if gated else None,
+                expert_resident=self.expert_ffn.load(moe, self._tensor) if is_moe else None,
             ))
 
     def weight_formats(self) -> dict:
@@ -412,9 +415,9 @@ class Model:
             r0, r1 = int(group_start[g0]), int(group_start[g1])
             weights_of = self.experts.acquire(l, batch)          # the expert fetch
             try:
-                K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
-                              [w.down for w in weights_of], xg[r0:r1], group_start[g0:g1 + 1] - r0,
-                              ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
+                self.expert_ffn(layer.expert_resident, batch, weights_of, xg[r0:r1],
+                                group_start[g0:g1 + 1] - r0,
+                                ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
             finally:
                 self.experts.release(l, batch)
         rows = np.empty(N, np.int64)

@@ -5,7 +5,8 @@ tensor names); adding a family is adding its module and its entry below.
 """
 from ext.models.config import ModelConfig
 from ext.models.family import Family
-from ext.models.families import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from ext.models.families import (deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe,
+                                 qwen3_moe)
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     mixtral.FAMILY,
@@ -14,6 +15,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     olmoe.FAMILY,
     deepseek_v3.FAMILY,
     glm4_moe.FAMILY,
+    gpt_oss.FAMILY,
 )}
 FAMILIES["kimi_k2"] = deepseek_v3.FAMILY   # Kimi K2: DeepseekV3ForCausalLM under its own name
 
