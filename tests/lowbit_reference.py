@@ -9,7 +9,10 @@ the scale grid and is wrong for shapes that are not multiples of 128):
   FP8: `<module>.weight` F8_E4M3 [R, C] x `<module>.weight_scale_inv` per block of
       quantization_config.weight_block_size (the last block partial); scales F32, BF16,
       or UE8M0 exponents (U8 / F8_E8M0).
-  MXFP4: `<module>.weight_blocks` U8 [R, C/32, 16] with `<module>.weight_scales` U8.
+  MXFP4: `<module>.weight_blocks` U8 [R, C/32, 16] with `<module>.weight_scales` U8;
+      GPT-OSS's experts fused over [E, ...], `<param>_blocks` U8 [E, R, C/32, 16] with
+      `<param>_scales` [E, R, C/32] (rows = outputs), which transformers keeps as plain
+      `<param>` [E, C, R] (inputs first): the twin stores them so.
 
 `dequantised_twin` writes a plain float32 copy of a low-bit checkpoint (same tensor
 names, `<module>.weight` for every quantised weight, no quantization_config) that
@@ -62,6 +65,13 @@ def dequantise(model_dir: Path) -> dict[str, np.ndarray]:
             assert method == "mxfp4"
             base = name.removesuffix("_blocks")
             out[base] = dequantize_mxfp4(array, tensors[base + "_scales"][1])
+        elif name.endswith("_blocks"):                     # GPT-OSS: fused over experts
+            assert method == "mxfp4"
+            base = name.removesuffix("_blocks")
+            E, R, G, _ = array.shape
+            values = dequantize_mxfp4(array.reshape(E * R, G, 16),
+                                      tensors[base + "_scales"][1].reshape(E * R, G))
+            out[base] = np.ascontiguousarray(values.reshape(E, R, 32 * G).transpose(0, 2, 1))
         elif dtype == "float8_e4m3fn":
             assert method == "fp8"
             out[name] = dequantize_fp8(array, tensors[name + "_scale_inv"][1], block)

@@ -92,6 +92,12 @@ class GroupedQueryAttention:
     def kv_bytes_per_token(cls, config: ModelConfig) -> int:
         return cache_bytes_per_token(cls.cache_shapes(config))
 
+    @staticmethod
+    def weights_per_token(config: ModelConfig) -> int:
+        """Multiply-adds of one layer's projections for one token (q, k, v, o)."""
+        H, D = config.hidden_size, config.head_dim
+        return H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+
     def new_cache(self, capacity: int, max_capacity: int) -> KVCache:
         return KVCache(self.cache_shapes(self.config), capacity, max_capacity)
 

@@ -94,6 +94,18 @@ class LatentAttention:
     def kv_bytes_per_token(cls, config: ModelConfig) -> int:
         return cache_bytes_per_token(cls.cache_shapes(config))
 
+    @staticmethod
+    def weights_per_token(config: ModelConfig) -> int:
+        """Multiply-adds of one layer's projections for one token: q (through q_lora_rank
+        or not), kv_a, kv_b's key rows folded into the query and value rows into the
+        output (per head), o."""
+        m, H, nH = config.mla, config.hidden_size, config.num_attention_heads
+        q_rows = nH * m.qk_head_dim
+        q = H * q_rows if m.q_lora_rank is None else m.q_lora_rank * (H + q_rows)
+        kv = H * (m.kv_lora_rank + m.qk_rope_head_dim)
+        folded = nH * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + folded + nH * m.v_head_dim * H
+
     def new_cache(self, capacity: int, max_capacity: int) -> KVCache:
         return KVCache(self.cache_shapes(self.config), capacity, max_capacity)
 

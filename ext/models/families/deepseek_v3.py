@@ -66,9 +66,8 @@ def read_moe(r: ConfigReader, n_layers: int, *, n_group: int, topk_group: int,
 def read_mla(r: ConfigReader) -> MlaConfig:
     """The MLA sizes; an explicit null `q_lora_rank` means a plain q_proj (absent:
     the class default 1536)."""
-    q_lora = r.raw.get("q_lora_rank", 1536)
-    if q_lora is not None:
-        q_lora = r.positive("q_lora_rank")
+    q_lora = None if "q_lora_rank" in r.raw and r.raw["q_lora_rank"] is None \
+        else r.positive("q_lora_rank", 1536)
     rope_dim = r.positive("qk_rope_head_dim")
     if rope_dim % 2:
         raise r.unsupported("qk_rope_head_dim", f"RoPE needs an even number of dims, got {rope_dim}")
