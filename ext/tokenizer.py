@@ -42,6 +42,25 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 CONFIG_FILE = "config.json"
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte
+    in a byte-level BPE vocabulary -> the byte (the `bytes_to_unicode` table of
+    tokenizers' ByteLevel pre-tokenizer)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
 class ChatTemplateError(ValueError):
     """A chat template is missing, does not compile, or raised while rendering."""
 
@@ -277,6 +296,55 @@ class Tokenizer:
                 and (not ids or ids[0] != self.bos_token_id)):
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, letting other threads run meanwhile: `tokenizers` holds the GIL
+        through `encode` but releases it in `encode_batch` (a long prompt tokenized by
+        the server must not stall the engine thread's Python between kernels)."""
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of any vocabulary entry's string (added tokens included).
+
+        No token stands for more bytes of normalized text than its own string holds
+        (byte-level and byte-fallback strings are longer than the bytes they stand
+        for), so a text of N bytes is at least N / (max_token_bytes * 4) tokens even
+        after a normalizer (NFKC and the like change a character's length by at most
+        that factor): a cheap lower bound that refuses an oversized prompt untokenized.
+        """
+        if getattr(self, "_max_token_bytes", None) is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        return self._max_token_bytes
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) computed without tokenizing (see
+        `max_token_bytes`)."""
+        return len(text.encode("utf-8", "surrogatepass")) // (4 * self.max_token_bytes)
+
+    def to_json(self) -> str:
+        """tokenizer.json as loaded (for libraries that build their own view of it)."""
+        return self._backend.to_str()
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """The text of one token alone and the bytes it stands for (OpenAI's logprobs
+        `token` and `bytes`): a byte-level token that holds part of a UTF-8 character
+        has text with U+FFFD and its true bytes."""
+        piece = self._backend.id_to_token(token_id)
+        text = self._backend.decode([token_id], skip_special_tokens=False)
+        if piece is not None and all(c in _BYTE_DECODER for c in piece) and "\ufffd" in text:
+            return text, bytes(_BYTE_DECODER[c] for c in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return text, bytes([int(piece[3:5], 16)])      # a byte-fallback token
+            except ValueError:
+                pass
+        return text, text.encode("utf-8", "replace")
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Detokenize ids; invalid UTF-8 becomes U+FFFD."""

@@ -129,7 +129,9 @@ class Snapshot:
     Gauges: expert_cache_bytes / expert_cache_capacity_bytes per tier, pinned_experts,
     compute_threads, io_workers, memory_budget_bytes, memory_available_bytes,
     model_load_seconds. Daemon totals: state_saves, state_save_errors, tuner_trials,
-    tuner_accepted.
+    tuner_accepted. Prefill: prefill_tokens (prompt tokens computed, the others came from
+    the prefix cache); prefix_cache_queries / _hits / _reused_tokens / _evicted_blocks
+    (totals), prefix_cache_bytes / _capacity_bytes (gauges).
     """
 
     requests_running: int = 0
@@ -152,6 +154,13 @@ class Snapshot:
     state_save_errors: int = 0
     tuner_trials: int = 0
     tuner_accepted: int = 0
+    prefill_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_reused_tokens: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_capacity_bytes: int = 0
+    prefix_cache_evicted_blocks: int = 0
 
 
 # ------------------------------------------------------------------ the collector
@@ -202,6 +211,20 @@ class SnapshotCollector(prometheus_client.registry.Collector):
         yield _gauge("moed_requests_waiting", "Requests queued for a place in the batch.",
                      s.requests_waiting)
         yield _counter("moed_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
+        yield _counter("moed_prefill_tokens", "Prompt tokens computed by prefill (the rest "
+                       "came from the prefix cache).", s.prefill_tokens)
+        yield _counter("moed_prefix_cache_queries", "Prefix cache lookups, one per admitted "
+                       "request.", s.prefix_cache_queries)
+        yield _counter("moed_prefix_cache_hits", "Prefix cache lookups that reused at least "
+                       "one block.", s.prefix_cache_hits)
+        yield _counter("moed_prefix_cache_reused_tokens", "Prompt tokens whose KV came from "
+                       "the prefix cache.", s.prefix_cache_reused_tokens)
+        yield _counter("moed_prefix_cache_evicted_blocks", "Prefix cache blocks evicted "
+                       "(least recently used first).", s.prefix_cache_evicted_blocks)
+        yield _gauge("moed_prefix_cache_bytes", "Bytes of KV blocks held by the prefix cache.",
+                     s.prefix_cache_bytes)
+        yield _gauge("moed_prefix_cache_capacity_bytes", "Byte budget of the prefix cache "
+                     "(prefix_cache_bytes).", s.prefix_cache_capacity_bytes)
         yield _counter("moed_generation_tokens", "Tokens generated, including those of requests cancelled before "
                        "they were delivered.",
                        s.generation_tokens)

@@ -18,6 +18,11 @@ TYPES = {
     "moed_inter_token_latency_seconds": "histogram",
     "moed_request_duration_seconds": "histogram", "moed_prompt_tokens_total": "counter",
     "moed_generation_tokens_total": "counter", "moed_requests_finished_total": "counter",
+    # prefill and the prefix cache
+    "moed_prefill_tokens_total": "counter", "moed_prefix_cache_queries_total": "counter",
+    "moed_prefix_cache_hits_total": "counter", "moed_prefix_cache_reused_tokens_total": "counter",
+    "moed_prefix_cache_evicted_blocks_total": "counter", "moed_prefix_cache_bytes": "gauge",
+    "moed_prefix_cache_capacity_bytes": "gauge",
     # experts
     "moed_expert_lookups_total": "counter", "moed_expert_bytes_read_total": "counter",
     "moed_expert_read_seconds": "histogram", "moed_expert_read_errors_total": "counter",
@@ -68,7 +73,8 @@ BUCKETS = {"moed_request_queue_seconds": REQUEST_BUCKETS,
 # Families whose value is configuration or a reading of the host, not an event count.
 NOT_ZERO_AT_START = {"moed_build_info", "moed_expert_cache_capacity_bytes", "moed_compute_threads",
                      "moed_io_workers", "moed_memory_budget_bytes", "moed_memory_available_bytes",
-                     "moed_model_load_seconds", "moed_expert_cache_bytes"}
+                     "moed_model_load_seconds", "moed_expert_cache_bytes",
+                     "moed_prefix_cache_capacity_bytes"}
 
 Series = tuple[str, frozenset]
 

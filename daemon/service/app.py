@@ -1,7 +1,7 @@
 """The HTTP side of `moed serve`: routes, middlewares and OpenAI-shaped answers (aiohttp).
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions, POST /tokenize and /detokenize (llama-server's shapes), GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
 the daemon's uid or root, from SO_PEERCRED; refused on TCP). Errors are OpenAI-shaped.
 
 `HttpApp` reads the serving state of its `Daemon` (phase, loaded model, configuration)
@@ -67,6 +67,9 @@ class HttpApp:
         app = web.Application(middlewares=[self._count, self._errors, self._auth])
         app.router.add_get("/health", self.health, name="health")
         app.router.add_get("/v1/models", self.models, name="models")
+        app.router.add_get("/v1/models/{model_id:.+}", self.model, name="model")
+        app.router.add_post("/tokenize", self.tokenize, name="tokenize")
+        app.router.add_post("/detokenize", self.detokenize, name="detokenize")
         app.router.add_post("/v1/completions", self.completions, name="completions")
         app.router.add_post("/v1/chat/completions", self.chat_completions, name="chat_completions")
         app.router.add_get("/metrics", self.metrics, name="metrics")
@@ -173,11 +176,33 @@ class HttpApp:
         reason = "loading the model" if self.state.phase == "loading" else "shutting down"
         return web.json_response({"status": self.state.phase, "reason": reason}, status=503)
 
+    def _model_card(self, loaded: Loaded) -> dict:
+        return {"id": loaded.model_names[0], "object": "model",
+                "created": int(self.state.started_wall), "owned_by": "moed",
+                "max_model_len": loaded.context, "weights": loaded.weight_formats}
+
     async def models(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
-        return web.json_response({"object": "list", "data": [
-            {"id": loaded.model_names[0], "object": "model", "created": int(self.state.started_wall),
-             "owned_by": "moed", "weights": loaded.weight_formats}]})
+        return web.json_response({"object": "list", "data": [self._model_card(loaded)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the official client's models.retrieve()."""
+        loaded = self._require_ready()
+        model_id = request.match_info["model_id"]
+        if model_id not in loaded.model_names:
+            raise ApiError(404, f"the model '{model_id}' does not exist; this daemon serves "
+                                f"'{loaded.model_names[0]}'", param="model", code="model_not_found")
+        return web.json_response(self._model_card(loaded))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        body = await self._json(request)
+        return web.json_response(await asyncio.to_thread(api.tokenize, body, loaded.engine.tokenizer))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        body = await self._json(request)
+        return web.json_response(await asyncio.to_thread(api.detokenize, body, loaded.engine.tokenizer))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -192,7 +217,8 @@ class HttpApp:
         parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
             api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
             stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.state.config.max_tokens,
-            request_timeout_s=self.state.config.request_timeout_s, now=engine.clock())
+            request_timeout_s=self.state.config.request_timeout_s, now=engine.clock(),
+            grammars=loaded.grammars, max_n=self.state.config.max_concurrent_sequences)
         try:
             handle = engine.submit(parsed.engine, asyncio.get_running_loop())
         except QueueFullError as e:
@@ -213,17 +239,26 @@ class HttpApp:
                 handle.cancel()      # the client went away (or we failed): free the place
 
     async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
-        parts = []
+        n = parsed.engine.n
+        parts: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
         while True:
             event = await handle.events.get()
-            parts.append(event.text)
+            parts[event.index].append(event.text)
+            entries[event.index].extend(event.logprobs)
             if event.finish_reason is not None:
+                reasons[event.index] = event.finish_reason
+            if event.last:
                 break
-        if event.finish_reason == "error":
+        if "error" in reasons:
             raise ApiError(500, f"generation failed: {event.error}", type="server_error",
                            code="engine_error")
-        return web.json_response(api.full_response(parsed, "".join(parts), event.finish_reason,
-                                                   event.stats))
+        tokenizer = self.state.loaded.engine.tokenizer
+        choices = [api.Choice("".join(parts[i]), reasons[i],
+                              api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
+                              if parsed.logprobs else None) for i in range(n)]
+        return web.json_response(api.full_response(parsed, choices, event.stats))
 
     async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
                       handle: RequestHandle) -> web.StreamResponse:
@@ -231,26 +266,35 @@ class HttpApp:
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         created = int(time.time())
+        tokenizer = self.state.loaded.engine.tokenizer
+        formatters = [api.LogprobFormatter(tokenizer, parsed.chat) for _ in range(parsed.engine.n)]
 
         async def send(payload) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload, separators=(",", ":")).encode()
             await response.write(b"data: " + data + b"\n\n")
 
         if parsed.chat:
-            await send(api.chunk(parsed, created, role=True))
+            for i in range(parsed.engine.n):
+                await send(api.chunk(parsed, created, role=True, index=i))
+        failed = None
         while True:
             event = await handle.events.get()
-            if event.text:
-                await send(api.chunk(parsed, created, text=event.text))
-            if event.finish_reason is not None:
+            logprobs = formatters[event.index].format(event.logprobs) if parsed.logprobs and event.logprobs else None
+            if event.text or logprobs:
+                await send(api.chunk(parsed, created, text=event.text, index=event.index,
+                                     logprobs=logprobs))
+            if event.finish_reason == "error":
+                failed = event.error
+            elif event.finish_reason is not None:
+                await send(api.chunk(parsed, created, finish_reason=event.finish_reason,
+                                     index=event.index))
+            if event.last:
                 break
-        if event.finish_reason == "error":
-            await send(ApiError(500, f"generation failed: {event.error}", type="server_error",
+        if failed is not None:
+            await send(ApiError(500, f"generation failed: {failed}", type="server_error",
                                 code="engine_error").body())
-        else:
-            await send(api.chunk(parsed, created, finish_reason=event.finish_reason))
-            if parsed.include_usage:
-                await send(api.chunk(parsed, created, stats=event.stats))
+        elif parsed.include_usage:
+            await send(api.chunk(parsed, created, stats=event.stats))
         await send(b"[DONE]")
         await response.write_eof()
         return response

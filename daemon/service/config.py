@@ -227,6 +227,13 @@ def _size(value: object) -> int:
                      f"got {_type_name(value)}")
 
 
+def _size_or_zero(value: object) -> int:
+    """A size as `_size`, or 0 (``0``, ``"0"``): the feature is off."""
+    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+        return 0
+    return _size(value)
+
+
 def _mode(value: object) -> int:
     if isinstance(value, str):
         digits = value.strip()
@@ -347,6 +354,11 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                 "sized by the memory planner"),
     "max_concurrent_sequences": _Key(_int(1, MAX_CONCURRENT_SEQUENCES), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
+    "prefill_step_ratio": _Key(_float(1, lo_open=True, hi=100), "R",
+                               "a step that prefills beside decodes aims at R decode steps' "
+                               "time (higher: long prompts first; lower: streams first)"),
+    "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
+                                                      "that start the same way (0: off)"),
     "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
     "max_body_bytes": _Key(_size, "SIZE", "largest request body"),
     "request_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS", "a request's time limit"),
@@ -395,6 +407,8 @@ class ServeConfig:
     expert_cache_bytes: int | None = None
     max_concurrent_sequences: int = 4
     max_queue: int = 64
+    prefill_step_ratio: float = 2.75
+    prefix_cache_bytes: int = 512 * MIB
     max_tokens: int = 4096
     max_body_bytes: int = 1 * MIB
     request_timeout_s: float = 600.0

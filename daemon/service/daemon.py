@@ -185,6 +185,10 @@ class Daemon:
         try:
             if loaded is not None:
                 loaded.engine.set_limits(new.max_concurrent_sequences, new.max_queue)
+                loaded.engine.prefill_step_ratio = new.prefill_step_ratio
+                if "prefix_cache_bytes" in changed:
+                    await asyncio.wrap_future(loaded.engine.call(
+                        lambda: loaded.engine.prefix_cache.resize(new.prefix_cache_bytes)))
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
                     if self.state.memory_watcher is not None and new.expert_cache_bytes is not None:

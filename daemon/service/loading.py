@@ -16,6 +16,7 @@ from pathlib import Path
 from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
 from daemon.service.engine import Engine, RequestHandle
+from daemon.service.grammar import Grammars
 from daemon.store.plans import plans_for
 from daemon.store.session import open_model
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
@@ -45,6 +46,7 @@ class Loaded:
     tuner: object | None = None  # daemon.tuning.live.LiveTuner (tuner = live / live+idle)
     workload: object | None = None  # daemon.tuning.workload.Workload for live+idle
     weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
+    grammars: object | None = None  # daemon.service.grammar.Grammars (response_format)
 
 
 def request_finished(handle: RequestHandle, telemetry=None) -> None:
@@ -56,6 +58,7 @@ def request_finished(handle: RequestHandle, telemetry=None) -> None:
                                    s.duration_s)
     log.info("request_finished", request_id=handle.request.request_id, endpoint=handle.endpoint,
              finish_reason=handle.finish_reason, prompt_tokens=s.prompt_tokens,
+             cached_tokens=s.cached_tokens,
              completion_tokens=s.completion_tokens, queue_seconds=round(s.queue_s, 6),
              time_to_first_token_seconds=None if s.time_to_first_token_s is None
              else round(s.time_to_first_token_s, 6),
@@ -74,10 +77,12 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     cache_bytes = config.expert_cache_bytes
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
-                                      pin_fraction=config.pin_fraction)
+                                      pin_fraction=config.pin_fraction,
+                                      prefix_cache_bytes=config.prefix_cache_bytes)
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
                  kv_bytes=p.kv_bytes, kv_context_tokens=planned.context,
+                 prefix_cache_bytes=config.prefix_cache_bytes,
                  runtime_bytes=p.runtime_bytes, margin_bytes=p.margin_bytes,
                  expert_cache_bytes=p.expert_cache_bytes, all_experts_bytes=planned.all_experts_bytes,
                  experts="streamed" if planned.stream else "memory-mapped (they all fit)")
@@ -89,7 +94,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ)
     engine = Engine(model, tokenizer, max_concurrent_sequences=config.max_concurrent_sequences,
-                    max_queue=config.max_queue,
+                    max_queue=config.max_queue, prefix_cache_bytes=config.prefix_cache_bytes,
+                    prefill_step_ratio=config.prefill_step_ratio,
                     on_finish=lambda handle: request_finished(handle, telemetry),
                     on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
                     on_token_gap=telemetry.token_gap if telemetry is not None else None)
@@ -105,12 +111,17 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             engine.step_observers.append(tuner.step_done)
             if config.tuner == "live+idle":
                 workload = Workload(model, workload_prompts(model_dir, model.config.vocab_size))
+    try:
+        grammars = Grammars(tokenizer, model.config.vocab_size, stop_ids)
+    except ValueError as e:       # llguidance cannot read this tokenizer: text only
+        log.warning("grammar_unavailable", error=str(e))
+        grammars = None
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
                   context=model.config.max_position_embeddings, session=session,
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
-                  weight_formats=model.weight_formats())
+                  weight_formats=model.weight_formats(), grammars=grammars)
 
 
 PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)
@@ -134,12 +145,15 @@ class ServingPlan:
 
 
 def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequences: int,
-                        pin_fraction: float, reading: MemoryReading | None = None) -> ServingPlan:
+                        pin_fraction: float, reading: MemoryReading | None = None,
+                        prefix_cache_bytes: int = 0) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
     machine (default: `read_memory()`): dense weights (every tensor that is not a routed
-    expert, nor of a multi-token-prediction layer the decoder does not use), KV cache (f32, in the layout of the model's attention kind, every layer,
-    PLANNED_CONTEXT or the model's context if smaller, per sequence), RUNTIME_BYTES, a MARGIN_FRACTION margin; the expert cache
-    gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
+    expert, nor of a multi-token-prediction layer the decoder does not use), KV cache (f32,
+    in the layout of the model's attention kind, every layer, PLANNED_CONTEXT or the model's
+    context if smaller, per sequence), RUNTIME_BYTES plus the prefix cache's
+    prefix_cache_bytes (the plan's runtime_bytes holds both), a MARGIN_FRACTION margin; the
+    expert cache gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
     giving every number) when the dense part does not fit, and the model loaders' errors.
     """
     config = load_config(model_dir)
@@ -156,7 +170,7 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     slot = max(slots)
     plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_sequence=kv,
                        max_concurrent_sequences=max_concurrent_sequences,
-                       runtime_bytes=RUNTIME_BYTES, slot_bytes=slot,
+                       runtime_bytes=RUNTIME_BYTES + prefix_cache_bytes, slot_bytes=slot,
                        min_dynamic_slots=config.top_k * sum(config.moe_layers),
                        pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION)
     all_experts = slot * len(slots)

@@ -49,6 +49,40 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for layer in self.layers for a in layer)
 
+    def read(self, start: int, stop: int) -> list[np.ndarray]:
+        """A copy of what positions start:stop hold: one array per cache array, layer by
+        layer, each [..., stop - start, width] float32. ValueError past `length`."""
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"positions {start}:{stop} outside the {self.length} held")
+        return [a[..., start:stop, :].copy() for layer in self.layers for a in layer]
+
+    def write(self, start: int, block: list[np.ndarray]) -> None:
+        """Put `block` (as `read` returns it) at positions start:start+n and hold them:
+        `length` becomes start + n. start must be <= `length` (what followed is
+        forgotten); ValueError otherwise, for a block of another shape, or past
+        max_capacity."""
+        arrays = [a for layer in self.layers for a in layer]
+        n = block[0].shape[-2] if block else 0
+        if len(block) != len(arrays) or any(b.shape[:-2] != a.shape[:-2] or b.shape[-1] != a.shape[-1]
+                                            or b.shape[-2] != n for a, b in zip(arrays, block)):
+            raise ValueError("the block does not have this cache's shapes")
+        if not 0 <= start <= self.length:
+            raise ValueError(f"a block at {start} would leave a gap after the {self.length} held")
+        self.length = start
+        self.reserve(n)
+        arrays = [a for layer in self.layers for a in layer]     # reserve may reallocate
+        for a, b in zip(arrays, block):
+            a[..., start:start + n, :] = b
+        self.length = start + n
+
+    def copy(self) -> KVCache:
+        """An independent copy holding the same positions (same capacity)."""
+        out = KVCache.__new__(KVCache)
+        out.shapes, out.max_capacity = self.shapes, self.max_capacity
+        out.length, out.capacity = self.length, self.capacity
+        out.layers = [tuple(a.copy() for a in layer) for layer in self.layers]
+        return out
+
     def reserve(self, n_tokens: int) -> None:
         """Make room for `n_tokens` more; ValueError past max_capacity."""
         need = self.length + n_tokens

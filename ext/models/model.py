@@ -307,38 +307,66 @@ class Model:
     def forward_batch(self, seqs: list[Sequence], token_ids) -> np.ndarray:
         """One decode step for several sequences at once: token_ids[b] follows seqs[b].
 
-        The rows share every weight read — the union of their experts is acquired
-        once per MoE layer — and each row's logits are bit-identical to
-        `forward(seqs[b], [token_ids[b]])` (row-wise kernels with fixed reduction
-        order; attention reads only the row's own KV cache).
+        `forward_step` with one token per sequence; each row's logits are bit-identical
+        to `forward(seqs[b], [token_ids[b]])`.
 
-        Args:
-            seqs: 1..PREFILL_CHUNK distinct sequences; each KV cache grows by one.
-            token_ids: [len(seqs)] ints in [0, vocab_size).
         Returns:
             [len(seqs), V] float32 logits (a new array).
         Raises:
-            ValueError: no sequences, more than PREFILL_CHUNK, a sequence given twice,
-                a length mismatch, an id out of range, or a context exceeded (checked
-                for every sequence before any changes).
+            ValueError: as `forward_step`, and a length mismatch.
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if not seqs or len(seqs) > PREFILL_CHUNK:
-            raise ValueError(f"forward_batch takes 1 to {PREFILL_CHUNK} sequences, got {len(seqs)}")
-        if len({id(s) for s in seqs}) != len(seqs):
-            raise ValueError("forward_batch got the same sequence twice")
         if ids.size != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but {ids.size} token ids")
+        return self.forward_step(seqs, [ids[b:b + 1] for b in range(ids.size)])
+
+    def forward_step(self, seqs: list[Sequence], token_ids: list) -> np.ndarray:
+        """One step over several sequences, each continuing with its own tokens.
+
+        token_ids[b] ([T_b] ints) follows what seqs[b] holds: one token is a decode row,
+        several are a chunk of a prompt's prefill, and both kinds share the step. The
+        rows share every weight read — the union of their experts is acquired once per
+        MoE layer — and each row's arithmetic depends only on its own tokens and KV
+        cache (row-wise kernels with a fixed reduction order; attention reads only the
+        row's own cache), so the logits of seqs[b] are bit-identical to
+        `forward(seqs[b], token_ids[b])`, whatever else is in the step.
+
+        Args:
+            seqs: distinct sequences; each KV cache grows by len(token_ids[b]).
+            token_ids: one non-empty [T_b] array (or list) per sequence, with
+                sum(T_b) <= PREFILL_CHUNK.
+        Returns:
+            [len(seqs), V] float32 logits of each sequence's last token (a new array).
+        Raises:
+            ValueError: no sequences, a sequence given twice, a length mismatch, an
+                empty chunk, more than PREFILL_CHUNK tokens in all, an id out of range,
+                or a context exceeded (checked for every sequence before any changes).
+        """
+        if not seqs or len(seqs) != len(token_ids):
+            raise ValueError(f"forward_step takes one token list per sequence, got {len(seqs)} "
+                             f"sequences and {len(token_ids)} token lists")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("forward_step got the same sequence twice")
+        chunks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_ids]
+        if any(c.size == 0 for c in chunks):
+            raise ValueError("forward_step got an empty token list")
+        ids = np.concatenate(chunks)
+        if ids.size > PREFILL_CHUNK:
+            raise ValueError(f"forward_step takes at most {PREFILL_CHUNK} tokens in all, got {ids.size}")
         self._check_ids(ids)
-        for seq in seqs:
-            if seq.kv.length + 1 > seq.kv.max_capacity:
-                raise ValueError(f"sequence of {seq.kv.length + 1} tokens exceeds the context of "
-                                 f"{seq.kv.max_capacity}")
-        for seq in seqs:
-            seq.kv.reserve(1)
-        h = self._forward_rows([(seq.kv, b, b + 1) for b, seq in enumerate(seqs)], ids)
+        for seq, chunk in zip(seqs, chunks):
+            if seq.kv.length + chunk.size > seq.kv.max_capacity:
+                raise ValueError(f"sequence of {seq.kv.length + chunk.size} tokens exceeds the "
+                                 f"context of {seq.kv.max_capacity}")
+        segments, r0 = [], 0
+        for seq, chunk in zip(seqs, chunks):
+            seq.kv.reserve(chunk.size)
+            segments.append((seq.kv, r0, r0 + chunk.size))
+            r0 += chunk.size
+        h = self._forward_rows(segments, ids)
+        last = np.ascontiguousarray(h[[r1 - 1 for _, _, r1 in segments]])   # [len(seqs), H]
         logits = np.empty((len(seqs), self.config.vocab_size), F32)
-        K_.matmul(self.lm_head, h, logits, self.n_threads)
+        K_.matmul(self.lm_head, last, logits, self.n_threads)
         return logits
 
     def _check_ids(self, ids: np.ndarray) -> None:

@@ -325,6 +325,8 @@ def test_curl_streaming_sse_framing(daemon, tokenizer):
                                  "finish_reason": "length"}]
     prompt_tokens = chat_prompt_tokens(tokenizer, messages)
     assert usage["choices"] == []
+    cached = usage["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert cached % 16 == 0 and 0 <= cached < prompt_tokens     # whole prefix-cache blocks
     assert usage["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9,
                               "total_tokens": prompt_tokens + 9}
     assert len({c["id"] for c in chunks}) == 1 and first["id"].startswith("chatcmpl-")
@@ -337,6 +339,8 @@ def test_curl_streaming_sse_framing(daemon, tokenizer):
     assert status == 200
     assert full["choices"][0]["message"]["content"] == "".join(
         c["choices"][0]["delta"]["content"] for c in content)
+    # the streamed run left the whole prompt's blocks in the prefix cache
+    assert full["usage"].pop("prompt_tokens_details") == {"cached_tokens": (prompt_tokens - 1) // 16 * 16}
     assert full["usage"] == usage["usage"]
 
 
@@ -426,7 +430,12 @@ def test_concurrent_clients_get_the_same_answers_as_alone(daemon):
     concurrent = asyncio.run(together())
     after = stats(daemon)
 
+    reused = 0
     for (path, body), a, c in zip(specs, alone, concurrent):
+        # The second run finds the first one's prompts in the prefix cache: the same
+        # answers, but the usage says how much of each prompt was reused.
+        reused += c["usage"].pop("prompt_tokens_details")["cached_tokens"]
+        assert a["usage"].pop("prompt_tokens_details") == {"cached_tokens": 0}
         assert c == a, (path, body)
         if body["ignore_eos"]:
             assert a["usage"]["completion_tokens"] == body["max_tokens"]
@@ -437,6 +446,7 @@ def test_concurrent_clients_get_the_same_answers_as_alone(daemon):
     assert 2 * steps < tokens <= 4 * steps
     assert after["requests"]["total"] - before["requests"]["total"] == len(specs)
     assert after["requests"]["running"] == 0 and after["requests"]["waiting"] == 0
+    assert reused > 0 and after["prefix_cache"]["reused_tokens"] - before["prefix_cache"]["reused_tokens"] == reused
 
 
 @pytest.fixture
@@ -515,6 +525,8 @@ def test_streaming_client_disconnect_cancels_within_a_step(daemon):
     status, again = daemon.json("POST", "/v1/chat/completions", probe)
     assert status == 200
     assert again["choices"] == reference["choices"]
+    again["usage"].pop("prompt_tokens_details")       # the probe's prompt is cached now
+    reference["usage"].pop("prompt_tokens_details")
     assert again["usage"] == reference["usage"]
 
 
@@ -548,6 +560,8 @@ def test_non_streaming_client_disconnect_cancels(daemon):
     status, again = daemon.json("POST", "/v1/completions", probe)
     assert status == 200
     assert again["choices"] == reference["choices"]
+    again["usage"].pop("prompt_tokens_details")       # the probe's prompt is cached now
+    reference["usage"].pop("prompt_tokens_details")
     assert again["usage"] == reference["usage"]
 
 
@@ -579,9 +593,34 @@ BAD_REQUESTS = [
      400, "messages", None),
     ("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages", None),
     ("stream-string", CHAT, {"messages": HELLO, "stream": "yes"}, 400, "stream", None),
-    ("n-2", CHAT, {"messages": HELLO, "n": 2}, 400, "n", None),
-    ("logprobs", CHAT, {"messages": HELLO, "logprobs": True}, 400, "logprobs", None),
-    ("logprobs-completions", COMPLETIONS, {"prompt": "a", "logprobs": 3}, 400, "logprobs", None),
+    ("n-over-max-concurrent-sequences", CHAT, {"messages": HELLO, "n": 64}, 400, "n", None),
+    ("best-of", COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of", None),
+    ("logprobs-not-bool", CHAT, {"messages": HELLO, "logprobs": 3}, 400, "logprobs", None),
+    ("top-logprobs-without-logprobs", CHAT, {"messages": HELLO, "top_logprobs": 2}, 400,
+     "top_logprobs", None),
+    ("top-logprobs-21", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", None),
+    ("logprobs-completions-21", COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, "logprobs",
+     None),
+    ("presence-penalty-3", CHAT, {"messages": HELLO, "presence_penalty": 3}, 400,
+     "presence_penalty", None),
+    ("frequency-penalty-string", CHAT, {"messages": HELLO, "frequency_penalty": "x"}, 400,
+     "frequency_penalty", None),
+    ("logit-bias-list", CHAT, {"messages": HELLO, "logit_bias": [1]}, 400, "logit_bias", None),
+    ("logit-bias-key", CHAT, {"messages": HELLO, "logit_bias": {"a": 1}}, 400, "logit_bias", None),
+    ("logit-bias-out-of-vocab", CHAT, {"messages": HELLO, "logit_bias": {"100000": 1}}, 400,
+     "logit_bias", None),
+    ("logit-bias-200", CHAT, {"messages": HELLO, "logit_bias": {"5": 200}}, 400, "logit_bias",
+     None),
+    ("response-format-unknown", CHAT, {"messages": HELLO, "response_format": {"type": "xml"}},
+     400, "response_format", None),
+    ("response-format-string", CHAT, {"messages": HELLO, "response_format": "json"}, 400,
+     "response_format", None),
+    ("json-schema-missing", CHAT, {"messages": HELLO, "response_format": {"type": "json_schema"}},
+     400, "response_format", None),
+    ("json-schema-invalid", CHAT, {"messages": HELLO, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format", None),
     ("tools", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {}}}}]}, 400, "tools", None),
     ("unknown-model", CHAT, {"model": "gpt-4o", "messages": HELLO}, 404, "model",
@@ -624,7 +663,7 @@ def test_prompt_of_exactly_the_context_is_rejected_one_less_is_served(daemon):
                                                      "max_tokens": 50, "ignore_eos": True})
     assert status == 200, body
     assert body["usage"] == {"prompt_tokens": CONTEXT - 1, "completion_tokens": 1,
-                             "total_tokens": CONTEXT}
+                             "total_tokens": CONTEXT, "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
 
 
