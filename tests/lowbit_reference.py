@@ -9,7 +9,10 @@ the scale grid and is wrong for shapes that are not multiples of 128):
   FP8: `<module>.weight` F8_E4M3 [R, C] x `<module>.weight_scale_inv` per block of
       quantization_config.weight_block_size (the last block partial); scales F32, BF16,
       or UE8M0 exponents (U8 / F8_E8M0).
-  MXFP4: `<module>.weight_blocks` U8 [R, C/32, 16] with `<module>.weight_scales` U8.
+  MXFP4: `<module>.weight_blocks` U8 [R, C/32, 16] with `<module>.weight_scales` U8;
+      GPT-OSS's experts fused over [E, ...], `<param>_blocks` U8 [E, R, C/32, 16] with
+      `<param>_scales` [E, R, C/32] (rows = outputs), which transformers keeps as plain
+      `<param>` [E, C, R] (inputs first): the twin stores them so.
   moed's int4 / int8 repack (quant_method "moed"): `<module>.weight` U8 [R, C/2] (int4) or
       I8 [R, C] (int8) with `<module>.weight_scale` F16 [R, C/g] and, for int4 with a
       minimum, `<module>.weight_min`; shards also hold `moed.padding.*` U8 tensors, which
@@ -78,6 +81,13 @@ def dequantise(model_dir: Path) -> dict[str, np.ndarray]:
             assert method == "mxfp4"
             base = name.removesuffix("_blocks")
             out[base] = dequantize_mxfp4(array, tensors[base + "_scales"][1])
+        elif name.endswith("_blocks"):                     # GPT-OSS: fused over experts
+            assert method == "mxfp4"
+            base = name.removesuffix("_blocks")
+            E, R, G, _ = array.shape
+            values = dequantize_mxfp4(array.reshape(E * R, G, 16),
+                                      tensors[base + "_scales"][1].reshape(E * R, G))
+            out[base] = np.ascontiguousarray(values.reshape(E, R, 32 * G).transpose(0, 2, 1))
         elif dtype == "float8_e4m3fn":
             assert method == "fp8"
             out[name] = dequantize_fp8(array, tensors[name + "_scale_inv"][1], block)

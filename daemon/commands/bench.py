@@ -54,9 +54,9 @@ from daemon.store.slots import SlotArena
 from daemon.store.state import default_state_dir
 from daemon.store.streaming import StreamingExpertProvider, StreamingOptions
 from ext.formats.checkpoint import Checkpoint
-from ext.kernels import _kernels
 from ext.models.config import ModelConfig, load_config
-from ext.models.experts import ExpertLayout
+from ext.models.experts import ExpertLayout, expert_weights
+from ext.models.families import family_of
 from ext.models.model import Model
 from ext.models.weights import read_weight
 from ext.sampling import Sampler, SamplingParams
@@ -110,27 +110,32 @@ def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
 def measure_kernel_flops(config: ModelConfig, checkpoint: Checkpoint, layout: ExpertLayout,
                          threads: int, seconds: float = 0.5) -> float:
     """FLOP/s of the expert FFN kernel on one token through top_k of the model's own
-    experts (their stored format: bf16, FP8, MXFP4, ...), read into RAM (the compute term)."""
+    experts (their stored format: bf16, FP8, MXFP4, ...), read into RAM, computed by the
+    family's expert kind (the compute term)."""
     H, I, K = config.hidden_size, config.moe_intermediate_size, config.top_k
-    experts = [[read_weight(checkpoint, w) for w in loc.projections()]
+    experts = [expert_weights(loc.projections(), lambda w: read_weight(checkpoint, w))
                for loc in itertools.islice(layout, K)]
-    gates, ups, downs = ([e[i] for e in experts] for i in range(3))
-    x = np.ones((K, H), np.float32)
-    hbuf, y = np.empty((K, I), np.float32), np.empty((K, H), np.float32)
-    starts = np.arange(K + 1, dtype=np.int64)
+    family = family_of(config.model_type)
+    ffn = family.experts(config, layout.transposed)
+    resident = ffn.load(family.tensors.moe(next(iter(layout)).layer),
+                        lambda name, shape, f32=False: np.zeros(shape, np.float32))
+    ids = list(range(len(experts)))
+    x = np.ones((len(experts), H), np.float32)
+    hbuf, y = np.empty((len(experts), I), np.float32), np.empty((len(experts), H), np.float32)
+    starts = np.arange(len(experts) + 1, dtype=np.int64)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        _kernels.expert_ffn(gates, ups, downs, x, starts, hbuf, y, threads)
+        ffn(resident, ids, experts, x, starts, hbuf, y, threads)
         n += 1
-    return n * K * 3 * 2 * H * I / (time.perf_counter() - t0)
+    return n * len(experts) * 3 * 2 * H * I / (time.perf_counter() - t0)
 
 
 def flops_per_token(config: ModelConfig) -> float:
-    """Multiply-adds x 2 of one decode step's weight matrices (attention, router,
-    top_k experts, shared expert, dense MLPs, lm_head); attention over the cache is
-    small at bench lengths and left out."""
-    H, D = config.hidden_size, config.head_dim
-    attn = H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    """Multiply-adds x 2 of one decode step's weight matrices (attention as the family's
+    attention kind computes it, router, top_k experts, shared expert, dense MLPs,
+    lm_head); attention over the cache is small at bench lengths and left out."""
+    attn = family_of(config.model_type).attention.weights_per_token(config)
+    H = config.hidden_size
     total = 0
     for is_moe in config.moe_layers:
         total += attn

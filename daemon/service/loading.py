@@ -26,7 +26,7 @@ from daemon.tuning.workload import Workload, workload_prompts
 from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
-from ext.models.families import kv_bytes_per_token
+from ext.models.families import kv_bytes_per_token, unused_tensors
 from ext.tokenizer import Tokenizer, stop_token_ids
 from scheduler.planner import available_bytes, plan_memory
 from telemetry.logs import get_logger
@@ -161,11 +161,11 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
                         prefix_cache_bytes: int = 0) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
     machine (default: `read_memory()`): dense weights (every tensor that is not a routed
-    expert), KV cache (f32, in the layout of the model's attention kind, every layer,
-    PLANNED_CONTEXT or the model's context if smaller, per sequence), RUNTIME_BYTES plus
-    the prefix cache's prefix_cache_bytes (the plan's runtime_bytes holds both), a
-    MARGIN_FRACTION margin; the expert cache gets the rest (scheduler.planner.plan_memory).
-    Raises MemoryPlanError (a ValueError
+    expert, nor of a multi-token-prediction layer the decoder does not use), KV cache (f32,
+    in the layout of the model's attention kind, every layer, PLANNED_CONTEXT or the model's
+    context if smaller, per sequence), RUNTIME_BYTES plus the prefix cache's
+    prefix_cache_bytes (the plan's runtime_bytes holds both), a MARGIN_FRACTION margin; the
+    expert cache gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
     giving every number) when the dense part does not fit, and the model loaders' errors.
     """
     config = load_config(model_dir)
@@ -173,7 +173,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
         layout = ExpertLayout(checkpoint, config)
         expert_bytes = sum(loc.nbytes for loc in layout)
         slots = [p.slot_bytes for p in plans_for(layout).values()]
-        dense = checkpoint.total_bytes - expert_bytes
+        unused = sum(checkpoint.info(n).nbytes for n in unused_tensors(config, checkpoint.tensors))
+        dense = checkpoint.total_bytes - expert_bytes - unused
     reading = reading or read_memory()
     available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
     context = min(PLANNED_CONTEXT, config.max_position_embeddings)

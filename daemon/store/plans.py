@@ -21,7 +21,7 @@ import numpy as np
 
 from ext.formats.checkpoint import TensorInfo
 from ext.formats.quant import StoredWeight
-from ext.models.experts import ExpertLayout, ExpertLocation, ExpertWeights
+from ext.models.experts import ExpertLayout, ExpertLocation, ExpertWeights, expert_weights
 from ext.models.weights import view_weight
 
 ALIGN = 4096  # bytes: O_DIRECT alignment of offset, length, buffer and iovec
@@ -147,7 +147,7 @@ class ReadPlan:
             a.flags.writeable = False
             return a
 
-        return ExpertWeights(*(view_weight(w, view) for w in self.weights))
+        return expert_weights(self.weights, lambda w: view_weight(w, view))
 
 
 def max_slot_bytes(layout: ExpertLayout, align: int = ALIGN) -> int:

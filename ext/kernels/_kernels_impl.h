@@ -191,9 +191,35 @@ static inline void moed_dequant_row(int dtype, const void *w, float *out, ptrdif
     for (ptrdiff_t j = 0; j < n; j++) out[j] = moed_scalarw(dtype, w, j);
 }
 
+/* y[j] += a * dequantised w[j], elementwise: 16 lanes at a time, then one by one (the
+ * same multiply and add either way, so the result does not depend on which path an
+ * element takes). One row of a weight stored [in, out] added into an f32 output; a
+ * transposed mat-vec is a sequence of these, its reduction order the row order. */
+static inline void moed_axpy_w(int dtype, float a, const void *w, float *y, ptrdiff_t n) {
+    moed_vf av = {0};
+    av = av + a;
+    ptrdiff_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        moed_vf yv = moed_load_f32(y + j);
+        yv = yv + av * MOED_LOADW(dtype, w, j);
+        memcpy(y + j, &yv, sizeof yv);
+    }
+    for (; j < n; j++) y[j] = y[j] + a * moed_scalarw(dtype, w, j);
+}
+
 /* y[j] += a * x[j], elementwise (no reduction: order is irrelevant). */
 static inline void moed_axpy(float a, const float *x, float *y, ptrdiff_t n) {
     for (ptrdiff_t j = 0; j < n; j++) y[j] = y[j] + a * x[j];
+}
+
+/* GPT-OSS's clamped SwiGLU: gate clamped from above, up both ways at `limit`, then
+ * (up + 1) * gate * sigmoid(alpha * gate) (transformers' GptOssExperts._apply_gate). */
+static inline float moed_clamped_swiglu(float g, float u, float alpha, float limit) {
+    if (g > limit) g = limit;
+    if (u > limit) u = limit;
+    if (u < -limit) u = -limit;
+    float sig = 1.0f / (1.0f + expf(-(g * alpha)));
+    return (u + 1.0f) * (g * sig);
 }
 
 static inline float moed_silu(float g) {

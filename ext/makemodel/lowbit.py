@@ -176,10 +176,10 @@ class Mxfp4(Encoding):
     row_multiple = 1
 
     def stored(self, spec):
-        R, C = spec.shape
+        *rows, C = spec.shape                 # [R, C], or [E, R, C] fused over experts (GPT-OSS)
         G = C // MXFP4_GROUP
-        return [StoredTensor(spec.name + "_blocks", "U8", (R, G, MXFP4_GROUP // 2)),
-                StoredTensor(spec.name + "_scales", "U8", (R, G))]
+        return [StoredTensor(spec.name + "_blocks", "U8", (*rows, G, MXFP4_GROUP // 2)),
+                StoredTensor(spec.name + "_scales", "U8", (*rows, G))]
 
     def encoder(self, spec):
         return _Mxfp4Encoder()
@@ -214,6 +214,10 @@ def quantization_config(dtype: str, arch: str, kept: list[str], scale_fmt: str) 
         if scale_fmt == "ue8m0":          # DeepSeek-V3.1
             config["scale_fmt"] = "ue8m0"
         return config
+    if dtype == "mxfp4" and arch == "gpt_oss":   # openai/gpt-oss-*'s own
+        return {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"],
+                "quant_method": "mxfp4"}
     if dtype == "mxfp4":                  # GPT-OSS's, with this family's module names
         moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
         skip = ["model.layers.*.self_attn", f"model.layers.*.{moe}.gate", "model.embed_tokens",

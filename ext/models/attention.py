@@ -1,10 +1,12 @@
 """Attention kind "gqa": grouped-query attention over a per-layer K/V cache.
 
-Used by Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE. Per layer: q/k/v projections
-(optional biases), optional RMSNorm of q and k (per head, Qwen3-MoE; over the whole
-projection, OLMoE), optional clamp of q, k, v (OLMoE `clip_qkv`), RoPE, causal
-attention (optionally sliding-window) over the sequence's cache, o projection.
-Source: transformers 5 `modeling_<family>.py`, `*Attention.forward`.
+Used by Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 and GPT-OSS. Per layer: q/k/v
+projections (optional biases), optional RMSNorm of q and k (per head, Qwen3-MoE and
+GLM-4.5; over the whole projection, OLMoE), optional clamp of q, k, v (OLMoE
+`clip_qkv`), RoPE (on the first rotary_dim dims of each head when partial, GLM-4.5;
+YaRN-scaled, GPT-OSS), causal attention (optionally sliding-window, per layer) over the
+sequence's cache, with GPT-OSS's per-head sink logits in the softmax, o projection
+(optional bias). Source: transformers 5 `modeling_<family>.py`, `*Attention.forward`.
 
 Shape legend: T tokens of the step, H hidden_size, nH attention heads, nKV key/value
 heads, D head_dim, S cache capacity. Activations and the cache are float32; weights
@@ -29,6 +31,20 @@ F32 = np.float32
 Segments = list[tuple[KVCache, int, int]]
 
 
+class ScoresScratch:
+    """The attention kernels' scores buffer, [n_threads, >= capacity] float32, grown
+    (doubling) when a cache outgrows it; owned by one attention kind's object."""
+
+    def __init__(self, n_threads: int):
+        self.n_threads = n_threads
+        self.buffer = np.empty((n_threads, 0), F32)
+
+    def __call__(self, capacity: int) -> np.ndarray:
+        if self.buffer.shape[1] < capacity:
+            self.buffer = np.empty((self.n_threads, max(capacity, 2 * self.buffer.shape[1])), F32)
+        return self.buffer
+
+
 @dataclass
 class GqaWeights:
     """One layer's attention weights: projections in their stored format (arrays or
@@ -43,6 +59,8 @@ class GqaWeights:
     v_bias: np.ndarray | None        # [nKV*D]
     q_norm: np.ndarray | None        # [D] ("head") or [nH*D] ("full")
     k_norm: np.ndarray | None        # [D] or [nKV*D]
+    o_bias: np.ndarray | None = None  # [H] (GPT-OSS)
+    sinks: np.ndarray | None = None   # [nH] (GPT-OSS)
 
 
 class GroupedQueryAttention:
@@ -60,8 +78,8 @@ class GroupedQueryAttention:
         self.v = np.empty((chunk, kv_dim), F32)
         self.attn = np.empty((chunk, q_dim), F32)
         self.o = np.empty((chunk, c.hidden_size), F32)
-        self.scratch = np.empty((n_threads, 0), F32)  # attention scores, grown on demand
-        self.rope = Rope(c.rope_theta, D, chunk)
+        self.scores = ScoresScratch(n_threads)
+        self.rope = Rope(c, chunk)
         self.scale = float(D) ** -0.5
 
     @staticmethod
@@ -73,6 +91,12 @@ class GroupedQueryAttention:
     @classmethod
     def kv_bytes_per_token(cls, config: ModelConfig) -> int:
         return cache_bytes_per_token(cls.cache_shapes(config))
+
+    @staticmethod
+    def weights_per_token(config: ModelConfig) -> int:
+        """Multiply-adds of one layer's projections for one token (q, k, v, o)."""
+        H, D = config.hidden_size, config.head_dim
+        return H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
 
     def new_cache(self, capacity: int, max_capacity: int) -> KVCache:
         return KVCache(self.cache_shapes(self.config), capacity, max_capacity)
@@ -97,6 +121,8 @@ class GroupedQueryAttention:
             v_bias=tensor(f"{a}.v_proj.bias", (kv_dim,), f32=True) if bias else None,
             q_norm=tensor(f"{a}.q_norm.weight", norm_q, f32=True) if norm_q else None,
             k_norm=tensor(f"{a}.k_norm.weight", norm_k, f32=True) if norm_k else None,
+            o_bias=tensor(f"{a}.o_proj.bias", (H,), f32=True) if c.o_bias else None,
+            sinks=tensor(f"{a}.sinks", (c.num_attention_heads,), f32=True) if c.attention_sinks else None,
         )
 
     def begin_step(self, positions: np.ndarray) -> None:
@@ -128,8 +154,8 @@ class GroupedQueryAttention:
             for t in (q, k, v):
                 np.clip(t, -c.clip_qkv, c.clip_qkv, out=t)
         q3, k3 = q.reshape(T, nH, D), k.reshape(T, nKV, D)
-        K_.rope(q3, self.rope.cos, self.rope.sin)
-        K_.rope(k3, self.rope.cos, self.rope.sin)
+        self.rope.apply(q3)
+        self.rope.apply(k3)
         v3 = v.reshape(T, nKV, D)
         attn3 = self.attn[:T].reshape(T, nH, D)
         window = c.sliding_windows[l] or 0
@@ -139,14 +165,10 @@ class GroupedQueryAttention:
             k_cache[:, pos0:pos0 + r1 - r0] = k3[r0:r1].transpose(1, 0, 2)
             v_cache[:, pos0:pos0 + r1 - r0] = v3[r0:r1].transpose(1, 0, 2)
             K_.attention(q3[r0:r1], k_cache, v_cache, pos0, window, self.scale, attn3[r0:r1],
-                         self._scores(kv.capacity), nt)
+                         self.scores(kv.capacity), nt, w.sinks)
         o = self.o[:T]
         K_.matmul(w.o, self.attn[:T], o, nt)                     # [T, H]
+        if w.o_bias is not None:
+            o += w.o_bias
         return o
 
-    def _scores(self, capacity: int) -> np.ndarray:
-        """The [n_threads, >= capacity] scores scratch of the attention kernel."""
-        nt = self.n_threads
-        if self.scratch.shape[0] < nt or self.scratch.shape[1] < capacity:
-            self.scratch = np.empty((nt, max(capacity, 2 * self.scratch.shape[1])), F32)
-        return self.scratch

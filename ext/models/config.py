@@ -49,6 +49,45 @@ class UnsupportedConfigError(ConfigError):
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (Peng et al. 2023), the fields transformers'
+    `_compute_yarn_parameters` reads from `rope_parameters` / `rope_scaling`.
+
+    factor: context extension factor (absent: max_position_embeddings /
+        original_max_position_embeddings). beta_fast / beta_slow: the correction range
+        (default 32 / 1). mscale, mscale_all_dim: DeepSeek's attention-factor terms, or
+        None. attention_factor: explicit multiplier of cos and sin, or None (inferred).
+        truncate: round the correction range to whole dims (default True; GPT-OSS False).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention sizes (DeepSeek-V2/V3, HF names): q_lora_rank (None:
+    a plain q_proj), kv_lora_rank (the cached latent), qk_nope_head_dim and
+    qk_rope_head_dim (the two parts of a query/key head), v_head_dim."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the forward pass needs to know, normalised across families.
 
@@ -72,6 +111,23 @@ class ModelConfig:
         moe_layers: per layer, True where the MLP is a routed MoE block.
         max_position_embeddings: context length the model was trained for.
         bos_token_id, eos_token_ids: special ids from config.json.
+
+    Attributes with defaults (what the first families never set):
+        rotary_dim: dims of each head RoPE rotates (None: all of head_dim; GLM-4.5's
+            `partial_rotary_factor`; MLA: qk_rope_head_dim).
+        rope_interleave: RoPE pairs are adjacent dims (DeepSeek-V3 `rope_interleave`).
+        rope_scaling: YaRN scaling, or None for plain RoPE.
+        mla: the MLA sizes when the attention kind is "mla", else None.
+        o_bias: o_proj carries a bias (GPT-OSS). attention_sinks: a learned per-head
+            logit joins every softmax (GPT-OSS `sinks`).
+        n_group, topk_group, routed_scaling_factor: group-limited sigmoid routing
+            (DeepSeek-V3, GLM-4.5); 1, 1, 1.0 elsewhere.
+        router_bias: the router linear has a bias (GPT-OSS).
+        expert_activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (GPT-OSS,
+            with swiglu_alpha and swiglu_limit). expert_bias: expert projections carry
+            biases (GPT-OSS).
+        num_nextn_predict_layers: multi-token-prediction layers stored after the
+            decoder's (DeepSeek-V3, GLM-4.5); not used for decoding, their tensors ignored.
         quantization: the parsed `quantization_config` (ext.formats.quant: which stored
             formats the weights may have), or None when the weights are plain floats.
     """
@@ -100,6 +156,21 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rotary_dim: int | None = None
+    rope_interleave: bool = False
+    rope_scaling: YarnScaling | None = None
+    mla: MlaConfig | None = None
+    o_bias: bool = False
+    attention_sinks: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    expert_activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    num_nextn_predict_layers: int = 0
     quantization: QuantMethod | None = None
 
     @property
@@ -155,14 +226,70 @@ def read_rope_theta(r: ConfigReader, default: float) -> float:
         if block.get("partial_rotary_factor", 1.0) != 1.0:
             raise r.unsupported(f"{name}.partial_rotary_factor", "partial rotary embeddings are not supported")
     if isinstance(params, dict) and "rope_theta" in params:
-        theta = params["rope_theta"]
-        field = "rope_parameters.rope_theta"
+        return _number(r, "rope_parameters.rope_theta", params["rope_theta"])
+    return _number(r, "rope_theta", r.raw.get("rope_theta", default))
+
+
+def _number(r: ConfigReader, field: str, value: Any, *, positive: bool = True) -> float:
+    """`value` as a finite (positive) float, or ConfigError naming `field`."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        kind = "positive finite" if positive else "finite"
+        raise r.error(field, f"expected a {kind} number, got {value!r}")
+    return float(value)
+
+
+def read_rope(r: ConfigReader, *, default_theta: float, default_partial: float = 1.0,
+              default_scaling: dict[str, Any] | None = None, max_position_embeddings: int
+              ) -> tuple[float, float, YarnScaling | None]:
+    """(rope_theta, partial_rotary_factor, YaRN scaling or None), read as transformers 5
+    does: the RoPE block is `rope_scaling` if set, else `rope_parameters` (else
+    `default_scaling`, GPT-OSS's class default); its values win over the top-level
+    `rope_theta` / `partial_rotary_factor`; rope_type "default" or "yarn" (also spelled
+    `type`). Raises UnsupportedConfigError naming `<block>.rope_type` for another type."""
+    block, name = {}, "rope_parameters"
+    for field in ("rope_scaling", "rope_parameters"):
+        value = r.raw.get(field)
+        if value is not None and not isinstance(value, dict):
+            raise r.error(field, f"expected an object, got {value!r}")
+        if value:
+            block, name = value, field
+            break
     else:
-        theta = r.raw.get("rope_theta", default)
-        field = "rope_theta"
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < math.inf:
-        raise r.error(field, f"expected a positive finite number, got {theta!r}")
-    return float(theta)
+        block = dict(default_scaling or {})
+    theta = _number(r, f"{name}.rope_theta" if "rope_theta" in block else "rope_theta",
+                    block.get("rope_theta", r.raw.get("rope_theta", default_theta)))
+    partial_field = f"{name}.partial_rotary_factor" if "partial_rotary_factor" in block \
+        else "partial_rotary_factor"
+    partial = _number(r, partial_field, block.get("partial_rotary_factor",
+                                                  r.raw.get("partial_rotary_factor", default_partial)))
+    if partial > 1.0:
+        raise r.error(partial_field, f"must be in (0, 1], got {partial}")
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    if rope_type == "default":
+        return theta, partial, None
+    if rope_type != "yarn":
+        raise r.unsupported(f"{name}.rope_type",
+                            f"RoPE type {rope_type!r} is not supported (only 'default' and 'yarn')")
+
+    def opt(key: str, *, positive: bool = True) -> float | None:
+        value = block.get(key)
+        return None if value is None else _number(r, f"{name}.{key}", value, positive=positive)
+
+    original = r.raw.get("original_max_position_embeddings",
+                         block.get("original_max_position_embeddings", max_position_embeddings))
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise r.error(f"{name}.original_max_position_embeddings", f"expected a positive int, got {original!r}")
+    factor = opt("factor")
+    truncate = block.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise r.error(f"{name}.truncate", f"expected a bool, got {truncate!r}")
+    return theta, partial, YarnScaling(
+        factor=factor if factor is not None else max_position_embeddings / original,
+        original_max_position_embeddings=original,
+        beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
+        mscale=opt("mscale", positive=False), mscale_all_dim=opt("mscale_all_dim", positive=False),
+        attention_factor=opt("attention_factor"), truncate=truncate)
 
 
 def read_eos_ids(r: ConfigReader) -> tuple[int, ...]:
@@ -230,10 +357,12 @@ def read_experts(r: ConfigReader, field: str, other: str) -> tuple[int, int, str
     return n_experts, top_k, field
 
 
-def read_decoder(r: ConfigReader, *, default_theta: float, default_eps: float) -> dict[str, Any]:
+def read_decoder(r: ConfigReader, *, default_theta: float | None, default_eps: float,
+                 head_dim: int | None = None, default_context: int = 4096) -> dict[str, Any]:
     """The fields every decoder family reads alike (ModelConfig keyword arguments):
-    vocabulary, layers, attention heads and head_dim, RoPE base, RMSNorm epsilon,
-    embeddings tying, context length and special ids."""
+    vocabulary, layers, attention heads and head_dim (unless the family gives it),
+    RoPE base (unless default_theta is None: the family reads RoPE with `read_rope`),
+    RMSNorm epsilon, embeddings tying, context length and special ids."""
     act = r.raw.get("hidden_act", "silu")
     if act != "silu":
         raise r.unsupported("hidden_act", f"{act!r} is not supported (only 'silu')")
@@ -245,12 +374,11 @@ def read_decoder(r: ConfigReader, *, default_theta: float, default_eps: float) -
     n_kv = r.positive("num_key_value_heads", n_heads)
     if n_heads % n_kv:
         raise r.error("num_key_value_heads", f"{n_kv} does not divide num_attention_heads {n_heads}")
-    head_dim = r.raw.get("head_dim")
-    if head_dim is None:
+    if head_dim is None and r.raw.get("head_dim") is None:
         if hidden % n_heads:
             raise r.error("hidden_size", f"{hidden} not divisible by num_attention_heads {n_heads}")
         head_dim = hidden // n_heads
-    else:
+    elif head_dim is None:
         head_dim = r.positive("head_dim")
     if head_dim % 2:
         raise r.unsupported("head_dim", f"RoPE needs an even head_dim, got {head_dim}")
@@ -265,10 +393,10 @@ def read_decoder(r: ConfigReader, *, default_theta: float, default_eps: float) -
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
         head_dim=head_dim,
-        rope_theta=read_rope_theta(r, default_theta),
+        **({} if default_theta is None else {"rope_theta": read_rope_theta(r, default_theta)}),
         rms_norm_eps=eps,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
-        max_position_embeddings=r.positive("max_position_embeddings", 4096),
+        max_position_embeddings=r.positive("max_position_embeddings", default_context),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=read_eos_ids(r),
     )

@@ -21,8 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ext.formats.checkpoint import Checkpoint, TensorInfo, TensorRangeError
-from ext.formats.quant import EXPERT, StoredWeight, resolve_weight
+from ext.formats.checkpoint import (Checkpoint, MissingTensorError, TensorInfo, TensorRangeError,
+                                    UnsupportedDtypeError)
+from ext.formats.quant import (EXPERT, LAYOUTS, MXFP4, PLAIN_FORMATS, FormatMismatchError,
+                               StoredWeight, resolve_weight)
 from ext.models.config import ModelConfig
 from ext.models.families import family_of
 from ext.models.family import PROJECTIONS
@@ -45,13 +47,21 @@ class ExpertWeights(NamedTuple):
     (f32, f16, bf16) or QuantizedWeights over the stored pieces (ext/models/weights.py).
 
     gate, up: [moe_intermediate_size, hidden_size]; down: [hidden_size,
-    moe_intermediate_size]. They stay valid until the provider's `release` for the
-    same acquire.
+    moe_intermediate_size]. Experts fused as GPT-OSS stores them have gate = the
+    interleaved gate_up ([2I, H], or [H, 2I] when the layout is `transposed`), up None
+    and down [H, I] (or [I, H]). They stay valid until the provider's `release` for
+    the same acquire.
     """
 
     gate: Weight
-    up: Weight
+    up: Weight | None
     down: Weight
+
+
+def expert_weights(projections, make) -> ExpertWeights:
+    """ExpertWeights of make(w) for each projection (gate, up, down) of a location's
+    `projections()`; a missing up (fused gate_up) stays None."""
+    return ExpertWeights(*(None if w is None else make(w) for w in projections))
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class ExpertLocation:
     layer: int
     expert: int
     gate: StoredWeight
-    up: StoredWeight
+    up: StoredWeight | None            # None: gate is GPT-OSS's interleaved gate_up
     down: StoredWeight
 
     @property
@@ -70,12 +80,12 @@ class ExpertLocation:
         """Bytes of every piece of the expert (weights and scales)."""
         return sum(p.nbytes for p in self.pieces())
 
-    def projections(self) -> tuple[StoredWeight, StoredWeight, StoredWeight]:
+    def projections(self) -> tuple[StoredWeight, StoredWeight | None, StoredWeight]:
         return (self.gate, self.up, self.down)
 
     def pieces(self) -> tuple[TensorInfo, ...]:
         """Every tensor (or byte range) the expert is made of, projection by projection."""
-        return tuple(p for w in self.projections() for p in w.pieces)
+        return tuple(p for w in self.projections() if w is not None for p in w.pieces)
 
 
 class ExpertLayout:
@@ -99,16 +109,22 @@ class ExpertLayout:
         H, I = config.hidden_size, config.moe_intermediate_size
         expected = {"gate": (I, H), "up": (I, H), "down": (H, I)}
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
+        names = family_of(config.model_type).tensors
+        self.transposed = False        # plain fused experts stored [in, out] (GPT-OSS)
         kind = None
         for layer, is_moe in enumerate(config.moe_layers):
             if not is_moe:
                 continue
             for expert in range(config.num_experts):
-                weights = {}
-                for proj in PROJECTIONS:
-                    module = expert_module_name(config.model_type, layer, expert, proj)
-                    w = resolve_weight(checkpoint.tensors, module, expected[proj], EXPERT,
-                                       config.quantization, checkpoint.model_dir)
+                if names.fused_experts:
+                    weights = self._fused(checkpoint, names.moe(layer), expert)
+                else:
+                    weights = {}
+                    for proj in PROJECTIONS:
+                        module = expert_module_name(config.model_type, layer, expert, proj)
+                        weights[proj] = resolve_weight(checkpoint.tensors, module, expected[proj], EXPERT,
+                                                       config.quantization, checkpoint.model_dir)
+                for w in filter(None, weights.values()):
                     this = (w.format, tuple(p.dtype for p in w.pieces), w.block)
                     kind = kind or this
                     if this != kind:
@@ -116,9 +132,56 @@ class ExpertLayout:
                         raise TensorRangeError(
                             f"stored as {_describe(this)}, unlike the other experts' {_describe(kind)}",
                             path=first.path, tensor=first.name)
-                    weights[proj] = w
                 self._locations[(layer, expert)] = ExpertLocation(layer, expert, **weights)
         self.format = kind[0] if kind else None
+
+    def _fused(self, checkpoint: Checkpoint, moe: str, expert: int) -> dict[str, StoredWeight | None]:
+        """Expert `expert` of GPT-OSS's tensors fused over experts under `moe`.experts:
+        `gate_up_proj` (gate and up interleaved) and `down_proj`, either MXFP4
+        (`<param>_blocks` [E, R, C/32, 16] + `<param>_scales` [E, R, C/32], rows =
+        outputs) or plain floats [E, in, out] as transformers stores them (then the
+        layout is `transposed`). Raises MissingTensorError, FormatMismatchError (both
+        at once, or against the quantization_config), TensorRangeError (shapes)."""
+        c = self.config
+        H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts
+        quant, where, tensors = c.quantization, checkpoint.model_dir, checkpoint.tensors
+        out: dict[str, StoredWeight | None] = {"up": None}
+        for proj, param, shape in (("gate", f"{moe}.experts.gate_up_proj", (2 * I, H)),
+                                   ("down", f"{moe}.experts.down_proj", (H, I))):
+            quantised = [n for n in (f"{param}_blocks", f"{param}_scales") if n in tensors]
+            if quantised and param in tensors:
+                info = tensors[param]
+                raise FormatMismatchError(f"stored as plain floats and as MXFP4 ({quantised[0]}) at once",
+                                          path=info.path, tensor=param)
+            if quantised:
+                first = tensors[quantised[0]]
+                if quant is None or not quant.allows(param, MXFP4):
+                    raise FormatMismatchError("stored as mxfp4, but config.json's quantization_config "
+                                              "does not store these experts in MXFP4",
+                                              path=first.path, tensor=first.name)
+                if first.shape[:1] != (E,):
+                    raise TensorRangeError(f"shape {list(first.shape)}: the leading axis must hold "
+                                           f"the {E} experts", path=first.path, tensor=first.name)
+                out[proj] = LAYOUTS[MXFP4].fused_expert(tensors, param, expert, shape, where)
+                continue
+            if param not in tensors:
+                raise MissingTensorError("required by the config but missing from the checkpoint",
+                                         path=where, tensor=param)
+            info = tensors[param]
+            if info.dtype not in PLAIN_FORMATS:
+                raise UnsupportedDtypeError(f"dtype {info.dtype} is not a weight format moed reads",
+                                            path=info.path, tensor=param)
+            want = (E, shape[1], shape[0])                   # [E, in, out]
+            if info.shape != want:
+                raise TensorRangeError(f"shape {list(info.shape)} but the config implies {list(want)}",
+                                       path=info.path, tensor=param)
+            if quant is not None and quant.requires(param, EXPERT):
+                raise FormatMismatchError(f"dtype {info.dtype}, but config.json's quantization_config "
+                                          "stores these experts quantised", path=info.path, tensor=param)
+            out[proj] = StoredWeight(name=f"{param}[{expert}]", shape=want[1:],
+                                     format=PLAIN_FORMATS[info.dtype], pieces=(info.index(expert),))
+            self.transposed = True
+        return out
 
     def __getitem__(self, key: tuple[int, int]) -> ExpertLocation:
         return self._locations[key]
@@ -139,7 +202,7 @@ class ExpertLayout:
         plain float experts. Reads only the scales (1/16 of an MXFP4 expert, far less
         of an FP8 one)."""
         for loc in self:
-            for w in loc.projections():
+            for w in filter(None, loc.projections()):
                 pieces = w.checked_pieces()
                 if pieces:
                     w.check_values({role: checkpoint.read(p) for role, p in pieces.items()})
@@ -210,8 +273,8 @@ class ResidentExpertProvider(ExpertProvider):
     def __init__(self, checkpoint: Checkpoint, layout: ExpertLayout):
         self._weights: dict[tuple[int, int], ExpertWeights] = {}
         for loc in layout:
-            weights = [read_weight(checkpoint, w) for w in loc.projections()]
-            self._weights[(loc.layer, loc.expert)] = ExpertWeights(*weights)
+            self._weights[(loc.layer, loc.expert)] = expert_weights(
+                loc.projections(), lambda w: read_weight(checkpoint, w))
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         return [self._weights[(layer, int(e))] for e in experts]
@@ -251,8 +314,8 @@ class MmapExpertProvider(ExpertProvider):
             w = self._views.get(key)
             if w is None:
                 loc = self._layout[key]
-                w = ExpertWeights(*(view_weight(p, lambda i: _view(self._map(i.path), i.offset, i))
-                                    for p in loc.projections()))
+                w = expert_weights(loc.projections(), lambda p: view_weight(
+                    p, lambda i: _view(self._map(i.path), i.offset, i)))
                 self._views[key] = w
             out.append(w)
         return out

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ext.models.config import ConfigReader, ModelConfig
+from ext.models.ffn import SwiGluExperts
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -28,6 +29,9 @@ class TensorNames:
         {gate,up,down}_proj.weight`, or None.
     shared_expert_gate: the shared expert's sigmoid gate `{moe_block}.{name}.weight`
         [1, H] (Qwen2-MoE), or None for an ungated shared expert.
+    fused_experts: the routed experts are fused over [E, ...] as GPT-OSS stores them
+        (`{moe_block}.experts.gate_up_proj`, `.down_proj` and their biases; see
+        ext/models/experts.py) instead of one module per expert.
     """
 
     moe_block: str = "mlp"
@@ -35,6 +39,7 @@ class TensorNames:
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
+    fused_experts: bool = False
 
     def layer(self, layer: int) -> str:
         return f"model.layers.{layer}"
@@ -65,6 +70,8 @@ class Family:
     routing: the routing rule, a class built once per model as routing(config)
         (`ext.models.routing`).
     tensors: the names of its MoE-block tensors.
+    experts: the expert FFN kind (activation and layout of the routed experts), built
+        once per model as experts(config, transposed) (`ext.models.ffn`).
     """
 
     model_type: str
@@ -73,3 +80,4 @@ class Family:
     attention: type
     routing: type
     tensors: TensorNames
+    experts: type = SwiGluExperts

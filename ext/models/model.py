@@ -75,6 +75,7 @@ class LayerWeights:
     mlp: MLPWeights | None           # dense layers
     shared_expert: MLPWeights | None  # Qwen2-MoE
     shared_expert_gate: Weight | None  # [1, H], or None for an ungated shared expert
+    expert_resident: object = None   # what the expert kind keeps resident (GPT-OSS: biases)
 
 
 class _Workspace:
@@ -156,6 +157,7 @@ class Model:
         # batch of expert FFNs, with the rows of experts[g] at group_start[g]:group_start[g+1]
         # of x; it must not modify anything (ext/quant/importance.py gathers statistics).
         self.moe_observer: Callable[..., None] | None = None
+        self.expert_ffn = self.family.experts(config, layout.transposed)
         self._load_dense()
         self.ws = _Workspace(config, PREFILL_CHUNK)
         moe = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
@@ -246,12 +248,14 @@ class Model:
                 input_norm=self._tensor(f"{p}.input_layernorm.weight", (H,), f32=True),
                 post_norm=self._tensor(f"{p}.post_attention_layernorm.weight", (H,), f32=True),
                 attention=self.attention.load(l, self._tensor, self._linear),
-                router=self.routing.load(f"{moe}.{names.router}", self._linear) if is_moe else None,
+                router=self.routing.load(f"{moe}.{names.router}", self._tensor, self._linear)
+                if is_moe else None,
                 mlp=None if is_moe else self._mlp(f"{p}.mlp", c.intermediate_size),
                 shared_expert=self._mlp(f"{moe}.{names.shared_expert}", c.shared_expert_intermediate_size)
                 if shared else None,
                 shared_expert_gate=self._linear(f"{moe}.{names.shared_expert_gate}", (1, H), ROUTER)
                 if gated else None,
+                expert_resident=self.expert_ffn.load(moe, self._tensor) if is_moe else None,
             ))
 
     def weight_formats(self) -> dict:
@@ -447,9 +451,9 @@ class Model:
             try:
                 if self.moe_observer is not None:
                     self.moe_observer(l, batch, weights_of, xg[r0:r1], group_start[g0:g1 + 1] - r0)
-                K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
-                              [w.down for w in weights_of], xg[r0:r1], group_start[g0:g1 + 1] - r0,
-                              ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
+                self.expert_ffn(layer.expert_resident, batch, weights_of, xg[r0:r1],
+                                group_start[g0:g1 + 1] - r0,
+                                ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
             finally:
                 self.experts.release(l, batch)
         rows = np.empty(N, np.int64)

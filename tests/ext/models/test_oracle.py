@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from oracle_models import (ARCH_CASES, NEW_TOKENS, PROMPT_LEN, Reference, SeedRejected,
+from oracle_models import (ARCH_CASES, cached_moed_runs, NEW_TOKENS, PROMPT_LEN, Reference, SeedRejected,
                            assert_logits_close, check_margins, load_reference_model, moed_greedy,
                            open_model, select_seed, shard_layout)
 
@@ -61,19 +61,7 @@ def all_at_once(model: Model, token_ids: list[int]) -> np.ndarray:
 @pytest.fixture(scope="module")
 def moed_runs(references):
     """get(case, dtype) -> (greedy tokens, step logits, teacher-forced logits) from moed."""
-    cache = {}
-
-    def get(case, dtype):
-        key = (case.id, dtype)
-        if key not in cache:
-            ref = references(case, dtype)
-            with open_model(ref.model_dir) as model:
-                tokens, steps = moed_greedy(model, ref.prompt)
-                teacher = all_at_once(model, ref.prompt + ref.tokens)
-            cache[key] = tokens, steps, teacher
-        return cache[key]
-
-    return get
+    return cached_moed_runs(references)
 
 
 # ------------------------------------------------------------- the fixtures themselves
