@@ -3,6 +3,7 @@ fixtures shared by several test packages; the programs tests run (tests/tools.py
 installed before the first test when missing and allowed, else their tests skip (or,
 under MOED_TEST_TOOLS=require, fail)."""
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tools  # noqa: E402  (tests/, just put on sys.path)
 
 _TOOLS_KEY = pytest.StashKey[tools.Report]()
+
+# The commands the tests start run as a user's shell runs them: PYTHONUNBUFFERED (set by
+# some CI runners and IDEs) would hide what a block-buffered stdout does, such as a write
+# that fails only at the interpreter's last flush.
+os.environ.pop("PYTHONUNBUFFERED", None)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,7 +1,8 @@
 """Start the real `moed serve` as a subprocess and talk to it over its Unix socket.
 
 Used by the daemon's end-to-end tests. No sleeps: readiness is the daemon's own READY
-log line (`"event": "ready"`) read from its stderr, and exit is `Popen.wait`.
+log line (`"event": "ready"`) read from its stderr, and exit is `Popen.wait`. Every
+daemon a test stops or sees exit is held to the log contract (tests/log_contract.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+import log_contract
 
 MOED = str(Path(sys.executable).with_name("moed"))
 READY_TIMEOUT_S = 120.0
@@ -51,6 +54,7 @@ class Daemon:
         prlimit ...). moed: how to run moed (default the venv's entry point). state_dir:
         default WORKDIR/state."""
         self.workdir = workdir
+        self._launcher = tuple(launcher)
         self.socket = socket_path or os.path.join(workdir, "moed.sock")
         self.state_dir = state_dir or os.path.join(workdir, "state")
         cmd = [*launcher, *moed, "serve", "--model", str(model), "--socket", self.socket,
@@ -91,11 +95,22 @@ class Daemon:
             return len(self.events)
 
     def wait_exit(self, timeout: float = 60.0) -> int:
-        """Wait for the process to end by itself (no signal) and its stderr to be read."""
+        """Wait for the process to end by itself (no signal) and its stderr to be read.
+        AssertionError when a stderr line broke the log contract (tests/log_contract.py)."""
         code = self.proc.wait(timeout)
         self._reader.join(timeout)
         self._close_pipes()
+        self.check_logs()
         return code
+
+    def check_logs(self) -> None:
+        """AssertionError naming every stderr line so far that is not a JSON event with
+        snake_case name and fields (tests/log_contract.py)."""
+        if any(os.path.basename(a) == "systemd-socket-activate" for a in self._launcher):
+            return                  # it writes its own plain lines to the same stderr
+        with self._cond:
+            bad = log_contract.problems(self.stderr_lines)
+        assert not bad, "moed serve broke the log contract:\n" + "\n".join(bad)
 
     def wait_line(self, text: str, timeout: float = READY_TIMEOUT_S) -> str:
         """Block until a stderr line containing `text` (JSON or not) appears; returns it."""
@@ -153,6 +168,7 @@ class Daemon:
         code = self.proc.wait(timeout)
         self._reader.join(timeout)
         self._close_pipes()
+        self.check_logs()
         return code
 
     def kill(self) -> None:

@@ -38,11 +38,12 @@ PACKAGES: Mapping[str, str] = {
     "prlimit": "util-linux",
     "unshare": "util-linux",
     "mount": "mount",
-    "python3": "python3",      # the system interpreter (the test that runs as nobody)
+    "python3": "python3",      # the system interpreter (the install-service test's venv)
     "gcc": "gcc",              # building moed's kernels (the install-service test)
     "python3-venv": "python3-venv",   # not programs: checked by CHECKS below
     "python3-dev": "python3-dev",
     "runuser": "util-linux",
+    "setpriv": "util-linux",
 }
 # Where a program must be, when the test needs that exact file rather than any on PATH.
 FIXED: Mapping[str, str] = {"kill": "/bin/kill", "python3": "/usr/bin/python3"}

@@ -54,6 +54,19 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
     return parser
 
 
+def _drop_unwritable_stdout() -> None:
+    """When stdout cannot take what is buffered for it (a closed pipe, a full disk), point
+    its descriptor at /dev/null: else the interpreter's own flush at exit fails again, says
+    "Exception ignored" and turns the exit status into 120 (what Python's documentation
+    advises for SIGPIPE)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status (see the module doc)."""
     parser = build_parser()
@@ -77,9 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moed {args.command}: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:
+        _drop_unwritable_stdout()
         return 0
     except OSError as e:  # an unwritable stdout or --out, an unreadable file
         print(f"moed {args.command}: error: {e}", file=sys.stderr)
+        _drop_unwritable_stdout()
         return 1
     except MemoryError as e:
         print(f"moed {args.command}: error: out of memory: {e}", file=sys.stderr)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
                                   check_model_dir,
                                   nonempty, size)
+from telemetry.logs import get_logger
+
+log = get_logger("iobench")
 
 
 def register(sub, parents: Parents) -> None:
@@ -63,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=2)
     path = save_report(args.state_dir or default_state_dir(os.environ), text + "\n", report["device"])
     print(text)
-    print(f"moed iobench: saved to {path} (moed serve and moed tune read it there)", file=sys.stderr)
+    log.info("storage_probe_saved", path=str(path), read_by="moed serve, moed tune")
     return 0

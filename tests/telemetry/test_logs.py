@@ -134,3 +134,27 @@ def test_every_log_call_is_a_snake_case_event_with_fields(package):
             if len(call.args) > 1:
                 bad.append(f"{where}: positional (printf-style) arguments")
     assert bad == []
+
+
+def test_the_log_contract_check_catches_what_the_issue_saw():
+    """tests/log_contract.py, which every daemon test applies to moed serve's stderr, and
+    test_commands_log_by_the_contract to the commands': each kind of line the issue found."""
+    import log_contract
+    good = json.dumps({"event": "cache_summary", "hit_rate": 0.5, "level": "info",
+                       "timestamp": "2026-01-01T00:00:00Z"})
+    assert log_contract.problems([good + "\n", "moed serve: error: no such model\n"]) == []
+    issue_lines = [
+        json.dumps({"event": 'expert cache: {"hit_rate": 0.5}', "level": "info",
+                    "timestamp": "t"}),                                  # JSON in the event
+        json.dumps({"event": "config", "config": json.dumps({"threads": 2}), "level": "info",
+                    "timestamp": "t"}),                                  # JSON in a field
+        "Error handling request",                                        # aiohttp's text
+        'Traceback (most recent call last):',
+        json.dumps({"event": "Cannot write to closing transport", "level": "error",
+                    "timestamp": "t"}),                                  # a message, not a name
+        json.dumps({"event": "no_level"}),
+    ]
+    found = log_contract.problems(issue_lines)
+    assert [p.split(":")[0] for p in found] == [
+        "event is not a snake_case name", "JSON inside the string field 'config'", "not JSON",
+        "not JSON", "event is not a snake_case name", "no level", "no timestamp"]

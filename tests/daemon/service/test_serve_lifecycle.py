@@ -13,7 +13,6 @@ Some tests run a client, or the daemon itself, as uid 65534: they need root.
 """
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -24,7 +23,6 @@ import stat
 import struct
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from contextlib import contextmanager
@@ -176,34 +174,15 @@ def run_as(uid: int, socket_path: str, method: str, path: str, body=None) -> tup
     return int(status), json.loads(text)
 
 
-@functools.cache
-def python_for(uid: int) -> str:
-    """An interpreter `uid` may execute: ours, else the system's of the same version (the
-    venv's interpreter may live under a home directory other users cannot enter)."""
-    try:
-        subprocess.run([sys.executable, "-c", "pass"], user=uid, cwd="/", check=True,
-                       capture_output=True)
-        return sys.executable
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    system = tools.path("python3")
-    probe = subprocess.run([system, "-c", "import sys; print(sys.version_info[:2])"], user=uid,
-                           cwd="/", capture_output=True, text=True)
-    assert probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]), (
-        f"no Python {sys.version_info[:2]} that uid {uid} may run: {sys.executable} is not "
-        f"reachable and {system} gives {probe.stdout.strip() or probe.stderr.strip()}")
-    return system
-
-
-def moed_for(uid: int) -> tuple[str, ...]:
-    """How `uid` runs this checkout's moed (see python_for): the venv's site-packages,
-    which hold the editable install and the dependencies, are added explicitly."""
-    python = python_for(uid)
-    if python == sys.executable:
-        return (MOED,)
-    site = sysconfig.get_paths()["purelib"]
-    return (python, "-c", f"import site, sys; site.addsitedir({site!r}); "
-                          "from daemon.commands.cli import main; sys.exit(main())")
+def as_nobody() -> tuple[str, ...]:
+    """A launcher that runs the rest as NOBODY holding one capability, CAP_DAC_READ_SEARCH,
+    so that it reads this checkout, its venv and its interpreter wherever they live (a
+    clone under /root, mode 0700, is where a new user has it) — and none other: no
+    CAP_IPC_LOCK (RLIMIT_MEMLOCK binds), no CAP_DAC_OVERRIDE (it writes only what NOBODY
+    owns)."""
+    return (tools.path("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+            "--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search",
+            "--bounding-set=-all,+dac_read_search")
 
 
 class NotifyListener:
@@ -574,7 +553,7 @@ def test_sd_notify_lifecycle(model_dir, workdir, notify, watchdog_pid):
 # ---------------------------------------------------------------------------- 7. admin, mlock
 
 
-@pytest.mark.tools("curl", "python3")
+@pytest.mark.tools("curl")
 def test_admin_calls_are_refused_to_other_users(model_dir, workdir):
     os.chmod(workdir, 0o755)
     args = ("--expert-cache-bytes", str(CACHE_BYTES), "--socket-mode", "0666")
@@ -599,14 +578,15 @@ def test_admin_calls_are_refused_to_other_users(model_dir, workdir):
         assert d.stop() == 0
 
 
-@pytest.mark.tools("curl", "prlimit", "python3")
+@pytest.mark.tools("curl", "prlimit", "setpriv")
 def test_mlock_refused_falls_back_and_the_daemons_own_user_is_admin(model_dir, workdir):
     os.chmod(workdir, 0o755)
     os.chown(workdir, NOBODY, NOBODY)               # its state dir and socket go here
     memlock = 64 * 1024                              # below the 1.5 MiB slot arena
     with serving(model_dir, workdir, "--expert-cache-bytes", str(CACHE_BYTES),
-                 "--socket-mode", "0666", user=NOBODY, moed=moed_for(NOBODY),
-                 launcher=(tools.path("prlimit"), f"--memlock={memlock}:{memlock}")) as d:
+                 "--socket-mode", "0666",
+                 launcher=(tools.path("prlimit"), f"--memlock={memlock}:{memlock}", *as_nobody())
+                 ) as d:
         slot = d.json("GET", "/v1/moed/stats")[1]["cache"]["slot_bytes"]
         (refused,) = events_named(d, "slot_arena_mlock_refused")
         assert refused["level"] == "warning" and refused["logger"] == "moed.io"

@@ -105,7 +105,8 @@ def test_scratch_file_is_written_read_and_removed(tmp_path, capsys):
                  "--seconds", "2", "--state-dir", str(state)]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)
-    assert f"saved to {state / ('iobench-' + report['device'] + '.json')}" in err
+    saved = [e for e in map(json.loads, err.splitlines()) if e["event"] == "storage_probe_saved"]
+    assert [e["path"] for e in saved] == [str(state / f"iobench-{report['device']}.json")]
     assert report["block_bytes"] == 64 << 10
     assert report["blocks"] == 16
     assert not scratch.exists()

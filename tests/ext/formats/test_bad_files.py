@@ -176,3 +176,14 @@ def test_unwritable_stdout_is_an_error_not_a_traceback(good):
         proc = _moed("generate", "--model", str(good), "--max-tokens", "64", "hi", stdout=full)
     assert proc.returncode == 1
     assert b"Traceback" not in proc.stderr and b"error" in proc.stderr
+
+
+def test_stdout_closed_by_its_reader_ends_quietly(good):
+    """`moed generate ... | head -c 0`: the reader is gone before the first piece; exit 0,
+    not Python's 120 with "Exception ignored" from its last flush."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as closed:
+        proc = _moed("generate", "--model", str(good), "--max-tokens", "64", "hi", stdout=closed)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert b"Exception ignored" not in proc.stderr and b"Traceback" not in proc.stderr
