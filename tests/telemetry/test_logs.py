@@ -107,12 +107,23 @@ def _log_calls(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in LEVEL_METHODS and isinstance(node.func.value, ast.Name)
-                and node.func.value.id in ("log", "logger")):
+                and node.func.attr in LEVEL_METHODS and _is_logger(node.func.value)):
             yield node
 
 
-@pytest.mark.parametrize("package", ["daemon", "ext", "scheduler", "telemetry"])
+def _is_logger(node: ast.expr) -> bool:
+    """`log`, `logger`, `self._log`, `request_log`, `log.bind(...)`, `get_logger(...)`,
+    `logging.getLogger(...)`, `logging` itself: whatever a log call is made on."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name in ("get_logger", "getLogger") or (name in ("bind", "new")
+                                                       and _is_logger(func.value))
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return name.lower().rstrip("_").endswith(("log", "logger")) or name == "logging"
+
+
+@pytest.mark.parametrize("package", ["daemon", "ext", "scheduler", "telemetry", "bench", "training"])
 def test_every_log_call_is_a_snake_case_event_with_fields(package):
     """No printf-style messages, no values formatted into the event, no JSON in a string."""
     bad = []
