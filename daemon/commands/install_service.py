@@ -124,7 +124,11 @@ def install(root: Path, entry: Path, model: Path, *, force: bool = False,
     entry: the moed console script ExecStart= will run. model: the model directory the
     config names. Raises InstallError (a check failed, and then nothing was written; or
     systemd-sysusers or systemd-analyze verify failed) and OSError."""
-    if not (entry.is_file() and os.access(entry, os.X_OK)):
+    try:
+        executable = entry.is_file() and os.access(entry, os.X_OK)
+    except OSError as e:            # a directory on the way we may not enter
+        raise InstallError(f"{entry} is not an executable moed entry point: {e}") from e
+    if not executable:
         raise InstallError(f"{entry} is not an executable moed entry point")
     _check_reachable("the moed entry point", entry, stat.S_IROTH | stat.S_IXOTH)
     _check_reachable("its Python interpreter", _interpreter(entry), stat.S_IXOTH)

@@ -112,3 +112,23 @@ def test_a_moed_under_root_s_home_is_refused_before_anything_is_written(tmp_path
         install(home, script, default_model_dir())
     assert "/opt/moed" in str(e.value)
     assert not home.exists()                                  # nothing written
+
+
+
+def test_an_entry_point_behind_a_directory_we_may_not_enter_is_an_install_error(tmp_path,
+                                                                                 monkeypatch):
+    """stat(2) refused (a non-root user and /root/...; root is never refused, so the
+    refusal is injected): the one-line InstallError, not a PermissionError traceback, and
+    nothing written."""
+    entry = tmp_path / "locked" / "bin" / "moed"
+    real_stat = Path.stat
+
+    def refusing_stat(self, *args, **kwargs):
+        if self == entry:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", refusing_stat)
+    with pytest.raises(InstallError, match="is not an executable moed entry point: .*Permission denied"):
+        install(tmp_path / "root", entry, default_model_dir())
+    assert not (tmp_path / "root").exists()

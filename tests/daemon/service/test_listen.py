@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import tools
 from daemon.service.listen import (ListenError, SocketInUseError, UnixListener, adopt_fd,
                                    bind_unix_socket)
 
@@ -307,11 +308,11 @@ conn.close()
 """
 
 
+@pytest.mark.tools("systemd-socket-activate")
 def test_socket_activation_end_to_end(short_dir):
     """systemd-socket-activate binds, passes fd 3 with LISTEN_FDS/LISTEN_PID; the child
     finds it with listen_fds and serves it with adopt_fd."""
-    tool = shutil.which("systemd-socket-activate")
-    assert tool, "systemd-socket-activate is missing: apt-get install systemd"
+    tool = tools.path("systemd-socket-activate")
     path = short_dir / "moed.sock"
     with subprocess.Popen([tool, "-l", str(path), "-E", f"PYTHONPATH={ROOT}",
                            sys.executable, "-c", CHILD],
