@@ -25,27 +25,14 @@ import statistics
 import numpy as np
 
 from ext.kernels import _kernels
-from matvec import FORMATS, Timer, make_weight
+from matvec import Timer, make_weight, parse_timing_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default 15)")
-    parser.add_argument("--threads", type=int, default=2, help="moed compute threads (default 2)")
     parser.add_argument("--tokens", default="2,4,8,16", help="comma-separated T (default 2,4,8,16)")
     parser.add_argument("--shape", default="768x2048", help="RxC weight shape (default 768x2048)")
-    parser.add_argument("--formats", default=",".join(FORMATS),
-                        help=f"comma-separated formats (default all: {','.join(FORMATS)})")
-    parser.add_argument("--group-size", type=int, default=32, help="int4/int8 group size (default 32)")
-    parser.add_argument("--flush-mib", type=int, default=128,
-                        help="bytes written between runs to evict the caches (default 128 MiB)")
-    parser.add_argument("--pause", type=float, default=0.1,
-                        help="seconds of idle between runs (default 0.1)")
-    args = parser.parse_args()
-    formats = [f for f in args.formats.split(",") if f]
-    unknown = set(formats) - set(FORMATS)
-    if unknown:
-        parser.error(f"unknown formats {sorted(unknown)} (choose from {', '.join(FORMATS)})")
+    args, formats = parse_timing_args(parser, flush_mib=128, pause=0.1)
     tokens = [int(t) for t in args.tokens.split(",")]
     R, C = (int(v) for v in args.shape.lower().split("x"))
 

@@ -182,28 +182,35 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_timing_args(parser: argparse.ArgumentParser, *, flush_mib: int, pause: float):
+    """Add the options every kernel benchmark shares (rounds, threads, formats, group
+    size, cache flush, pause) to `parser` and parse: (args, the list of formats)."""
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--threads", type=int, default=2, help="moed compute threads (default 2)")
-    parser.add_argument("--shapes", default="768x2048,2048x768,4096x4096",
-                        help="comma-separated RxC weight shapes (default 768x2048,2048x768,4096x4096)")
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help=f"comma-separated formats (default all: {','.join(FORMATS)})")
     parser.add_argument("--group-size", type=int, default=32, help="int4/int8 group size (default 32)")
-    parser.add_argument("--expert", default="2048,768",
-                        help="H,I of the expert FFN timing, or 'none' (default 2048,768)")
-    parser.add_argument("--goal", type=float, default=0.8,
-                        help="bytes/s ratio to numpy each format should reach (default 0.8)")
-    parser.add_argument("--flush-mib", type=int, default=512,
-                        help="bytes written between runs to evict the caches (default 512 MiB)")
-    parser.add_argument("--pause", type=float, default=0.5,
-                        help="seconds of idle between runs (default 0.5)")
+    parser.add_argument("--flush-mib", type=int, default=flush_mib,
+                        help=f"bytes written between runs to evict the caches (default {flush_mib} MiB)")
+    parser.add_argument("--pause", type=float, default=pause,
+                        help=f"seconds of idle between runs (default {pause})")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
     unknown = set(formats) - set(FORMATS)
     if unknown:
         parser.error(f"unknown formats {sorted(unknown)} (choose from {', '.join(FORMATS)})")
+    return args, formats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="768x2048,2048x768,4096x4096",
+                        help="comma-separated RxC weight shapes (default 768x2048,2048x768,4096x4096)")
+    parser.add_argument("--expert", default="2048,768",
+                        help="H,I of the expert FFN timing, or 'none' (default 2048,768)")
+    parser.add_argument("--goal", type=float, default=0.8,
+                        help="bytes/s ratio to numpy each format should reach (default 0.8)")
+    args, formats = parse_timing_args(parser, flush_mib=512, pause=0.5)
 
     rng = np.random.default_rng(0)
     timer = Timer(args.flush_mib, args.pause)
