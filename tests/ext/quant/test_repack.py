@@ -23,6 +23,8 @@ from ext.models.weights import float_values
 from ext.quant.importance import LayerwiseMoments, gather, moment_bytes
 from ext.quant.repack import RepackSpec, repack
 
+from checkpoint_files import edit_header
+
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
@@ -271,6 +273,26 @@ def test_a_missing_or_non_finite_scale_is_refused(repacked, tmp_path):
     with pytest.raises(QuantizationError, match="missing") as e:
         Model.load(bad, n_threads=1)
     assert e.value.tensor == name
+
+
+@pytest.mark.parametrize("tensor,fields,message", [
+    # same bytes, other dtype: the scale must be F16
+    ("model.layers.1.mlp.experts.2.up_proj.weight_scale", {"dtype": "BF16"}, "scale must be F16"),
+    # same bytes, other shape: int4 codes of [R, C] are U8 [R, C/2]
+    ("model.layers.0.mlp.experts.3.down_proj.weight", {"shape": [32, 64]},
+     r"shape \[32, 64\], but int4 codes of a weight \[64, 64\] are \[64, 32\]"),
+    # int4 codes retyped as int8's: the config stores int4
+    ("model.layers.0.mlp.experts.1.gate_proj.weight", {"dtype": "I8"},
+     "stored as int8, but config.json's quantization_config .* stores this weight as int4"),
+])
+def test_pieces_whose_header_disagrees_with_the_config_are_refused(repacked, tmp_path, tensor,
+                                                                   fields, message):
+    bad = Path(shutil.copytree(repacked, tmp_path / "bad"))
+    edit_header(bad, tensor, **fields)
+    with pytest.raises(QuantizationError, match=message) as e:
+        Model.load(bad, n_threads=1)
+    assert e.value.path is not None and str(bad) in e.value.path
+    assert e.value.tensor is not None and e.value.tensor.startswith(tensor.rsplit(".", 1)[0])
 
 
 # ----------------------------------------------------------- calibration and threads
