@@ -98,8 +98,9 @@ class ExpertLayout:
     Raises:
         MissingTensorError: a projection (or a piece of it) of some (layer, expert) is
             absent.
-        TensorRangeError: a projection's shape disagrees with the config, or its format
-            or piece dtypes with its siblings' (every expert of a model shares one).
+        TensorRangeError: a projection's shape disagrees with the config, its format or
+            piece dtypes with its siblings' (every expert of a model shares one), or its
+            scales' block with the same projection's of the other experts.
         QuantizationError: pieces that disagree with each other or with the
             quantization config (ext/formats/quant.py).
     """
@@ -112,6 +113,7 @@ class ExpertLayout:
         names = family_of(config.model_type).tensors
         self.transposed = False        # plain fused experts stored [in, out] (GPT-OSS)
         kind = None
+        blocks: dict[str, tuple[int, int] | None] = {}   # proj -> the block of its scales
         for layer, is_moe in enumerate(config.moe_layers):
             if not is_moe:
                 continue
@@ -124,14 +126,20 @@ class ExpertLayout:
                         module = expert_module_name(config.model_type, layer, expert, proj)
                         weights[proj] = resolve_weight(checkpoint.tensors, module, expected[proj], EXPERT,
                                                        config.quantization, checkpoint.model_dir)
-                for w in filter(None, weights.values()):
-                    this = (w.format, tuple(p.dtype for p in w.pieces), w.block)
+                for proj, w in weights.items():
+                    if w is None:
+                        continue
+                    this = (w.format, tuple(p.dtype for p in w.pieces))
                     kind = kind or this
-                    if this != kind:
+                    # one format for every expert; the block each scale covers may differ
+                    # between projections (moed's repack groups g = min(group_size, C)
+                    # inputs, so down's differs when intermediate_size < group_size)
+                    block = blocks.setdefault(proj, w.block)
+                    if this != kind or w.block != block:
                         first = w.pieces[0]
                         raise TensorRangeError(
-                            f"stored as {_describe(this)}, unlike the other experts' {_describe(kind)}",
-                            path=first.path, tensor=first.name)
+                            f"stored as {_describe(this, w.block)}, unlike the other experts' "
+                            f"{_describe(kind, block)}", path=first.path, tensor=first.name)
                 self._locations[(layer, expert)] = ExpertLocation(layer, expert, **weights)
         self.format = kind[0] if kind else None
 
@@ -208,9 +216,10 @@ class ExpertLayout:
                     w.check_values({role: checkpoint.read(p) for role, p in pieces.items()})
 
 
-def _describe(kind: tuple) -> str:
-    fmt, dtypes, block = kind
-    return f"{fmt} ({', '.join(dtypes)})" if len(dtypes) > 1 else fmt
+def _describe(kind: tuple, block: tuple[int, int] | None) -> str:
+    fmt, dtypes = kind
+    text = f"{fmt} ({', '.join(dtypes)})" if len(dtypes) > 1 else fmt
+    return text if block is None else f"{text} in blocks of {block[0]}x{block[1]}"
 
 
 class ExpertProvider(ABC):
