@@ -21,6 +21,9 @@ same in f32 (three mat-vecs and SiLU).
 the CPU and the load average around the run (a shared machine gives noisy figures).
 
     python bench/matvec.py [--repeats 15] [--threads 2] [--shapes 14336x4096,2048x7168]
+
+For one core against one core: OPENBLAS_NUM_THREADS=1 python bench/matvec.py --threads 1
+(the JSON records OPENBLAS_NUM_THREADS / OMP_NUM_THREADS as set).
 """
 from __future__ import annotations
 
@@ -210,6 +213,8 @@ def main() -> None:
     print(json.dumps({
         "build": _kernels.build_info(),
         "machine": {"cpu": _cpu_model(), "cpus": os.cpu_count(),
+                    "blas_threads_env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+                                         if k in os.environ},
                     "loadavg_before": [round(v, 2) for v in load_before],
                     "loadavg_after": [round(v, 2) for v in os.getloadavg()]},
         "repeats": args.repeats,

@@ -38,7 +38,9 @@ prometheus_client.disable_created_metrics()
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
              "pins_reset", "other")                 # route names of daemon.service.app.HttpApp.application
 # Statuses moed answers with; 499: the client closed the connection before the answer ended.
-STATUSES = ("200", "400", "401", "403", "404", "405", "413", "429", "499", "500", "503", "other")
+STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",
+            "other")
+LISTENERS = ("socket", "tcp", "metrics")            # daemon.service.connections listeners
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")
 OUTCOMES = ("hit", "prefetch_hit", "miss")
 PHASES = ("prefill", "decode")
@@ -324,6 +326,11 @@ class DaemonMetrics:
         for endpoint in ENDPOINTS:
             for status in STATUSES:
                 self.requests.labels(endpoint, status)
+        self.refused = Counter("moed_connections_refused", "Connections answered 503 at once "
+                               "because their listener held max_connections open connections.",
+                               ["listener"], registry=registry)
+        for listener in LISTENERS:
+            self.refused.labels(listener)
         self.finished = Counter("moed_requests_finished", "Generation requests ended, by "
                                 "finish reason.", ["finish_reason"], registry=registry)
         for reason in FINISH_REASONS:
@@ -347,6 +354,10 @@ class DaemonMetrics:
     def response(self, route_name: str | None, status: int) -> None:
         """Count one HTTP response (unknown routes and statuses map to "other")."""
         self.requests.labels(endpoint_label(route_name), status_label(status)).inc()
+
+    def connection_refused(self, listener: str) -> None:
+        """Count one connection refused at accept (a listener of LISTENERS)."""
+        self.refused.labels(listener if listener in LISTENERS else "socket").inc()
 
     def request_finished(self, finish_reason: str, queue_s: float,
                          time_to_first_token_s: float | None, duration_s: float) -> None:

@@ -13,6 +13,10 @@ the scale grid and is wrong for shapes that are not multiples of 128):
       GPT-OSS's experts fused over [E, ...], `<param>_blocks` U8 [E, R, C/32, 16] with
       `<param>_scales` [E, R, C/32] (rows = outputs), which transformers keeps as plain
       `<param>` [E, C, R] (inputs first): the twin stores them so.
+  moed's int4 / int8 repack (quant_method "moed"): `<module>.weight` U8 [R, C/2] (int4) or
+      I8 [R, C] (int8) with `<module>.weight_scale` F16 [R, C/g] and, for int4 with a
+      minimum, `<module>.weight_min`; shards also hold `moed.padding.*` U8 tensors, which
+      are not weights.
 
 `dequantised_twin` writes a plain float32 copy of a low-bit checkpoint (same tensor
 names, `<module>.weight` for every quantised weight, no quantization_config) that
@@ -27,7 +31,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from quant_reference import dequantize_fp8, dequantize_mxfp4
+from quant_reference import dequantize_fp8, dequantize_int4, dequantize_int8, dequantize_mxfp4
 from safetensors.torch import load_file, save_file
 
 
@@ -59,7 +63,19 @@ def dequantise(model_dir: Path) -> dict[str, np.ndarray]:
     tensors = read_tensors(model_dir)
     out = {}
     for name, (dtype, array) in tensors.items():
-        if name.endswith(("_scale_inv", "_scales")):
+        if name.endswith(("_scale_inv", "_scales", ".weight_scale", ".weight_min")):
+            continue
+        if name.startswith("moed.padding."):
+            assert method == "moed" and not array.any()
+            continue
+        if method == "moed" and name + "_scale" in tensors:
+            scale = tensors[name + "_scale"][1]
+            if dtype == "int8":
+                out[name] = dequantize_int8(tensors[name][1].astype(np.int8), scale)
+            else:
+                assert dtype == "uint8"
+                minimum = tensors[name + "_min"][1] if name + "_min" in tensors else None
+                out[name] = dequantize_int4(array, scale, minimum)
             continue
         if name.endswith(".weight_blocks"):
             assert method == "mxfp4"
@@ -94,3 +110,80 @@ def dequantised_twin(model_dir: Path, twin_dir: Path) -> Path:
         if (Path(model_dir) / name).exists():
             shutil.copy(Path(model_dir) / name, twin_dir / name)
     return twin_dir
+
+
+# ------------------------------------------------------------- the oracle of a low-bit case
+
+
+def select_lowbit_seed(make, case_id: str, root: Path):
+    """The Reference (tests/oracle_models.py) of the first seed in 0..MAX_SEEDS-1 whose
+    reference run — transformers on the dequantised twin of `make(root / f"seed{s}", s)`,
+    a low-bit checkpoint — has clear margins; fails the test after MAX_SEEDS rejections."""
+    import logging
+
+    import pytest
+    from oracle_models import (MAX_SEEDS, Reference, SeedRejected, check_margins,
+                               load_reference_model, make_prompt, reference_run)
+
+    log = logging.getLogger(__name__)
+    last = ""
+    for seed in range(MAX_SEEDS):
+        model_dir = make(root / f"seed{seed}", seed)
+        twin = dequantised_twin(model_dir, root / f"seed{seed}-twin")
+        model = load_reference_model(twin)
+        prompt = make_prompt(model.config.vocab_size, seed)
+        tokens, steps, teacher, routers, _ = reference_run(model, prompt)
+        try:
+            check_margins(steps, routers, model.config.num_experts_per_tok)
+        except SeedRejected as e:
+            last = str(e)
+            log.warning("%s: seed %d rejected (%s)", case_id, seed, last)
+            continue
+        log.info("%s: using seed %d", case_id, seed)
+        return Reference(model_dir, seed, prompt, tokens, steps, teacher, routers, None)
+    pytest.fail(f"low-bit oracle case {case_id}: no seed in 0..{MAX_SEEDS - 1} gives clear "
+                f"margins (last: {last})")
+
+
+def moed_run(model_dir: Path, prompt: list[int], tokens: list[int], **kw):
+    """moed's greedy tokens and step logits from `prompt`, its teacher-forced logits over
+    prompt + tokens, and its weight_formats(), with open_model's options `kw`."""
+    from oracle_models import moed_greedy, open_model
+
+    with open_model(model_dir, **kw) as model:
+        got_tokens, steps = moed_greedy(model, prompt)
+        teacher = model.forward(model.new_sequence(), prompt + tokens, all_logits=True)
+        formats = model.weight_formats()
+    return got_tokens, steps, teacher, formats
+
+
+class LowBitOracle:
+    """The reference and moed's run of each low-bit oracle case, built once per session.
+
+    A case has `id` and `make(root, seed) -> model dir`. `reference(case)`: the first seed
+    with clear margins (`select_lowbit_seed`); `moed(case)`: `moed_run` of that checkpoint.
+    """
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._refs: dict = {}
+        self._runs: dict = {}
+
+    def reference(self, case):
+        if case.id not in self._refs:
+            self._refs[case.id] = select_lowbit_seed(case.make, case.id, self._tmp.mktemp(case.id))
+        return self._refs[case.id]
+
+    def moed(self, case):
+        if case.id not in self._runs:
+            ref = self.reference(case)
+            self._runs[case.id] = moed_run(ref.model_dir, ref.prompt, ref.tokens)
+        return self._runs[case.id]
+
+
+def assert_placement_invisible(ref, base, **kw) -> None:
+    """moed_run with open_model's options `kw` gives `base`'s tokens and logits bit for bit
+    (and the reference's tokens)."""
+    got = moed_run(ref.model_dir, ref.prompt, ref.tokens, **kw)
+    assert got[0] == base[0] == ref.tokens
+    assert np.array_equal(got[1], base[1]) and np.array_equal(got[2], base[2])

@@ -44,8 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.commands.args import (MODEL_HELP, Parents, Steps, check_model_dir, cpu_threads,
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, check_model_dir, cpu_threads,
                                   nonempty, positive_int, size)
+from daemon.commands.figures import compare, spread
 from daemon.store.plans import max_slot_bytes, plans_for
 from daemon.store.probe import probe_summary
 from daemon.store.reads import IoPool, drop_page_cache, probe_direct_io
@@ -225,6 +226,8 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
         return Model(config, checkpoint, layout, provider, bench.threads)
 
+    if progress:
+        progress.note("warm-up: learning expert usage for moed's pins")
     learned = learned_usage(model_for("moed", None), prompt, bench)
 
     runs: dict[str, list[dict]] = {"naive": [], "moed": []}
@@ -240,6 +243,8 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
             model.experts.close()
             if progress:
                 progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
+    if progress:
+        progress.note("measuring disk bandwidth and kernel throughput for the roofline")
     bandwidth = measure_disk_bandwidth(layout, bench.io_workers, direct)
     flops = measure_kernel_flops(config, checkpoint, layout, bench.threads)
     fpt = flops_per_token(config)
@@ -250,13 +255,19 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         med["roofline_tokens_per_second"] = 1.0 / max(med["bytes_needed_per_token"] / bandwidth,
                                                       fpt / flops)
         med["tokens_per_second_runs"] = [round(r["tokens_per_second"], 3) for r in rs]
+        med["tokens_per_second_spread"] = spread([r["tokens_per_second"] for r in rs])
         med["io_path"] = "direct" if direct else "buffered"
         med["cache_slots"] = tiers[mode]
         return med
 
     moed, naive = summary("moed"), summary("naive")
+    versus = compare([r["tokens_per_second"] for r in runs["moed"]],
+                     [r["tokens_per_second"] for r in runs["naive"]], "moed", "naive")
     report = {**moed, "naive": naive,
               "speedup_vs_naive": moed["tokens_per_second"] / naive["tokens_per_second"],
+              "speedup_vs_naive_pairs": versus["pair_ratios"],
+              "speedup_vs_naive_significant": versus["significant"],
+              "speedup_vs_naive_verdict": versus["verdict"],
               "fraction_of_roofline": moed["tokens_per_second"] / moed["roofline_tokens_per_second"],
               "disk_bytes_per_second": bandwidth, "kernel_flops_per_second": flops,
               "flops_per_token": fpt, "expert_cache_bytes": bench.cache_bytes,
@@ -311,7 +322,10 @@ def run(args: argparse.Namespace) -> int:
                         threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                         repeats=args.repeats, prefetch=not args.no_prefetch,
                         idle_prefetch=not args.no_idle_prefetch)
-    report = run_bench(bench, progress=Steps("bench runs"))
+    progress = Progress("bench runs", unit="run")
+    report = run_bench(bench, progress=progress)
+    progress.note(report["speedup_vs_naive_verdict"])
+    progress.close()
     probe = probe_summary(default_state_dir(os.environ), args.model, bench.io_workers)
     if probe is not None:     # for reference; the roofline uses this run's own measurement
         report["storage_probe"] = probe

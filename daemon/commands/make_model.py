@@ -83,6 +83,6 @@ def run(args: argparse.Namespace) -> int:
                      head_dim=args.head_dim, options=dict(args.set) or None,
                      initializer_range=args.initializer_range, overwrite=args.force,
                      routing_skew=args.routing_skew, scale_dtype=args.scale_dtype,
-                     scale_fmt=args.scale_fmt, progress=Progress(f"writing {args.out}"))
+                     scale_fmt=args.scale_fmt, progress=Progress(f"writing {args.out}", unit="B"))
     print(json.dumps({"model": str(out)}))
     return 0

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from daemon.commands.args import Parents, positive_int
+from daemon.commands.args import Parents, UsageError, fraction, positive_int
 
 
 def register(sub, parents: Parents) -> None:
@@ -31,13 +32,18 @@ def register(sub, parents: Parents) -> None:
                         "(repeatable; default: default, lru, belady)")
     r.add_argument("--warm-tokens", type=int, default=None, metavar="W",
                    help="tokens observed before counting starts (default: half the trace)")
-    r.add_argument("--pin-fraction", type=float, default=None, metavar="F",
+    r.add_argument("--pin-fraction", type=fraction, default=None, metavar="F",
                    help="share of the slots moed pins from what it learned (default: the "
                         "scheduler's measured choice)")
     r.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
     from scheduler.replay import replay_trace
+
+    if not os.path.exists(args.trace):
+        raise UsageError(f"TRACE: {args.trace} does not exist")
+    if os.path.isdir(args.trace):
+        raise UsageError(f"TRACE: {args.trace} is a directory, not a JSON Lines file")
 
     policies = args.policy or ["default", "lru", "belady"]
     kwargs = {} if args.pin_fraction is None else {"pin_fraction": args.pin_fraction}

@@ -11,17 +11,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.commands.args import (MODEL_HELP, Parents, check_model_dir, cpu_threads, nonempty,
-                                  positive_int, size)
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, check_model_dir, cpu_threads,
+                                  nonempty, positive_int, size)
+from daemon.commands.figures import compare, spread
 from daemon.store.reads import drop_page_cache
 from daemon.store.session import open_model
-from daemon.store.state import default_state_dir
+from daemon.store.state import StateReadOnlyError, default_state_dir
 from daemon.tuning.knobs import (IO_WORKERS, PREFETCH_WIDTH, THREADS, LiveKnobs, default_knobs,
                                  probe_proposals)
 from daemon.tuning.saved import TunedStore, hardware_facts
@@ -66,8 +66,8 @@ def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict
             if progress:
                 progress(f"compare run {r + 1}/{cfg.compare_repeats} {name}: "
                          f"{runs[name][-1]:.2f} tokens/s")
-    return {name: {"tokens_per_second": statistics.median(v), "runs": [round(x, 3) for x in v]}
-            for name, v in runs.items()}
+    return {name: {"tokens_per_second": statistics.median(v), "runs": [round(x, 3) for x in v],
+                   "spread": spread(v)} for name, v in runs.items()}
 
 def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> dict:
     """`moed tune`: tune threads, io workers and prefetch width by A/B on the built-in
@@ -87,6 +87,8 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         try:      # fail now, not after minutes of tuning, when the winners cannot be saved
             store = TunedStore(cfg.state_dir, model.checkpoint.fingerprint(), facts)
             store.load()
+            if not store.writable:
+                raise StateReadOnlyError(f"{cfg.state_dir} is read-only")
         except OSError as e:
             raise OSError(f"the state directory {cfg.state_dir} cannot hold the tuned "
                           f"settings: {e}") from None
@@ -114,13 +116,19 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                      f"{choice.slots_per_layer} slots per layer, {choice.pin_fraction:.3f} of them "
                      f"pinned, hit rate {100 * choice.hit_rate:.1f} %")
         compared = compare_settings(session, model, prompts, {"default": default, "tuned": tuned}, cfg, progress)
+        versus = compare(compared["tuned"]["runs"], compared["default"]["runs"], "tuned", "default")
+        if progress:
+            progress(versus["verdict"])
         report = {
             "model": str(cfg.model), "hardware": facts, "default": default, "tuned": tuned,
             "tokens_per_second": {
                 **{k: round(v["tokens_per_second"], 3) for k, v in compared.items()},
                 "ratio": round(compared["tuned"]["tokens_per_second"]
                                / compared["default"]["tokens_per_second"], 3),
-                "runs": {k: v["runs"] for k, v in compared.items()}},
+                "runs": {k: v["runs"] for k, v in compared.items()},
+                "spread": {k: v["spread"] for k, v in compared.items()},
+                "pair_ratios": versus["pair_ratios"], "significant": versus["significant"],
+                "verdict": versus["verdict"]},
             "tuner": tuner.report(),
             "cache_split": {"slots_per_layer": choice.slots_per_layer,
                             "pin_fraction_of_slots": choice.pin_fraction,
@@ -178,15 +186,23 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
 
-    def progress(message: str) -> None:
-        if sys.stderr.isatty():
-            print(f"moed tune: {message}", file=sys.stderr, flush=True)
+    bar = Progress("moed tune", unit="step")
+    steps = 0
+
+    def progress(message: str) -> None:      # a stage begun or a result: one more step
+        nonlocal steps
+        steps += 1
+        bar.note(message)
+        bar(steps, None)
 
     cfg = TuneConfig(model=args.model, cache_bytes=args.expert_cache_bytes,
                      state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
                      threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                      window_steps=args.window_steps, pairs=args.pairs,
                      compare_tokens=args.compare_tokens, compare_repeats=args.compare_repeats)
-    report = run_tune(cfg, progress=progress)
+    try:
+        report = run_tune(cfg, progress=progress)
+    finally:
+        bar.close()
     print(json.dumps(report, indent=2))
     return 0

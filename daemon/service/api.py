@@ -16,9 +16,11 @@ logit_bias (token id -> -100..100), response_format {"type": "text" | "json_obje
 "json_schema"} (constrained decoding, daemon/service/grammar.py). Extensions accepted as
 vLLM accepts them: top_k, ignore_eos, seed. A prompt that leaves no room in the context
 is a 400 with code "context_length_exceeded" — refused before it is tokenized when its
-length in bytes already proves it; max_tokens beyond the room left is cut to fit (the
-answer then ends with finish_reason "length"). What stays unsupported (best_of > 1,
-tools, echo, suffix) is a 400 naming the field.
+length in bytes already proves it; max_tokens beyond the room left, or beyond the
+server's max_tokens ceiling, is cut to fit (the answer then ends with finish_reason
+"length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
+and what cut it. What stays unsupported (best_of > 1, tools, echo, suffix) is a 400
+naming the field.
 """
 from __future__ import annotations
 
@@ -69,6 +71,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    # Why max_tokens is smaller than the request asked (None: it is not): "context" (the
+    # prompt leaves only that many tokens of the model's context) or "max_tokens" (the
+    # server's ceiling, configuration key max_tokens). Said in the X-Moed-Max-Tokens header.
+    max_tokens_limited_by: str | None = None
 
     @property
     def logprobs(self) -> bool:
@@ -283,7 +289,9 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     constraint = _constraint(body, grammars)
     default_max = max_tokens_cap if chat else COMPLETIONS_MAX_TOKENS_DEFAULT
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = min(_integer(body, key, default_max, low=1), max_tokens_cap)
+    asked = _integer(body, key, None, low=1)
+    max_tokens = min(default_max if asked is None else asked, max_tokens_cap)
+    limited_by = "max_tokens" if asked is not None and asked > max_tokens_cap else None
     ignore_eos = _boolean(body, "ignore_eos")
     if chat:
         messages = _messages(body)
@@ -319,14 +327,30 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         raise bad(f"the prompt is {len(prompt_ids)} tokens; this model's context is {context} "
                   "tokens and one must be left for the answer", prompt_param,
                   code="context_length_exceeded")
-    max_tokens = min(max_tokens, context - len(prompt_ids))
+    if max_tokens > context - len(prompt_ids):
+        max_tokens = context - len(prompt_ids)
+        limited_by = "context" if asked is not None or chat else None
     engine = EngineRequest(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         stop_ids=frozenset() if ignore_eos else stop_ids, stop_strings=_stop_strings(body),
         deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, constraint=constraint)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
-                         include_usage=include_usage, chat=chat)
+                         include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by)
+
+
+def max_tokens_header(req: ParsedRequest, context: int, cap: int) -> dict[str, str]:
+    """`X-Moed-Max-Tokens`: the max_tokens in force and, when it is smaller than asked,
+    what limited it ("1023; limited by the context: 4096 tokens, 3073 of them the prompt")."""
+    n = req.engine.max_tokens
+    if req.max_tokens_limited_by == "context":
+        why = (f"; limited by the context: {context} tokens, {len(req.engine.prompt_ids)} of "
+               "them the prompt")
+    elif req.max_tokens_limited_by == "max_tokens":
+        why = f"; limited by the server's max_tokens ceiling ({cap})"
+    else:
+        why = ""
+    return {"X-Moed-Max-Tokens": f"{n}{why}"}
 
 
 def _refuse_untokenized(tokenizer: Tokenizer, text: str, context: int, param: str) -> None:

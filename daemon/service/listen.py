@@ -36,7 +36,7 @@ log = get_logger("listen")
 
 DIR_MODE = 0o755
 LOCK_MODE = 0o644
-BACKLOG = 128
+BACKLOG = 1024       # the kernel caps it at net.core.somaxconn
 UNIX_PATH_MAX = 107  # bytes of sun_path (108) minus the terminating NUL
 _LOCK_ATTEMPTS = 16
 

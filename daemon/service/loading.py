@@ -17,6 +17,7 @@ from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
 from daemon.service.engine import Engine, RequestHandle
 from daemon.service.grammar import Grammars
+from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.session import open_model
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
@@ -45,8 +46,15 @@ class Loaded:
     model_type: str
     tuner: object | None = None  # daemon.tuning.live.LiveTuner (tuner = live / live+idle)
     workload: object | None = None  # daemon.tuning.workload.Workload for live+idle
-    weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
     grammars: object | None = None  # daemon.service.grammar.Grammars (response_format)
+    weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
+    templates: TemplateWorkers | None = None   # the chat template's render processes
+
+    def close(self) -> None:
+        """Release what the load holds: the model's files and the render processes."""
+        self.engine.model.close()
+        if self.templates is not None:
+            self.templates.close()
 
 
 def request_finished(handle: RequestHandle, telemetry=None) -> None:
@@ -72,7 +80,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
 
     telemetry: the daemon's DaemonMetrics, fed by the engine's hooks (or None)."""
     model_dir = config.require_model()
-    tokenizer = Tokenizer.from_model_dir(model_dir)
+    templates = TemplateWorkers(config.chat_template_max_chars, config.chat_template_timeout_s)
+    tokenizer = Tokenizer.from_model_dir(model_dir, renderer=templates.render)
     stop_ids = frozenset(stop_token_ids(model_dir))
     cache_bytes = config.expert_cache_bytes
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
@@ -116,12 +125,15 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     except ValueError as e:       # llguidance cannot read this tokenizer: text only
         log.warning("grammar_unavailable", error=str(e))
         grammars = None
+    if tokenizer.chat_template is not None:
+        templates.start()
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
                   context=model.config.max_position_embeddings, session=session,
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
-                  weight_formats=model.weight_formats(), grammars=grammars)
+                  grammars=grammars, weight_formats=model.weight_formats(),
+                  templates=templates)
 
 
 PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)

@@ -17,11 +17,13 @@ from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters, Snapshot
 
 
 def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes: int | None,
-            model_load_seconds: float) -> tuple[Snapshot, dict]:
+            model_load_seconds: float, rss_bytes: int | None = None) -> tuple[Snapshot, dict]:
     """(the metrics snapshot, the `moed stats` document) from one reading.
 
     engine: daemon.service.engine.Engine. session: its ExpertSession, or None (experts not
     streamed). memory_available_bytes: MemAvailable (None when unreadable: 0 in metrics).
+    rss_bytes: the daemon's resident memory (in the document only: /metrics has
+    process_resident_memory_bytes).
     """
     e = engine.stats()
     provider = engine.model.experts
@@ -63,7 +65,9 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
         memory_available_bytes=memory_available_bytes or 0, model_load_seconds=model_load_seconds,
         state_saves=session.state_saves if session is not None else 0,
         state_save_errors=session.state_save_errors if session is not None else 0, **gauges)
-    return s, _document(s, e, document)
+    out = _document(s, e, document)
+    out["memory"]["rss_bytes"] = rss_bytes
+    return s, out
 
 
 def _document(s: Snapshot, e, extra: dict) -> dict:

@@ -217,7 +217,8 @@ class IoPool:
 
     A failed read is retried once after reopening the file (which picks up a shard that
     was replaced by a file of the same layout); if the retry fails the job's future
-    raises ExpertReadError and the pool keeps serving other reads.
+    raises ExpertReadError and the pool keeps serving other reads. `failing()` tells
+    whether the latest read to finish failed (and why), for the daemon's /health.
     """
 
     def __init__(self, n_workers: int, direct: bool,
@@ -240,6 +241,7 @@ class IoPool:
         self._reads_completed = dict.fromkeys(REASONS, 0)
         self._bytes_retried = self._read_errors = self._retries_succeeded = 0
         self._cancelled = self._in_flight = 0
+        self._failing: str | None = None      # the error of the latest read, if it failed
         self._read_seconds_total = 0.0
         self._bucket_counts = [0] * len(READ_SECONDS_BUCKETS)
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_READS)
@@ -352,6 +354,7 @@ class IoPool:
                 with self._stats_lock:
                     self._read_errors += 1
                     self._in_flight -= 1
+                    self._failing = str(e)
                 job.future.set_exception(e)
             except BaseException as e:  # a bug, not a disk error: hand it to the caller
                 with self._stats_lock:
@@ -360,6 +363,7 @@ class IoPool:
             else:
                 with self._stats_lock:
                     self._in_flight -= 1
+                    self._failing = None
                     self._reads_completed[job.reason] += 1
                     self._read_seconds_total += seconds
                     self._recent.append(seconds)
@@ -429,6 +433,12 @@ class IoPool:
         return done
 
     # -- reporting and shutdown
+
+    def failing(self) -> str | None:
+        """The error of the latest read to finish if it failed, else None (once a read
+        succeeds again). Thread-safe; cheap enough for every /health call."""
+        with self._stats_lock:
+            return self._failing
 
     def stats(self) -> IoStats:
         """A consistent snapshot of the counters (thread-safe)."""

@@ -47,10 +47,11 @@ class ExpertSession:
     def flush(self) -> bool:
         """Merge the usage observed since the last flush into the state file.
 
-        Returns False when there is no usable state directory. Raises OSError when the
-        write fails (the caller logs it; the counts stay in memory for the next try).
+        Returns False when there is no usable state directory, or it is read-only (the
+        learned usage was read from it and is used; open_model said so). Raises OSError
+        when the write fails (the caller logs it; the counts stay in memory for the next try).
         """
-        if self.store is None:
+        if self.store is None or not self.store.writable:
             return False
         self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint))
         return True
@@ -71,7 +72,7 @@ class ExpertSession:
         be written.
         """
         dropped = self.provider.reset_learning()
-        if self.store is not None:
+        if self.store is not None and self.store.writable:
             usage = self.provider.usage
             self._save(lambda: self.store.save(lambda _current: usage.to_dict(self.fingerprint),
                                                tokens=0))
@@ -145,6 +146,11 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
             store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint)
             counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
                                        options.half_life_tokens)
+            if not store.writable:
+                log.warning("state_dir_read_only", state_dir=str(store.state_dir),
+                            learned_usage_loaded=counts is not None,
+                            effect="learned usage is read and used; what is learned now is "
+                                   "not saved")
         except OSError as e:
             log.warning("state_dir_unusable", error=str(e),
                         effect="expert usage will not be learned across runs")

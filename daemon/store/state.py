@@ -16,12 +16,22 @@ currently on disk. A file that is corrupt (not JSON, truncated, wrong shape) is 
 fresh. Content is never trusted and never fatal; OSErrors of the directory itself
 (permissions, a full disk) are raised to the caller.
 
+A directory moed may read but not write (a read-only mount, another user's directory) is
+read and used: ``writable`` is False, ``load`` reads without the lock (a writer replaces
+the file with one rename, so a reader sees the old file or the new one), a bad file is
+ignored instead of set aside, and ``save`` raises `StateReadOnlyError` without touching
+anything. Callers check ``writable`` and say so once.
+
 Blocking: ``load`` and ``save`` block on the lock and on fsync; the daemon calls them from
-an executor, not on the event loop.
+the engine thread (which owns the usage counts), never on the event loop. aiofiles would
+split the one critical section (flock, read-merge, temp file, fsync, rename, fsync of the
+directory) into about seven executor hops, it has no fsync, and it measured no better
+from the loop: bench/state_io.py.
 """
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import math
@@ -58,6 +68,10 @@ def default_state_dir(env: Mapping[str, str]) -> Path:
         return Path(xdg) / "moed"
     home = env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
     return Path(home) / ".local" / "state" / "moed"
+
+
+class StateReadOnlyError(OSError):
+    """The state directory can be read but not written; nothing was saved."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class StateStore:
         self._tmp_prefix = f".{stem}.json.tmp-"
         self._clock = clock
         self._fault = _fault
+        self.writable = _writable(self.state_dir, self.lock_path)
 
     # -- reading
 
@@ -112,7 +127,10 @@ class StateStore:
         return None if record is None else record.payload
 
     def load_record(self) -> StateRecord | None:
-        """The whole validated file, or None (see ``load``). Takes the lock briefly."""
+        """The whole validated file, or None (see ``load``). Takes the lock briefly
+        (not in a read-only directory)."""
+        if not self.writable:
+            return self._read_validated()
         with self._locked():
             return self._read_validated()
 
@@ -125,7 +143,11 @@ class StateStore:
         try:
             return self._parse(raw)
         except _Invalid as bad:
-            self._set_aside(bad)
+            if self.writable:
+                self._set_aside(bad)
+            else:
+                log.warning("state_file_ignored", path=str(self.path), kind=bad.kind,
+                            reason=str(bad), effect="the directory is read-only: left in place")
             return None
 
     def _parse(self, raw: bytes) -> StateRecord:
@@ -180,6 +202,8 @@ class StateStore:
         """
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
+        if not self.writable:
+            raise StateReadOnlyError(f"{self.state_dir} is read-only: {self.path.name} not saved")
         with self._locked():
             self._remove_stale_temps()
             current = self._read_validated()
@@ -231,6 +255,19 @@ class StateStore:
 
     def _locked(self) -> _FileLock:
         return _FileLock(self.lock_path)
+
+
+def _writable(state_dir: Path, lock_path: Path) -> bool:
+    """Whether moed may write in `state_dir`: the lock file opens for writing (created if
+    missing). EROFS, EACCES, EPERM: no. Other OSErrors are raised."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except (PermissionError, OSError) as e:
+        if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+            return False
+        raise
+    os.close(fd)
+    return os.access(state_dir, os.W_OK)
 
 
 class _FileLock:

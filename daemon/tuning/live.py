@@ -168,7 +168,7 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
     holder: list[LiveTuner] = []
 
     def done(tuner: OnlineTuner) -> None:
-        if store is None:
+        if store is None or not store.writable:   # read-only: the session said so once
             return
         try:
             store.save({**valid_settings(saved, store.path), **tuner.incumbent,

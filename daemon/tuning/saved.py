@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from daemon.machine.system import cpu_model, mem_total_bytes, usable_cpus
 from daemon.store.probe import block_device
 from daemon.store.state import StateStore
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
@@ -27,20 +28,7 @@ TUNED_VERSION = 1
 
 def hardware_facts(model_dir: str | os.PathLike) -> dict[str, Any]:
     """What tuned settings depend on: CPU model and usable CPUs, RAM, the model's disk."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_total = next(int(line.split()[1]) * 1024 for line in
-                         Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
-    except (OSError, StopIteration, ValueError):
-        mem_total = None
-    return {"cpu": cpu, "cpus": len(os.sched_getaffinity(0)), "mem_total_bytes": mem_total,
+    return {"cpu": cpu_model(), "cpus": usable_cpus(), "mem_total_bytes": mem_total_bytes(),
             "machine": platform.machine(), "disk": block_device(model_dir)}
 
 def hardware_fingerprint(facts: Mapping[str, Any]) -> str:
@@ -108,8 +96,13 @@ class TunedStore:
             return None
         return valid_settings(payload["settings"], self.path)
 
+    @property
+    def writable(self) -> bool:
+        return self.store.writable
+
     def save(self, settings: Mapping[str, Any], report: Mapping[str, Any] | None = None) -> None:
-        """Write the winners (replacing any earlier ones). Raises OSError."""
+        """Write the winners (replacing any earlier ones). Raises OSError
+        (StateReadOnlyError in a read-only state directory)."""
         payload = {"version": TUNED_VERSION, "hardware": self.hardware,
                    "hardware_facts": self.facts, "settings": dict(settings),
                    "report": dict(report or {})}

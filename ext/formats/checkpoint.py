@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import struct
@@ -32,6 +33,8 @@ import ml_dtypes
 import numpy as np
 
 from ext.formats.files import MetadataFileError, read_json
+
+log = logging.getLogger("moed.checkpoint")   # ext/ logs with the standard library: fields in extra=
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -174,6 +177,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     UTF-8 JSON object, bad entry), UnsupportedDtypeError (unknown dtype string),
     TensorRangeError (range backwards or != shape x dtype size), TensorOverlapError (two
     ranges overlap; names both), TruncatedFileError (file ends before the last tensor).
+    Bytes after the last tensor are ignored with a ``shard_trailing_bytes`` warning.
     """
     path = os.path.abspath(os.fspath(path))
     size = os.stat(path).st_size
@@ -215,7 +219,29 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     if last is not None and last.offset + last.nbytes > size:
         raise TruncatedFileError(f"file is {size} bytes but the tensor ends at byte "
                                  f"{last.offset + last.nbytes}", path=path, tensor=last.name)
+    data_end = data_start if last is None else max(data_start, last.offset + last.nbytes)
+    if data_end < size:
+        _warn_trailing(path, size, data_end, None if last is None else last.name)
     return tensors
+
+
+_warned_trailing: set[tuple[str, int, int]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_trailing(path: str, size: int, data_end: int, last: str | None) -> None:
+    """Bytes after the last tensor: the spec has none (the reference library refuses such
+    a file); moed reads the tensors and warns, once per file and size in a process."""
+    key = (path, size, data_end)
+    with _warned_lock:
+        if key in _warned_trailing:
+            return
+        _warned_trailing.add(key)
+    log.warning("shard_trailing_bytes", extra={
+        "path": path, "trailing_bytes": size - data_end, "data_end": data_end,
+        "file_bytes": size, "last_tensor": last,
+        "effect": "ignored; the safetensors spec allows no bytes after the last tensor "
+                  "(a copy that went wrong, or a different file?)"})
 
 
 def _read_header_checked(path: str) -> dict[str, TensorInfo]:

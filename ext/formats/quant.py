@@ -162,6 +162,22 @@ class QuantMethod(ABC):
         """The fields that say what the model is (JSON-able; logs and /v1/models)."""
         return {"quant_method": self.quant_method}
 
+    def refusal(self, module: str, fmt: str) -> str:
+        """Why `module` may not be stored in `fmt` (when `allows` says no), for errors."""
+        if fmt in self.formats:
+            return "modules_to_not_convert lists this module"
+        return f"quant_method {self.quant_method!r} stores {', '.join(self.formats)}"
+
+    def delegate(self, module: str) -> QuantMethod:
+        """The config whose fields describe `module`'s stored weight (itself, except for a
+        config that wraps another's, as moed's repack format wraps the FP8 config of the
+        dense weights it kept)."""
+        return self
+
+    def check_checkpoint(self, tensors: Mapping[str, TensorInfo], where: str | os.PathLike) -> None:
+        """Checks over the whole tensor table that no single weight can make (nothing by
+        default; moed's repack format checks its patterns match); raises QuantizationError."""
+
     @property
     def label(self) -> str:
         """The format of the weights this config quantises (one of `formats()`): the
@@ -317,8 +333,11 @@ class StoredWeight:
         return self.pieces[1].dtype if len(self.pieces) > 1 else None
 
     def checked_pieces(self) -> dict[str, TensorInfo]:
-        """The pieces whose values `check_values` checks (the scales), by role."""
-        return {r: self.piece(r) for r in self.layout.checked_roles}
+        """The pieces whose values `check_values` checks (the scales), by role (a layout's
+        optional last pieces, such as int4's minimums, only when present)."""
+        roles = self.layout.roles
+        return {r: self.piece(r) for r in self.layout.checked_roles
+                if roles.index(r) < len(self.pieces)}
 
     def check_values(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Raise BadScaleError if the arrays of `checked_pieces()` (as read, by role) hold
@@ -585,8 +604,8 @@ def resolve_weight(tensors: Mapping[str, TensorInfo], module: str, shape: tuple[
         raise FormatMismatchError(f"stored as {fmt}, but config.json has no quantization_config",
                                   path=first.path, tensor=first.name)
     elif not quant.allows(module, fmt):
-        why = ("modules_to_not_convert lists this module" if fmt in quant.formats
-               else f"quant_method {quant.quant_method!r} stores {', '.join(quant.formats)}")
+        why = quant.refusal(module, fmt)
         raise FormatMismatchError(f"stored as {fmt}, but config.json's quantization_config says "
                                   f"otherwise: {why}", path=first.path, tensor=first.name)
-    return LAYOUTS[fmt].build(tensors, module, shape, quant, where)
+    return LAYOUTS[fmt].build(tensors, module, shape, quant.delegate(module) if quant else None,
+                              where)

@@ -8,13 +8,16 @@ Design:
   fixed by the shapes alone (see `_kernels_impl.h`). So results are bit-identical
   for any `n_threads`, any alignment of the weight buffer, and any batch size;
   placement may change speed, never output.
-- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) and stay in that format;
-  they are dequantised on the fly and accumulated in f32. Activations, the KV
-  cache and routing are f32.
+- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) arrays or block-quantised
+  (`QuantizedWeight`, below) and stay in that format; they are dequantised on the
+  fly and accumulated in f32. Activations, the KV cache and routing are f32 (never
+  quantised).
 - Outputs are allocated by the caller and written in full. The thin Python
   wrappers validate shape, dtype and C-contiguity and raise `ValueError`;
-  nothing inside `nogil` raises or allocates (except the small pointer tables of
-  `expert_ffn`).
+  nothing inside `nogil` raises or allocates (`expert_ffn` fills its table of
+  weight descriptors before it releases the GIL).
+- The SIMD path is chosen at compile time (`build_info()` says which: "avx512",
+  "avx2" or "portable"); every path gives the same bits.
 
 Shape legend: T tokens, H hidden_size, R rows of a weight, C columns, E
 num_experts, K top_k, N token-expert pairs, I expert intermediate_size,
@@ -48,7 +51,10 @@ Block-quantised weights (`QuantizedWeight`, C helpers in `_quant_impl.h`):
   for fp8/int8 and to `matmul(dequantize(q).astype(bfloat16), x)` for mxfp4
   (E2M1 x 2^k is exact in bf16), on every SIMD path.
 - Values are not checked per call: NaN, inf or negative scales and E8M0 255 are
-  refused by the loader; the kernels compute with what the bytes say.
+  refused by the loader; the kernels compute with what the bytes say (NaN codes
+  and E8M0 255 give NaN).
+- Mat-mat (T > 1) decodes a tile of weights once for up to 8 tokens; each token's
+  row is still bit-equal to its mat-vec.
 """
 cimport cython
 from cython.parallel cimport prange, threadid
@@ -159,14 +165,9 @@ cdef inline void _matmul_rows(const moed_weight *w, const float *x, Py_ssize_t T
     """out[t, r] = w_r . x[t] for the rows r of group g (MOED_ROWS rows) and t < T.
 
     The group's rows stay in cache while the T tokens pass over them."""
-    cdef float o[8]
-    cdef Py_ssize_t R = w.rows, C = w.cols
-    cdef Py_ssize_t r0 = g * MOED_ROWS, t, q
-    cdef int nr = <int>(R - r0) if R - r0 < MOED_ROWS else MOED_ROWS
-    for t in range(T):
-        moed_w_dot_rows(w, r0, nr, x + t * C, o, simd)
-        for q in range(nr):
-            out[t * R + r0 + q] = o[q]
+    cdef Py_ssize_t r0 = g * MOED_ROWS
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    moed_w_matmul_rows(w, r0, nr, x, T, out + r0, w.rows, simd)
 
 
 cdef void _matmul(const moed_weight *w, const float *x, Py_ssize_t T, float *out,
@@ -217,16 +218,18 @@ def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     _matmul_checked(w, x, out, n_threads, 0)
 
 
-def dequantize(object w, cnp.ndarray out=None):
+def dequantize(object w, cnp.ndarray out=None, int n_threads=1):
     """The float32 values [R, C] of a weight: exactly what the kernels multiply by.
 
     Args:
         w: a QuantizedWeight or a float32/float16/bfloat16 [R, C] array.
         out: optional [R, C] float32, C-contiguous, writable; allocated if None.
+        n_threads: OpenMP threads (rows are split between them).
     Returns `out`. Raises ValueError on a bad weight or `out`.
     """
     cdef moed_weight d
     _describe(w, "w", &d)
+    _need_threads(n_threads)
     if out is None:
         out = np.empty((d.rows, d.cols), np.float32)
     _need_f32(out, "out", 2)
@@ -234,10 +237,13 @@ def dequantize(object w, cnp.ndarray out=None):
     if out.shape[0] != d.rows or out.shape[1] != d.cols:
         raise ValueError(f"out: shape {_shape(out)}, expected {(d.rows, d.cols)}")
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t r
-    with nogil:
-        for r in range(d.rows):
-            moed_w_dequant(&d, r, 0, d.cols, op + r * d.cols)
+    cdef Py_ssize_t g, r0
+    cdef int nr
+    for g in prange((d.rows + MOED_ROWS - 1) // MOED_ROWS, nogil=True, schedule="static",
+                    num_threads=_threads_for(d.rows * d.cols, n_threads)):
+        r0 = g * MOED_ROWS
+        nr = <int>(d.rows - r0) if d.rows - r0 < MOED_ROWS else MOED_ROWS
+        moed_w_dequant_rows(&d, r0, nr, op + r0 * d.cols, d.cols)
     return out
 
 
@@ -827,20 +833,28 @@ def route_topk_softmax(cnp.ndarray router_logits, int top_k, cnp.ndarray ids,
 
 # ------------------------------------------------------------- expert FFN
 
+cdef enum:
+    FFN_TOKENS = 8   # tokens of one _gate_up_rows pass
+    FFN_OUTS = 64    # FFN_TOKENS x MOED_ROWS (8)
+
+
 cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t g,
                         const float *x, Py_ssize_t n, float *hbuf) noexcept nogil:
     """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the rows i of group g
     and the n tokens x_j."""
     cdef Py_ssize_t H = wg.cols, I = wg.rows
-    cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
+    cdef Py_ssize_t i0 = g * MOED_ROWS, j0 = 0, j, q, nt
     cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
-    cdef float go[8]
-    cdef float uo[8]
-    for j in range(n):
-        moed_w_dot_rows(wg, i0, nr, x + j * H, go, 1)
-        moed_w_dot_rows(wu, i0, nr, x + j * H, uo, 1)
-        for q in range(nr):
-            hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
+    cdef float go[FFN_OUTS]
+    cdef float uo[FFN_OUTS]
+    while j0 < n:
+        nt = n - j0 if n - j0 < FFN_TOKENS else FFN_TOKENS
+        moed_w_matmul_rows(wg, i0, nr, x + j0 * H, nt, go, nr, 1)
+        moed_w_matmul_rows(wu, i0, nr, x + j0 * H, nt, uo, nr, 1)
+        for j in range(nt):
+            for q in range(nr):
+                hbuf[(j0 + j) * I + i0 + q] = moed_silu(go[j * nr + q]) * uo[j * nr + q]
+        j0 += nt
 
 
 cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray group_start,

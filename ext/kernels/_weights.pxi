@@ -24,9 +24,14 @@ cdef extern from "_quant_impl.h" nogil:
         Py_ssize_t scale_ld
     void moed_w_dot_rows(const moed_weight *w, Py_ssize_t r0, int nrows, const float *x,
                          float *out, int simd)
+    void moed_w_matmul_rows(const moed_weight *w, Py_ssize_t r0, int nrows, const float *x,
+                            Py_ssize_t T, float *out, Py_ssize_t ldo, int simd)
+    void moed_w_dequant_rows(const moed_weight *w, Py_ssize_t r0, int nrows, float *out,
+                             Py_ssize_t ldo)
     void moed_w_dequant(const moed_weight *w, Py_ssize_t r, Py_ssize_t j0, Py_ssize_t n,
                         float *out)
     const char *moed_simd_path()
+    const char *moed_simd_features()
     void moed_quant_init()
 
 moed_quant_init()
@@ -251,6 +256,9 @@ cdef int _describe(object w, str name, moed_weight *d) except -1:
 
 def build_info():
     """How the kernels were built: {"simd": "avx512" | "avx2" | "portable", "openmp":
-    bool}. "simd" names the path the quantised formats run (chosen at compile time:
-    the build targets the machine it is installed on unless MOED_PORTABLE=1)."""
-    return {"simd": moed_simd_path().decode(), "openmp": bool(moed_openmp_flag())}
+    bool, "features": [...]}. "simd" names the path the kernels run (chosen at compile
+    time: the build targets the machine it is installed on unless MOED_PORTABLE=1);
+    "features" lists the instruction-set extensions compiled in (with "avx512vbmi",
+    fp8 is decoded by byte tables, else through binary16)."""
+    return {"simd": moed_simd_path().decode(), "openmp": bool(moed_openmp_flag()),
+            "features": moed_simd_features().decode().split()}

@@ -153,6 +153,10 @@ class Model:
         self.family = family_of(config.model_type)
         self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads)
         self.routing = self.family.routing(config)
+        # Called as moe_observer(layer, experts, weights, x [N, H], group_start) before each
+        # batch of expert FFNs, with the rows of experts[g] at group_start[g]:group_start[g+1]
+        # of x; it must not modify anything (ext/quant/importance.py gathers statistics).
+        self.moe_observer: Callable[..., None] | None = None
         self.expert_ffn = self.family.experts(config, layout.transposed)
         self._load_dense()
         self.ws = _Workspace(config, PREFILL_CHUNK)
@@ -178,6 +182,8 @@ class Model:
         """
         config = load_config(model_dir)
         checkpoint = Checkpoint(model_dir)
+        if config.quantization is not None:
+            config.quantization.check_checkpoint(checkpoint.tensors, checkpoint.model_dir)
         layout = ExpertLayout(checkpoint, config)
         layout.check_scales(checkpoint)
         if experts == "mmap":
@@ -443,6 +449,8 @@ class Model:
             r0, r1 = int(group_start[g0]), int(group_start[g1])
             weights_of = self.experts.acquire(l, batch)          # the expert fetch
             try:
+                if self.moe_observer is not None:
+                    self.moe_observer(l, batch, weights_of, xg[r0:r1], group_start[g0:g1 + 1] - r0)
                 self.expert_ffn(layer.expert_resident, batch, weights_of, xg[r0:r1],
                                 group_start[g0:g1 + 1] - r0,
                                 ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)

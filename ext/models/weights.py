@@ -14,7 +14,7 @@ import numpy as np
 
 from ext.formats.checkpoint import Checkpoint, TensorInfo
 from ext.formats.quant import PLAIN_FORMATS, StoredWeight
-from ext.kernels._kernels import QuantizedWeight
+from ext.kernels._kernels import QuantizedWeight, dequantize
 
 Weight = np.ndarray | QuantizedWeight   # what the kernels accept as a weight [R, C]
 
@@ -41,3 +41,14 @@ def view_weight(weight: StoredWeight, view: Callable[[TensorInfo], np.ndarray]) 
     """The kernels' weight over arrays that `view(piece)` returns (memory maps, slots)."""
     return compute_weight(weight, tuple(view(p) for p in weight.pieces))
 
+
+def float_values(weight: Weight) -> np.ndarray:
+    """float32 [R, C]: the values the kernels multiply by (a QuantizedWeight decoded by
+    the kernels' own `dequantize`), in a new array."""
+    return np.array(weight, np.float32) if isinstance(weight, np.ndarray) else dequantize(weight)
+
+
+def weight_values(checkpoint: Checkpoint, weight: StoredWeight) -> np.ndarray:
+    """float32 [R, C] values of `weight` read from `checkpoint` (see `float_values`).
+    Raises as `read_weight`."""
+    return float_values(read_weight(checkpoint, weight))

@@ -83,6 +83,7 @@ def test_the_snapshot_numbers_are_what_is_exported():
     assert {name: value(samples, name) for name in plain} == plain
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_accepts_a_scrape_with_traffic():
     snap = busy_snapshot()
     m = metrics(lambda: snap)
@@ -94,6 +95,7 @@ def test_promtool_accepts_a_scrape_with_traffic():
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_is_not_fooled_a_gauge_named_total_fails():
     """The check above means something: promtool flags what the module avoids."""
     text = "# HELP x_total a gauge\n# TYPE x_total gauge\nx_total 1.0\n"

@@ -240,3 +240,18 @@ def test_the_serving_plan_counts_the_stored_bytes_of_lowbit_weights(tmp_path):
     # the 2 x 2, 1 x 2, 1 x 2, 2 x 2 F32 scale grids
     attention = 256 * 256 + 2 * 128 * 256 + 256 * 256
     assert b.plan.dense_bytes - f.plan.dense_bytes == 2 * (attention - 12 * 4)
+
+
+def test_the_live_system_is_read_through_psutil():
+    import os
+
+    import psutil
+
+    from daemon.machine.memory import read_mem_available, read_mem_total
+    from daemon.machine.system import mem_total_bytes, usable_cpus
+    assert read_mem_total() == psutil.virtual_memory().total == mem_total_bytes()
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    assert read_mem_total() == int(meminfo["MemTotal"].split()[0]) * 1024
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    assert abs(read_mem_available() - available) < 0.1 * read_mem_total()   # it moves
+    assert usable_cpus() == len(os.sched_getaffinity(0))

@@ -5,6 +5,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from repacked_models import REPACKED, make_in_format
 
 from daemon.service.engine import Engine, EngineClosedError, EngineRequest, QueueFullError
 from daemon.store.session import open_model
@@ -64,14 +65,14 @@ def _engine(model, tokenizer, **kw) -> Engine:
 def model_dirs(model_dir, tmp_path_factory):
     """The fixture model in each stored format (same values before rounding)."""
     dirs = {"bf16": model_dir}
-    for dtype in ("fp8", "mxfp4"):
-        dirs[dtype] = make_model(tmp_path_factory.mktemp(f"engine-{dtype}") / "m", arch="qwen3_moe",
-                                 layers=3, experts=8, top_k=2, hidden=64, intermediate=32,
-                                 dtype=dtype, seed=5, initializer_range=0.2)
+    for dtype in ("fp8", "mxfp4", *REPACKED):
+        dirs[dtype] = make_in_format(tmp_path_factory.mktemp(f"engine-{dtype}") / "m", dtype,
+                                     arch="qwen3_moe", layers=3, experts=8, top_k=2, hidden=64,
+                                     intermediate=32, seed=5, initializer_range=0.2)
     return dirs
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "mxfp4", *REPACKED])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_tokens_are_the_same_alone_and_in_company(model_dirs, tokenizer, streaming, dtype):
     """12 requests with mixed sampling: one at a time vs eight sharing each step, for

@@ -116,6 +116,7 @@ def delta(after: dict, before: dict, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------------- first scrape
 
 
+@pytest.mark.tools("promtool")
 def test_first_scrape_has_every_series_at_zero(model_dir, quarter_cache):
     d = start(model_dir, "--expert-cache-bytes", str(quarter_cache))
     try:
@@ -144,6 +145,7 @@ def test_first_scrape_has_every_series_at_zero(model_dir, quarter_cache):
 # ---------------------------------------------------------------------- after traffic
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_reports_nothing_after_real_traffic(daemon):
     complete(daemon, "the cache", 5, ignore_eos=True)
     status, _, body = daemon.request("POST", "/v1/completions", {

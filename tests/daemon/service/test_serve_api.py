@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import tools
 from daemon_proc import Daemon, UnixHTTPConnection, short_dir
 
 from daemon.store.streaming import minimum_cache_bytes
@@ -31,7 +32,6 @@ from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.tokenizer import Tokenizer
 
-CURL = "/usr/bin/curl"
 MODEL = "model"                      # the canonical name: the model directory's basename
 CONTEXT = 4096                       # make_model's max_position_embeddings
 MAX_BODY = 64 * 1024
@@ -204,6 +204,11 @@ def test_health_models_metrics_stats_pins(daemon, model_dir, cache_bytes):
     assert s["requests"]["max_concurrent_sequences"] == 4
     assert s["requests"]["max_queue"] == CLIENTS * PER_CLIENT
     assert s["memory"]["budget_bytes"] == cache_bytes
+    # the daemon's resident memory (psutil), as the kernel counts it
+    status_rss = next(int(line.split()[1]) * 1024 for line in
+                      Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines()
+                      if line.startswith("VmRSS:"))
+    assert 0.5 * status_rss < s["memory"]["rss_bytes"] < 2 * status_rss
     cache = s["cache"]
     slots = cache["pinned"]["slots"] + cache["dynamic"]["slots"] + cache["staging"]["slots"]
     assert slots * cache["slot_bytes"] <= cache_bytes < (slots + 1) * cache["slot_bytes"]
@@ -292,12 +297,12 @@ def test_openai_client_chat_and_completion(daemon, tokenizer):
 # ---------------------------------------------------------------------- 2. curl and SSE framing
 
 
+@pytest.mark.tools("curl")
 def test_curl_streaming_sse_framing(daemon, tokenizer):
-    assert os.access(CURL, os.X_OK), f"{CURL} is required"     # absent: fail, never skip
     messages = [{"role": "user", "content": "Stream me some tokens."}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 9, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    run = subprocess.run([CURL, "-sS", "-N", "--unix-socket", daemon.socket, "-D", "-",
+    run = subprocess.run([tools.path("curl"), "-sS", "-N", "--unix-socket", daemon.socket, "-D", "-",
                           "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
                           "http://localhost/v1/chat/completions"],
                          capture_output=True, timeout=120, check=True)
@@ -344,10 +349,11 @@ def test_curl_streaming_sse_framing(daemon, tokenizer):
     assert full["usage"] == usage["usage"]
 
 
+@pytest.mark.tools("curl")
 def test_curl_completions_stream_without_usage(daemon):
     body = {"prompt": "once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    run = subprocess.run([CURL, "-sS", "-N", "--unix-socket", daemon.socket,
+    run = subprocess.run([tools.path("curl"), "-sS", "-N", "--unix-socket", daemon.socket,
                           "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
                           "http://localhost/v1/completions"],
                          capture_output=True, timeout=120, check=True)
@@ -652,6 +658,32 @@ def test_bad_requests_get_openai_errors(daemon, path, body, status, param, code)
     assert headers["Content-Type"].startswith("application/json")
     assert_error(got, json.loads(raw), status, param=param, code=code)
     assert_serving(daemon)
+
+
+def test_a_max_tokens_cut_by_the_context_says_so_in_a_header(daemon):
+    prompt = [4] * (CONTEXT - 3)   # not the tokens of the next test, whose cached_tokens are 0
+    status, headers, raw = daemon.request("POST", COMPLETIONS, {
+        "prompt": prompt, "max_tokens": 100000, "ignore_eos": True})
+    body = json.loads(raw)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    assert headers["X-Moed-Max-Tokens"] == (
+        f"3; limited by the context: {CONTEXT} tokens, {CONTEXT - 3} of them the prompt")
+    status, headers, _ = daemon.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and headers["X-Moed-Max-Tokens"] == "2"
+
+
+def test_a_max_tokens_cut_by_the_server_ceiling_is_named_too():
+    from daemon.service import api
+
+    class Vocab:
+        vocab_size = 100
+    parsed = api.parse_request({"prompt": [1, 2, 3], "max_tokens": 500}, chat=False,
+                               model_names=("m",), tokenizer=Vocab(), stop_ids=frozenset(),
+                               context=4096, max_tokens_cap=64, request_timeout_s=60, now=0.0)
+    assert parsed.engine.max_tokens == 64 and parsed.max_tokens_limited_by == "max_tokens"
+    assert api.max_tokens_header(parsed, 4096, 64) == {
+        "X-Moed-Max-Tokens": "64; limited by the server's max_tokens ceiling (64)"}
 
 
 def test_prompt_of_exactly_the_context_is_rejected_one_less_is_served(daemon):

@@ -2,21 +2,10 @@
 /v1/models, moed_build_info) and its streamed completion is the in-process one."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from daemon_proc import Daemon, short_dir
-from metrics_scrape import parse
+from daemon_proc import in_process_greedy, serve_and_complete
 
-from daemon.store.streaming import minimum_cache_bytes
-from ext.formats.checkpoint import Checkpoint
-from ext.generate import Generation
 from ext.makemodel import make_model
-from ext.models.config import load_config
-from ext.models.experts import ExpertLayout
-from ext.models.model import Model
-from ext.sampling import SamplingParams
-from ext.tokenizer import Tokenizer
 
 PROMPT = [5, 9, 77, 3, 41]
 
@@ -29,37 +18,19 @@ def fp8_dir(tmp_path_factory):
 
 
 def test_serve_says_the_format_and_streams_the_same_tokens(fp8_dir):
-    config = load_config(fp8_dir)
-    budget = minimum_cache_bytes(ExpertLayout(Checkpoint(fp8_dir), config), config)
-    workdir = short_dir()
-    d = Daemon(fp8_dir, workdir, "--expert-cache-bytes", str(budget), "--threads", "1")
-    try:
-        (ready,) = [e for e in d.events if e["event"] == "ready"]
-        assert (ready["expert_format"], ready["dense_format"], ready["quant_method"]) == (
-            "fp8_e4m3", "mixed", "fp8")
-        status, models = d.json("GET", "/v1/models")
-        assert status == 200
-        weights = models["data"][0]["weights"]
-        assert weights["experts"] == "fp8_e4m3"
-        # attention, shared experts: FP8; routers, shared-expert gates, lm_head: bf16
-        assert weights["dense_formats"] == {"bf16": 2 * 2 + 1, "fp8_e4m3": 2 * (4 + 3)}
-        assert weights["quantization"] == {"quant_method": "fp8", "fmt": "e4m3",
-                                           "weight_block_size": [128, 128],
-                                           "activation_scheme": "dynamic", "scale_fmt": "float"}
-        _, _, body = d.request("GET", "/metrics")
-        _, samples = parse(body.decode())
-        build = [labels for (name, labels) in samples if name == "moed_build_info"]
-        assert dict(build[0])["quantization"] == "fp8_e4m3"
-        status, out = d.json("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
-                                                         "temperature": 0})
-        assert status == 200
-        assert d.stop() == 0
-    finally:
-        d.cleanup()
-        shutil.rmtree(workdir, ignore_errors=True)
-    model = Model.load(fp8_dir, n_threads=1)
-    expected = list(Generation(model, PROMPT, max_tokens=8, sampling=SamplingParams(temperature=0.0),
-                               stop_ids=()))
-    model.close()
-    assert out["usage"]["completion_tokens"] == len(expected) == 8
-    assert out["choices"][0]["text"] == Tokenizer.from_model_dir(fp8_dir).decode(expected)
+    run = serve_and_complete(fp8_dir, PROMPT, 8)
+    ready = run["ready"]
+    assert (ready["expert_format"], ready["dense_format"], ready["quant_method"]) == (
+        "fp8_e4m3", "mixed", "fp8")
+    weights = run["models"]["data"][0]["weights"]
+    assert weights["experts"] == "fp8_e4m3"
+    # attention, shared experts: FP8; routers, shared-expert gates, lm_head: bf16
+    assert weights["dense_formats"] == {"bf16": 2 * 2 + 1, "fp8_e4m3": 2 * (4 + 3)}
+    assert weights["quantization"] == {"quant_method": "fp8", "fmt": "e4m3",
+                                       "weight_block_size": [128, 128],
+                                       "activation_scheme": "dynamic", "scale_fmt": "float"}
+    assert run["build_info"]["quantization"] == "fp8_e4m3"
+    out = run["completion"]
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["text"]) == \
+        in_process_greedy(fp8_dir, PROMPT, 8)
+    assert out["usage"]["completion_tokens"] == 8

@@ -121,8 +121,16 @@ def test_existing_scratch_file_is_kept(tmp_path):
     assert [p.spans[0].offset for p in target.plans] == [0, 64 << 10, 128 << 10, 192 << 10]
 
 
+def test_a_model_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["iobench", "--model", str(tmp_path / "nope"), "--seconds", "1",
+              "--state-dir", str(tmp_path / "s")])
+    assert e.value.code == 2
+    assert f"moed iobench: error: --model: {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "{missing}"], "is not a model directory"),
     (["--model", "{empty}"], "model.safetensors"),
 ])
 def test_bad_model_exits_1_with_a_message(tmp_path, capsys, argv, message):

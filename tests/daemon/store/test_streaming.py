@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repacked_models import REPACKED, make_in_format
 
 from daemon.store import streaming
 from daemon.store.plans import plans_for
@@ -88,7 +89,7 @@ def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, sl
     _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers)
 
 
-LOWBIT = ("fp8", "mxfp4")
+LOWBIT = ("fp8", "mxfp4", *REPACKED)
 # The low-bit formats run the same grid; by default a diagonal through it (every cache
 # size, every prefetch mode, both thread/io settings), the rest with -m slow.
 _DIAGONAL = {("min", "eager", 1), ("quarter", "idle", 2), ("half", "staged", 1),
@@ -108,9 +109,9 @@ def lowbit(tmp_path_factory):
 
     def get(dtype: str):
         if dtype not in cache:
-            d = make_model(tmp_path_factory.mktemp(f"stream-{dtype}") / "m", arch="qwen3_moe",
-                           layers=3, experts=8, top_k=2, hidden=64, intermediate=32,
-                           dtype=dtype, shard_size=20_000, seed=11, initializer_range=0.2)
+            d = make_in_format(tmp_path_factory.mktemp(f"stream-{dtype}") / "m", dtype,
+                               arch="qwen3_moe", layers=3, experts=8, top_k=2, hidden=64,
+                               intermediate=32, shard_size=20_000, seed=11, initializer_range=0.2)
             cache[dtype] = d, _run(Model.load(d, n_threads=2, experts="mmap"))
         return cache[dtype]
 
@@ -131,12 +132,17 @@ def test_lowbit_slots_hold_every_piece_and_are_smaller(model_dir, lowbit, dtype)
     d, _ = lowbit(dtype)
     layout, config = _layout_config(d)
     loc = layout[(1, 5)]
-    assert len(loc.pieces()) == 6 and layout.format == {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}[dtype]
+    pieces = {"fp8": 6, "mxfp4": 6, "int4": 9, "int8": 6}[dtype]          # int4: codes, scale, min
+    assert len(loc.pieces()) == pieces
+    assert layout.format == {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}.get(dtype, dtype)
     plan = plans_for(layout)[(1, 5)]
     assert [p.info for p in plan.placements] == list(loc.pieces())
     assert plan.slot_bytes == sum(s.length for s in plan.spans)
     bf16 = _layout_config(model_dir)[0][(1, 5)].nbytes
-    assert loc.nbytes == {"fp8": bf16 // 2 + 3 * 4, "mxfp4": bf16 // 4 + 3 * 32 * 2}[dtype]
+    assert loc.nbytes == {"fp8": bf16 // 2 + 3 * 4, "mxfp4": bf16 // 4 + 3 * 32 * 2,
+                          "int4": bf16 // 4 + 3 * 2 * 128, "int8": bf16 // 2 + 3 * 128}[dtype]
+    if dtype in REPACKED:      # one expert, one aligned span
+        assert len(plan.spans) == 1 and plan.spans[0].offset % 4096 == 0
     assert minimum_cache_bytes(layout, config) == 2 * 3 * _slot_bytes(d)
 
 

@@ -1,5 +1,6 @@
-"""The kernels also build without OpenMP and for any CPU (MOED_PORTABLE=1), and every
-build gives the bits of the native OpenMP build the tests run against."""
+"""The kernels also build without OpenMP, for any CPU (MOED_PORTABLE=1) and, on an
+AVX-512 machine, for AVX2 only; every build gives the bits of the native OpenMP build
+the tests run against."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     weights = {"bf16": rng.standard_normal((R, C), dtype=np.float32).astype(ml_dtypes.bfloat16)}
     for dtype in ("float32", "bfloat16", "ue8m0"):
         weights[f"fp8-{dtype}"] = k.QuantizedWeight(
-            "fp8_e4m3", *ref.random_fp8(rng, R, C - 7, (16, 48), dtype), block_size=(16, 48))
+            "fp8_e4m3", *ref.random_fp8(rng, R, C - 7, (16, 96), dtype), block_size=(16, 96))
     weights["mxfp4"] = k.QuantizedWeight("mxfp4", *ref.random_mxfp4(rng, R, C))
     weights["int8"] = k.QuantizedWeight("int8", *ref.random_int8(rng, R, C, 32))
     for mins in (False, True):
@@ -51,7 +52,7 @@ SCRIPT = textwrap.dedent("""
     results["expert_ffn"] = out
     np.savez(sys.argv[1], **results)
     info = k.build_info()
-    print(info["simd"], info["openmp"])
+    print(info["simd"], info["openmp"], "vbmi" if "avx512vbmi" in info["features"] else "")
 """)
 
 
@@ -80,14 +81,18 @@ def _run(cwd: Path, out: Path) -> tuple[str, dict[str, np.ndarray]]:
 @pytest.mark.parametrize("label, env, expected_info", [
     ("sequential", {"MOED_OPENMP": "0"}, None),
     ("portable", {"MOED_PORTABLE": "1"}, "portable True"),
+    ("avx2", {"MOED_EXTRA_CFLAGS": "-mno-avx512f"}, "avx2 True"),
+    ("avx512-without-vbmi", {"MOED_EXTRA_CFLAGS": "-mno-avx512vbmi"}, "avx512 True"),
 ])
 def test_other_builds_match_the_native_openmp_build(tmp_path, label, env, expected_info):
-    src = _build_copy(tmp_path, label, **env)
     native_info, native = _run(ROOT, tmp_path / "native.npz")
+    simd, openmp, *vbmi = native_info.split()
+    if label == "avx2" and simd != "avx512" or label == "avx512-without-vbmi" and not vbmi:
+        pytest.skip(f"the native build ({native_info}) has no such narrower build to compare")
+    src = _build_copy(tmp_path, label, **env)
     info, other = _run(src, tmp_path / f"{label}.npz")
-    simd, openmp = native_info.split()
     assert openmp == "True"
-    assert info == (expected_info or f"{simd} False")
+    assert info.split() == (expected_info or f"{simd} False {' '.join(vbmi)}").split()
     assert sorted(other) == sorted(native)
     for name in native:
         assert np.array_equal(other[name].view(np.uint32), native[name].view(np.uint32)), name

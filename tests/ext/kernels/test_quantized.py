@@ -30,16 +30,19 @@ VARIANTS = {
     "fp8-ue8m0": ("fp8_e4m3", {"scale_dtype": "ue8m0"}),
     "fp8-block64x96": ("fp8_e4m3", {"scale_dtype": "float32", "block_size": (64, 96)}),
     "fp8-block3x40": ("fp8_e4m3", {"scale_dtype": "bfloat16", "block_size": (3, 40)}),
+    "fp8-block1x32": ("fp8_e4m3", {"scale_dtype": "ue8m0", "block_size": (1, 32)}),
     "mxfp4": ("mxfp4", {}),
     "int8-g32": ("int8", {"g": 32}),
     "int8-g64": ("int8", {"g": 64}),
     "int8-g128": ("int8", {"g": 128}),
+    "int8-g96": ("int8", {"g": 96}),  # groups that straddle the 512-column tiles
     "int4-g32": ("int4", {"g": 32, "mins": False}),
     "int4-g64": ("int4", {"g": 64, "mins": False}),
     "int4-g128": ("int4", {"g": 128, "mins": False}),
     "int4-g32-mins": ("int4", {"g": 32, "mins": True}),
     "int4-g64-mins": ("int4", {"g": 64, "mins": True}),
     "int4-g128-mins": ("int4", {"g": 128, "mins": True}),
+    "int4-g96-mins": ("int4", {"g": 96, "mins": True}),
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 
@@ -130,7 +133,7 @@ def test_dequantize_is_exact(variant, R, C):
     assert got.dtype == np.float32 and got.shape == (R, C)
     assert _bits_equal(got, values)
     out = np.full((R, C), np.nan, np.float32)
-    assert kern.dequantize(w, out) is out and _bits_equal(out, values)
+    assert kern.dequantize(w, out, 2) is out and _bits_equal(out, values)
 
 
 def test_dequantize_fp8_special_codes_and_scales():
@@ -206,7 +209,7 @@ def _order_cases():
 
 @pytest.mark.parametrize("variant, C", list(_order_cases()))
 def test_simd_path_bit_equal_to_portable_path(variant, C):
-    w, values, x = _case(variant, 11, C, 3, 5, C)  # 11 rows: two groups of four and a partial one
+    w, values, x = _case(variant, 11, C, 3, 5, C)  # 11 rows: passes of 8 or 4 rows, then single rows
     fast = _matmul(w, x)
     assert _bits_equal(fast, _matmul(w, x, fn=kern._matmul_portable))
     _assert_close(fast, values, x)
@@ -231,15 +234,45 @@ def test_quantised_row_reduces_like_the_dense_row_of_its_values(variant, C):
     assert _bits_equal(_matmul(w, x), _matmul(dense, x))
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16", "ue8m0"])
+def test_fp8_extreme_scales_and_nan_codes_give_the_reference_bits(scale_dtype):
+    # Scales near the top of the f32 range (the binary16 decoding path folds 2^8 into
+    # the scale and must step aside), zero, negative, inf and NaN; NaN codes in one row.
+    rng = _rng(23, len(scale_dtype))
+    R, C = 8, 256
+    codes = rng.integers(0, 256, (R, C), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] ^= 1
+    codes[:2] &= 0xBF  # |value| < 2 where the scales reach 2^125 (keeps the products finite)
+    codes[1, 200] = 0x7F
+    if scale_dtype == "ue8m0":
+        scales = np.array([[247, 250], [127, 0], [255, 120], [1, 254]], np.uint8)
+    else:
+        scales = np.array([[2.0 ** 125, 2.0 ** 121], [-1.0, 0.0], [np.nan, np.inf],
+                           [2.0 ** -140, 3e38]], np.float32)
+        if scale_dtype == "bfloat16":
+            scales = scales.astype(ml_dtypes.bfloat16)
+    w = kern.QuantizedWeight("fp8_e4m3", codes, scales, block_size=(2, 128))
+    x = rng.standard_normal((2, C), dtype=np.float32) * np.float32(1e-30)
+    with np.errstate(all="ignore"):
+        dense = _matmul(kern.dequantize(w), x)
+    fast, portable = _matmul(w, x), _matmul(w, x, fn=kern._matmul_portable)
+    for got in (fast, portable):
+        assert np.array_equal(np.isnan(got), np.isnan(dense))
+        assert _bits_equal(np.nan_to_num(got), np.nan_to_num(dense))
+    assert np.isnan(fast[:, 1]).all() and np.isfinite(fast[:, 0]).all()
+
+
 @variants
 def test_matmul_rows_equal_mat_vec_and_do_not_depend_on_neighbours(variant):
-    w, _, x = _case(variant, 11, 200, 7, 7)
-    seven = _matmul(w, x)
-    for t in range(7):
-        assert _bits_equal(_matmul(w, x[t:t + 1]), seven[t:t + 1]), f"token {t}"
-    assert _bits_equal(_matmul(w, x[2:6]), seven[2:6])
+    # 19 tokens: two tiles of 8 tokens that share decoded weights and a partial one;
+    # 600 columns: a second tile of columns.
+    w, _, x = _case(variant, 11, 600, 19, 7)
+    batch = _matmul(w, x)
+    for t in range(19):
+        assert _bits_equal(_matmul(w, x[t:t + 1]), batch[t:t + 1]), f"token {t}"
+    assert _bits_equal(_matmul(w, x[2:7]), batch[2:7])
     for r in (0, 5, 10):  # a weight of one row: the row's value does not depend on its group
-        assert _bits_equal(_matmul(_row(w, r), x)[:, 0], seven[:, r]), f"row {r}"
+        assert _bits_equal(_matmul(_row(w, r), x)[:, 0], batch[:, r]), f"row {r}"
 
 
 def _row(w, r):
@@ -425,9 +458,11 @@ def test_kernels_refuse_non_weights():
 
 def test_build_info_names_the_simd_path():
     info = kern.build_info()
-    assert set(info) == {"simd", "openmp"}
+    assert set(info) == {"simd", "openmp", "features"}
     assert info["simd"] in ("avx512", "avx2", "portable")
     assert info["openmp"] is kern.openmp_enabled()
+    needs = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "f16c"}, "portable": set()}
+    assert needs[info["simd"]] <= set(info["features"])
 
 
 # ----------------------------------------------------------------- expert FFN

@@ -13,22 +13,17 @@ experts sit, prefill chunking — must not change a bit in any format.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-from lowbit_reference import dequantise, dequantised_twin
-from oracle_models import (MAX_SEEDS, NEW_TOKENS, PROMPT_LEN, Reference, SeedRejected,
-                           assert_logits_close, check_margins, load_reference_model, make_prompt,
-                           moed_greedy, open_model, reference_run)
+from lowbit_reference import assert_placement_invisible, dequantise
+from oracle_models import NEW_TOKENS, PROMPT_LEN, Reference, assert_logits_close, open_model
 
 from ext.formats.checkpoint import Checkpoint
 from ext.formats.quant import FP8_E4M3, MXFP4
 from ext.makemodel import make_model
-
-log = logging.getLogger(__name__)
 
 SIZES = dict(layers=2, experts=8, top_k=2, hidden=160, shard_size=60_000,
              initializer_range=0.1, vocab_size=320)
@@ -61,45 +56,9 @@ CASES = [LowBitCase(a, d) for a in ARCHS for d in ("fp8", "mxfp4")] + [
 PARAMS = [pytest.param(c, id=c.id) for c in CASES]
 
 
-def build_reference(case: LowBitCase, root: Path) -> Reference:
-    """The first seed whose reference run (transformers on the dequantised twin) has
-    clear margins; fails after MAX_SEEDS rejections."""
-    last = ""
-    for seed in range(MAX_SEEDS):
-        model_dir = case.make(root / f"seed{seed}", seed)
-        twin = dequantised_twin(model_dir, root / f"seed{seed}-twin")
-        model = load_reference_model(twin)
-        prompt = make_prompt(model.config.vocab_size, seed)
-        tokens, steps, teacher, routers, _ = reference_run(model, prompt)
-        try:
-            check_margins(steps, routers, model.config.num_experts_per_tok)
-        except SeedRejected as e:
-            last = str(e)
-            log.warning("%s: seed %d rejected (%s)", case.id, seed, last)
-            continue
-        log.info("%s: using seed %d", case.id, seed)
-        return Reference(model_dir, seed, prompt, tokens, steps, teacher, routers, None)
-    pytest.fail(f"low-bit oracle case {case.id}: no seed in 0..{MAX_SEEDS - 1} gives clear "
-                f"margins (last: {last})")
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    cache: dict[str, Reference] = {}
-
-    def get(case: LowBitCase) -> Reference:
-        if case.id not in cache:
-            cache[case.id] = build_reference(case, tmp_path_factory.mktemp(case.id))
-        return cache[case.id]
-
-    return get
-
-
-def run(model_dir: Path, prompt: list[int], tokens: list[int], **kw):
-    with open_model(model_dir, **kw) as model:
-        got_tokens, steps = moed_greedy(model, prompt)
-        teacher = model.forward(model.new_sequence(), prompt + tokens, all_logits=True)
-    return got_tokens, steps, teacher
+@pytest.fixture
+def references(lowbit_oracle):
+    return lowbit_oracle.reference
 
 
 # ------------------------------------------------------------- the checkpoints themselves
@@ -159,23 +118,15 @@ def test_reference_dequantiser_reads_make_model_values(tmp_path):
 # ------------------------------------------------------------- moed against transformers
 
 
-@pytest.fixture(scope="module")
-def moed_runs(references):
-    cache = {}
-
-    def get(case):
-        if case.id not in cache:
-            ref = references(case)
-            cache[case.id] = run(ref.model_dir, ref.prompt, ref.tokens)
-        return cache[case.id]
-
-    return get
+@pytest.fixture
+def moed_runs(lowbit_oracle):
+    return lowbit_oracle.moed
 
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_greedy_tokens_match_transformers(references, moed_runs, case):
     ref = references(case)
-    tokens, _, _ = moed_runs(case)
+    tokens = moed_runs(case)[0]
     assert len(ref.prompt) == PROMPT_LEN and len(ref.tokens) == NEW_TOKENS
     assert tokens == ref.tokens
 
@@ -183,7 +134,7 @@ def test_greedy_tokens_match_transformers(references, moed_runs, case):
 @pytest.mark.parametrize("case", PARAMS)
 def test_logits_match_transformers(references, moed_runs, case):
     ref = references(case)
-    _, steps, teacher = moed_runs(case)
+    _, steps, teacher, _ = moed_runs(case)
     assert_logits_close(teacher, ref.teacher_logits, "teacher-forced logits")
     assert_logits_close(steps, ref.step_logits, "greedy step logits")
     assert np.argmax(teacher[PROMPT_LEN - 1:-1], axis=1).tolist() == ref.tokens
@@ -214,11 +165,8 @@ PLACEMENT = [pytest.param(c, id=c.id) for c in CASES
 @pytest.mark.parametrize("n_threads, experts", [(1, "mmap"), (2, "resident"), (1, "resident")],
                          ids=["threads1-mmap", "threads2-resident", "threads1-resident"])
 def test_threads_and_residency_do_not_change_a_bit(references, moed_runs, case, n_threads, experts):
-    ref = references(case)
-    base = moed_runs(case)
-    got = run(ref.model_dir, ref.prompt, ref.tokens, n_threads=n_threads, experts=experts)
-    assert got[0] == base[0] == ref.tokens
-    assert np.array_equal(got[1], base[1]) and np.array_equal(got[2], base[2])
+    assert_placement_invisible(references(case), moed_runs(case), n_threads=n_threads,
+                               experts=experts)
 
 
 @pytest.mark.parametrize("case", PLACEMENT)
