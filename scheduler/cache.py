@@ -376,6 +376,22 @@ class ExpertCache:
         self._prefetches_issued[li] += 1
         return s
 
+    def warm(self, layer: int, expert: int, token: int) -> int | None:
+        """Reserve a FREE dynamic slot of `layer` for a warm-start read of `expert` (what an
+        earlier session used most), or None: no FREE slot (nothing is evicted for it) or
+        the expert is resident or in flight. The slot is LOADING: the caller reads the
+        expert, then calls `loaded` or `failed`. It joins the layer's policy as an
+        admission that is not a use."""
+        li = self._layer_index(layer)
+        (expert,) = self._check_experts([expert], distinct=True)
+        if (li, expert) in self._where or not self._free_dyn[li]:
+            return None
+        self._now = max(self._now, token)
+        s = self._take_dynamic_slot(li, token, incoming=expert)
+        self._reserve(s, li, expert, users=0, prefetch=False)
+        self._policies[li].admit(expert, token, demand=False)
+        return s
+
     # -- pins --------------------------------------------------------------------------
     def set_pins(self, pins: Iterable[tuple[int, int]]) -> list[PinLoad]:
         """Make the pinned tier hold `pins` ((layer id, expert) pairs); returns reads to issue.
@@ -437,6 +453,25 @@ class ExpertCache:
                 loads.append(PinLoad(p, self.moe_layers[li], e))
             self._pins.add(key)
         return loads
+
+    # -- policy ------------------------------------------------------------------------
+    def set_policy(self, policy: str) -> None:
+        """Switch every layer's dynamic tier to `policy` (a name of POLICIES or "default").
+
+        Residents stay where they are; the new policy learns them least valuable first
+        (by the old policy's value), so LRU, say, starts with the old policy's victims at
+        its old end. Raises ValueError for an unknown name.
+        """
+        factory = policy_factory(policy, self.num_experts)
+        now = self._now
+        new = [factory(i, n) for i, n in enumerate(self._dyn_count)]
+        for li, old in enumerate(self._policies):
+            residents = [self._key[s][1] for s in self._dyn_slots[li] if self._key[s] is not None]
+            ranked = sorted(residents, key=lambda e, o=old: (o.value(e, now), e))
+            for e in ranked:
+                new[li].admit(e, now, demand=True)
+        self._policies = new
+        self.policy_name = policy
 
     # -- tiers -------------------------------------------------------------------------
     def set_tiers(self, pinned_slots: int, staging_slots: int,

@@ -96,8 +96,9 @@ class PinLearner:
         self.shares = tuple(s for s in shares if s <= max_share + 1e-12)
         self.window_tokens, self.min_gain = window_tokens, min_gain
         self.max_interval = max_interval_windows
-        self.share = min(float(start_share), max_share) if self.shares else 0.0
+        self.share = min(float(start_share), 1.0)      # the incumbent may exceed max_share
         self.source = start_source
+        self.prior = self.share > 0                    # an earlier session's choice
         self.pins: frozenset[Pin] = frozenset()
         self._windows: deque[list[list[list[int]]]] = deque(maxlen=history_windows)
         self._window_counts: deque[np.ndarray] = deque(maxlen=history_windows)
@@ -183,8 +184,13 @@ class PinLearner:
         # the lookups only one of the two hit, at Z_WIN standard errors.
         only_c = sum(a > b for a, b in zip(outcomes[challenger], outcomes[incumbent]))
         only_i = sum(b > a for a, b in zip(outcomes[challenger], outcomes[incumbent]))
-        changed = (challenger != incumbent and val[challenger] >= val[incumbent] + self.min_gain
-                   and only_c - only_i >= Z_WIN * (only_c + only_i) ** 0.5)
+        if self.evaluations == 0 and self.prior:
+            # The incumbent is an earlier session's choice, never checked on this traffic:
+            # the better of the two on the newest window wins, without a margin.
+            changed = challenger != incumbent and val[challenger] > val[incumbent]
+        else:
+            changed = (challenger != incumbent and val[challenger] >= val[incumbent] + self.min_gain
+                       and only_c - only_i >= Z_WIN * (only_c + only_i) ** 0.5)
         if changed:
             self.share, self.source = challenger
             self._interval = 1                         # the workload moves: look again soon
