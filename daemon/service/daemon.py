@@ -173,7 +173,8 @@ class Daemon:
             return
         changed = {k for k, v in new.to_dict().items() if self.state.config.to_dict().get(k) != v}
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
-                           "metrics_address", "tcp_address", "threads", "io_workers", "tuner"}
+                           "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
+                           "record_trace"}
         if fixed:
             log.warning("reload_needs_restart", keys=sorted(fixed))
         new = replace(new, **{k: getattr(self.state.config, k) for k in fixed})

@@ -273,13 +273,13 @@ def test_routing_recorder_on_the_provider_records_each_decode_step_per_moe_layer
                                 state_dir=tmp_path)
     provider = session.provider
     acquired: list[tuple[int, list[int]]] = []
-    real_acquire = provider.acquire
+    real_acquire = provider._acquire            # under acquire and acquire_in_order
 
-    def spy(layer, experts):
+    def spy(layer, experts, in_order):
         acquired.append((layer, [int(e) for e in experts]))
-        return real_acquire(layer, experts)
+        return real_acquire(layer, experts, in_order)
 
-    monkeypatch.setattr(provider, "acquire", spy)
+    monkeypatch.setattr(provider, "_acquire", spy)
     recorder = RoutingRecorder(LAYERS)
     provider.routing_recorder = recorder
     try:
@@ -417,7 +417,7 @@ def test_the_replay_pin_share_becomes_as_many_pinned_slots_in_the_streaming_cach
     slot = max(p.slot_bytes for p in plans_for(layout).values())
     counts = np.arange(30, dtype=float).reshape(3, 10)          # every expert has been used
     provider = StreamingExpertProvider(layout, config, StreamingOptions(
-        cache_bytes=total * slot, pin_fraction=share), usage_counts=counts)
+        cache_bytes=total * slot, pin_fraction=share, learn_pins=False), usage_counts=counts)
     try:
         assert provider.cache.pinned_slots == round(fraction * total)
     finally:
