@@ -45,7 +45,7 @@ class TuneConfig:
     window_steps: int = WINDOW_STEPS
     pairs: int = 4
     compare_tokens: int = 64
-    compare_repeats: int = 3
+    compare_repeats: int = 5
     seed: int = 0
 
 def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict], cfg: TuneConfig,
@@ -68,6 +68,18 @@ def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict
                          f"{runs[name][-1]:.2f} tokens/s")
     return {name: {"tokens_per_second": statistics.median(v), "runs": [round(x, 3) for x in v]}
             for name, v in runs.items()}
+
+def confirms(default_runs: list[float], tuned_runs: list[float], same: bool) -> tuple[bool, list[float]]:
+    """(whether the final interleaved comparison confirms the tuned settings, tuned /
+    default tokens/s pair by pair). Confirmed: not the defaults themselves, faster in the
+    median pair and in all pairs but at most one — anything less is within the noise, and
+    nothing unconfirmed is saved."""
+    ratios = [round(t / d, 4) for d, t in zip(default_runs, tuned_runs)]
+    if same or not ratios:
+        return False, ratios
+    wins = sum(r > 1.0 for r in ratios)
+    return statistics.median(ratios) > 1.0 and wins >= len(ratios) - 1, ratios
+
 
 def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> dict:
     """`moed tune`: tune threads, io workers and prefetch width by A/B on the built-in
@@ -114,12 +126,22 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                      f"{choice.slots_per_layer} slots per layer, {choice.pin_fraction:.3f} of them "
                      f"pinned, hit rate {100 * choice.hit_rate:.1f} %")
         compared = compare_settings(session, model, prompts, {"default": default, "tuned": tuned}, cfg, progress)
+        confirmed, pair_ratios = confirms(compared["default"]["runs"], compared["tuned"]["runs"],
+                                          tuned == default)
+        saved = tuned if confirmed else default
+        if progress and not confirmed:
+            progress("the final comparison did not confirm the tuned settings "
+                     f"(tuned / default by pair: {pair_ratios}): the defaults are saved")
         report = {
             "model": str(cfg.model), "hardware": facts, "default": default, "tuned": tuned,
+            "confirmed": confirmed, "saved": saved,
             "tokens_per_second": {
                 **{k: round(v["tokens_per_second"], 3) for k, v in compared.items()},
                 "ratio": round(compared["tuned"]["tokens_per_second"]
                                / compared["default"]["tokens_per_second"], 3),
+                "ratio_by_pair": pair_ratios,
+                "saved_over_default": 1.0 if not confirmed else round(
+                    compared["tuned"]["tokens_per_second"] / compared["default"]["tokens_per_second"], 3),
                 "runs": {k: v["runs"] for k, v in compared.items()}},
             "tuner": tuner.report(),
             "cache_split": {"slots_per_layer": choice.slots_per_layer,
@@ -129,7 +151,7 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                             "table": [{"slots_per_layer": s, "pin_fraction_of_slots": f,
                                        "hit_rate": round(h, 4)} for s, f, h in choice.table]},
         }
-        store.save(tuned, {"tokens_per_second": report["tokens_per_second"]})
+        store.save(saved, {"tokens_per_second": report["tokens_per_second"], "confirmed": confirmed})
         report["saved_to"] = str(store.path)
         try:
             session.flush()                 # the usage it learned, for the next start
@@ -150,12 +172,15 @@ def register(sub, parents: Parents) -> None:
         description="Run the self-tuner once in the foreground on a built-in workload (one "
                     "sequence sampling at temperature 0.7 from fixed code prompts): compute "
                     "threads, io workers and prefetch width one at a time by interleaved A/B "
-                    "windows (a change is kept only when it wins all 4 pairs with a median gain "
-                    "of at least 3 % and a repeat confirms it; a change that alters the greedy "
-                    "tokens of a check prompt is rejected and logged as a bug), then the cache "
-                    "size and pinned share by replaying the routing it recorded. Then tuned and "
-                    "default settings are compared from a cold cache, interleaved. Prints one "
-                    "JSON report (what it tried and kept) and saves the winners in the state "
+                    "windows (first A-vs-A pairs measure the noise and set the window length so "
+                    "a 3 % effect can be resolved; a change is kept only when it wins all 4 pairs "
+                    "with a median gain of at least 3 % and a repeat confirms it; a change that "
+                    "alters the greedy tokens of a check prompt is rejected and logged as a bug), "
+                    "then the cache size and pinned share by replaying the routing it recorded. "
+                    "Then tuned and default settings are compared from a cold cache, interleaved: "
+                    "the tuned ones are saved only if that comparison confirms them, else the "
+                    "defaults are. Prints one JSON report (what it tried and kept) and saves the "
+                    "winners in the state "
                     "directory for this model and this hardware; --threads and --io-workers "
                     "give the defaults it starts from.",
         epilog="example: moed tune --model ./bench-model --expert-cache-bytes 768M")
@@ -170,8 +195,10 @@ def register(sub, parents: Parents) -> None:
                    help="interleaved A/B pairs per trial (default: 4)")
     t.add_argument("--compare-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens per run of the final tuned-vs-default comparison (default: 64)")
-    t.add_argument("--compare-repeats", type=positive_int, default=3, metavar="R",
-                   help="runs of each in that comparison (default: 3)")
+    t.add_argument("--compare-repeats", type=positive_int, default=5, metavar="R",
+                   help="runs of each in that comparison (default: 5); the tuned settings are "
+                        "saved only when they win the median pair and all pairs but one, else "
+                        "the defaults are")
     t.set_defaults(func=run)
 
 

@@ -368,9 +368,13 @@ def test_tune_rejects_a_candidate_that_changes_output_and_keeps_the_real_wins(
     wins = [(t.knob, t.a, t.b) for t in tuner.trials if t.outcome == "win"]
     assert wins == [(THREADS, 1, 2), (IO_WORKERS, 2, 8)]
     assert "threads 1 -> 2: win (gains +20.0 %, +20.0 %)" in progress
-    # Every measured window is window_steps steps of one arm's settings.
+    # The A-vs-A pairs first (no noise on this clock: windows stay 2 steps), then every
+    # measured window is window_steps steps of one arm's settings.
+    assert tuner.noise == 0.0 and tuner.window_multiplier == 1
+    calibration = 2 * tuner.noise_pairs * 2
+    assert all(s == {THREADS: 1, IO_WORKERS: 2, PREFETCH_WIDTH: 2} for s in clock.steps[:calibration])
     measured = [t for t in tuner.trials if not t.outcome.startswith("rejected")]
-    assert len(clock.steps) == 2 * 2 * 2 * len(measured)
+    assert len(clock.steps) == calibration + 2 * 2 * 2 * len(measured)
 
 
 # ------------------------------------------------------------------ moed tune
@@ -400,7 +404,23 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
     assert report["saved_to"] == str(state_dir / f"tuned-{fingerprint[:16]}.json")
     assert Path(report["saved_to"]).exists()
     assert (state_dir / f"usage-{fingerprint[:16]}.json").exists()    # its own file
-    assert TunedStore(state_dir, fingerprint, hardware_facts(model_dir)).load() == tuned
+    # what is saved is what the final comparison confirmed: the tuned settings, or else
+    # the defaults it started from (one pair here: it confirms only a win in that pair)
+    assert report["saved"] == (tuned if report["confirmed"] else report["default"])
+    assert report["confirmed"] == (tuned != report["default"] and speed["ratio_by_pair"][0] > 1.0)
+    assert TunedStore(state_dir, fingerprint, hardware_facts(model_dir)).load() == report["saved"]
+
+
+@pytest.mark.parametrize("default, tuned, same, want", [
+    ([10, 10, 10, 10, 10], [11, 11, 11, 11, 9.5], False, True),    # 4 of 5 pairs, median won
+    ([10, 10, 10, 10, 10], [11, 11, 9.9, 9.9, 11], False, False),  # two pairs lost: the noise
+    ([10, 10, 10], [9, 9.5, 12], False, False),                    # the median pair lost
+    ([10, 10, 10], [12, 12, 12], True, False),                     # the defaults themselves
+])
+def test_the_final_comparison_confirms_only_a_clear_win(default, tuned, same, want):
+    from daemon.commands.tune import confirms
+    confirmed, ratios = confirms(default, tuned, same)
+    assert confirmed is want and ratios == [round(t / d, 4) for d, t in zip(default, tuned)]
 
 
 @pytest.mark.parametrize("total, fraction", [(26, 0.5), (24, 0.375), (30, 0.125)])
