@@ -1,6 +1,6 @@
 """Train moed's second small model: an OLMoE on the Perl standard library (the held-out check).
 
-    python training/second_model.py --out /tmp/moed-perl-model [--steps 1500] [--seed 0]
+    python training/second_model.py --out /tmp/moed-perl-model [--steps 500] [--seed 0]
 
 Why a second model. moed's defaults (pins, prefetch, staging, the eviction policy, the
 do-no-harm controller) were chosen on the embedded default model (Python code), the
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="model directory to write")
     parser.add_argument("--perl-root", type=Path, default=PERL_ROOT,
                         help=f"where Perl's versioned library directories are (default {PERL_ROOT})")
-    recipe.add_training_arguments(parser, steps=1500)
+    recipe.add_training_arguments(parser, steps=500)
     args = parser.parse_args(argv)
     log = recipe.log
 
