@@ -3,8 +3,9 @@
 OpenMP is used when the compiler accepts ``-fopenmp``; otherwise the kernels build
 sequentially (prange degrades to a plain loop). By default the code is compiled for
 the machine it is installed on (``-march=native``); set ``MOED_PORTABLE=1`` for a
-build that runs on any CPU of the architecture. ``MOED_OPENMP=0`` forces the
-sequential build. ``MOED_DEBUG=1`` turns on Cython's bounds and wraparound checks.
+build that runs on any CPU of the architecture. ``MOED_EXTRA_CFLAGS`` is appended to
+the compiler flags (e.g. ``-mno-avx512f`` builds the AVX2 path on an AVX-512 machine,
+as the tests do). ``MOED_OPENMP=0`` forces the sequential build. ``MOED_DEBUG=1`` turns on Cython's bounds and wraparound checks.
 """
 import os
 import shutil
@@ -36,6 +37,7 @@ if os.environ.get("MOED_PORTABLE", "") not in ("", "0") or sys.platform == "darw
     pass
 elif _compiler_accepts(["-march=native"]):
     compile_args.append("-march=native")
+compile_args += os.environ.get("MOED_EXTRA_CFLAGS", "").split()
 if os.environ.get("MOED_OPENMP", "1") == "0":
     print("moed: MOED_OPENMP=0; building sequential kernels", file=sys.stderr)
 elif _compiler_accepts(["-fopenmp"]):
@@ -58,6 +60,8 @@ extensions = [
         "ext.kernels._kernels",
         ["ext/kernels/_kernels.pyx"],
         include_dirs=[numpy.get_include(), "ext/kernels"],
+        depends=["ext/kernels/_simd.h", "ext/kernels/_kernels_impl.h", "ext/kernels/_quant_impl.h",
+                 "ext/kernels/_weights.pxi"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

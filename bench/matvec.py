@@ -1,18 +1,36 @@
-"""Benchmark: bytes/s of moed's bf16 mat-vec against numpy's f32 BLAS mat-vec.
+"""Benchmark: weight bytes/s of moed's mat-vec in every weight format against numpy's f32
+BLAS mat-vec of the same logical shape, and the time of one token's expert FFN.
 
-Prints one JSON object to stdout. Shape 4096 x 14336 (Mixtral's w1 transposed: the
-rows are 14336 outputs of length 4096), 2 threads for moed; numpy's BLAS uses its
-own thread pool (as many threads as it is allowed). Runs are interleaved (moed,
-numpy, moed, ...) and the median of each is reported, with the ratio of weight
-bytes moved per second. Before every run the caches are flushed (the weights
-stream from DRAM, as a model's do) and both thread pools are left to go idle.
+Prints one JSON object to stdout. For each shape (default 14336 x 4096, Mixtral's w1:
+14336 outputs of length 4096, and 2048 x 7168, a DeepSeek-V3 routed expert's gate)
+every format runs `matmul` of one token on 2 threads (`--threads`); numpy's BLAS uses
+its own thread pool (as many threads as it is allowed) on the float32 weights.
+Formats: moed's dense f32/f16/bf16, fp8_e4m3 with 128 x 128 block scales in float32,
+bfloat16 and UE8M0, MXFP4, int8 and int4 (symmetric and with mins) in groups of
+`--group-size`. Runs are interleaved round by round (numpy, then each format, the
+order rotated every round) and the median of `--repeats` rounds is reported with the
+spread; ratio = moed's bytes/s / numpy's bytes/s, where a format's bytes are its codes
+plus scales (plus mins). Before every run the caches are flushed (the weights stream
+from DRAM, as a model's do) and the thread pools are left to go idle.
 
-    python bench/matvec.py [--repeats 15] [--threads 2]
+The expert FFN part times `expert_ffn` of one token through one expert of
+`--expert H,I` (gate, up [I, H], down [H, I]) per format, cold, against numpy doing the
+same in f32 (three mat-vecs and SiLU).
+
+"build" says which SIMD path the kernels were built with (build_info()) and "machine"
+the CPU and the load average around the run (a shared machine gives noisy figures).
+
+    python bench/matvec.py [--repeats 15] [--threads 2] [--shapes 14336x4096,2048x7168]
+
+For one core against one core: OPENBLAS_NUM_THREADS=1 python bench/matvec.py --threads 1
+(the JSON records OPENBLAS_NUM_THREADS / OMP_NUM_THREADS as set).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 
@@ -21,63 +39,189 @@ import numpy as np
 
 from ext.kernels import _kernels
 
+FORMATS = ("f32", "f16", "bf16", "fp8-f32", "fp8-bf16", "fp8-ue8m0", "mxfp4", "int8",
+           "int4", "int4-mins")
+
+
+def make_weight(name: str, R: int, C: int, group: int, rng: np.random.Generator):
+    """A random [R, C] weight in format `name` (an ndarray or QuantizedWeight) with values
+    of a plausible magnitude."""
+    if name in ("f32", "f16", "bf16"):
+        w = rng.standard_normal((R, C), dtype=np.float32) * np.float32(0.02)
+        return w.astype({"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[name])
+    if name.startswith("fp8"):
+        codes = rng.integers(0, 256, (R, C), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] ^= 1  # no NaN codes
+        grid = (-(-R // 128), -(-C // 128))
+        scales = rng.uniform(1e-5, 1e-4, grid).astype(np.float32)
+        if name == "fp8-bf16":
+            scales = scales.astype(ml_dtypes.bfloat16)
+        elif name == "fp8-ue8m0":
+            scales = rng.integers(110, 115, grid, dtype=np.uint8)
+        return _kernels.QuantizedWeight("fp8_e4m3", codes, scales)
+    if name == "mxfp4":
+        return _kernels.QuantizedWeight("mxfp4", rng.integers(0, 256, (R, C // 32, 16), dtype=np.uint8),
+                                        rng.integers(118, 122, (R, C // 32), dtype=np.uint8))
+    scales = rng.uniform(1e-3, 2e-3, (R, C // group)).astype(np.float16)
+    if name == "int8":
+        return _kernels.QuantizedWeight("int8", rng.integers(-128, 128, (R, C), dtype=np.int8), scales)
+    mins = (-8 * scales.astype(np.float32)).astype(np.float16) if name == "int4-mins" else None
+    return _kernels.QuantizedWeight("int4", rng.integers(0, 256, (R, C // 2), dtype=np.uint8),
+                                    scales, mins)
+
+
+def _values(w) -> np.ndarray:
+    return _kernels.dequantize(w)
+
+
+class Timer:
+    """Cold, interleaved timings: flush the caches and idle before every run."""
+
+    def __init__(self, flush_mib: int, pause: float):
+        self.flush = np.zeros(flush_mib << 17)  # float64: MiB * 2**20 / 8
+        self.pause = pause
+
+    def cold(self) -> None:
+        """Evict the weights from the caches and let both thread pools go idle
+        (OpenBLAS and OpenMP workers spin for a while after a call)."""
+        np.add(self.flush, 1.0, out=self.flush)
+        time.sleep(self.pause)
+
+    def rounds(self, runs: dict, repeats: int) -> dict[str, list[float]]:
+        """Seconds of each callable in `runs`, `repeats` interleaved rounds, rotating
+        the order every round so that no entry always follows the same neighbour."""
+        names = list(runs)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(repeats):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                self.cold()
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+        return times
+
+
+def _gb(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
+    weights = {name: make_weight(name, R, C, args.group_size, rng) for name in formats}
+    w32 = _values(weights["f32"]) if "f32" in weights else rng.standard_normal((R, C), dtype=np.float32)
+    x = rng.standard_normal((1, C), dtype=np.float32)
+    out = np.empty((1, R), np.float32)
+    errors = {}
+    for name, w in weights.items():  # warm up, and check each result against f32 numpy
+        _kernels.matmul(w, x, out, args.threads)
+        ref = _values(w).astype(np.float64) @ x[0].astype(np.float64)
+        errors[name] = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
+    runs = {"numpy_f32": lambda: np.dot(w32, x[0])}
+    for name, w in weights.items():
+        runs[name] = lambda w=w: _kernels.matmul(w, x, out, args.threads)
+    times = timer.rounds(runs, args.repeats)
+    numpy_s = statistics.median(times["numpy_f32"])
+    report = {"shape": [R, C],
+              "numpy_f32": {"gb_per_s": _gb(w32.nbytes, numpy_s), "median_ms": round(numpy_s * 1e3, 3),
+                            "gb_per_s_spread": [_gb(w32.nbytes, max(times["numpy_f32"])),
+                                                _gb(w32.nbytes, min(times["numpy_f32"]))]},
+              "formats": {}}
+    for name, w in weights.items():
+        s = statistics.median(times[name])
+        report["formats"][name] = {
+            "bits_per_weight": round(8 * w.nbytes / (R * C), 4),
+            "gb_per_s": _gb(w.nbytes, s),
+            "ratio_to_numpy": round((w.nbytes / s) / (w32.nbytes / numpy_s), 3),
+            "median_ms": round(s * 1e3, 3),
+            "gb_per_s_spread": [_gb(w.nbytes, max(times[name])), _gb(w.nbytes, min(times[name]))],
+            "max_rel_err": errors[name],
+        }
+    return report
+
+
+def bench_expert(H: int, I: int, formats, args, timer: Timer, rng) -> dict:
+    experts = {name: [make_weight(name, r, c, args.group_size, rng) for r, c in ((I, H), (I, H), (H, I))]
+               for name in formats}
+    dense = [_values(w) for w in experts[formats[0]]]
+    x = rng.standard_normal((1, H), dtype=np.float32)
+    gs = np.array([0, 1], np.int64)
+    hbuf, out = np.empty((1, I), np.float32), np.empty((1, H), np.float32)
+
+    def numpy_ffn():
+        g, u = dense[0] @ x[0], dense[1] @ x[0]
+        return dense[2] @ (g / (1 + np.exp(-g)) * u)
+
+    runs = {"numpy_f32": numpy_ffn}
+    for name, (g, u, d) in experts.items():
+        runs[name] = lambda g=g, u=u, d=d: _kernels.expert_ffn([g], [u], [d], x, gs, hbuf, out, args.threads)
+        runs[name]()
+    times = timer.rounds(runs, args.repeats)
+    report = {"hidden_size": H, "intermediate_size": I, "formats": {}}
+    for name in runs:
+        nbytes = sum(w.nbytes for w in (dense if name == "numpy_f32" else experts[name]))
+        s = statistics.median(times[name])
+        report["formats"][name] = {"expert_bytes": nbytes, "median_ms": round(s * 1e3, 3),
+                                   "gb_per_s": _gb(nbytes, s),
+                                   "ms_spread": [round(min(times[name]) * 1e3, 3),
+                                                 round(max(times[name]) * 1e3, 3)]}
+    return report
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="interleaved runs of each (default 15)")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--threads", type=int, default=2, help="moed compute threads (default 2)")
-    parser.add_argument("--rows", type=int, default=14336, help="weight rows (default 14336)")
-    parser.add_argument("--cols", type=int, default=4096, help="weight columns (default 4096)")
+    parser.add_argument("--shapes", default="14336x4096,2048x7168",
+                        help="comma-separated RxC weight shapes (default 14336x4096,2048x7168)")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help=f"comma-separated formats (default all: {','.join(FORMATS)})")
+    parser.add_argument("--group-size", type=int, default=32, help="int4/int8 group size (default 32)")
+    parser.add_argument("--expert", default="4096,1536",
+                        help="H,I of the expert FFN timing, or 'none' (default 4096,1536)")
     parser.add_argument("--flush-mib", type=int, default=512,
                         help="bytes written between runs to evict the caches (default 512 MiB)")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds of idle between runs (default 0.5)")
     args = parser.parse_args()
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        parser.error(f"unknown formats {sorted(unknown)} (choose from {', '.join(FORMATS)})")
 
     rng = np.random.default_rng(0)
-    w32 = rng.standard_normal((args.rows, args.cols), dtype=np.float32)
-    w_bf16 = w32.astype(ml_dtypes.bfloat16)
-    w32 = w_bf16.astype(np.float32)
-    x = rng.standard_normal((1, args.cols), dtype=np.float32)
-    out = np.empty((1, args.rows), np.float32)
-    _kernels.matmul(w_bf16, x, out, args.threads)  # warm up both
-    ref = w32 @ x[0]
-    max_rel_err = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
-
-    flush = np.zeros(args.flush_mib << 17)  # float64: MiB * 2**20 / 8
-
-    def cold() -> None:
-        """Evict both matrices from the caches and let both thread pools go idle
-        (OpenBLAS and OpenMP workers spin for a while after a call, stealing the
-        cores from whoever runs next)."""
-        np.add(flush, 1.0, out=flush)
-        time.sleep(args.pause)
-
-    t_moed, t_numpy = [], []
-    for _ in range(args.repeats):
-        cold()
-        t0 = time.perf_counter()
-        _kernels.matmul(w_bf16, x, out, args.threads)
-        t_moed.append(time.perf_counter() - t0)
-        cold()
-        t0 = time.perf_counter()
-        np.dot(w32, x[0])
-        t_numpy.append(time.perf_counter() - t0)
-    moed_bps = w_bf16.nbytes / statistics.median(t_moed)
-    numpy_bps = w32.nbytes / statistics.median(t_numpy)
+    timer = Timer(args.flush_mib, args.pause)
+    load_before = os.getloadavg()
+    shapes = []
+    for spec in args.shapes.split(","):
+        R, C = (int(v) for v in spec.lower().split("x"))
+        shapes.append(bench_shape(R, C, formats, args, timer, rng))
+    expert = None
+    if args.expert != "none":
+        H, I = (int(v) for v in args.expert.split(","))
+        expert = bench_expert(H, I, formats, args, timer, rng)
     print(json.dumps({
-        "shape": [args.rows, args.cols],
+        "build": _kernels.build_info(),
+        "machine": {"cpu": _cpu_model(), "cpus": os.cpu_count(),
+                    "blas_threads_env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+                                         if k in os.environ},
+                    "loadavg_before": [round(v, 2) for v in load_before],
+                    "loadavg_after": [round(v, 2) for v in os.getloadavg()]},
         "repeats": args.repeats,
         "moed_threads": args.threads,
-        "openmp": _kernels.openmp_enabled(),
-        "moed_bf16_gb_per_s": round(moed_bps / 1e9, 3),
-        "numpy_f32_gb_per_s": round(numpy_bps / 1e9, 3),
-        "bytes_per_s_ratio": round(moed_bps / numpy_bps, 3),
-        "moed_median_ms": round(statistics.median(t_moed) * 1e3, 3),
-        "numpy_median_ms": round(statistics.median(t_numpy) * 1e3, 3),
-        "max_rel_err_vs_f32": max_rel_err,
-        "moed_gb_per_s_spread": [round(w_bf16.nbytes / t / 1e9, 2) for t in (max(t_moed), min(t_moed))],
-        "numpy_gb_per_s_spread": [round(w32.nbytes / t / 1e9, 2) for t in (max(t_numpy), min(t_numpy))],
+        "group_size": args.group_size,
+        "matvec": shapes,
+        "expert_ffn": expert,
     }, indent=2))
 
 

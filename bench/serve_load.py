@@ -30,15 +30,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+from served import percentile, sse_texts
 
 
 async def _one(session: aiohttp.ClientSession, i: int, max_tokens: int) -> dict:
@@ -48,17 +40,11 @@ async def _one(session: aiohttp.ClientSession, i: int, max_tokens: int) -> dict:
     first = last = None
     chunks = 0
     async with session.post("http://localhost/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                chunks += 1
+        async for _ in sse_texts(resp):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            chunks += 1
     return {"ttft": (first or time.perf_counter()) - t0,
             "decode_tps": (max_tokens - 1) / (last - first) if last and last > first else float("nan"),
             "end": time.perf_counter()}
@@ -77,9 +63,9 @@ async def _load(socket_path: str, clients: int, requests: int, max_tokens: int) 
     tps = [r["decode_tps"] for r in results if r["decode_tps"] == r["decode_tps"]]
     return {"clients": clients, "requests": len(results), "seconds": elapsed,
             "total_tokens_per_second": len(results) * max_tokens / elapsed,
-            "time_to_first_token_seconds": {"p50": _percentile(ttft, 0.5), "p99": _percentile(ttft, 0.99)},
+            "time_to_first_token_seconds": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99)},
             # p99 of a rate is its slow tail: 99 % of requests decoded at least this fast.
-            "request_tokens_per_second": {"p50": _percentile(tps, 0.5), "p99": _percentile(tps, 0.01),
+            "request_tokens_per_second": {"p50": percentile(tps, 0.5), "p99": percentile(tps, 0.01),
                                           "mean": statistics.fmean(tps) if tps else float("nan")}}
 
 

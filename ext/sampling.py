@@ -1,4 +1,6 @@
-"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus).
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), with OpenAI's
+logit_bias and presence / frequency penalties, an optional mask of allowed tokens
+(constrained decoding), and log-probabilities.
 
 Conventions: logits are a 1-D array [V] (V = vocab_size), float32 from the forward
 pass; token ids are Python ints in [0, V). Ordering is fully determined: every sort is
@@ -10,12 +12,19 @@ The draw: one `Generator.random()` float64 u in [0, 1) per sampled token, from
 `numpy.random.Generator(numpy.random.PCG64(seed))`, mapped through the inverse CDF of
 the kept tokens taken in that sorted order. Greedy decoding (temperature 0) draws
 nothing, so it leaves the stream where it was.
+
+Before that, in this order (float64): logit_bias is added; the penalties of the OpenAI
+API reference are applied, `z[j] -= c[j] * frequency_penalty + (c[j] > 0) *
+presence_penalty` with c[j] the times token j was generated so far by this sampler
+(`accept`); tokens outside an allowed mask are set to -inf. Log-probabilities are those
+of the model's own distribution (log_softmax of the raw logits, as vLLM returns by
+default), not of the processed one.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,6 +47,9 @@ class SamplingParams:
             is >= top_p (always at least one token). 1.0 disables the filter.
         top_k: >= 0. Keep the top_k most likely tokens before top_p; 0 disables it.
         seed: seed of the PCG64 stream; None draws one from os.urandom.
+        presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's range); 0 disables.
+        logit_bias: (token id >= 0, bias in [-100, 100]) pairs, ids distinct; the ids'
+            range is the vocabulary's, checked by the caller that knows it.
 
     Raises:
         ValueError: a field is out of range; the message names the field.
@@ -47,6 +59,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature)
@@ -61,6 +76,22 @@ class SamplingParams:
                                           and not isinstance(self.seed, bool)
                                           and self.seed >= 0):
             raise SamplingParamError("seed", f"seed must be None or an int >= 0, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and -2.0 <= value <= 2.0):
+                raise SamplingParamError(name, f"{name} must be a number in [-2, 2], got {value!r}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100
+                for t, b in self.logit_bias):
+            raise SamplingParamError("logit_bias", "logit_bias maps distinct token ids >= 0 to "
+                                                   "biases in [-100, 100]")
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """The same parameters with another seed."""
+        return replace(self, seed=seed)
 
 
 class Sampler:
@@ -77,19 +108,27 @@ class Sampler:
         self.seed = (int.from_bytes(os.urandom(8), "little") if params.seed is None
                      else params.seed)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        self._counts: dict[int, int] = {}      # token id -> times generated (penalties)
 
-    def sample(self, logits: np.ndarray) -> int:
+    def accept(self, token: int) -> None:
+        """Record that `token` was generated (the penalties count it from now on)."""
+        self._counts[token] = self._counts.get(token, 0) + 1
+
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
         """Pick the next token id.
 
         Args:
             logits: [V] float array (float32 normally; read only, not modified).
                 -inf masks a token; NaN is rejected.
+            allowed: None, or a [V] bool mask of the tokens that may be picked (a
+                grammar's); the others are masked after bias and penalties.
 
         Returns:
             A token id in [0, V).
 
         Raises:
-            ValueError: logits not 1-D, empty, containing NaN or +inf, or all -inf.
+            ValueError: logits not 1-D, empty, containing NaN or +inf, or all -inf
+                (after the mask: no allowed token is possible); a logit_bias id >= V.
         """
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.size == 0:
@@ -97,10 +136,22 @@ class Sampler:
         z = logits.astype(np.float64)  # [V]
         if np.isnan(z).any() or np.isposinf(z).any():
             raise ValueError("logits contain NaN or +inf")
+        p = self.params
+        if p.logit_bias:
+            ids = np.fromiter((t for t, _ in p.logit_bias), np.int64, len(p.logit_bias))
+            if ids.max() >= z.size:
+                raise ValueError(f"logit_bias token id {int(ids.max())} out of range [0, {z.size})")
+            z[ids] += np.fromiter((b for _, b in p.logit_bias), np.float64, len(p.logit_bias))
+        if self._counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self._counts, np.int64, len(self._counts))
+            counts = np.fromiter(self._counts.values(), np.float64, len(self._counts))
+            z[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        if allowed is not None:
+            z[~allowed] = -np.inf
         best = int(np.argmax(z))  # first maximum = lowest id among ties
         if z[best] == -np.inf:
-            raise ValueError("all logits are -inf")
-        p = self.params
+            raise ValueError("all logits are -inf" if allowed is None
+                             else "no allowed token has a finite logit")
         if p.temperature == 0:
             return best
 
@@ -127,6 +178,28 @@ class Sampler:
         u = self._rng.random() * cdf[-1]
         index = min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)
         return int(order[index])
+
+
+def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` and the `top` most likely tokens under the model.
+
+    Args:
+        logits: [V] float array (raw model output). token: an id in [0, V).
+        top: how many alternatives, >= 0.
+    Returns:
+        (logprob of token, [(id, logprob)] of the `top` most likely tokens, descending,
+        ties by lower id); log_softmax in float64, so the figures depend only on logits.
+    """
+    z = np.asarray(logits, np.float64)
+    m = z.max()
+    lse = m + np.log(np.exp(z - m).sum())
+    out = []
+    if top > 0:
+        k = min(top, z.size)
+        kth = np.partition(z, z.size - k)[z.size - k]
+        order = _sort_descending(z, np.flatnonzero(z >= kth))[:k]
+        out = [(int(i), float(z[i] - lse)) for i in order]
+    return float(z[token] - lse), out
 
 
 def _sort_descending(z: np.ndarray, ids: np.ndarray) -> np.ndarray:

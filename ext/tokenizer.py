@@ -6,11 +6,8 @@ Reads the files a Hub checkpoint ships — `tokenizer.json` (the `tokenizers` pi
 reproduces what transformers does with them:
 
 * token ids are Python ints; text is `str`;
-* chat templates render in `jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
-  lstrip_blocks=True)` with the `loopcontrols` extension, a `{% generation %}` block that
-  renders its body, a `tojson` filter that does not escape HTML
-  (`json.dumps(..., ensure_ascii=False)`), and the globals `raise_exception` and
-  `strftime_now` — as in `transformers.utils.chat_template_utils`;
+* chat templates render as transformers renders them, in a Jinja sandbox, with a bound
+  on the characters and the time one render may take (ext/chat_template.py);
 * the rendered chat already contains any BOS the template writes, so encode it with
   `add_special_tokens=False` (transformers does the same).
 
@@ -20,20 +17,21 @@ file; every error about a chat template is a `ChatTemplateError` (a `ValueError`
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
-from datetime import datetime
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
+from ext.chat_template import (ChatTemplateError, ChatTemplateLimitError,  # noqa: F401
+                               compile_template, render)
 from ext.formats.files import MetadataFileError, read_json, read_text
+
+# renderer(source, variables) -> text: how a chat template is rendered (ext.chat_template
+# in this process by default; the daemon passes one that renders in worker processes).
+Renderer = Callable[[str, dict[str, Any]], str]
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -42,8 +40,23 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 CONFIG_FILE = "config.json"
 
 
-class ChatTemplateError(ValueError):
-    """A chat template is missing, does not compile, or raised while rendering."""
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte
+    in a byte-level BPE vocabulary -> the byte (the `bytes_to_unicode` table of
+    tokenizers' ByteLevel pre-tokenizer)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_decoder()
 
 
 class TokenizerFilesError(ValueError):
@@ -88,51 +101,6 @@ class StreamDecoder:
         rest = full[self._emitted_chars:]
         self._emitted_chars = len(full)
         return rest
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: renders its body unchanged.
-
-    transformers uses this tag to mark assistant tokens for training masks; for
-    inference only the text matters.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as exc:
-        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 
 def _read_json(path: Path) -> dict | None:
@@ -191,7 +159,7 @@ class Tokenizer:
     def __init__(self, backend: _BackendTokenizer, *, chat_template: str | None = None,
                  special_tokens: dict[str, str] | None = None,
                  add_bos_token: bool | None = None,
-                 config_path: Path | None = None) -> None:
+                 config_path: Path | None = None, renderer: Renderer | None = None) -> None:
         """Wrap a `tokenizers.Tokenizer`.
 
         Args:
@@ -203,12 +171,17 @@ class Tokenizer:
                 the ids start with bos_token_id even if tokenizer.json's post-processor
                 does not add it.
             config_path: where these settings came from, for error messages.
+            renderer: renders the chat template, `renderer(source, variables) -> text`,
+                raising ChatTemplateError (the daemon's renders in bounded worker
+                processes); None renders in this process with ext.chat_template's
+                default bounds.
         """
         self._backend = backend
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._config_path = config_path or Path(TOKENIZER_CONFIG_FILE)
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._renderer = renderer
         self.add_bos_token = add_bos_token
         self.bos_token = self._special.get("bos_token")
         self.eos_token = self._special.get("eos_token")
@@ -216,7 +189,7 @@ class Tokenizer:
         self.eos_token_id = None if self.eos_token is None else backend.token_to_id(self.eos_token)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_model_dir(cls, model_dir: str | Path, *, renderer: Renderer | None = None) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json (optional) and chat_template.jinja
         (optional; when present it takes precedence over tokenizer_config.json's
         `chat_template`, as in transformers).
@@ -254,7 +227,7 @@ class Tokenizer:
         if add_bos is not None and not isinstance(add_bos, bool):
             raise TokenizerFilesError(f"{config_path}: add_bos_token must be a boolean")
         return cls(backend, chat_template=template, special_tokens=special,
-                   add_bos_token=add_bos, config_path=config_path)
+                   add_bos_token=add_bos, config_path=config_path, renderer=renderer)
 
     @property
     def vocab_size(self) -> int:
@@ -277,6 +250,55 @@ class Tokenizer:
                 and (not ids or ids[0] != self.bos_token_id)):
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, letting other threads run meanwhile: `tokenizers` holds the GIL
+        through `encode` but releases it in `encode_batch` (a long prompt tokenized by
+        the server must not stall the engine thread's Python between kernels)."""
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of any vocabulary entry's string (added tokens included).
+
+        No token stands for more bytes of normalized text than its own string holds
+        (byte-level and byte-fallback strings are longer than the bytes they stand
+        for), so a text of N bytes is at least N / (max_token_bytes * 4) tokens even
+        after a normalizer (NFKC and the like change a character's length by at most
+        that factor): a cheap lower bound that refuses an oversized prompt untokenized.
+        """
+        if getattr(self, "_max_token_bytes", None) is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        return self._max_token_bytes
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) computed without tokenizing (see
+        `max_token_bytes`)."""
+        return len(text.encode("utf-8", "surrogatepass")) // (4 * self.max_token_bytes)
+
+    def to_json(self) -> str:
+        """tokenizer.json as loaded (for libraries that build their own view of it)."""
+        return self._backend.to_str()
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """The text of one token alone and the bytes it stands for (OpenAI's logprobs
+        `token` and `bytes`): a byte-level token that holds part of a UTF-8 character
+        has text with U+FFFD and its true bytes."""
+        piece = self._backend.id_to_token(token_id)
+        text = self._backend.decode([token_id], skip_special_tokens=False)
+        if piece is not None and all(c in _BYTE_DECODER for c in piece) and "\ufffd" in text:
+            return text, bytes(_BYTE_DECODER[c] for c in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return text, bytes([int(piece[3:5], 16)])      # a byte-fallback token
+            except ValueError:
+                pass
+        return text, text.encode("utf-8", "replace")
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Detokenize ids; invalid UTF-8 becomes U+FFFD."""
@@ -302,27 +324,21 @@ class Tokenizer:
 
         Raises:
             ChatTemplateError: no template (names tokenizer_config.json), the template
-                does not compile, calls raise_exception, or fails while rendering.
+                does not compile, calls raise_exception, or fails while rendering;
+                ChatTemplateLimitError (a ChatTemplateError) when it renders more
+                characters or takes longer than its renderer allows.
         """
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"{self._config_path}: no chat_template (nor {CHAT_TEMPLATE_FILE}); "
                 "this model has no chat format")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
         variables = {**self._special, **kwargs, "messages": messages,
                      "add_generation_prompt": add_generation_prompt}
-        try:
-            return self._template.render(**variables)
-        except ChatTemplateError:
-            raise
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
-        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
-                MemoryError, AttributeError) as exc:
-            # A template is code from the model directory: any failure inside it is the
-            # template's fault, reported as such, never a crash.
-            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        if self._renderer is not None:
+            return self._renderer(self.chat_template, variables)
+        if self._template is None:
+            self._template = compile_template(self.chat_template)
+        return render(self._template, variables)
 
 
 def _eos_ids(value: Any, path: Path) -> set[int] | None:

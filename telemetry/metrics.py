@@ -38,7 +38,9 @@ prometheus_client.disable_created_metrics()
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
              "pins_reset", "other")                 # route names of daemon.service.app.HttpApp.application
 # Statuses moed answers with; 499: the client closed the connection before the answer ended.
-STATUSES = ("200", "400", "401", "403", "404", "405", "413", "429", "499", "500", "503", "other")
+STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",
+            "other")
+LISTENERS = ("socket", "tcp", "metrics")            # daemon.service.connections listeners
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")
 OUTCOMES = ("hit", "prefetch_hit", "miss")
 PHASES = ("prefill", "decode")
@@ -141,9 +143,12 @@ class Snapshot:
     Gauges: expert_cache_bytes / expert_cache_capacity_bytes per tier, pinned_experts,
     compute_threads, io_workers, memory_budget_bytes, memory_available_bytes,
     model_load_seconds. Daemon totals: state_saves, state_save_errors, tuner_trials,
-    tuner_accepted. Do no harm: mechanism_enabled (1/0) and mechanism_net_seconds (the
-    referee's smoothed saving minus cost, seconds per token) per mechanism,
-    naive_estimated_speedup (the referee's latest estimate; 0: none yet), pin_share.
+    tuner_accepted. Prefill: prefill_tokens (prompt tokens computed, the others came from
+    the prefix cache); prefix_cache_queries / _hits / _reused_tokens / _evicted_blocks
+    (totals), prefix_cache_bytes / _capacity_bytes (gauges). Do no harm: mechanism_enabled
+    (1/0) and mechanism_net_seconds (the referee's smoothed saving minus cost, seconds per
+    token) per mechanism, naive_estimated_speedup (the referee's latest estimate; 0: none
+    yet), pin_share.
     """
 
     requests_running: int = 0
@@ -166,6 +171,13 @@ class Snapshot:
     state_save_errors: int = 0
     tuner_trials: int = 0
     tuner_accepted: int = 0
+    prefill_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_reused_tokens: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_capacity_bytes: int = 0
+    prefix_cache_evicted_blocks: int = 0
     mechanism_enabled: Mapping[str, int] = field(default_factory=dict)
     mechanism_net_seconds: Mapping[str, float] = field(default_factory=dict)
     naive_estimated_speedup: float = 0.0
@@ -220,6 +232,20 @@ class SnapshotCollector(prometheus_client.registry.Collector):
         yield _gauge("moed_requests_waiting", "Requests queued for a place in the batch.",
                      s.requests_waiting)
         yield _counter("moed_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
+        yield _counter("moed_prefill_tokens", "Prompt tokens computed by prefill (the rest "
+                       "came from the prefix cache).", s.prefill_tokens)
+        yield _counter("moed_prefix_cache_queries", "Prefix cache lookups, one per admitted "
+                       "request.", s.prefix_cache_queries)
+        yield _counter("moed_prefix_cache_hits", "Prefix cache lookups that reused at least "
+                       "one block.", s.prefix_cache_hits)
+        yield _counter("moed_prefix_cache_reused_tokens", "Prompt tokens whose KV came from "
+                       "the prefix cache.", s.prefix_cache_reused_tokens)
+        yield _counter("moed_prefix_cache_evicted_blocks", "Prefix cache blocks evicted "
+                       "(least recently used first).", s.prefix_cache_evicted_blocks)
+        yield _gauge("moed_prefix_cache_bytes", "Bytes of KV blocks held by the prefix cache.",
+                     s.prefix_cache_bytes)
+        yield _gauge("moed_prefix_cache_capacity_bytes", "Byte budget of the prefix cache "
+                     "(prefix_cache_bytes).", s.prefix_cache_capacity_bytes)
         yield _counter("moed_generation_tokens", "Tokens generated, including those of requests cancelled before "
                        "they were delivered.",
                        s.generation_tokens)
@@ -320,17 +346,21 @@ class SnapshotCollector(prometheus_client.registry.Collector):
 class DaemonMetrics:
     """The registry of one daemon and the metrics it observes as events happen.
 
-    version / model_type: the `moed_build_info` labels. moe_layers, read_seconds_buckets,
-    source: as `SnapshotCollector`. Methods are thread-safe.
+    version / model_type / quantization: the `moed_build_info` labels (quantization: "none"
+    for weights in plain floats, else the quantised weights' format, e.g. "fp8_e4m3",
+    "mxfp4": a closed set, ext.formats.quant.formats(); "unknown" when config.json could
+    not be read). moe_layers, read_seconds_buckets, source: as `SnapshotCollector`.
+    Methods are thread-safe.
     """
 
     def __init__(self, *, version: str, model_type: str, moe_layers: Sequence[int],
-                 read_seconds_buckets: Sequence[float],
+                 read_seconds_buckets: Sequence[float], quantization: str = "none",
                  source: Callable[[], Snapshot | None] = lambda: None):
         self.registry = registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=registry)
-        Info("moed_build", "moed version and the served model's architecture",
-             registry=registry).info({"version": version, "model_type": model_type})
+        Info("moed_build", "moed version, the served model's architecture and the format of "
+             "its quantised weights ('none': plain floats)", registry=registry).info(
+            {"version": version, "model_type": model_type, "quantization": quantization})
         self.collector = SnapshotCollector(moe_layers, read_seconds_buckets, source)
         registry.register(self.collector)
         self.requests = Counter("moed_requests", "HTTP responses, by route name and status.",
@@ -338,6 +368,11 @@ class DaemonMetrics:
         for endpoint in ENDPOINTS:
             for status in STATUSES:
                 self.requests.labels(endpoint, status)
+        self.refused = Counter("moed_connections_refused", "Connections answered 503 at once "
+                               "because their listener held max_connections open connections.",
+                               ["listener"], registry=registry)
+        for listener in LISTENERS:
+            self.refused.labels(listener)
         self.finished = Counter("moed_requests_finished", "Generation requests ended, by "
                                 "finish reason.", ["finish_reason"], registry=registry)
         for reason in FINISH_REASONS:
@@ -361,6 +396,10 @@ class DaemonMetrics:
     def response(self, route_name: str | None, status: int) -> None:
         """Count one HTTP response (unknown routes and statuses map to "other")."""
         self.requests.labels(endpoint_label(route_name), status_label(status)).inc()
+
+    def connection_refused(self, listener: str) -> None:
+        """Count one connection refused at accept (a listener of LISTENERS)."""
+        self.refused.labels(listener if listener in LISTENERS else "socket").inc()
 
     def request_finished(self, finish_reason: str, queue_s: float,
                          time_to_first_token_s: float | None, duration_s: float) -> None:

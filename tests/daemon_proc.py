@@ -171,3 +171,50 @@ class Daemon:
         if self.proc.poll() is None:
             self.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def serve_and_complete(model_dir: Path, prompt: list[int], max_tokens: int) -> dict:
+    """Serve `model_dir` streaming its experts through the smallest cache moed accepts,
+    ask for one greedy completion of `prompt`, stop. Returns {"ready": the ready log event,
+    "models": GET /v1/models, "build_info": moed_build_info's labels, "completion": the
+    POST /v1/completions answer}; asserts each answer is a 200 and the exit is clean."""
+    from metrics_scrape import parse
+
+    from daemon.store.streaming import minimum_cache_bytes
+    from ext.formats.checkpoint import Checkpoint
+    from ext.models.config import load_config
+    from ext.models.experts import ExpertLayout
+
+    config = load_config(model_dir)
+    budget = minimum_cache_bytes(ExpertLayout(Checkpoint(model_dir), config), config)
+    workdir = short_dir()
+    d = Daemon(model_dir, workdir, "--expert-cache-bytes", str(budget), "--threads", "1")
+    try:
+        (ready,) = [e for e in d.events if e["event"] == "ready"]
+        status, models = d.json("GET", "/v1/models")
+        assert status == 200
+        _, _, body = d.request("GET", "/metrics")
+        _, samples = parse(body.decode())
+        build = dict(next(labels for (name, labels) in samples if name == "moed_build_info"))
+        status, out = d.json("POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                         "temperature": 0})
+        assert status == 200
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"ready": ready, "models": models, "build_info": build, "completion": out}
+
+
+def in_process_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> tuple[int, str]:
+    """(tokens, text) of the greedy continuation moed generates in this process."""
+    from ext.generate import Generation
+    from ext.models.model import Model
+    from ext.sampling import SamplingParams
+    from ext.tokenizer import Tokenizer
+
+    model = Model.load(model_dir, n_threads=1)
+    ids = list(Generation(model, prompt, max_tokens=max_tokens,
+                          sampling=SamplingParams(temperature=0.0), stop_ids=()))
+    model.close()
+    return len(ids), Tokenizer.from_model_dir(model_dir).decode(ids)

@@ -7,8 +7,9 @@ the given MoE layer ids — written out from the issue's list, not from the code
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
+
+import tools
 
 TYPES = {
     # requests
@@ -18,6 +19,12 @@ TYPES = {
     "moed_inter_token_latency_seconds": "histogram",
     "moed_request_duration_seconds": "histogram", "moed_prompt_tokens_total": "counter",
     "moed_generation_tokens_total": "counter", "moed_requests_finished_total": "counter",
+    # prefill and the prefix cache
+    "moed_prefill_tokens_total": "counter", "moed_prefix_cache_queries_total": "counter",
+    "moed_prefix_cache_hits_total": "counter", "moed_prefix_cache_reused_tokens_total": "counter",
+    "moed_prefix_cache_evicted_blocks_total": "counter", "moed_prefix_cache_bytes": "gauge",
+    "moed_prefix_cache_capacity_bytes": "gauge",
+    "moed_connections_refused_total": "counter",
     # experts
     "moed_expert_lookups_total": "counter", "moed_expert_bytes_read_total": "counter",
     "moed_expert_read_seconds": "histogram", "moed_expert_read_errors_total": "counter",
@@ -49,9 +56,11 @@ TYPES = {
 MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "pins")
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
              "pins_reset", "other")
-STATUSES = ("200", "400", "401", "403", "404", "405", "413", "429", "499", "500", "503", "other")
+STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",
+            "other")
 LABELS = {
     "moed_requests_total": [{"endpoint": e, "status": s} for e in ENDPOINTS for s in STATUSES],
+    "moed_connections_refused_total": [{"listener": x} for x in ("socket", "tcp", "metrics")],
     "moed_requests_finished_total": [{"finish_reason": r} for r in
                                      ("stop", "length", "timeout", "cancelled", "error")],
     "moed_expert_bytes_read_total": [{"reason": r} for r in ("demand", "prefetch", "pin_load")],
@@ -78,7 +87,7 @@ BUCKETS = {"moed_request_queue_seconds": REQUEST_BUCKETS,
 NOT_ZERO_AT_START = {"moed_build_info", "moed_expert_cache_capacity_bytes", "moed_compute_threads",
                      "moed_io_workers", "moed_memory_budget_bytes", "moed_memory_available_bytes",
                      "moed_model_load_seconds", "moed_expert_cache_bytes",
-                     "moed_mechanism_enabled"}
+                     "moed_prefix_cache_capacity_bytes", "moed_mechanism_enabled"}
 
 Series = tuple[str, frozenset]
 
@@ -133,9 +142,6 @@ def total(samples: dict[Series, float], name: str, **match: str) -> float:
 
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
-    """`promtool check metrics` on a scrape; fails the test when promtool is missing
-    (CI installs Debian's `prometheus` package: see .ci/run)."""
-    promtool = shutil.which("promtool")
-    assert promtool is not None, "promtool is not installed (apt-get install prometheus)"
-    return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=60)
+    """`promtool check metrics` on a scrape (the test declares @pytest.mark.tools("promtool"))."""
+    return subprocess.run([tools.path("promtool"), "check", "metrics"], input=text,
+                          capture_output=True, text=True, timeout=60)

@@ -13,6 +13,7 @@ Shape legend: T tokens, V vocab_size, E num_experts, K num_experts_per_tok.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ MAX_SEEDS = 20
 LOGIT_GAP_REL = 1e-4    # top-1 minus top-2 logit, relative to max |logit| of the step
 ROUTER_GAP = 1e-6       # k-th minus (k+1)-th router probability (softmax in f32)
 SHARD_SIZE = "50KB"
+LOGIT_TOL_REL = 1e-4    # moed's logits against the reference, relative to max |logit|
 
 # Sizes shared by every family; a case's `overrides` replace or extend them.
 _COMMON: dict[str, Any] = dict(
@@ -57,7 +59,22 @@ _FAMILY: dict[str, tuple[type, type, dict[str, Any]]] = {
                 dict(num_local_experts=8, intermediate_size=32)),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
               dict(num_experts=8, intermediate_size=32, pad_token_id=1, eos_token_id=2)),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                    dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=32,
+                         intermediate_size=48, n_shared_experts=1, kv_lora_rank=32,
+                         q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         n_group=1, topk_group=1, first_k_dense_replace=1)),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
+                 dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=48,
+                      head_dim=24, first_k_dense_replace=1)),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                dict(num_local_experts=8, intermediate_size=32, head_dim=16)),
 }
+
+# Parameters transformers initialises to zeros that the reference draws instead, so that
+# what they do is seen: DeepSeek-V3 / GLM-4.5's selection-only correction bias (large
+# enough to change choices, as trained ones do) and GPT-OSS's expert biases.
+_DRAWN = {"e_score_correction_bias": 0.3, "gate_up_proj_bias": 0.1, "down_proj_bias": 0.1}
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,15 @@ def save_model(case: ArchCase, dtype: str, seed: int, model_dir: Path) -> None:
     _, model_cls, _ = _FAMILY[case.model_type]
     torch.manual_seed(seed)
     model = model_cls(case.config())
+    with torch.no_grad():
+        for name, tensor in model.named_buffers(prefix="", recurse=True):
+            std = _DRAWN.get(name.rsplit(".", 1)[-1])
+            if std is not None:
+                tensor.normal_(0.0, std)
+        for name, tensor in model.named_parameters():
+            std = _DRAWN.get(name.rsplit(".", 1)[-1])
+            if std is not None:
+                tensor.normal_(0.0, std)
     model.to(TORCH_DTYPES[dtype]).save_pretrained(model_dir, max_shard_size=SHARD_SIZE)
 
 
@@ -181,8 +207,54 @@ def reference_run(model: torch.nn.Module, prompt: list[int], n_new: int = NEW_TO
             absmax[0] if clip_qkv is not None else None)
 
 
-def check_margins(step_logits: np.ndarray, router_logits: list[list[np.ndarray]], top_k: int) -> None:
-    """Raise SeedRejected unless every greedy step and every routing decision is clear."""
+def routing_margins(model: torch.nn.Module):
+    """The routing rule's decision margins for `check_margins`, from the reference model:
+    rule(moe_layer, router_logits [T, E]) -> (gap [T] between the k-th and (k+1)-th
+    candidate, in the score the rule ranks by; what is ranked). Softmax families:
+    probabilities; DeepSeek-V3 / GLM-4.5: sigmoid + correction bias, after the group
+    choice, whose own gap (topk_group-th against the next group's top-2 sum) counts too;
+    GPT-OSS: the logits (with the router bias) that top-k picks from."""
+    config = model.config
+    k = config.num_experts_per_tok
+    if config.model_type in ("deepseek_v3", "glm4_moe"):
+        biases = [layer.mlp.gate.e_score_correction_bias.float().numpy()
+                  for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        n_group, topk_group = config.n_group, config.topk_group
+
+        def grouped(moe_layer: int, logits: np.ndarray):
+            choice = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + biases[moe_layer]
+            T, E = choice.shape
+            gaps = np.full(T, np.inf)
+            if topk_group < n_group:
+                g = choice.reshape(T, n_group, E // n_group)
+                top2 = -np.sort(-g, axis=2)[:, :, :2].sum(axis=2)
+                ranked = -np.sort(-top2, axis=1)
+                gaps = ranked[:, topk_group - 1] - ranked[:, topk_group]
+                dropped = np.argsort(-top2, axis=1, kind="stable")[:, topk_group:]
+                np.put_along_axis(g, dropped[:, :, None].repeat(E // n_group, 2), -np.inf, axis=1)
+            ranked = -np.sort(-choice, axis=1)
+            return np.minimum(gaps, ranked[:, k - 1] - ranked[:, k]), "biased sigmoid scores"
+        return grouped
+    if config.model_type == "gpt_oss":
+        def logit_gap(moe_layer: int, logits: np.ndarray):
+            ranked = -np.sort(-logits.astype(np.float64), axis=1)
+            return ranked[:, k - 1] - ranked[:, k], "router logits"
+        return logit_gap
+    return _softmax_rule(k)
+
+
+def _softmax_rule(k: int):
+    def softmax_gap(moe_layer: int, logits: np.ndarray):
+        probs = torch.softmax(torch.from_numpy(logits), dim=-1, dtype=torch.float32).numpy()
+        ranked = -np.sort(-probs, axis=-1)
+        return ranked[:, k - 1] - ranked[:, k], "router probabilities"
+    return softmax_gap
+
+
+def check_margins(step_logits: np.ndarray, router_logits: list[list[np.ndarray]], top_k: int,
+                  rule=None) -> None:
+    """Raise SeedRejected unless every greedy step and every routing decision is clear
+    (`rule`: from `routing_margins`; default the softmax families')."""
     for step, row in enumerate(step_logits):
         top2 = np.sort(row)[-2:]
         gap = float(top2[1] - top2[0])
@@ -191,13 +263,12 @@ def check_margins(step_logits: np.ndarray, router_logits: list[list[np.ndarray]]
             raise SeedRejected(f"top-1/top-2 logit gap {gap:.3g} < {need:.3g} at step {step}")
     for call, layers in enumerate(router_logits):
         for moe_layer, logits in enumerate(layers):
-            probs = torch.softmax(torch.from_numpy(logits), dim=-1, dtype=torch.float32).numpy()
-            ranked = -np.sort(-probs, axis=-1)
-            gaps = ranked[:, top_k - 1] - ranked[:, top_k]
+            gaps, what = (rule or _softmax_rule(top_k))(moe_layer, logits)
             if gaps.min() < ROUTER_GAP:
                 t = int(gaps.argmin())
-                raise SeedRejected(f"router gap {gaps[t]:.3g} < {ROUTER_GAP:g} between ranks {top_k} and "
-                                   f"{top_k + 1} at forward call {call}, MoE layer #{moe_layer}, token {t}")
+                raise SeedRejected(f"router gap {gaps[t]:.3g} < {ROUTER_GAP:g} ({what}) between ranks "
+                                   f"{top_k} and {top_k + 1} at forward call {call}, MoE layer "
+                                   f"#{moe_layer}, token {t}")
 
 
 def build_reference(case: ArchCase, dtype: str, seed: int, model_dir: Path) -> Reference:
@@ -208,7 +279,7 @@ def build_reference(case: ArchCase, dtype: str, seed: int, model_dir: Path) -> R
     prompt = make_prompt(config.vocab_size, seed)
     clip = getattr(config, "clip_qkv", None)
     tokens, step_logits, teacher, routers, absmax = reference_run(model, prompt, clip_qkv=clip)
-    check_margins(step_logits, routers, config.num_experts_per_tok)
+    check_margins(step_logits, routers, config.num_experts_per_tok, routing_margins(model))
     return Reference(model_dir, seed, prompt, tokens, step_logits, teacher, routers, absmax)
 
 
@@ -232,3 +303,64 @@ def select_seed(case: ArchCase, dtype: str, root: Path) -> Reference:
         return ref
     pytest.fail(f"oracle case {name}: no seed in 0..{MAX_SEEDS - 1} gives clear margins "
                          f"(last: {last})")
+
+
+# ------------------------------------------------------------- the moed side
+
+
+@contextlib.contextmanager
+def open_model(model_dir, n_threads=2, experts="mmap"):
+    """moed's Model of `model_dir`, closed on exit."""
+    from ext.models.model import Model
+
+    model = Model.load(model_dir, n_threads=n_threads, experts=experts)
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+def moed_greedy(model, prompt: list[int], n_new: int = NEW_TOKENS):
+    """(tokens, [n_new, V] logits that chose them): prefill, then one token per forward."""
+    seq = model.new_sequence()
+    logits = model.forward(seq, prompt)
+    tokens, steps = [], []
+    while True:
+        assert logits.shape == (1, model.config.vocab_size)
+        steps.append(logits[0])
+        tokens.append(int(np.argmax(logits[0])))
+        if len(tokens) == n_new:
+            return tokens, np.stack(steps)
+        logits = model.forward(seq, [tokens[-1]])
+
+
+def moed_run(model_dir, prompt: list[int], tokens: list[int], **kw):
+    """moed's (greedy tokens, [NEW_TOKENS, V] step logits, teacher-forced logits over
+    prompt + tokens) for a reference's prompt and tokens; kw as `open_model`'s."""
+    with open_model(model_dir, **kw) as model:
+        got, steps = moed_greedy(model, prompt)
+        teacher = model.forward(model.new_sequence(), prompt + tokens, all_logits=True)
+    return got, steps, teacher
+
+
+def cached_moed_runs(references):
+    """get(case, dtype) -> `moed_run` of that case's reference, computed once."""
+    cache = {}
+
+    def get(case, dtype):
+        key = (case.id, dtype)
+        if key not in cache:
+            ref = references(case, dtype)
+            cache[key] = moed_run(ref.model_dir, ref.prompt, ref.tokens)
+        return cache[key]
+
+    return get
+
+
+def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    """max |actual - expected| <= LOGIT_TOL_REL x max |expected|."""
+    assert actual.shape == expected.shape, what
+    scale = float(np.abs(expected).max())
+    err = float(np.abs(actual - expected).max())
+    assert err <= LOGIT_TOL_REL * scale, \
+        f"{what}: max |Δ| {err:.3g} > {LOGIT_TOL_REL:g} × max |logit| {scale:.3g}"

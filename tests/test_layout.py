@@ -18,6 +18,7 @@ Between the rooms inside a folder (an arrow may only run downward):
 | daemon/machine/    | machine                                                     |
 | ext/ (top level)   | every room                                                  |
 | ext/makemodel/     | makemodel (it shares no code with the reader it tests)      |
+| ext/quant/         | quant, models, formats (never kernels: the codecs are numpy) |
 | ext/models/        | models, formats, kernels                                    |
 | ext/formats/       | formats                                                     |
 | ext/kernels/       | kernels                                                     |
@@ -52,8 +53,9 @@ ROOMS = {
                "tuning": {"tuning", "store", "machine"},
                "store": {"store"},
                "machine": {"machine"}},
-    "ext": {"": {"", "models", "formats", "kernels", "makemodel"},
+    "ext": {"": {"", "quant", "models", "formats", "kernels", "makemodel"},
             "makemodel": {"makemodel"},
+            "quant": {"quant", "models", "formats"},
             "models": {"models", "formats", "kernels"},
             "formats": {"formats"},
             "kernels": {"kernels"}},

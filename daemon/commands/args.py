@@ -7,13 +7,14 @@ same exit 2.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
-log = logging.getLogger("moed")
+from telemetry.logs import get_logger
+
+log = get_logger("cli")
 
 
 class Parents(NamedTuple):
@@ -25,37 +26,55 @@ class Parents(NamedTuple):
 
 
 class Progress:
-    """A one-line progress bar on stderr when it is a TTY; silent otherwise."""
+    """Progress of long work as a tqdm bar on stderr when stderr is a terminal (with the
+    rate and the time left); nothing at all otherwise, so logs stay clean.
 
-    def __init__(self, label: str):
+    Call it as `progress(done, total)` (done and total in `unit`; "B" shows bytes with
+    binary prefixes), `note(message)` for a line above the bar, and `close()` at the end
+    (also when `done` reaches `total`). `enabled` says whether anything is shown.
+    """
+
+    def __init__(self, label: str, unit: str = "it"):
         self.label = label
-        self.tty = sys.stderr.isatty()
-        self._last = 0.0
+        self.unit = unit
+        self.enabled = sys.stderr.isatty()
+        self._bar = None
 
-    def __call__(self, done: int, total: int) -> None:
-        if not self.tty:
+    def _open(self, total: int | None):
+        if self._bar is None:
+            from tqdm import tqdm
+
+            try:
+                columns = os.get_terminal_size(sys.stderr.fileno()).columns
+            except (OSError, ValueError, AttributeError):
+                columns = 0
+            # a terminal that reports no width (a bare pty) would get no bar at all
+            self._bar = tqdm(total=total, desc=self.label, unit=self.unit, file=sys.stderr,
+                             unit_scale=self.unit == "B", unit_divisor=1024 if self.unit == "B" else 1000,
+                             dynamic_ncols=columns > 0, ncols=None if columns > 0 else 100,
+                             nrows=None if columns > 0 else 24, leave=True,
+                             disable=not self.enabled)
+        return self._bar
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if not self.enabled:
             return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {done / 2**20:8.1f} MiB")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        bar = self._open(total)
+        if total is not None and bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+        if total is not None and done >= total:
+            self.close()
 
-class Steps:
-    """'label i/n' on a terminal's stderr; nothing in logs."""
+    def note(self, message: str) -> None:
+        """A line of text above the bar (a stage begins, a result); terminal only."""
+        if self.enabled:
+            self._open(None).write(f"{self.label}: {message}", file=sys.stderr)
 
-    def __init__(self, label: str):
-        self.label = label
-
-    def __call__(self, done: int, total: int) -> None:
-        if sys.stderr.isatty():
-            sys.stderr.write(f"\r{self.label} {done}/{total}" + ("\n" if done >= total else ""))
-            sys.stderr.flush()
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -105,6 +124,17 @@ def check_model_dir(path: str) -> str:
         raise UsageError(f"--model: {path} is not a directory (expected a model directory "
                          "with config.json, tokenizer.json and *.safetensors)")
     return path
+
+def read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of `path`: a usage error naming `flag` when it is not a file, a
+    ValueError naming the file when it is not UTF-8."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{flag}: {path} is not a file")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 def sampling_params(args: argparse.Namespace):
     """SamplingParams from the command's flags; a usage error naming the flag at fault."""

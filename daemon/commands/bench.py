@@ -25,11 +25,16 @@ Figures (decode phase only, prefill excluded; per generated token):
                             1 / max(bytes_needed_per_token / disk bandwidth,
                                     flops_per_token / kernel throughput), both measured in
                             this run: bandwidth with expert-sized reads through an io pool
-                            of the same workers, throughput with the expert FFN kernel.
+                            of the same workers, throughput with the expert FFN kernel on
+                            the model's own experts in their stored format.
+The model's experts: expert_format (bf16, fp8_e4m3, mxfp4, ...), expert_bytes (the
+largest expert's pieces: weights and scales), slot_bytes (the aligned read of one expert,
+what a miss costs), expert_bytes_total.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -39,19 +44,21 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.commands.args import (MODEL_HELP, Parents, Steps, UsageError, check_model_dir,
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, check_model_dir,
                                   cpu_threads, nonempty, positive_int, size)
-from daemon.store.plans import plans_for
+from daemon.commands.figures import compare, spread
+from daemon.store.plans import max_slot_bytes, plans_for
 from daemon.store.probe import probe_summary
 from daemon.store.reads import IoPool, drop_page_cache, probe_direct_io
 from daemon.store.slots import SlotArena
 from daemon.store.state import default_state_dir
 from daemon.store.streaming import StreamingExpertProvider, StreamingOptions
 from ext.formats.checkpoint import Checkpoint
-from ext.kernels import _kernels
 from ext.models.config import ModelConfig, load_config
-from ext.models.experts import ExpertLayout
+from ext.models.experts import ExpertLayout, expert_weights
+from ext.models.families import family_of
 from ext.models.model import Model
+from ext.models.weights import read_weight
 from ext.sampling import Sampler, SamplingParams
 from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
 
@@ -102,32 +109,35 @@ def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
         return done / (time.perf_counter() - t0)
 
 
-def measure_kernel_flops(config: ModelConfig, layout: ExpertLayout, threads: int,
-                         seconds: float = 0.5) -> float:
-    """FLOP/s of the expert FFN kernel on one token, weights in RAM (the compute term)."""
+def measure_kernel_flops(config: ModelConfig, checkpoint: Checkpoint, layout: ExpertLayout,
+                         threads: int, seconds: float = 0.5) -> float:
+    """FLOP/s of the expert FFN kernel on one token through top_k of the model's own
+    experts (their stored format: bf16, FP8, MXFP4, ...), read into RAM, computed by the
+    family's expert kind (the compute term)."""
     H, I, K = config.hidden_size, config.moe_intermediate_size, config.top_k
-    loc = next(iter(layout))
-    dtype = loc.gate.numpy_dtype
-    rng = np.random.default_rng(0)
-    gates = [rng.standard_normal((I, H), dtype=np.float32).astype(dtype) for _ in range(K)]
-    ups = [g.copy() for g in gates]
-    downs = [rng.standard_normal((H, I), dtype=np.float32).astype(dtype) for _ in range(K)]
-    x = np.ones((K, H), np.float32)
-    hbuf, y = np.empty((K, I), np.float32), np.empty((K, H), np.float32)
-    starts = np.arange(K + 1, dtype=np.int64)
+    experts = [expert_weights(loc.projections(), lambda w: read_weight(checkpoint, w))
+               for loc in itertools.islice(layout, K)]
+    family = family_of(config.model_type)
+    ffn = family.experts(config, layout.transposed)
+    resident = ffn.load(family.tensors.moe(next(iter(layout)).layer),
+                        lambda name, shape, f32=False: np.zeros(shape, np.float32))
+    ids = list(range(len(experts)))
+    x = np.ones((len(experts), H), np.float32)
+    hbuf, y = np.empty((len(experts), I), np.float32), np.empty((len(experts), H), np.float32)
+    starts = np.arange(len(experts) + 1, dtype=np.int64)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        _kernels.expert_ffn(gates, ups, downs, x, starts, hbuf, y, threads)
+        ffn(resident, ids, experts, x, starts, hbuf, y, threads)
         n += 1
-    return n * K * 3 * 2 * H * I / (time.perf_counter() - t0)
+    return n * len(experts) * 3 * 2 * H * I / (time.perf_counter() - t0)
 
 
 def flops_per_token(config: ModelConfig) -> float:
-    """Multiply-adds x 2 of one decode step's weight matrices (attention, router,
-    top_k experts, shared expert, dense MLPs, lm_head); attention over the cache is
-    small at bench lengths and left out."""
-    H, D = config.hidden_size, config.head_dim
-    attn = H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    """Multiply-adds x 2 of one decode step's weight matrices (attention as the family's
+    attention kind computes it, router, top_k experts, shared expert, dense MLPs,
+    lm_head); attention over the cache is small at bench lengths and left out."""
+    attn = family_of(config.model_type).attention.weights_per_token(config)
+    H = config.hidden_size
     total = 0
     for is_moe in config.moe_layers:
         total += attn
@@ -249,6 +259,8 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
                                            learned=learned.state if learned else None)
         return Model(config, checkpoint, layout, provider, bench.threads)
 
+    if progress:
+        progress.note("warm-up: learning expert usage for moed's pins")
     learned = learned_usage(model_for("moed", None), prompt, bench)
 
     runs: dict[str, list[dict]] = {"naive": [], "moed": []}
@@ -266,8 +278,10 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
             model.experts.close()
             if progress:
                 progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
+    if progress:
+        progress.note("measuring disk bandwidth and kernel throughput for the roofline")
     bandwidth = measure_disk_bandwidth(layout, bench.io_workers, direct)
-    flops = measure_kernel_flops(config, layout, bench.threads)
+    flops = measure_kernel_flops(config, checkpoint, layout, bench.threads)
     fpt = flops_per_token(config)
 
     def summary(mode: str) -> dict:
@@ -276,18 +290,26 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         med["roofline_tokens_per_second"] = 1.0 / max(med["bytes_needed_per_token"] / bandwidth,
                                                       fpt / flops)
         med["tokens_per_second_runs"] = [round(r["tokens_per_second"], 3) for r in rs]
+        med["tokens_per_second_spread"] = spread([r["tokens_per_second"] for r in rs])
         med["io_path"] = "direct" if direct else "buffered"
         med["cache_slots"] = tiers[mode]
         med["at_end_of_last_run"] = ends[mode]
         return med
 
     moed, naive = summary("moed"), summary("naive")
+    versus = compare([r["tokens_per_second"] for r in runs["moed"]],
+                     [r["tokens_per_second"] for r in runs["naive"]], "moed", "naive")
     report = {**moed, "naive": naive,
               "speedup_vs_naive": moed["tokens_per_second"] / naive["tokens_per_second"],
+              "speedup_vs_naive_pairs": versus["pair_ratios"],
+              "speedup_vs_naive_significant": versus["significant"],
+              "speedup_vs_naive_verdict": versus["verdict"],
               "fraction_of_roofline": moed["tokens_per_second"] / moed["roofline_tokens_per_second"],
               "disk_bytes_per_second": bandwidth, "kernel_flops_per_second": flops,
               "flops_per_token": fpt, "expert_cache_bytes": bench.cache_bytes,
               "expert_bytes_total": sum(loc.nbytes for loc in layout),
+              "expert_format": layout.format, "expert_bytes": layout.max_expert_bytes,
+              "slot_bytes": max_slot_bytes(layout),
               "tokens": bench.tokens, "repeats": bench.repeats, "threads": bench.threads,
               "io_workers": bench.io_workers, "temperature": bench.temperature,
               "prefetch": bench.prefetch, "idle_prefetch": bench.prefetch and bench.idle_prefetch,
@@ -360,7 +382,10 @@ def run(args: argparse.Namespace) -> int:
                         threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                         repeats=args.repeats, prefetch=not args.no_prefetch,
                         idle_prefetch=not args.no_idle_prefetch, referee=not args.no_referee)
-    report = run_bench(bench, progress=Steps("bench runs"))
+    progress = Progress("bench runs", unit="run")
+    report = run_bench(bench, progress=progress)
+    progress.note(report["speedup_vs_naive_verdict"])
+    progress.close()
     probe = probe_summary(default_state_dir(os.environ), args.model, bench.io_workers)
     if probe is not None:     # for reference; the roofline uses this run's own measurement
         report["storage_probe"] = probe

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from daemon.commands.args import ExamplesFormatter, Parents, add_sampling_arguments, sampling_params
@@ -17,15 +18,21 @@ def register(sub, parents: Parents) -> None:
                     "is a user message, the answer streams back, and the conversation so far is "
                     "sent with every message (through the model's chat template). "
                     f"{CHAT_COMMANDS}. Reads standard input, so a file or a pipe of "
-                    "messages works too (one answer per line on stdout). Decoding is greedy "
-                    "unless --temperature is given.",
+                    "messages (one per line) works too. Each answer ends with a newline on "
+                    "stdout, but may hold newlines of its own: for a program, --json writes "
+                    "one JSON object per answer instead. Decoding is greedy unless "
+                    "--temperature is given.",
         epilog="examples:\n"
                "  moed chat\n"
                "  moed chat --socket /tmp/moed.sock --system 'Answer in one sentence.'\n"
-               "  printf 'Hello!\\nAnd what can you do?\\n' | moed chat --max-tokens 64",
+               "  printf 'Hello!\\nAnd what can you do?\\n' | moed chat --max-tokens 64\n"
+               "  printf 'Hello!\\n' | moed chat --json",
         formatter_class=ExamplesFormatter)
     c.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message put before the conversation")
+    c.add_argument("--json", action="store_true",
+                   help='one JSON object per answer on stdout, {"message", "answer", '
+                        '"finish_reason"}, instead of streamed text')
     add_sampling_arguments(c, max_tokens=512, per="answer")
     c.set_defaults(func=run)
 
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                         print("(conversation forgotten)", file=sys.stderr)
                     continue
                 history.append({"role": "user", "content": line})
-                text = TextOut()
+                text = _Quiet() if args.json else TextOut()
                 try:
                     result = runner.run(client.stream("/v1/chat/completions",
                                                       request_body(args, messages=history), text))
@@ -87,7 +94,12 @@ def run(args: argparse.Namespace) -> int:
                     print(f"moed chat: error: {e}", file=sys.stderr)
                     history.pop()
                     continue
-                sys.stdout.write("\n")
+                if args.json:
+                    sys.stdout.write(json.dumps({"message": line, "answer": result.text,
+                                                 "finish_reason": result.finish_reason},
+                                                ensure_ascii=False) + "\n")
+                else:
+                    sys.stdout.write("\n")
                 sys.stdout.flush()
                 history.append({"role": "assistant", "content": result.text})
                 if result.finish_reason == "length" and interactive:
@@ -95,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
         finally:
             runner.run(client.close())
     return 0
+
+class _Quiet(TextOut):
+    """--json: the pieces are kept by the client, not written as they arrive."""
+
+    def __call__(self, piece: str) -> None:
+        pass
+
 
 def _read_turn(interactive: bool) -> str | None:
     """The user's next line, or None at end of input."""

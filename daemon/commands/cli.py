@@ -23,12 +23,13 @@ from collections.abc import Sequence
 # libgomp loads (the kernels import it lazily); OMP_WAIT_POLICY=ACTIVE overrides.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from daemon.commands import (bench, chat, demo, generate, iobench, make_model, replay,  # noqa: E402
-                             serve, stats, tune)
+from daemon.commands import (bench, chat, demo, evaluate, generate, install_service,  # noqa: E402
+                             iobench, make_model, repack, replay, serve, stats, tune)
 from daemon.commands.args import UsageError, configure_logging, parents, version  # noqa: E402
 
 # The order of `moed --help`.
-COMMANDS = (demo, generate, chat, stats, make_model, bench, tune, iobench, replay, serve)
+COMMANDS = (demo, generate, chat, stats, make_model, repack, evaluate, bench, tune, iobench,
+            replay, serve, install_service)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub, shared)
+    return parser
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subparser of `command` (for its usage line), else `parser` itself."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
     return parser
 
 
@@ -61,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except UsageError as e:
-        parser.error(str(e))  # exits 2, like argparse's own checks
+    except UsageError as e:  # exits 2 with the command's own usage, like argparse's checks
+        command_parser(parser, args.command).error(str(e))
     except (CheckpointError, ConfigError, ServeConfigError, TokenizerFilesError, ChatTemplateError,
             ExpertReadError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"moed {args.command}: error: {e}", file=sys.stderr)

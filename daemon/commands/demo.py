@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from daemon.commands.args import ExamplesFormatter, Parents, nonempty, positive_int
+from daemon.commands.args import ExamplesFormatter, Parents, check_model_dir, nonempty, positive_int
 from daemon.commands.ask import client_command
 from daemon.commands.client import Client, StreamResult, completion_request
 from daemon.service.config import default_model_dir
@@ -497,6 +497,8 @@ def register(sub, parents: Parents) -> None:
 
 @client_command
 def run(args: argparse.Namespace) -> int:
+    if args.model:
+        check_model_dir(args.model)
     options = DemoOptions(cache_dir=Path(args.dir) if args.dir else default_cache_dir(os.environ),
                           model_dir=Path(args.model) if args.model else None, keep=args.keep,
                           max_tokens=args.max_tokens, environ=os.environ)

@@ -64,6 +64,7 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         return _generate_over_socket(args)
+    from ext.formats.quant import quantization_label
     from ext.generate import Generation
     from ext.tokenizer import Tokenizer, stop_token_ids
 
@@ -75,9 +76,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_dir(args.model)
     model, session = _load_model(args)
-    log.info("model loaded: %s (%s, %d layers, %d experts, top_k %d) in %.2f s, %d threads",
-             args.model, model.config.model_type, model.config.num_hidden_layers,
-             model.config.num_experts, model.config.top_k, time.perf_counter() - t0, model.n_threads)
+    formats = model.weight_formats()
+    log.info("model_loaded", model=args.model, model_type=model.config.model_type,
+             layers=model.config.num_hidden_layers, experts=model.config.num_experts,
+             top_k=model.config.top_k, expert_format=formats["experts"],
+             dense_format=formats["dense"], quantization=quantization_label(model.config.quantization),
+             load_seconds=round(time.perf_counter() - t0, 3), threads=model.n_threads)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -94,16 +98,18 @@ def run(args: argparse.Namespace) -> int:
             out.flush()
     out.write(decoder.finish() + "\n")
     out.flush()
-    log.info("generated %d tokens (finish_reason=%s, prompt %d tokens): time to first token "
-             "%.3f s, decode %.2f tokens/s%s", gen.completion_tokens, gen.finish_reason,
-             len(prompt_ids), gen.time_to_first_token_s, gen.decode_tokens_per_s,
-             f", seed {gen.sampler.seed}" if sampling.temperature > 0 else " (greedy)")
+    log.info("generation_finished", completion_tokens=gen.completion_tokens,
+             finish_reason=gen.finish_reason, prompt_tokens=len(prompt_ids),
+             time_to_first_token_s=round(gen.time_to_first_token_s, 4),
+             decode_tokens_per_s=round(gen.decode_tokens_per_s, 2),
+             seed=gen.sampler.seed if sampling.temperature > 0 else None,
+             greedy=sampling.temperature == 0)
     if session is not None:
-        log.info("expert cache: %s", json.dumps(session.summary()))
+        log.info("expert_cache_summary", **session.summary())
         try:
             session.flush()
         except OSError as e:
-            log.warning("state_save_failed: %s", e)
+            log.warning("state_save_failed", error=str(e))
     model.close()
     return 0
 
@@ -144,8 +150,8 @@ def _generate_over_socket(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")      # like the in-process mode: the answer ends with a newline
     sys.stdout.flush()
     tokens = result.completion_tokens
-    log.info("generated %s tokens (finish_reason=%s) through %s: first text after %s, "
-             "%.2f s in all", "?" if tokens is None else tokens, result.finish_reason,
-             socket_path(args), "-" if result.time_to_first_text_s is None
-             else f"{result.time_to_first_text_s:.3f} s", result.duration_s)
+    log.info("generation_finished", completion_tokens=tokens, finish_reason=result.finish_reason,
+             socket=socket_path(args),
+             time_to_first_text_s=None if result.time_to_first_text_s is None
+             else round(result.time_to_first_text_s, 4), duration_s=round(result.duration_s, 3))
     return 0

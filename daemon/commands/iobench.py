@@ -7,7 +7,8 @@ import os
 import sys
 import time
 
-from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Steps, UsageError,
+from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
+                                  check_model_dir,
                                   nonempty, size)
 
 
@@ -49,13 +50,13 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     created = False
     if args.model is not None:
-        target = model_target(args.model)
+        target = model_target(check_model_dir(args.model))
     else:
         target, created = scratch_target(args.file, args.size, args.block)
     try:
         # 5 % of --seconds stays for the interpreter's start, the imports and the save.
         budget = max(0.0, 0.95 * args.seconds - (time.monotonic() - t0))
-        report = run_iobench(target, seconds=budget, progress=Steps("iobench passes"))
+        report = run_iobench(target, seconds=budget, progress=Progress("iobench passes", unit="pass"))
     finally:
         if created:
             os.unlink(args.file)

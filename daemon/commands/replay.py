@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from daemon.commands.args import Parents, positive_int
+from daemon.commands.args import Parents, UsageError, fraction, positive_int
 
 
 def register(sub, parents: Parents) -> None:
@@ -39,7 +40,7 @@ def register(sub, parents: Parents) -> None:
     r.add_argument("--start", choices=["warm", "cold", "both"], default="both",
                    help="warm: every cache replays the first W tokens first; cold: every cache "
                         "starts empty at W (default: both)")
-    r.add_argument("--pin-fraction", type=float, default=None, metavar="F",
+    r.add_argument("--pin-fraction", type=fraction, default=None, metavar="F",
                    help="pin this fixed share of all slots from what the first W tokens taught "
                         "instead of learning the pins while replaying")
     r.set_defaults(func=run)
@@ -51,6 +52,10 @@ DEFAULT_POLICIES = ("default", "lru", "lfu", "slru", "s3fifo", "belady")
 def run(args: argparse.Namespace) -> int:
     from scheduler.replay import replay_trace, summarise
 
+    if not os.path.exists(args.trace):
+        raise UsageError(f"TRACE: {args.trace} does not exist")
+    if os.path.isdir(args.trace):
+        raise UsageError(f"TRACE: {args.trace} is a directory, not a JSON Lines file")
     policies = args.policy or list(DEFAULT_POLICIES)
     starts = ["warm", "cold"] if args.start == "both" else [args.start]
     results = {start: replay_trace(args.trace, args.slots_per_layer, policies,

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from daemon.commands.args import Parents, configure_logging, log, version
+from daemon.commands.args import Parents, check_model_dir, configure_logging, log, version
 from daemon.service.config import add_arguments
 
 
@@ -33,8 +33,10 @@ def run(args: argparse.Namespace) -> int:
     config, warnings = load_config(args, os.environ)
     configure_logging(config.log_level)
     for w in warnings:
-        log.warning("config_warning: %s", w)
+        log.warning("config_warning", warning=w)
+    if config.sources.get("model", "").startswith("flag"):
+        check_model_dir(config.model)    # a --model that does not exist: a usage error (2)
     config.require_model()
-    log.info("config: %s", json.dumps(config.to_dict()))
+    log.info("config", **config.to_dict())
     return serve(config, reload=lambda: load_config(args, os.environ)[0], environ=os.environ,
                  version=version())

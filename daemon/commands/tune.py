@@ -9,28 +9,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.commands.args import (MODEL_HELP, Parents, check_model_dir, cpu_threads, nonempty,
-                                  positive_int, size)
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, check_model_dir, cpu_threads,
+                                  nonempty, positive_int, size)
+from daemon.commands.figures import compare, spread
 from daemon.store.reads import drop_page_cache
 from daemon.store.session import open_model
-from daemon.store.state import default_state_dir
+from daemon.store.state import StateReadOnlyError, default_state_dir
 from daemon.tuning.knobs import (IO_WORKERS, PREFETCH_WIDTH, THREADS, LiveKnobs, default_knobs,
                                  probe_proposals)
 from daemon.tuning.saved import TunedStore, hardware_facts
 from daemon.tuning.search import WINDOW_STEPS, replay_cache_split, tune
 from daemon.tuning.workload import RoutingRecorder, Workload, workload_prompts
 from ext.models.model import Model
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.tuning")
+log = get_logger("tuning")
 
 
 @dataclass(frozen=True)
@@ -66,19 +66,18 @@ def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict
             if progress:
                 progress(f"compare run {r + 1}/{cfg.compare_repeats} {name}: "
                          f"{runs[name][-1]:.2f} tokens/s")
-    return {name: {"tokens_per_second": statistics.median(v), "runs": [round(x, 3) for x in v]}
-            for name, v in runs.items()}
+    return {name: {"tokens_per_second": statistics.median(v), "runs": [round(x, 3) for x in v],
+                   "spread": spread(v)} for name, v in runs.items()}
 
-def confirms(default_runs: list[float], tuned_runs: list[float], same: bool) -> tuple[bool, list[float]]:
-    """(whether the final interleaved comparison confirms the tuned settings, tuned /
-    default tokens/s pair by pair). Confirmed: not the defaults themselves, faster in the
+def confirms(pair_ratios: list[float], same: bool) -> bool:
+    """Whether the final interleaved comparison confirms the tuned settings, from its
+    tuned / default tokens/s pair by pair: not the defaults themselves, faster in the
     median pair and in all pairs but at most one — anything less is within the noise, and
     nothing unconfirmed is saved."""
-    ratios = [round(t / d, 4) for d, t in zip(default_runs, tuned_runs)]
-    if same or not ratios:
-        return False, ratios
-    wins = sum(r > 1.0 for r in ratios)
-    return statistics.median(ratios) > 1.0 and wins >= len(ratios) - 1, ratios
+    if same or not pair_ratios:
+        return False
+    wins = sum(r > 1.0 for r in pair_ratios)
+    return statistics.median(pair_ratios) > 1.0 and wins >= len(pair_ratios) - 1
 
 
 def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> dict:
@@ -99,6 +98,8 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         try:      # fail now, not after minutes of tuning, when the winners cannot be saved
             store = TunedStore(cfg.state_dir, model.checkpoint.fingerprint(), facts)
             store.load()
+            if not store.writable:
+                raise StateReadOnlyError(f"{cfg.state_dir} is read-only")
         except OSError as e:
             raise OSError(f"the state directory {cfg.state_dir} cannot hold the tuned "
                           f"settings: {e}") from None
@@ -126,12 +127,14 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                      f"{choice.slots_per_layer} slots per layer, {choice.pin_fraction:.3f} of them "
                      f"pinned, hit rate {100 * choice.hit_rate:.1f} %")
         compared = compare_settings(session, model, prompts, {"default": default, "tuned": tuned}, cfg, progress)
-        confirmed, pair_ratios = confirms(compared["default"]["runs"], compared["tuned"]["runs"],
-                                          tuned == default)
+        versus = compare(compared["tuned"]["runs"], compared["default"]["runs"], "tuned", "default")
+        confirmed = confirms(versus["pair_ratios"], tuned == default)
         saved = tuned if confirmed else default
-        if progress and not confirmed:
-            progress("the final comparison did not confirm the tuned settings "
-                     f"(tuned / default by pair: {pair_ratios}): the defaults are saved")
+        if progress:
+            progress(versus["verdict"])
+            if not confirmed:
+                progress("the final comparison did not confirm the tuned settings "
+                         f"(tuned / default by pair: {versus['pair_ratios']}): the defaults are saved")
         report = {
             "model": str(cfg.model), "hardware": facts, "default": default, "tuned": tuned,
             "confirmed": confirmed, "saved": saved,
@@ -139,10 +142,12 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                 **{k: round(v["tokens_per_second"], 3) for k, v in compared.items()},
                 "ratio": round(compared["tuned"]["tokens_per_second"]
                                / compared["default"]["tokens_per_second"], 3),
-                "ratio_by_pair": pair_ratios,
                 "saved_over_default": 1.0 if not confirmed else round(
                     compared["tuned"]["tokens_per_second"] / compared["default"]["tokens_per_second"], 3),
-                "runs": {k: v["runs"] for k, v in compared.items()}},
+                "runs": {k: v["runs"] for k, v in compared.items()},
+                "spread": {k: v["spread"] for k, v in compared.items()},
+                "pair_ratios": versus["pair_ratios"], "significant": versus["significant"],
+                "verdict": versus["verdict"]},
             "tuner": tuner.report(),
             "cache_split": {"slots_per_layer": choice.slots_per_layer,
                             "pin_fraction_of_slots": choice.pin_fraction,
@@ -156,7 +161,7 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
         try:
             session.flush()                 # the usage it learned, for the next start
         except OSError as e:
-            log.warning("usage_state_not_saved: %s", e)
+            log.warning("usage_state_not_saved", error=str(e))
         return report
     finally:
         model.close()
@@ -205,15 +210,23 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
 
-    def progress(message: str) -> None:
-        if sys.stderr.isatty():
-            print(f"moed tune: {message}", file=sys.stderr, flush=True)
+    bar = Progress("moed tune", unit="step")
+    steps = 0
+
+    def progress(message: str) -> None:      # a stage begun or a result: one more step
+        nonlocal steps
+        steps += 1
+        bar.note(message)
+        bar(steps, None)
 
     cfg = TuneConfig(model=args.model, cache_bytes=args.expert_cache_bytes,
                      state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
                      threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                      window_steps=args.window_steps, pairs=args.pairs,
                      compare_tokens=args.compare_tokens, compare_repeats=args.compare_repeats)
-    report = run_tune(cfg, progress=progress)
+    try:
+        report = run_tune(cfg, progress=progress)
+    finally:
+        bar.close()
     print(json.dumps(report, indent=2))
     return 0

@@ -2,7 +2,11 @@
 
 Conventions (the whole module):
   Every path is under `root` ("/" in production; a fake tree in a tmp dir in tests), and
-  every number handed out is bytes. A file that is missing or unreadable makes its value
+  every number handed out is bytes. MemAvailable and MemTotal of the live system come
+  from psutil (`psutil.virtual_memory()`, which also estimates MemAvailable on kernels
+  older than 3.14 that lack the line); under a fake root they are read from its
+  proc/meminfo, psutil being tied to the real /proc. The cgroup parsing psutil does not
+  do is here. A file that is missing or unreadable makes its value
   unknown (None, or the cgroup is skipped) — reading never raises. The numbers go to the
   pure planner, scheduler/planner.py (DESIGN.md "Memory planner").
 
@@ -20,6 +24,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from scheduler.planner import CgroupLimit
 
@@ -76,8 +82,15 @@ def _stat_field(text: str | None, key: str) -> int | None:
     return None
 
 
+def _live(root: str | os.PathLike) -> bool:
+    return os.path.realpath(root) == "/"
+
+
 def read_mem_available(root: str | os.PathLike = "/") -> int | None:
-    """MemAvailable of <root>/proc/meminfo in bytes (the file says kB), None when absent."""
+    """MemAvailable in bytes: psutil's on the live system, else <root>/proc/meminfo's (the
+    file says kB); None when absent."""
+    if _live(root):
+        return psutil.virtual_memory().available
     match = re.search(r"^MemAvailable:\s+(\d+)\s*kB", _read_text(Path(root, "proc/meminfo")) or "",
                       re.MULTILINE)
     return int(match.group(1)) * 1024 if match else None
@@ -217,7 +230,10 @@ def read_pressure_file(path: str | os.PathLike) -> float | None:
 
 
 def read_mem_total(root: str | os.PathLike = "/") -> int | None:
-    """MemTotal of <root>/proc/meminfo in bytes (the file says kB); None when absent."""
+    """MemTotal in bytes: psutil's on the live system, else <root>/proc/meminfo's (the file
+    says kB); None when absent."""
+    if _live(root):
+        return psutil.virtual_memory().total
     match = re.search(r"^MemTotal:\s+(\d+)\s*kB", _read_text(Path(root, "proc/meminfo")) or "",
                       re.MULTILINE)
     return int(match.group(1)) * 1024 if match else None

@@ -21,7 +21,6 @@ to the kernel at once (RSS falls). Output never changes: this is placement.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +29,9 @@ from daemon.machine.memory import (read_mem_total, read_memory, read_memory_pres
                                    read_pressure_file)
 from scheduler.planner import (CacheSqueeze, CgroupLimit, SqueezePolicy, available_bytes,
                                default_squeeze_policy)
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.squeeze")
+log = get_logger("squeeze")
 
 MEMORY_POLL_S = 5.0
 # memory.stat keys of the page cache a cgroup holds, per hierarchy version
@@ -191,7 +191,8 @@ class MemoryWatcher:
             self.grows += 1
         self.run_on_engine(lambda: self.session.rebuild(cache_bytes=target, pinned_slots=new_pinned))
         (log.warning if target < current else log.info)(
-            "expert_cache_%s from=%d to=%d available=%s pressure_avg10=%s pinned_slots=%d room=%s",
-            "shrunk" if target < current else "grown", current, target, reading.available_bytes,
-            reading.pressure_avg10, self.session.provider.cache.pinned_slots, room)
+            "expert_cache_shrunk" if target < current else "expert_cache_grown",
+            from_bytes=current, to_bytes=target, available_bytes=reading.available_bytes,
+            pressure_avg10=reading.pressure_avg10,
+            pinned_slots=self.session.provider.cache.pinned_slots, room_bytes=room)
         return target

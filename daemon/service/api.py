@@ -7,10 +7,20 @@ chunks follow the OpenAI API reference for `/v1/completions` ("text_completion")
 `/v1/chat/completions` ("chat.completion", "chat.completion.chunk").
 
 Defaults follow OpenAI: temperature 1.0, top_p 1.0, n 1; max_tokens 16 for
-completions and the configured cap for chat. Extensions accepted as vLLM accepts them:
-top_k, ignore_eos, seed. A prompt that leaves no room in the context is a 400 with code
-"context_length_exceeded"; max_tokens beyond the room left is cut to fit (the answer
-then ends with finish_reason "length").
+completions and the configured cap for chat. Accepted as OpenAI documents them: n (the
+choices decode as a batch from one prefill; with a seed, choice i samples with seed + i,
+as vLLM does), logprobs (completions: an integer of alternatives, 0-20; chat: a boolean
+with top_logprobs 0-20; log-probabilities of the model's own distribution, streamed
+too), presence_penalty and frequency_penalty (-2..2, over the tokens generated so far),
+logit_bias (token id -> -100..100), response_format {"type": "text" | "json_object" |
+"json_schema"} (constrained decoding, daemon/service/grammar.py). Extensions accepted as
+vLLM accepts them: top_k, ignore_eos, seed. A prompt that leaves no room in the context
+is a 400 with code "context_length_exceeded" — refused before it is tokenized when its
+length in bytes already proves it; max_tokens beyond the room left, or beyond the
+server's max_tokens ceiling, is cut to fit (the answer then ends with finish_reason
+"length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
+and what cut it. What stays unsupported (best_of > 1, tools, echo, suffix) is a 400
+naming the field.
 """
 from __future__ import annotations
 
@@ -25,6 +35,8 @@ from ext.tokenizer import ChatTemplateError, Tokenizer
 
 COMPLETIONS_MAX_TOKENS_DEFAULT = 16
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+LONG_TEXT_CHARS = 1 << 14       # tokenized with the GIL released (Tokenizer.encode_long)
 
 
 class ApiError(Exception):
@@ -59,6 +71,14 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    # Why max_tokens is smaller than the request asked (None: it is not): "context" (the
+    # prompt leaves only that many tokens of the model's context) or "max_tokens" (the
+    # server's ceiling, configuration key max_tokens). Said in the X-Moed-Max-Tokens header.
+    max_tokens_limited_by: str | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return self.engine.logprobs is not None
 
 
 def _number(body: dict, key: str, default: float, *, low: float, high: float) -> float:
@@ -93,33 +113,74 @@ def _boolean(body: dict, key: str, default: bool = False) -> bool:
 
 
 def _unsupported(body: dict, chat: bool) -> None:
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad(f"'n' must be 1 (got {n!r}): moed returns one choice per request", "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("'best_of' > 1 is not supported", "best_of")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("'logprobs' is not supported", "logprobs")
     for key in ("tools", "functions"):
         if body.get(key):
             raise bad(f"'{key}' is not supported: moed has no tool calling", key)
     if body.get("tool_choice") not in (None, "none"):
         raise bad("'tool_choice' is not supported: moed has no tool calling", "tool_choice")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise bad(f"'{key}' is not supported (only 0)", key)
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported", "logit_bias")
     if not chat:
         if body.get("echo"):
             raise bad("'echo' is not supported", "echo")
         if body.get("suffix"):
             raise bad("'suffix' is not supported", "suffix")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives to return beside each token's log-probability, or None."""
+    if chat:
+        wanted = _boolean(body, "logprobs")
+        top = _integer(body, "top_logprobs", None, low=0)
+        if top is not None and top > MAX_LOGPROBS:
+            raise bad(f"'top_logprobs' must be <= {MAX_LOGPROBS}, got {top}", "top_logprobs")
+        if top is not None and not wanted:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if wanted else None
+    top = _integer(body, "logprobs", None, low=0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise bad(f"'logprobs' must be <= {MAX_LOGPROBS}, got {top}", "logprobs")
+    return top
+
+
+def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token < vocab:
+            raise bad(f"'logit_bias' token id {token} is not in [0, {vocab})", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}",
+                      "logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
+
+
+def _constraint(body: dict, grammars):
     fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported",
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad("'response_format' must be an object such as {\"type\": \"json_object\"}",
                   "response_format")
+    if fmt.get("type") == "text":
+        return None
+    if grammars is None:
+        raise bad("'response_format' other than text is not available: the grammar library "
+                  "could not be loaded for this tokenizer", "response_format")
+    try:
+        return grammars.compile(fmt)
+    except ValueError as e:
+        raise bad(str(e), "response_format") from None
 
 
 def _unicode(text: str, param: str) -> str:
@@ -174,13 +235,16 @@ def _messages(body: dict) -> list[dict]:
 
 def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokenizer: Tokenizer,
                   stop_ids: frozenset[int], context: int, max_tokens_cap: int,
-                  request_timeout_s: float, now: float) -> ParsedRequest:
+                  request_timeout_s: float, now: float, grammars=None,
+                  max_n: int = 1) -> ParsedRequest:
     """Validate an OpenAI request body and build the engine request.
 
     body: the decoded JSON. chat: /v1/chat/completions (else /v1/completions).
     model_names: names this daemon answers to (the first is the canonical one).
     context: max_position_embeddings. max_tokens_cap: the configured ceiling.
-    now: clock() seconds, for the deadline.
+    now: clock() seconds, for the deadline. grammars: a daemon.service.grammar.Grammars
+    for response_format (None: only "text" is accepted). max_n: the most choices a
+    request may ask for (max_concurrent_sequences).
     Raises ApiError (400 for a bad field or a prompt too long, naming the param; 404 for
     an unknown model).
     """
@@ -209,14 +273,25 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         raise bad("'top_p' must be > 0", "top_p")
     top_k = _integer(body, "top_k", 0, low=-1)
     seed = _integer(body, "seed", None, low=0)
+    n = _integer(body, "n", 1, low=1)
+    if n > max_n:
+        raise bad(f"'n' must be <= {max_n} (max_concurrent_sequences: the choices decode "
+                  f"together), got {n}", "n")
+    top_logprobs = _logprobs(body, chat)
     try:
-        sampling = SamplingParams(temperature=temperature, top_p=top_p,
-                                  top_k=0 if top_k == -1 else top_k, seed=seed)
+        sampling = SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=0 if top_k == -1 else top_k, seed=seed,
+            presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+            logit_bias=_logit_bias(body, tokenizer.vocab_size))
     except SamplingParamError as e:
         raise bad(str(e), e.field) from None
+    constraint = _constraint(body, grammars)
     default_max = max_tokens_cap if chat else COMPLETIONS_MAX_TOKENS_DEFAULT
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = min(_integer(body, key, default_max, low=1), max_tokens_cap)
+    asked = _integer(body, key, None, low=1)
+    max_tokens = min(default_max if asked is None else asked, max_tokens_cap)
+    limited_by = "max_tokens" if asked is not None and asked > max_tokens_cap else None
     ignore_eos = _boolean(body, "ignore_eos")
     if chat:
         messages = _messages(body)
@@ -224,14 +299,16 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        _refuse_untokenized(tokenizer, text, context, "messages")
+        prompt_ids = _encode(tokenizer, text, add_special_tokens=False)
         prompt_param = "messages"
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(_unicode(prompt, "prompt"))
+            _refuse_untokenized(tokenizer, prompt, context, "prompt")
+            prompt_ids = _encode(tokenizer, _unicode(prompt, "prompt"))
         elif (isinstance(prompt, list) and prompt
               and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             vocab = tokenizer.vocab_size
@@ -250,14 +327,45 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         raise bad(f"the prompt is {len(prompt_ids)} tokens; this model's context is {context} "
                   "tokens and one must be left for the answer", prompt_param,
                   code="context_length_exceeded")
-    max_tokens = min(max_tokens, context - len(prompt_ids))
+    if max_tokens > context - len(prompt_ids):
+        max_tokens = context - len(prompt_ids)
+        limited_by = "context" if asked is not None or chat else None
     engine = EngineRequest(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         stop_ids=frozenset() if ignore_eos else stop_ids, stop_strings=_stop_strings(body),
-        deadline=now + request_timeout_s)
+        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, constraint=constraint)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
-                         include_usage=include_usage, chat=chat)
+                         include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by)
+
+
+def max_tokens_header(req: ParsedRequest, context: int, cap: int) -> dict[str, str]:
+    """`X-Moed-Max-Tokens`: the max_tokens in force and, when it is smaller than asked,
+    what limited it ("1023; limited by the context: 4096 tokens, 3073 of them the prompt")."""
+    n = req.engine.max_tokens
+    if req.max_tokens_limited_by == "context":
+        why = (f"; limited by the context: {context} tokens, {len(req.engine.prompt_ids)} of "
+               "them the prompt")
+    elif req.max_tokens_limited_by == "max_tokens":
+        why = f"; limited by the server's max_tokens ceiling ({cap})"
+    else:
+        why = ""
+    return {"X-Moed-Max-Tokens": f"{n}{why}"}
+
+
+def _refuse_untokenized(tokenizer: Tokenizer, text: str, context: int, param: str) -> None:
+    """400 before tokenizing when the text's byte length alone proves it too long."""
+    at_least = tokenizer.min_tokens(text)
+    if at_least >= context:
+        raise bad(f"the prompt is at least {at_least} tokens ({len(text.encode('utf-8', 'replace'))}"
+                  f" bytes); this model's context is {context} tokens", param,
+                  code="context_length_exceeded")
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    if len(text) > LONG_TEXT_CHARS:
+        return tokenizer.encode_long(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 # ------------------------------------------------------------------ responses
@@ -265,7 +373,53 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
 
 def usage(stats: RequestStats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+
+class LogprobFormatter:
+    """OpenAI's logprobs objects for one choice, built token by token (the offsets of a
+    completion's tokens run on across the chunks of a stream)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.offset = 0
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text, raw = self.tokenizer.token_piece(token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def format(self, entries) -> dict:
+        """entries: daemon.service.engine.TokenLogprob, in order."""
+        if self.chat:
+            content = []
+            for e in entries:
+                item = self._entry(e.token, e.logprob)
+                item["top_logprobs"] = [self._entry(t, lp) for t, lp in e.top]
+                content.append(item)
+            return {"content": content, "refusal": None}
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text, _ = self.tokenizer.token_piece(e.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            top: dict = {}
+            for t, lp in e.top:
+                top.setdefault(self.tokenizer.token_piece(t)[0], lp)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+@dataclass
+class Choice:
+    """One choice of a finished answer: its text, finish_reason and logprobs object."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None
 
 
 def _base(req: ParsedRequest, created: int) -> dict:
@@ -275,26 +429,31 @@ def _base(req: ParsedRequest, created: int) -> dict:
             "created": created, "model": req.model}
 
 
-def full_response(req: ParsedRequest, text: str, finish_reason: str, stats: RequestStats,
+def full_response(req: ParsedRequest, choices: list[Choice], stats: RequestStats,
                   created: int | None = None) -> dict:
-    """The non-streaming answer: one choice and `usage`."""
+    """The non-streaming answer: every choice, in index order, and `usage`."""
     out = _base(req, created or int(time.time()))
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    out["choices"] = [choice]
+    out["choices"] = []
+    for i, c in enumerate(choices):
+        if req.chat:
+            choice = {"index": i, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        else:
+            choice = {"index": i, "text": c.text, "logprobs": c.logprobs,
+                      "finish_reason": c.finish_reason}
+        out["choices"].append(choice)
     out["usage"] = usage(stats)
     return out
 
 
 def chunk(req: ParsedRequest, created: int, *, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None, stats: RequestStats | None = None) -> dict:
-    """One Server-Sent Event payload of a streamed answer.
+          finish_reason: str | None = None, stats: RequestStats | None = None, index: int = 0,
+          logprobs: dict | None = None) -> dict:
+    """One Server-Sent Event payload of a streamed answer, for choice `index`.
 
     role: the chat's first chunk (delta {"role": "assistant", "content": ""}).
     stats: the usage chunk (choices empty), sent when stream_options.include_usage.
+    logprobs: the logprobs object of this chunk's tokens.
     """
     out = _base(req, created)
     if stats is not None:
@@ -307,10 +466,48 @@ def chunk(req: ParsedRequest, created: int, *, text: str | None = None, role: bo
             delta = {"role": "assistant", "content": ""}
         elif text:
             delta = {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish_reason}
     out["choices"] = [choice]
     if req.include_usage:
         out["usage"] = None
     return out
+
+
+def tokenize(body: Any, tokenizer: Tokenizer) -> dict:
+    """POST /tokenize as llama-server answers it: {"content", "add_special",
+    "with_pieces"} -> {"tokens": [ids]} or, with_pieces, {"tokens": [{"id", "piece"}]}
+    (piece a string, or a list of byte values when it is not valid UTF-8 alone)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise bad("'content' must be a string", "content")
+    ids = _encode(tokenizer, _unicode(content, "content"),
+                  add_special_tokens=_boolean(body, "add_special"))
+    if not _boolean(body, "with_pieces"):
+        return {"tokens": ids}
+    pieces = []
+    for t in ids:
+        text, raw = tokenizer.token_piece(t)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return {"tokens": pieces}
+
+
+def detokenize(body: Any, tokenizer: Tokenizer) -> dict:
+    """POST /detokenize as llama-server answers it: {"tokens": [ids]} -> {"content"}."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    tokens = body.get("tokens")
+    vocab = tokenizer.vocab_size
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                             and 0 <= t < vocab for t in tokens)):
+        raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+    return {"content": tokenizer.decode(tokens, skip_special_tokens=False)}

@@ -1,7 +1,7 @@
 """The HTTP side of `moed serve`: routes, middlewares and OpenAI-shaped answers (aiohttp).
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions, POST /tokenize and /detokenize (llama-server's shapes), GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
 the daemon's uid or root, from SO_PEERCRED; refused on TCP). Errors are OpenAI-shaped.
 
 `HttpApp` reads the serving state of its `Daemon` (phase, loaded model, configuration)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import socket
@@ -32,6 +33,7 @@ from telemetry.logs import get_logger
 log = get_logger("server")
 
 RETRY_AFTER_S = 1
+CLIENT_GONE = web.RequestKey("moed_client_gone", bool)  # the client left mid-answer
 SCRAPE_WAIT_S = 2.0             # /metrics waits at most this long for a fresh snapshot, else the last one
 SNAPSHOT_REUSE_S = 0.5          # a snapshot younger than this serves a scrape (scrape storms cost nothing)
 
@@ -51,8 +53,19 @@ def _is_tcp(request: web.Request) -> bool:
     return sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
 
 
+def api_key_matches(authorization: str, api_key: str) -> bool:
+    """Whether an Authorization header value is ``Bearer <api_key>``, compared in constant
+    time (hmac.compare_digest): how long the check takes says nothing about the key."""
+    scheme, _, key = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
+                                                              api_key.encode())
+
+
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers)
+    response = web.json_response(e.body(), status=e.status, headers=e.headers)
+    if e.headers.get("Connection") == "close":
+        response.force_close()
+    return response
 
 
 class HttpApp:
@@ -67,6 +80,9 @@ class HttpApp:
         app = web.Application(middlewares=[self._count, self._errors, self._auth])
         app.router.add_get("/health", self.health, name="health")
         app.router.add_get("/v1/models", self.models, name="models")
+        app.router.add_get("/v1/models/{model_id:.+}", self.model, name="model")
+        app.router.add_post("/tokenize", self.tokenize, name="tokenize")
+        app.router.add_post("/detokenize", self.detokenize, name="detokenize")
         app.router.add_post("/v1/completions", self.completions, name="completions")
         app.router.add_post("/v1/chat/completions", self.chat_completions, name="chat_completions")
         app.router.add_get("/metrics", self.metrics, name="metrics")
@@ -87,7 +103,7 @@ class HttpApp:
         status = 500
         try:
             response = await handler(request)
-            status = response.status
+            status = 499 if request.get(CLIENT_GONE) else response.status
             return response
         except web.HTTPException as e:
             status = e.status
@@ -125,8 +141,8 @@ class HttpApp:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if _is_tcp(request) and self.state.config.api_key:
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or key.strip() != self.state.config.api_key:
+            if not api_key_matches(request.headers.get("Authorization", ""),
+                                   self.state.config.api_key):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)
@@ -153,11 +169,21 @@ class HttpApp:
             raise ApiError(413, f"request body of {request.content_length} bytes is over the "
                                 f"limit of {limit} bytes (max_body_bytes)", code="request_too_large")
         data = bytearray()      # read(n) returns what has arrived: loop until EOF or over
-        while len(data) <= limit:
-            part = await request.content.read(limit + 1 - len(data))
-            if not part:
-                break
-            data += part
+        timeout = self.state.config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                while len(data) <= limit:
+                    part = await request.content.read(limit + 1 - len(data))
+                    if not part:
+                        break
+                    data += part
+        except TimeoutError:
+            # what is left of the body may never come: the connection cannot be reused
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
+                                f"(body_timeout_s): {len(data)} of "
+                                f"{request.content_length if request.content_length is not None else 'unknown'}"
+                                " bytes received", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         if len(data) > limit:
             raise ApiError(413, f"request body is over the limit of {limit} bytes (max_body_bytes)",
                            code="request_too_large")
@@ -168,16 +194,45 @@ class HttpApp:
                                 f"{str(e)[:200]}") from None
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 ok; 503 while loading or draining, and "degraded" while expert reads fail
+        (the latest read to finish failed: answers would fail too) until one succeeds."""
         if self.state.phase == "ready":
+            failing = self.state.read_failure()
+            if failing is not None:
+                return web.json_response({"status": "degraded",
+                                          "reason": f"expert reads are failing: {failing}"},
+                                         status=503)
             return web.json_response({"status": "ok"})
         reason = "loading the model" if self.state.phase == "loading" else "shutting down"
         return web.json_response({"status": self.state.phase, "reason": reason}, status=503)
 
+    def _model_card(self, loaded: Loaded) -> dict:
+        return {"id": loaded.model_names[0], "object": "model",
+                "created": int(self.state.started_wall), "owned_by": "moed",
+                "max_model_len": loaded.context, "weights": loaded.weight_formats}
+
     async def models(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
-        return web.json_response({"object": "list", "data": [
-            {"id": loaded.model_names[0], "object": "model", "created": int(self.state.started_wall),
-             "owned_by": "moed"}]})
+        return web.json_response({"object": "list", "data": [self._model_card(loaded)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the official client's models.retrieve()."""
+        loaded = self._require_ready()
+        model_id = request.match_info["model_id"]
+        if model_id not in loaded.model_names:
+            raise ApiError(404, f"the model '{model_id}' does not exist; this daemon serves "
+                                f"'{loaded.model_names[0]}'", param="model", code="model_not_found")
+        return web.json_response(self._model_card(loaded))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        body = await self._json(request)
+        return web.json_response(await asyncio.to_thread(api.tokenize, body, loaded.engine.tokenizer))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        body = await self._json(request)
+        return web.json_response(await asyncio.to_thread(api.detokenize, body, loaded.engine.tokenizer))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -192,7 +247,8 @@ class HttpApp:
         parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
             api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
             stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.state.config.max_tokens,
-            request_timeout_s=self.state.config.request_timeout_s, now=engine.clock())
+            request_timeout_s=self.state.config.request_timeout_s, now=engine.clock(),
+            grammars=loaded.grammars, max_n=self.state.config.max_concurrent_sequences)
         try:
             handle = engine.submit(parsed.engine, asyncio.get_running_loop())
         except QueueFullError as e:
@@ -204,55 +260,82 @@ class HttpApp:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
         handle.endpoint = "chat_completions" if chat else "completions"
+        headers = api.max_tokens_header(parsed, loaded.context, self.state.config.max_tokens)
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, handle)
-            return await self._collect(parsed, handle)
+                return await self._stream(request, parsed, handle, headers)
+            response = await self._collect(parsed, handle)
+            response.headers.update(headers)
+            return response
         finally:
             if not handle.finished:
                 handle.cancel()      # the client went away (or we failed): free the place
 
     async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
-        parts = []
+        n = parsed.engine.n
+        parts: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
         while True:
             event = await handle.events.get()
-            parts.append(event.text)
+            parts[event.index].append(event.text)
+            entries[event.index].extend(event.logprobs)
             if event.finish_reason is not None:
+                reasons[event.index] = event.finish_reason
+            if event.last:
                 break
-        if event.finish_reason == "error":
+        if "error" in reasons:
             raise ApiError(500, f"generation failed: {event.error}", type="server_error",
                            code="engine_error")
-        return web.json_response(api.full_response(parsed, "".join(parts), event.finish_reason,
-                                                   event.stats))
+        tokenizer = self.state.loaded.engine.tokenizer
+        choices = [api.Choice("".join(parts[i]), reasons[i],
+                              api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
+                              if parsed.logprobs else None) for i in range(n)]
+        return web.json_response(api.full_response(parsed, choices, event.stats))
 
     async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
-                      handle: RequestHandle) -> web.StreamResponse:
+                      handle: RequestHandle, headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+                                               "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
         created = int(time.time())
+        tokenizer = self.state.loaded.engine.tokenizer
+        formatters = [api.LogprobFormatter(tokenizer, parsed.chat) for _ in range(parsed.engine.n)]
 
         async def send(payload) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload, separators=(",", ":")).encode()
             await response.write(b"data: " + data + b"\n\n")
 
-        if parsed.chat:
-            await send(api.chunk(parsed, created, role=True))
-        while True:
-            event = await handle.events.get()
-            if event.text:
-                await send(api.chunk(parsed, created, text=event.text))
-            if event.finish_reason is not None:
-                break
-        if event.finish_reason == "error":
-            await send(ApiError(500, f"generation failed: {event.error}", type="server_error",
-                                code="engine_error").body())
-        else:
-            await send(api.chunk(parsed, created, finish_reason=event.finish_reason))
-            if parsed.include_usage:
+        try:
+            if parsed.chat:
+                for i in range(parsed.engine.n):
+                    await send(api.chunk(parsed, created, role=True, index=i))
+            failed = None
+            while True:
+                event = await handle.events.get()
+                logprobs = formatters[event.index].format(event.logprobs) if parsed.logprobs and event.logprobs else None
+                if event.text or logprobs:
+                    await send(api.chunk(parsed, created, text=event.text, index=event.index,
+                                         logprobs=logprobs))
+                if event.finish_reason == "error":
+                    failed = event.error
+                elif event.finish_reason is not None:
+                    await send(api.chunk(parsed, created, finish_reason=event.finish_reason,
+                                         index=event.index))
+                if event.last:
+                    break
+            if failed is not None:
+                await send(ApiError(500, f"generation failed: {failed}", type="server_error",
+                                    code="engine_error").body())
+            elif parsed.include_usage:
                 await send(api.chunk(parsed, created, stats=event.stats))
-        await send(b"[DONE]")
-        await response.write_eof()
+            await send(b"[DONE]")
+            await response.write_eof()
+        except ConnectionError:
+            # The client left mid-answer ("Cannot write to closing transport"): its request
+            # stops (the caller cancels it) and there is nobody to tell; aiohttp would log
+            # the error as a traceback of its own.
+            request[CLIENT_GONE] = True
         return response
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -79,7 +79,8 @@ class BackgroundTasks:
         meanwhile stops the probe between two of its passes (a fraction of a second) and
         goes first; the probe starts again at the next idle moment. A failure is a warning."""
         loaded = self.state.loaded
-        if loaded is None or loaded.session is None or loaded.session.store is None:
+        if (loaded is None or loaded.session is None or loaded.session.store is None
+                or not loaded.session.store.writable):
             return
         state_dir = loaded.session.store.state_dir
         try:

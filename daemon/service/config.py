@@ -52,6 +52,7 @@ CONFIG_ENV = "MOED_CONFIG"
 # read by setup.py. They are known, so they do not warn.
 OTHER_ENV = frozenset({CONFIG_ENV, "MOED_PORTABLE", "MOED_OPENMP", "MOED_DEBUG"})
 MAX_THREADS = 1024
+MAX_CONNECTIONS = 65536
 MAX_CONCURRENT_SEQUENCES = 64   # ext.models.model.PREFILL_CHUNK: the rows of one batched step
 MAX_SECONDS = 1e6    # ~11.6 days: beyond this, waits overflow the platform's timeouts
 UNIX_PATH_MAX = 107  # bytes of sun_path (108) minus its terminating NUL
@@ -227,6 +228,13 @@ def _size(value: object) -> int:
                      f"got {_type_name(value)}")
 
 
+def _size_or_zero(value: object) -> int:
+    """A size as `_size`, or 0 (``0``, ``"0"``): the feature is off."""
+    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+        return 0
+    return _size(value)
+
+
 def _mode(value: object) -> int:
     if isinstance(value, str):
         digits = value.strip()
@@ -347,9 +355,27 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                 "sized by the memory planner"),
     "max_concurrent_sequences": _Key(_int(1, MAX_CONCURRENT_SEQUENCES), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
+    "prefill_step_ratio": _Key(_float(1, lo_open=True, hi=100), "R",
+                               "a step that prefills beside decodes aims at R decode steps' "
+                               "time (higher: long prompts first; lower: streams first)"),
+    "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
+                                                      "that start the same way (0: off)"),
     "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
     "max_body_bytes": _Key(_size, "SIZE", "largest request body"),
     "request_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS", "a request's time limit"),
+    "header_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",
+                             "time a connection gets to send a whole request head (request "
+                             "line and headers), from when it opens or its last answer ended"),
+    "body_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",
+                           "time a request gets to send its whole body (then 408)"),
+    "max_connections": _Key(_int(1, MAX_CONNECTIONS), "N",
+                            "open connections per listener (socket, tcp_address, "
+                            "metrics_address); one more is answered 503"),
+    "chat_template_max_chars": _Key(_int(1), "N", "longest text the model's chat template may "
+                                                  "render for one request (then 400)"),
+    "chat_template_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",
+                                    "time the chat template may take to render one request "
+                                    "(then 400)"),
     "shutdown_grace_s": _Key(_float(0, lo_open=False, hi=MAX_SECONDS), "SECONDS",
                              "time running requests get to finish on SIGTERM"),
     "metrics_address": _Key(_address, "HOST:PORT", "where /metrics is also served over TCP"),
@@ -397,9 +423,16 @@ class ServeConfig:
     expert_cache_bytes: int | None = None
     max_concurrent_sequences: int = 4
     max_queue: int = 64
+    prefill_step_ratio: float = 2.75
+    prefix_cache_bytes: int = 512 * MIB
     max_tokens: int = 4096
     max_body_bytes: int = 1 * MIB
     request_timeout_s: float = 600.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 512
+    chat_template_max_chars: int = 4 * MIB
+    chat_template_timeout_s: float = 5.0
     shutdown_grace_s: float = 30.0
     metrics_address: Address = Address("127.0.0.1", 9464)
     tcp_address: Address | None = None

@@ -27,12 +27,14 @@ from aiohttp import web
 from daemon.service.app import HttpApp
 from daemon.service.background import BackgroundTasks
 from daemon.service.config import ServeConfig
+from daemon.service.connections import GatedSite, fit_open_files, tcp_socket
 from daemon.service.listen import AdoptedListener, ListenError, adopt_fd, bind_unix_socket
 from daemon.service.loading import load_for_serving
 from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
 from daemon.tuning.knobs import PREFETCH_WIDTH
+from ext.formats.quant import quantization_label
 from ext.models.config import load_config as load_model_config
 from telemetry.logs import get_logger, set_level
 from telemetry.metrics import DaemonMetrics
@@ -67,6 +69,7 @@ class Daemon:
         self._hup = asyncio.Event()
         self._sigints = 0
         self._runners: list[web.AppRunner] = []
+        self.sites: dict[str, GatedSite] = {}   # by listener: "socket", "tcp", "metrics"
         self.metrics_bound: str | None = None
         self.exit_code = 0
         self.http = HttpApp(self.state)
@@ -98,24 +101,27 @@ class Daemon:
         self._stop.set()
 
     async def startup(self) -> bool:
+        config = self.state.config
+        # keepalive_timeout bounds the wait for a whole request head, from the connection's
+        # start and after each answer (daemon/service/connections.py)
         runner = web.AppRunner(self.http.application(), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=SHUTDOWN_CONNECTIONS_S)
+                               shutdown_timeout=SHUTDOWN_CONNECTIONS_S,
+                               keepalive_timeout=config.header_timeout_s)
         await runner.setup()
         self._runners.append(runner)
-        await web.SockSite(runner, self.listener.sock).start()
-        if self.state.config.tcp_address is not None:
-            tcp = self.state.config.tcp_address
-            await _start_site(web.TCPSite(runner, tcp.host, tcp.port), "tcp_address", tcp)
-            host, port = [a for a in runner.addresses if isinstance(a, tuple)][-1][:2]
-            log.info("tcp_listening", address=f"{host}:{port}", api_key=self.state.config.api_key is not None)
+        self.sites["socket"] = self._site(runner, self.listener.sock, "socket")
+        await self.sites["socket"].start()
+        if config.tcp_address is not None:
+            tcp = config.tcp_address
+            host, port = await self._start_tcp(runner, "tcp", "tcp_address", tcp)
+            log.info("tcp_listening", address=f"{host}:{port}", api_key=config.api_key is not None)
         if self.metrics_app is not None:
-            metrics_runner = web.AppRunner(self.metrics_app, access_log=None)
+            metrics_runner = web.AppRunner(self.metrics_app, access_log=None,
+                                           keepalive_timeout=config.header_timeout_s)
             await metrics_runner.setup()
             self._runners.append(metrics_runner)
-            address = self.state.config.metrics_address
-            await _start_site(web.TCPSite(metrics_runner, address.host, address.port),
-                              "metrics_address", address)
-            host, port = metrics_runner.addresses[0][:2]
+            host, port = await self._start_tcp(metrics_runner, "metrics", "metrics_address",
+                                               config.metrics_address)
             self.metrics_bound = f"{host}:{port}"
             log.info("metrics_listening", address=self.metrics_bound)
         log.info("socket_listening", socket=self.listener.path)
@@ -138,14 +144,37 @@ class Daemon:
             self.state.load_seconds = time.monotonic() - load_started
         except (OSError, ValueError) as e:
             log.error("model_load_failed", error=str(e))
+            print(f"moed serve: error: {e}", file=sys.stderr, flush=True)   # for a person too
             self.exit_code = 1
             return False
         self.state.loaded.engine.start()
         self.state.phase = "ready"
         self.state.notifier.ready()
+        formats = self.state.loaded.weight_formats
         log.info("ready", model=self.state.loaded.model_names[0], socket=self.listener.path,
-                 load_seconds=round(self.state.load_seconds, 3))
+                 load_seconds=round(self.state.load_seconds, 3),
+                 expert_format=formats.get("experts"), dense_format=formats.get("dense"),
+                 quant_method=(formats.get("quantization") or {}).get("quant_method", "none"),
+                 quantization=formats.get("quantization"))
         return True
+
+    def _site(self, runner: web.BaseRunner, sock, listener: str) -> GatedSite:
+        telemetry = self.state.telemetry
+        return GatedSite(runner, sock, limit=self.state.config.max_connections, listener=listener,
+                         on_refused=telemetry.connection_refused if telemetry is not None else None)
+
+    async def _start_tcp(self, runner: web.BaseRunner, listener: str, key: str,
+                         address) -> tuple[str, int]:
+        """Bind and serve a TCP listener; (host, port) bound. A bind error names the
+        config key to change."""
+        try:
+            sock = tcp_socket(address.host, address.port)
+        except OSError as e:
+            raise OSError(e.errno, f"{key} {address}: {e.strerror}; set --{key.replace('_', '-')} "
+                                   "HOST:PORT (port 0 picks a free port)") from None
+        self.sites[listener] = self._site(runner, sock, listener)
+        await self.sites[listener].start()
+        return sock.getsockname()[:2]
 
     async def main_loop(self) -> None:
         """Serve until a stop signal: the background loops and the SIGHUP reloader run in
@@ -174,7 +203,7 @@ class Daemon:
         changed = {k for k, v in new.to_dict().items() if self.state.config.to_dict().get(k) != v}
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
-                           "record_trace"}
+                           "header_timeout_s", "max_connections", "record_trace"}
         if fixed:
             log.warning("reload_needs_restart", keys=sorted(fixed))
         new = replace(new, **{k: getattr(self.state.config, k) for k in fixed})
@@ -182,6 +211,13 @@ class Daemon:
         try:
             if loaded is not None:
                 loaded.engine.set_limits(new.max_concurrent_sequences, new.max_queue)
+                loaded.engine.prefill_step_ratio = new.prefill_step_ratio
+                if "prefix_cache_bytes" in changed:
+                    await asyncio.wrap_future(loaded.engine.call(
+                        lambda: loaded.engine.prefix_cache.resize(new.prefix_cache_bytes)))
+                if loaded.templates is not None:
+                    loaded.templates.set_limits(new.chat_template_max_chars,
+                                                new.chat_template_timeout_s)
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
                     if self.state.memory_watcher is not None and new.expert_cache_bytes is not None:
@@ -225,18 +261,10 @@ class Daemon:
         for runner in reversed(self._runners):
             await runner.cleanup()
         if loaded is not None:
-            loaded.engine.model.close()
+            loaded.close()
         self.listener.close()
         log.info("stopped", exit_code=self.exit_code)
 
-
-async def _start_site(site: web.TCPSite, key: str, address) -> None:
-    """Start a TCP listener; a bind error names the config key to change."""
-    try:
-        await site.start()
-    except OSError as e:
-        raise OSError(e.errno, f"{key} {address}: {e.strerror}; set --{key.replace('_', '-')} "
-                               "HOST:PORT (port 0 picks a free port)") from None
 
 
 def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: str) -> int:
@@ -246,6 +274,7 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     Binding happens first: "another moed serves PATH" and a non-socket path exit 1
     before any model is read.
     """
+    fit_open_files(2 + (config.tcp_address is not None), config.max_connections)
     fds = listen_fds(environ)
     try:
         if fds:
@@ -260,11 +289,13 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     try:
         model_config = load_model_config(config.require_model())
         model_type = model_config.model_type
+        quantization = quantization_label(model_config.quantization)
         moe_layers = [l for l, is_moe in enumerate(model_config.moe_layers) if is_moe]
     except ValueError:
-        model_type, moe_layers = "unknown", []   # the load reports the real error
+        model_type, quantization, moe_layers = "unknown", "unknown", []   # the load reports the real error
     daemon: Daemon | None = None
     telemetry = DaemonMetrics(version=version, model_type=model_type, moe_layers=moe_layers,
+                              quantization=quantization,
                               read_seconds_buckets=READ_SECONDS_BUCKETS,
                               source=lambda: daemon.state.last_snapshot if daemon is not None else None)
     notifier = Notifier(environ)

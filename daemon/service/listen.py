@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import fcntl
 import grp
-import logging
 import os
 import socket
 import stat
 
-log = logging.getLogger("moed.listen")
+from telemetry.logs import get_logger
+
+log = get_logger("listen")
 
 DIR_MODE = 0o755
 LOCK_MODE = 0o644
-BACKLOG = 128
+BACKLOG = 1024       # the kernel caps it at net.core.somaxconn
 UNIX_PATH_MAX = 107  # bytes of sun_path (108) minus the terminating NUL
 _LOCK_ATTEMPTS = 16
 
@@ -153,8 +154,8 @@ class UnixListener:
             if (st.st_ino, st.st_dev) == self._identity:
                 os.unlink(self.path)
             else:
-                log.warning("socket_replaced: %s is no longer the socket this moed bound; "
-                            "left in place", self.path)
+                log.warning("socket_replaced", socket=self.path,
+                            reason="no longer the socket this moed bound", effect="left in place")
         except FileNotFoundError:
             pass
         try:
@@ -202,7 +203,7 @@ def bind_unix_socket(path: str | os.PathLike[str], *, mode: int = 0o660,
                 raise ListenError(f"{path} exists and is not a socket; not replacing it")
             if _answers(path):
                 raise SocketInUseError(f"another moed serves {path}")
-            log.warning("stale_socket_replaced: %s (nothing answered on it)", path)
+            log.warning("stale_socket_replaced", socket=path, reason="nothing answered on it")
             os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.bind(path)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
 from daemon.service.engine import Engine, RequestHandle
+from daemon.service.grammar import Grammars
+from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.session import open_model
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
@@ -24,6 +26,7 @@ from daemon.tuning.workload import Workload, workload_prompts
 from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
+from ext.models.families import kv_bytes_per_token, unused_tensors
 from ext.tokenizer import Tokenizer, stop_token_ids
 from scheduler.planner import available_bytes, plan_memory
 from telemetry.logs import get_logger
@@ -43,6 +46,15 @@ class Loaded:
     model_type: str
     tuner: object | None = None  # daemon.tuning.live.LiveTuner (tuner = live / live+idle)
     workload: object | None = None  # daemon.tuning.workload.Workload for live+idle
+    grammars: object | None = None  # daemon.service.grammar.Grammars (response_format)
+    weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
+    templates: TemplateWorkers | None = None   # the chat template's render processes
+
+    def close(self) -> None:
+        """Release what the load holds: the model's files and the render processes."""
+        self.engine.model.close()
+        if self.templates is not None:
+            self.templates.close()
 
 
 def request_finished(handle: RequestHandle, telemetry=None) -> None:
@@ -54,6 +66,7 @@ def request_finished(handle: RequestHandle, telemetry=None) -> None:
                                    s.duration_s)
     log.info("request_finished", request_id=handle.request.request_id, endpoint=handle.endpoint,
              finish_reason=handle.finish_reason, prompt_tokens=s.prompt_tokens,
+             cached_tokens=s.cached_tokens,
              completion_tokens=s.completion_tokens, queue_seconds=round(s.queue_s, 6),
              time_to_first_token_seconds=None if s.time_to_first_token_s is None
              else round(s.time_to_first_token_s, 6),
@@ -67,15 +80,18 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
 
     telemetry: the daemon's DaemonMetrics, fed by the engine's hooks (or None)."""
     model_dir = config.require_model()
-    tokenizer = Tokenizer.from_model_dir(model_dir)
+    templates = TemplateWorkers(config.chat_template_max_chars, config.chat_template_timeout_s)
+    tokenizer = Tokenizer.from_model_dir(model_dir, renderer=templates.render)
     stop_ids = frozenset(stop_token_ids(model_dir))
     cache_bytes = config.expert_cache_bytes
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
-                                      pin_fraction=config.pin_fraction)
+                                      pin_fraction=config.pin_fraction,
+                                      prefix_cache_bytes=config.prefix_cache_bytes)
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
                  kv_bytes=p.kv_bytes, kv_context_tokens=planned.context,
+                 prefix_cache_bytes=config.prefix_cache_bytes,
                  runtime_bytes=p.runtime_bytes, margin_bytes=p.margin_bytes,
                  expert_cache_bytes=p.expert_cache_bytes, all_experts_bytes=planned.all_experts_bytes,
                  experts="streamed" if planned.stream else "memory-mapped (they all fit)")
@@ -88,7 +104,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 state_dir=config.state_dir, environ=environ,
                                 record_trace=config.record_trace)
     engine = Engine(model, tokenizer, max_concurrent_sequences=config.max_concurrent_sequences,
-                    max_queue=config.max_queue,
+                    max_queue=config.max_queue, prefix_cache_bytes=config.prefix_cache_bytes,
+                    prefill_step_ratio=config.prefill_step_ratio,
                     on_finish=lambda handle: request_finished(handle, telemetry),
                     on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
                     on_token_gap=telemetry.token_gap if telemetry is not None else None)
@@ -104,11 +121,20 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             engine.step_observers.append(tuner.step_done)
             if config.tuner == "live+idle":
                 workload = Workload(model, workload_prompts(model_dir, model.config.vocab_size))
+    try:
+        grammars = Grammars(tokenizer, model.config.vocab_size, stop_ids)
+    except ValueError as e:       # llguidance cannot read this tokenizer: text only
+        log.warning("grammar_unavailable", error=str(e))
+        grammars = None
+    if tokenizer.chat_template is not None:
+        templates.start()
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
                   context=model.config.max_position_embeddings, session=session,
-                  model_type=model.config.model_type, tuner=tuner, workload=workload)
+                  model_type=model.config.model_type, tuner=tuner, workload=workload,
+                  grammars=grammars, weight_formats=model.weight_formats(),
+                  templates=templates)
 
 
 PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)
@@ -132,12 +158,15 @@ class ServingPlan:
 
 
 def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequences: int,
-                        pin_fraction: float, reading: MemoryReading | None = None) -> ServingPlan:
+                        pin_fraction: float, reading: MemoryReading | None = None,
+                        prefix_cache_bytes: int = 0) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
     machine (default: `read_memory()`): dense weights (every tensor that is not a routed
-    expert), KV cache (f32 K and V, every layer, PLANNED_CONTEXT or the model's context if
-    smaller, per sequence), RUNTIME_BYTES, a MARGIN_FRACTION margin; the expert cache
-    gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
+    expert, nor of a multi-token-prediction layer the decoder does not use), KV cache (f32,
+    in the layout of the model's attention kind, every layer, PLANNED_CONTEXT or the model's
+    context if smaller, per sequence), RUNTIME_BYTES plus the prefix cache's
+    prefix_cache_bytes (the plan's runtime_bytes holds both), a MARGIN_FRACTION margin; the
+    expert cache gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
     giving every number) when the dense part does not fit, and the model loaders' errors.
     """
     config = load_config(model_dir)
@@ -145,15 +174,16 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
         layout = ExpertLayout(checkpoint, config)
         expert_bytes = sum(loc.nbytes for loc in layout)
         slots = [p.slot_bytes for p in plans_for(layout).values()]
-        dense = checkpoint.total_bytes - expert_bytes
+        unused = sum(checkpoint.info(n).nbytes for n in unused_tensors(config, checkpoint.tensors))
+        dense = checkpoint.total_bytes - expert_bytes - unused
     reading = reading or read_memory()
     available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
     context = min(PLANNED_CONTEXT, config.max_position_embeddings)
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 4
+    kv = kv_bytes_per_token(config) * context
     slot = max(slots)
     plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_sequence=kv,
                        max_concurrent_sequences=max_concurrent_sequences,
-                       runtime_bytes=RUNTIME_BYTES, slot_bytes=slot,
+                       runtime_bytes=RUNTIME_BYTES + prefix_cache_bytes, slot_bytes=slot,
                        min_dynamic_slots=config.top_k * sum(config.moe_layers),
                        pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION)
     all_experts = slot * len(slots)

@@ -14,14 +14,15 @@ logged as a warning on "moed.sdnotify", later ones are counted silently.
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 
-log = logging.getLogger("moed.sdnotify")
+from telemetry.logs import get_logger
+
+log = get_logger("sdnotify")
 
 LISTEN_FDS_START = 3
 
@@ -70,8 +71,9 @@ class Notifier:
             except OSError as e:
                 self.send_failures += 1
                 if self.send_failures == 1:
-                    log.warning("sd_notify_failed: %s to %r: %s (further failures not logged)",
-                                lines[0].split("=")[0], self.address.replace("\0", "@"), e)
+                    log.warning("sd_notify_failed", message=lines[0].split("=")[0],
+                                address=self.address.replace("\0", "@"), error=str(e),
+                                effect="further failures not logged")
                 return False
 
     def ready(self) -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import time
 
 from daemon.machine.memory import read_mem_available
+from daemon.machine.system import rss_bytes
 from daemon.service.config import ServeConfig
 from daemon.service.loading import Loaded
 from daemon.service.sdnotify import Notifier
@@ -40,6 +41,14 @@ class ServingState:
         self.started = time.monotonic()
         self.started_wall = time.time()
 
+    def read_failure(self) -> str | None:
+        """Why expert reads fail now (the latest read to finish failed), else None. Reads
+        the io pool of the current expert cache; memory-mapped experts have none."""
+        session = self.loaded.session if self.loaded is not None else None
+        if session is None:
+            return None
+        return session.provider.io.failing()
+
     def stats_snapshot(self, loaded: Loaded) -> dict:
         """moed's own statistics (runs on the engine thread); the same reading becomes
         `last_snapshot`, which /metrics exports (daemon/service/stats.py)."""
@@ -47,7 +56,7 @@ class ServingState:
                                 memory_budget_bytes=(loaded.session.options.cache_bytes
                                                      if loaded.session is not None else 0),
                                 memory_available_bytes=read_mem_available(),
-                                model_load_seconds=self.load_seconds)
+                                model_load_seconds=self.load_seconds, rss_bytes=rss_bytes())
         self.last_snapshot = snapshot
         self.snapshot_at = time.monotonic()
         out.update(model=loaded.model_names[0], uptime_seconds=time.monotonic() - self.started)

@@ -17,11 +17,13 @@ from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters, Snapshot
 
 
 def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes: int | None,
-            model_load_seconds: float) -> tuple[Snapshot, dict]:
+            model_load_seconds: float, rss_bytes: int | None = None) -> tuple[Snapshot, dict]:
     """(the metrics snapshot, the `moed stats` document) from one reading.
 
     engine: daemon.service.engine.Engine. session: its ExpertSession, or None (experts not
     streamed). memory_available_bytes: MemAvailable (None when unreadable: 0 in metrics).
+    rss_bytes: the daemon's resident memory (in the document only: /metrics has
+    process_resident_memory_bytes).
     """
     e = engine.stats()
     provider = engine.model.experts
@@ -62,12 +64,18 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
         requests_running=e.running, requests_waiting=e.waiting, decode_steps=e.decode_steps,
         prompt_tokens=e.prompt_tokens, generation_tokens=e.completion_tokens,
         io_wait_seconds=e.decode_io_wait_seconds, compute_seconds=e.decode_compute_seconds,
+        prefill_tokens=e.prefill_tokens, prefix_cache_queries=e.prefix_cache.queries,
+        prefix_cache_hits=e.prefix_cache.hits, prefix_cache_reused_tokens=e.prefix_cache.tokens_reused,
+        prefix_cache_bytes=e.prefix_cache.bytes, prefix_cache_capacity_bytes=e.prefix_cache.capacity_bytes,
+        prefix_cache_evicted_blocks=e.prefix_cache.blocks_evicted,
         experts=experts, compute_threads=engine.model.n_threads,
         memory_budget_bytes=memory_budget_bytes,
         memory_available_bytes=memory_available_bytes or 0, model_load_seconds=model_load_seconds,
         state_saves=session.state_saves if session is not None else 0,
         state_save_errors=session.state_save_errors if session is not None else 0, **gauges)
-    return s, _document(s, e, document)
+    out = _document(s, e, document)
+    out["memory"]["rss_bytes"] = rss_bytes
+    return s, out
 
 
 def _document(s: Snapshot, e, extra: dict) -> dict:
@@ -77,7 +85,12 @@ def _document(s: Snapshot, e, extra: dict) -> dict:
                         "total": e.requests_total, "prompt_tokens": s.prompt_tokens,
                         "completion_tokens": s.generation_tokens,
                         "max_concurrent_sequences": e.max_concurrent_sequences,
-                        "max_queue": e.max_queue},
+                        "max_queue": e.max_queue, "prefill_tokens": s.prefill_tokens},
+           "prefix_cache": {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
+                            "reused_tokens": s.prefix_cache_reused_tokens,
+                            "bytes": s.prefix_cache_bytes,
+                            "capacity_bytes": s.prefix_cache_capacity_bytes,
+                            "evicted_blocks": s.prefix_cache_evicted_blocks},
            "tokens_per_second": e.tokens_per_second, "decode_steps": s.decode_steps,
            "generated_tokens": e.generated_tokens, "io_wait_seconds": s.io_wait_seconds,
            "compute_seconds": s.compute_seconds, "compute_threads": s.compute_threads,

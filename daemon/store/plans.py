@@ -2,13 +2,16 @@
 
 Conventions. Every offset is an absolute file offset in bytes and every size is in bytes.
 A *slot* is one preallocated buffer that holds one routed expert; its bytes are the
-concatenation of the expert's *spans* — the aligned supersets of its three projections
-(gate [I, H], up [I, H], down [H, I]; see ext/models/experts.py), rounded out to
-``align`` (4096) because O_DIRECT needs the file offset, the length, the buffer address
-and every iovec aligned, and safetensors data offsets are not. Two projections share a
-span only when their aligned ranges touch or overlap in the same shard file; one expert's
-projections may sit in three different shards. A tensor is then addressed inside its
-span, and ``ReadPlan.views`` returns zero-copy numpy arrays over the slot.
+concatenation of the expert's *spans* — the aligned supersets of its *pieces*, rounded
+out to ``align`` (4096) because O_DIRECT needs the file offset, the length, the buffer
+address and every iovec aligned, and safetensors data offsets are not. The pieces are
+every tensor (or byte range of a tensor fused over experts) of its three projections
+(gate [I, H], up [I, H], down [H, I]; see ext/models/experts.py): one per projection in
+f32/f16/bf16, the weight and its block scales in FP8, blocks and scales in MXFP4
+(ext/formats/quant.py). Two pieces share a span only when their aligned ranges touch or
+overlap in the same shard file; one expert's pieces may sit in several shards. A piece
+is then addressed inside its span, and ``ReadPlan.views`` returns the kernels' weights
+(arrays, or QuantizedWeights over the pieces) as zero-copy views of the slot.
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ext.formats.checkpoint import TensorInfo
-from ext.models.experts import PROJECTIONS, ExpertLayout, ExpertLocation, ExpertWeights
+from ext.formats.quant import StoredWeight
+from ext.models.experts import ExpertLayout, ExpertLocation, ExpertWeights, expert_weights
+from ext.models.weights import view_weight
 
 ALIGN = 4096  # bytes: O_DIRECT alignment of offset, length, buffer and iovec
 
@@ -35,8 +40,8 @@ class ReadSpan:
     """One contiguous read: ``length`` bytes at file ``offset`` of ``path`` into the slot.
 
     ``offset`` and ``length`` are multiples of the plan's ``align``; the span lands at
-    ``slot_offset`` of the slot buffer; ``tensors`` are the projections it covers, in
-    file order.
+    ``slot_offset`` of the slot buffer; ``tensors`` are the pieces it covers, in file
+    order.
     """
 
     path: str
@@ -57,7 +62,7 @@ class ReadSpan:
 
 @dataclass(frozen=True)
 class TensorPlacement:
-    """Where one projection lies in the slot: in span ``span``, at ``slot_offset`` bytes."""
+    """Where one piece lies in the slot: in span ``span``, at ``slot_offset`` bytes."""
 
     info: TensorInfo
     span: int
@@ -71,78 +76,78 @@ class ReadPlan:
     Build with ``ReadPlan.for_expert``. ``spans`` are sorted by (path, offset) and laid
     end to end in the slot; ``slot_bytes`` is the sum of their aligned lengths (a multiple
     of ``align``) and equals the bytes the io workers issue for this expert.
+    ``placements`` has one entry per piece, in ``ExpertLocation.pieces()`` order;
+    ``weights`` are the projections (gate, up, down) the pieces make up (empty for a plan
+    that is only read, never viewed, as the storage probe's).
     """
 
     layer: int
     expert: int
     align: int
     spans: tuple[ReadSpan, ...]
-    gate: TensorPlacement
-    up: TensorPlacement
-    down: TensorPlacement
+    placements: tuple[TensorPlacement, ...]
     slot_bytes: int
+    weights: tuple[StoredWeight, ...] = ()
 
     @classmethod
     def for_expert(cls, location: ExpertLocation, align: int = ALIGN) -> ReadPlan:
-        """Plan the reads of ``location``'s three projections at ``align`` bytes.
+        """Plan the reads of every piece of ``location`` at ``align`` bytes.
 
-        Each projection's range is widened to ``[round_down(offset), round_up(end))``;
-        ranges in the same file whose widened ranges touch or overlap become one span;
-        ranges in different files never do. Raises ValueError if ``align`` is not a
-        positive power of two.
+        Each piece's range is widened to ``[round_down(offset), round_up(end))``; ranges
+        in the same file whose widened ranges touch or overlap become one span; ranges in
+        different files never do. Raises ValueError if ``align`` is not a positive power
+        of two.
         """
         if align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a positive power of two, got {align}")
-        infos = dict(zip(PROJECTIONS, location.projections()))
-        order = sorted(PROJECTIONS, key=lambda p: (infos[p].path, infos[p].offset))
-        groups: list[list] = []  # [path, start, end, [projection names]]
-        for proj in order:
-            info = infos[proj]
+        pieces = location.pieces()
+        order = sorted(range(len(pieces)), key=lambda i: (pieces[i].path, pieces[i].offset))
+        groups: list[list] = []  # [path, start, end, [piece indices]]
+        for i in order:
+            info = pieces[i]
             start = round_down(info.offset, align)
             end = round_up(info.offset + info.nbytes, align)
             last = groups[-1] if groups else None
             if last is not None and last[0] == info.path and start <= last[2]:
                 last[2] = max(last[2], end)
-                last[3].append(proj)
+                last[3].append(i)
             else:
-                groups.append([info.path, start, end, [proj]])
-        spans, placements, slot_offset = [], {}, 0
-        for i, (path, start, end, projs) in enumerate(groups):
+                groups.append([info.path, start, end, [i]])
+        spans, placements, slot_offset = [], [None] * len(pieces), 0
+        for g, (path, start, end, members) in enumerate(groups):
             spans.append(ReadSpan(path=path, offset=start, length=end - start,
                                   slot_offset=slot_offset,
-                                  tensors=tuple(infos[p] for p in projs)))
-            for p in projs:
-                placements[p] = TensorPlacement(infos[p], i,
-                                                slot_offset + infos[p].offset - start)
+                                  tensors=tuple(pieces[i] for i in members)))
+            for i in members:
+                placements[i] = TensorPlacement(pieces[i], g, slot_offset + pieces[i].offset - start)
             slot_offset += end - start
         return cls(layer=location.layer, expert=location.expert, align=align,
-                   spans=tuple(spans), slot_bytes=slot_offset, **placements)
-
-    def placements(self) -> tuple[TensorPlacement, TensorPlacement, TensorPlacement]:
-        """(gate, up, down) placements."""
-        return (self.gate, self.up, self.down)
+                   spans=tuple(spans), placements=tuple(placements), slot_bytes=slot_offset,
+                   weights=location.projections())
 
     def views(self, buffer) -> ExpertWeights:
-        """The expert's projections as read-only arrays over ``buffer`` (no copy).
+        """The expert's projections as read-only kernel weights over ``buffer`` (no copy).
 
         ``buffer``: a bytes-like object of at least ``slot_bytes`` bytes into which this
-        plan was read (e.g. ``SlotArena.buffer(slot)``). Returns ExpertWeights of
-        C-contiguous arrays, dtype ``info.numpy_dtype``, shape ``info.shape``, aliasing the
-        buffer: they are valid as long as the slot holds this expert. Raises ValueError if
-        the buffer is too small.
+        plan was read (e.g. ``SlotArena.buffer(slot)``). Returns ExpertWeights of arrays
+        (C-contiguous, dtype ``info.numpy_dtype``, shape ``info.shape``) or
+        QuantizedWeights over such arrays, aliasing the buffer: they are valid as long
+        as the slot holds this expert. Raises ValueError if the buffer is too small.
         """
         mv = memoryview(buffer)
         if mv.nbytes < self.slot_bytes:
             raise ValueError(f"buffer of {mv.nbytes} bytes is smaller than the "
                              f"{self.slot_bytes}-byte slot of expert ({self.layer}, {self.expert})")
-        arrays = []
-        for p in self.placements():
-            dtype = p.info.numpy_dtype
-            a = np.frombuffer(mv, dtype=dtype, count=p.info.nbytes // dtype.itemsize,
-                              offset=p.slot_offset).reshape(p.info.shape)
+        at = {p.info: p.slot_offset for p in self.placements}
+
+        def view(info: TensorInfo) -> np.ndarray:
+            dtype = info.numpy_dtype
+            a = np.frombuffer(mv, dtype=dtype, count=info.nbytes // dtype.itemsize,
+                              offset=at[info]).reshape(info.shape)
             a.flags.writeable = False
-            arrays.append(a)
-        return ExpertWeights(*arrays)
+            return a
+
+        return expert_weights(self.weights, lambda w: view_weight(w, view))
 
 
 def max_slot_bytes(layout: ExpertLayout, align: int = ALIGN) -> int:

@@ -138,14 +138,13 @@ def _write_scratch(path: str, size_bytes: int) -> None:
 
 
 def _block_plan(path: str, index: int, block_bytes: int) -> ReadPlan:
-    """A one-span plan of block ``index`` (an opaque uint8 "tensor" for every projection)."""
+    """A one-span plan of block ``index`` (one opaque uint8 piece; read, never viewed)."""
     offset = index * block_bytes
     info = TensorInfo(name=f"block.{index}", path=path, offset=offset, nbytes=block_bytes,
                       dtype="U8", shape=(block_bytes,))
     span = ReadSpan(path=path, offset=offset, length=block_bytes, slot_offset=0, tensors=(info,))
-    place = TensorPlacement(info, 0, 0)
-    return ReadPlan(layer=0, expert=index, align=ALIGN, spans=(span,), gate=place, up=place,
-                    down=place, slot_bytes=block_bytes)
+    return ReadPlan(layer=0, expert=index, align=ALIGN, spans=(span,),
+                    placements=(TensorPlacement(info, 0, 0),), slot_bytes=block_bytes)
 
 
 # ----------------------------------------------------------------------------- the page cache

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import logging
 import mmap
 import os
 import threading
@@ -29,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.store.plans import ALIGN, ReadPlan, ReadSpan
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.io")
+log = get_logger("io")
 
 FADVISE_PIECE_BYTES = 8 << 20  # bytes per posix_fadvise call (read_ahead_kb = 8 MiB)
 
@@ -65,7 +65,7 @@ def probe_direct_io(path: str | os.PathLike) -> bool:
         finally:
             os.close(fd)
     except OSError as e:
-        log.info("direct_io_unavailable path=%s error=%s", path, e)
+        log.info("direct_io_unavailable", path=str(path), error=str(e))
         return False
     finally:
         buf.close()
@@ -219,7 +219,8 @@ class IoPool:
 
     A failed read is retried once after reopening the file (which picks up a shard that
     was replaced by a file of the same layout); if the retry fails the job's future
-    raises ExpertReadError and the pool keeps serving other reads.
+    raises ExpertReadError and the pool keeps serving other reads. `failing()` tells
+    whether the latest read to finish failed (and why), for the daemon's /health.
     """
 
     def __init__(self, n_workers: int, direct: bool,
@@ -242,6 +243,7 @@ class IoPool:
         self._reads_completed = dict.fromkeys(REASONS, 0)
         self._bytes_retried = self._read_errors = self._retries_succeeded = 0
         self._cancelled = self._in_flight = 0
+        self._failing: str | None = None      # the error of the latest read, if it failed
         self._read_seconds_total = 0.0
         self._read_cpu_seconds_total = 0.0
         self._bucket_counts = [0] * len(READ_SECONDS_BUCKETS)
@@ -358,10 +360,11 @@ class IoPool:
             n = self._read_plan(job.plan, job.buffer)
             seconds = time.perf_counter() - start
         except ExpertReadError as e:
-            log.warning("expert_read_failed reason=%s %s", job.reason, e)
+            log.warning("expert_read_failed", reason=job.reason, error=str(e))
             with self._stats_lock:
                 self._read_errors += 1
                 self._in_flight -= 1
+                self._failing = str(e)
             job.future.set_exception(e)
         except BaseException as e:  # a bug, not a disk error: hand it to the caller
             with self._stats_lock:
@@ -370,6 +373,7 @@ class IoPool:
         else:
             with self._stats_lock:
                 self._in_flight -= 1
+                self._failing = None
                 self._reads_completed[job.reason] += 1
                 self._read_seconds_total += seconds
                 self._recent.append(seconds)
@@ -408,8 +412,8 @@ class IoPool:
                 if f is not None:
                     self._files.release(f)
             if attempt:
-                log.info("expert_read_retry_succeeded expert=(%d, %d) path=%s after: %s",
-                         plan.layer, plan.expert, span.path, failures[0])
+                log.info("expert_read_retry_succeeded", layer=plan.layer, expert=plan.expert,
+                         path=str(span.path), first_error=str(failures[0]))
                 with self._stats_lock:
                     self._retries_succeeded += 1
             return n
@@ -439,6 +443,12 @@ class IoPool:
         return done
 
     # -- reporting and shutdown
+
+    def failing(self) -> str | None:
+        """The error of the latest read to finish if it failed, else None (once a read
+        succeeds again). Thread-safe; cheap enough for every /health call."""
+        with self._stats_lock:
+            return self._failing
 
     def stats(self) -> IoStats:
         """A consistent snapshot of the counters (thread-safe)."""

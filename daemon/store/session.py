@@ -10,7 +10,6 @@ model (the engine thread in the daemon).
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +19,10 @@ from daemon.store.trace import RecordingProvider, TraceWriter
 from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, expert_counters,
                                     flush_usage, load_usage_state)
 from ext.models.model import Model
+from telemetry.logs import get_logger
 from telemetry.metrics import ExpertCounters
 
-log = logging.getLogger("moed.session")
+log = get_logger("session")
 
 
 class ExpertSession:
@@ -48,10 +48,11 @@ class ExpertSession:
     def flush(self) -> bool:
         """Merge the usage observed since the last flush into the state file.
 
-        Returns False when there is no usable state directory. Raises OSError when the
-        write fails (the caller logs it; the counts stay in memory for the next try).
+        Returns False when there is no usable state directory, or it is read-only (the
+        learned usage was read from it and is used; open_model said so). Raises OSError
+        when the write fails (the caller logs it; the counts stay in memory for the next try).
         """
-        if self.store is None:
+        if self.store is None or not self.store.writable:
             return False
         self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint,
                                        self.provider.learned_state()))
@@ -73,7 +74,7 @@ class ExpertSession:
         be written.
         """
         dropped = self.provider.reset_learning()
-        if self.store is not None:
+        if self.store is not None and self.store.writable:
             usage = self.provider.usage
             self._save(lambda: self.store.save(lambda _current: usage.to_dict(self.fingerprint),
                                                tokens=0))
@@ -110,8 +111,8 @@ class ExpertSession:
         self.provider, self.options = provider, options
         old.close()
         self.retired = self.retired + expert_counters(old)
-        log.info("expert cache rebuilt: %d bytes, pin fraction %.2f, prefetch %s",
-                 options.cache_bytes, options.pin_fraction, "on" if options.prefetch else "off")
+        log.info("expert_cache_rebuilt", cache_bytes=options.cache_bytes,
+                 pin_fraction=round(options.pin_fraction, 3), prefetch=options.prefetch)
 
     def summary(self) -> dict:
         snap = self.provider.cache.snapshot()
@@ -162,8 +163,14 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                                      options.half_life_tokens)
             if state is not None:
                 counts, learned = state
+            if not store.writable:
+                log.warning("state_dir_read_only", state_dir=str(store.state_dir),
+                            learned_usage_loaded=counts is not None,
+                            effect="learned usage is read and used; what is learned now is "
+                                   "not saved")
         except OSError as e:
-            log.warning("state_dir_unusable: %s; expert usage will not be learned across runs", e)
+            log.warning("state_dir_unusable", error=str(e),
+                        effect="expert usage will not be learned across runs")
             store = None
         provider = StreamingExpertProvider(layout, config, options, usage_counts=counts,
                                            learned=learned)

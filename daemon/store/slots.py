@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import mmap
 import os
 import resource
 import threading
 
 from daemon.store.plans import ALIGN, round_up
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.io")
+log = get_logger("io")
 
 
 def _limit(value: int) -> str:
@@ -68,9 +68,9 @@ class SlotArena:
                 self.locked = True
             else:
                 soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-                log.warning("slot_arena_mlock_refused bytes=%d error=%s rlimit_memlock=%s/%s: "
-                            "slots stay pageable", self.nbytes, os.strerror(err),
-                            _limit(soft), _limit(hard))
+                log.warning("slot_arena_mlock_refused", bytes=self.nbytes, error=os.strerror(err),
+                            rlimit_memlock=f"{_limit(soft)}/{_limit(hard)}",
+                            effect="slots stay pageable")
 
     def _range(self, slot: int) -> tuple[int, int]:
         if not 0 <= slot < self.n_slots:
@@ -89,8 +89,8 @@ class SlotArena:
                 if slot in self._released:
                     err = self._libc.call(self._libc.mlock, self._addr + start, length)
                     if err:
-                        log.warning("slot_arena_mlock_refused slot=%d error=%s: slot stays "
-                                    "pageable", slot, os.strerror(err))
+                        log.warning("slot_arena_mlock_refused", slot=slot, error=os.strerror(err),
+                                    effect="slot stays pageable")
                     self._released.discard(slot)
         return self._view[start:start + length]
 

@@ -16,15 +16,24 @@ currently on disk. A file that is corrupt (not JSON, truncated, wrong shape) is 
 fresh. Content is never trusted and never fatal; OSErrors of the directory itself
 (permissions, a full disk) are raised to the caller.
 
+A directory moed may read but not write (a read-only mount, another user's directory) is
+read and used: ``writable`` is False, ``load`` reads without the lock (a writer replaces
+the file with one rename, so a reader sees the old file or the new one), a bad file is
+ignored instead of set aside, and ``save`` raises `StateReadOnlyError` without touching
+anything. Callers check ``writable`` and say so once.
+
 Blocking: ``load`` and ``save`` block on the lock and on fsync; the daemon calls them from
-an executor, not on the event loop.
+the engine thread (which owns the usage counts), never on the event loop. aiofiles would
+split the one critical section (flock, read-merge, temp file, fsync, rename, fsync of the
+directory) into about seven executor hops, it has no fsync, and it measured no better
+from the loop: bench/state_io.py.
 """
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
-import logging
 import math
 import os
 import pwd
@@ -33,7 +42,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("moed.state")
+from telemetry.logs import get_logger
+
+log = get_logger("state")
 
 VERSION = 1
 DIR_MODE = 0o700
@@ -57,6 +68,10 @@ def default_state_dir(env: Mapping[str, str]) -> Path:
         return Path(xdg) / "moed"
     home = env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
     return Path(home) / ".local" / "state" / "moed"
+
+
+class StateReadOnlyError(OSError):
+    """The state directory can be read but not written; nothing was saved."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,7 @@ class StateStore:
         self._tmp_prefix = f".{stem}.json.tmp-"
         self._clock = clock
         self._fault = _fault
+        self.writable = _writable(self.state_dir, self.lock_path)
 
     # -- reading
 
@@ -111,7 +127,10 @@ class StateStore:
         return None if record is None else record.payload
 
     def load_record(self) -> StateRecord | None:
-        """The whole validated file, or None (see ``load``). Takes the lock briefly."""
+        """The whole validated file, or None (see ``load``). Takes the lock briefly
+        (not in a read-only directory)."""
+        if not self.writable:
+            return self._read_validated()
         with self._locked():
             return self._read_validated()
 
@@ -124,7 +143,11 @@ class StateStore:
         try:
             return self._parse(raw)
         except _Invalid as bad:
-            self._set_aside(bad)
+            if self.writable:
+                self._set_aside(bad)
+            else:
+                log.warning("state_file_ignored", path=str(self.path), kind=bad.kind,
+                            reason=str(bad), effect="the directory is read-only: left in place")
             return None
 
     def _parse(self, raw: bytes) -> StateRecord:
@@ -160,11 +183,11 @@ class StateStore:
         try:
             os.rename(self.path, target)
         except OSError as e:
-            log.warning("state_file_unusable path=%s reason=%s; could not move it aside (%s); "
-                        "learning starts fresh", self.path, bad, e)
+            log.warning("state_file_unusable", path=str(self.path), kind=bad.kind, reason=str(bad),
+                        error=f"could not move it aside: {e}", effect="learning starts fresh")
             return
-        log.warning("state_file_set_aside path=%s kind=%s reason=%s moved_to=%s; "
-                    "learning starts fresh", self.path, bad.kind, bad, target)
+        log.warning("state_file_set_aside", path=str(self.path), kind=bad.kind, reason=str(bad),
+                    moved_to=str(target), effect="learning starts fresh")
 
     # -- writing
 
@@ -179,6 +202,8 @@ class StateStore:
         """
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
+        if not self.writable:
+            raise StateReadOnlyError(f"{self.state_dir} is read-only: {self.path.name} not saved")
         with self._locked():
             self._remove_stale_temps()
             current = self._read_validated()
@@ -230,6 +255,19 @@ class StateStore:
 
     def _locked(self) -> _FileLock:
         return _FileLock(self.lock_path)
+
+
+def _writable(state_dir: Path, lock_path: Path) -> bool:
+    """Whether moed may write in `state_dir`: the lock file opens for writing (created if
+    missing). EROFS, EACCES, EPERM: no. Other OSErrors are raised."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except (PermissionError, OSError) as e:
+        if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+            return False
+        raise
+    os.close(fd)
+    return os.access(state_dir, os.W_OK)
 
 
 class _FileLock:

@@ -27,7 +27,6 @@ Placement never changes output: the bytes in a slot are the bytes of the shard.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -47,9 +46,10 @@ from scheduler.pinlearn import PinDecision
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
 from scheduler.usage import UsageStats
+from telemetry.logs import get_logger
 from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters
 
-log = logging.getLogger("moed.streaming")
+log = get_logger("streaming")
 
 DEFAULT_HALF_LIFE_TOKENS = 2048.0
 PIN_REEVALUATE_TOKENS = 256
@@ -276,10 +276,10 @@ class StreamingExpertProvider(ExpertProvider):
         self.warm_loads = 0
         if options.warm_start and usage_counts is not None:
             self._warm_start()
-        log.info("expert cache: %d slots of %d bytes (%d pinned, %d staging), io path %s, "
-                 "%d io workers, prefetch %s, pins %s", total_slots, self.slot_bytes, pinned_slots,
-                 staging_slots, self.io.io_path, options.io_workers,
-                 "on" if options.prefetch else "off", "learned" if options.learn_pins else "fixed share")
+        log.info("expert_cache_built", slots=total_slots, slot_bytes=self.slot_bytes,
+                 pinned_slots=pinned_slots, staging_slots=staging_slots, io_path=self.io.io_path,
+                 io_workers=options.io_workers, prefetch=options.prefetch,
+                 pins="learned" if options.learn_pins else "fixed share")
 
     @property
     def wants_hints(self) -> bool:
@@ -401,7 +401,7 @@ class StreamingExpertProvider(ExpertProvider):
                 # needs failed: one demand read decides, as if it had missed.
                 self.read_failures += 1
                 self.demand_rereads += 1
-                log.warning("expert_reread_on_demand: %s", e)
+                log.warning("expert_reread_on_demand", error=str(e))
                 self._submit(layer, a.expert, a.slot, DEMAND)
                 self._inflight.pop(a.slot).result()
             self.cache.loaded(a.slot)
@@ -588,7 +588,7 @@ class StreamingExpertProvider(ExpertProvider):
             else:
                 self.cache.failed(slot)
                 self.read_failures += 1
-                log.warning("expert_read_failed: %s", future.exception())
+                log.warning("expert_read_failed", reason="background", error=str(future.exception()))
 
     def _reap(self) -> None:
         """Mark finished background reads (prefetch, pin loads) loaded or failed."""
@@ -700,7 +700,7 @@ def load_usage_state(store, moe_layers: Sequence[int], num_experts: int, fingerp
     try:
         stats = UsageStats.from_dict(payload, moe_layers, num_experts, fingerprint, half_life_tokens)
     except UsageFormatError as e:
-        log.warning("usage_state_ignored: %s", e)
+        log.warning("usage_state_ignored", error=str(e))
         return None
     return stats.counts(), stats.learned
 
@@ -736,7 +736,7 @@ def flush_usage(store, usage: UsageStats, fingerprint: str, learned: dict | None
                 counts = merge_counts(on_disk.counts(), tokens, delta, usage.half_life_tokens)
                 kept_learned = on_disk.learned
             except UsageFormatError as e:
-                log.warning("usage_state_replaced: %s", e)
+                log.warning("usage_state_replaced", error=str(e))
         merged_counts.append(counts)
         payload = usage.to_dict(fingerprint)
         payload["counts"] = counts.tolist()

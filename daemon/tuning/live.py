@@ -6,7 +6,6 @@ ends. Knobs the operator set are never tuned.
 """
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,8 +17,9 @@ from daemon.tuning.search import WINDOW_STEPS, check_candidates, check_tokens, r
 from daemon.tuning.workload import RoutingRecorder, workload_prompts
 from ext.models.model import Model
 from scheduler.tuner import NOISE_PAIRS, Knob, OnlineTuner
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.tuning")
+log = get_logger("tuning")
 
 MIN_REPLAY_TOKENS = 256         # fewer recorded tokens: the live tuner leaves the split alone
 TUNER_MODES = ("off", "live", "live+idle")
@@ -78,8 +78,8 @@ class LiveTuner:
         if self.tuner.done and not self.finished:
             self.finished = True
             self._choose_split()
-            log.info("tuner_finished settings=%s cache_split=%s trials=%d", self.tuner.incumbent,
-                     self.split or "unchanged", len(self.tuner.trials))
+            log.info("tuner_finished", settings=self.tuner.incumbent,
+                     cache_split=self.split or "unchanged", trials=len(self.tuner.trials))
             if self.on_done is not None:
                 self.on_done(self.tuner)
 
@@ -91,16 +91,18 @@ class LiveTuner:
         tokens = self.recorder.tokens
         self.session.provider.routing_recorder = None
         if len(tokens) < MIN_REPLAY_TOKENS:
-            log.info("tuner_cache_split_skipped recorded_tokens=%d (fewer than %d single-"
-                     "sequence decode steps)", len(tokens), MIN_REPLAY_TOKENS)
+            log.info("tuner_cache_split_skipped", recorded_tokens=len(tokens),
+                     needed_tokens=MIN_REPLAY_TOKENS,
+                     reason="too few single-sequence decode steps recorded")
             return
         split, choice = replay_cache_split(self.session, tokens, self.budget_bytes)
         if (split["cache_bytes"] != self.session.options.cache_bytes
                 or split["pin_fraction"] != self.session.options.pin_fraction):
             self.session.rebuild(cache_bytes=split["cache_bytes"], pin_fraction=split["pin_fraction"])
             self.split = split
-            log.info("tuner_cache_split_applied cache_bytes=%d pin_fraction=%.3f replay_hit_rate=%.4f",
-                     split["cache_bytes"], split["pin_fraction"], choice.hit_rate)
+            log.info("tuner_cache_split_applied", cache_bytes=split["cache_bytes"],
+                     pin_fraction=round(split["pin_fraction"], 3),
+                     replay_hit_rate=round(choice.hit_rate, 4))
 
     def stop(self, reason: str, keep: set[str] = frozenset()) -> None:
         """End the search now (engine thread): the incumbent's settings are applied, except
@@ -111,7 +113,7 @@ class LiveTuner:
         if self.recorder is not None:
             self.session.provider.routing_recorder = None
         self.live.apply({k: v for k, v in self.tuner.incumbent.items() if k not in keep})
-        log.info("tuner_stopped reason=%s settings=%s", reason, self.tuner.incumbent)
+        log.info("tuner_stopped", reason=reason, settings=self.tuner.incumbent)
 
     def step_done(self, seconds: float, batch_size: int) -> None:
         """One decode step of `batch_size` sequences took `seconds` (engine thread)."""
@@ -127,8 +129,8 @@ class LiveTuner:
         trial = self.tuner.trial
         self.tuner.observe(cost, batch_size)
         if trial is not None and trial.outcome is not None:
-            log.info("tuner_trial knob=%s a=%r b=%r outcome=%s gains=%s", trial.knob, trial.a,
-                     trial.b, trial.outcome, [round(g, 4) for g in trial.gains])
+            log.info("tuner_trial", knob=trial.knob, a=trial.a, b=trial.b, outcome=trial.outcome,
+                     gains=[round(g, 4) for g in trial.gains])
         self._prepare()
 
 def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
@@ -151,13 +153,13 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
             store = TunedStore(state_dir, model.checkpoint.fingerprint(), facts)
             saved = store.load() or {}
         except (OSError, ValueError) as e:
-            log.warning("tuned_settings_unavailable: %s", e)
+            log.warning("tuned_settings_unavailable", error=str(e))
     start = LiveKnobs(model).current()
     for knob in knobs:
         if knob.name in saved and saved[knob.name] in knob.values:
             start[knob.name] = saved[knob.name]
     if saved:
-        log.info("tuned_settings_loaded settings=%s", {k.name: start[k.name] for k in knobs})
+        log.info("tuned_settings_loaded", settings={k.name: start[k.name] for k in knobs})
     if not knobs:
         return None
 
@@ -165,18 +167,18 @@ def start_live_tuning(model: Model, session, mode: str, fixed: set[str],
     split = {k: saved[k] for k in ("cache_bytes", "pin_fraction") if k in saved}
     if split and split.get("cache_bytes", budget) <= budget:
         session.rebuild(cache_bytes=split.get("cache_bytes"), pin_fraction=split.get("pin_fraction"))
-        log.info("tuned_cache_split_loaded %s", split)
+        log.info("tuned_cache_split_loaded", **split)
     holder: list[LiveTuner] = []
 
     def done(tuner: OnlineTuner) -> None:
-        if store is None:
+        if store is None or not store.writable:   # read-only: the session said so once
             return
         try:
             store.save({**valid_settings(saved, store.path), **tuner.incumbent,
                         **(holder[0].split if holder else {})},
                        {"trials": len(tuner.trials)})
         except (OSError, ValueError) as e:
-            log.warning("tuned_settings_not_saved: %s", e)
+            log.warning("tuned_settings_not_saved", error=str(e))
 
     prompts = workload_prompts(model_dir, model.config.vocab_size)
     proposals = [] if saved else probe_proposals(knobs, state_dir, model_dir)

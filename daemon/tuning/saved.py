@@ -9,38 +9,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import platform
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from daemon.machine.system import cpu_model, mem_total_bytes, usable_cpus
 from daemon.store.probe import block_device
 from daemon.store.state import StateStore
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.tuning")
+log = get_logger("tuning")
 
 TUNED_VERSION = 1
 
 
 def hardware_facts(model_dir: str | os.PathLike) -> dict[str, Any]:
     """What tuned settings depend on: CPU model and usable CPUs, RAM, the model's disk."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_total = next(int(line.split()[1]) * 1024 for line in
-                         Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
-    except (OSError, StopIteration, ValueError):
-        mem_total = None
-    return {"cpu": cpu, "cpus": len(os.sched_getaffinity(0)), "mem_total_bytes": mem_total,
+    return {"cpu": cpu_model(), "cpus": usable_cpus(), "mem_total_bytes": mem_total_bytes(),
             "machine": platform.machine(), "disk": block_device(model_dir)}
 
 def hardware_fingerprint(facts: Mapping[str, Any]) -> str:
@@ -67,8 +55,9 @@ def valid_settings(settings: Mapping[str, Any], path: Path | str) -> dict[str, A
         if ok:
             kept[name] = value
         else:
-            log.warning("tuned_setting_ignored path=%s setting=%s value=%r: not a usable value",
-                        path, str(name)[:64], value if len(repr(value)) < 80 else "<long>")
+            log.warning("tuned_setting_ignored", path=str(path), setting=str(name)[:64],
+                        value=value if len(repr(value)) < 80 else "<long>",
+                        reason="not a usable value")
     return kept
 
 class TunedStore:
@@ -93,22 +82,27 @@ class TunedStore:
         if payload is None:
             return None
         if payload.get("version") != TUNED_VERSION or not isinstance(payload.get("settings"), dict):
-            log.warning("tuned_settings_ignored path=%s reason=unknown payload version or shape",
-                        self.path)
+            log.warning("tuned_settings_ignored", path=str(self.path),
+                        reason="unknown payload version or shape")
             return None
         if payload.get("hardware") != self.hardware:
             before = payload.get("hardware_facts")
             before = before if isinstance(before, dict) else {}
             changed = sorted(str(k) for k in set(before) | set(self.facts)
                              if before.get(k) != self.facts.get(k))
-            log.warning("tuned_settings_invalidated path=%s reason=hardware changed (%s); "
-                        "the defaults apply until the tuner runs again", self.path,
-                        ", ".join(changed) or "fingerprint")
+            log.warning("tuned_settings_invalidated", path=str(self.path), reason="hardware changed",
+                        changed=changed or ["fingerprint"],
+                        effect="the defaults apply until the tuner runs again")
             return None
         return valid_settings(payload["settings"], self.path)
 
+    @property
+    def writable(self) -> bool:
+        return self.store.writable
+
     def save(self, settings: Mapping[str, Any], report: Mapping[str, Any] | None = None) -> None:
-        """Write the winners (replacing any earlier ones). Raises OSError."""
+        """Write the winners (replacing any earlier ones). Raises OSError
+        (StateReadOnlyError in a read-only state directory)."""
         payload = {"version": TUNED_VERSION, "hardware": self.hardware,
                    "hardware_facts": self.facts, "settings": dict(settings),
                    "report": dict(report or {})}

@@ -8,7 +8,6 @@ foreground (`moed tune`); `daemon.tuning.live` feeds the same tuner from live tr
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +18,9 @@ from daemon.tuning.knobs import LiveKnobs, snap_to
 from daemon.tuning.workload import Workload
 from ext.models.model import Model
 from scheduler.tuner import NOISE_PAIRS, CacheChoice, Knob, OnlineTuner, choose_cache_split
+from telemetry.logs import get_logger
 
-log = logging.getLogger("moed.tuning")
+log = get_logger("tuning")
 
 WINDOW_STEPS = 16
 CHECK_TOKENS = 16
@@ -65,9 +65,9 @@ def check_candidates(model: Model, tuner: OnlineTuner, check_prompt: list[int],
         got = check_tokens(model, check_prompt)
         if got == reference:
             return
-        log.error("tuner_candidate_changed_output knob=%s value=%r: the check prompt gave %s "
-                  "instead of %s; placement must never change output — this is a bug, the "
-                  "candidate is rejected", candidate[0], candidate[1], got, reference)
+        log.error("tuner_candidate_changed_output", knob=candidate[0], value=candidate[1],
+                  tokens=got, expected_tokens=reference,
+                  effect="rejected: placement must never change output, this is a bug")
         tuner.reject("changed the tokens of the check prompt")
 
 def tune(model: Model, knobs: list[Knob], workload: Workload, check_prompt: list[int], *,

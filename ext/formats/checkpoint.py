@@ -9,7 +9,9 @@ tensor name -> shard file name; an unsharded one is a single ``model.safetensors
 
 Conventions: every offset here is an *absolute* file offset in bytes (``8 + N + begin``),
 every size is in bytes. Data is little-endian, row-major, and loaded in its native dtype
-(bf16 stays ``ml_dtypes.bfloat16``; a little-endian host is assumed). We parse headers
+(bf16 stays ``ml_dtypes.bfloat16``, F8_E4M3 ``ml_dtypes.float8_e4m3fn``, F8_E8M0
+``ml_dtypes.float8_e8m0fnu``, U8 ``uint8``; a little-endian host is assumed). What the
+bytes of a quantised weight mean is ext/formats/quant.py's business. We parse headers
 ourselves, not with the safetensors library, because expert reads need byte ranges for
 direct ``preadv``. Everything is validated at open; errors are ``CheckpointError``
 subclasses whose message and ``.path`` / ``.tensor`` name the offending file and tensor.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import struct
@@ -31,16 +34,23 @@ import numpy as np
 
 from ext.formats.files import MetadataFileError, read_json
 
+log = logging.getLogger("moed.checkpoint")   # ext/ logs with the standard library: fields in extra=
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's bound on N
 # Bytes per element of every dtype we recognise (for range checks).
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 # The subset load() can return, little-endian as stored on disk.
 NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-                "BF16": np.dtype(ml_dtypes.bfloat16)}
+                "BF16": np.dtype(ml_dtypes.bfloat16),
+                "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+                "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+                "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8)}
+# Float dtypes the kernels compute with as they are (no scales).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -98,6 +108,19 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
 
+    def index(self, i: int) -> TensorInfo:
+        """Entry ``i`` of the leading axis as a tensor of its own (a byte range inside this one).
+
+        For tensors fused over experts ([E, ...], as GPT-OSS stores ``gate_up_proj_blocks``):
+        name ``f"{name}[{i}]"``, shape ``shape[1:]``, ``nbytes / shape[0]`` bytes at
+        ``offset + i * that``. Raises IndexError when ``i`` is not in ``[0, shape[0])``.
+        """
+        if not self.shape or not 0 <= i < self.shape[0]:
+            raise IndexError(f"{self.name}: index {i} outside the leading axis of {list(self.shape)}")
+        step = self.nbytes // self.shape[0]
+        return TensorInfo(name=f"{self.name}[{i}]", path=self.path, offset=self.offset + i * step,
+                          nbytes=step, dtype=self.dtype, shape=self.shape[1:])
+
     @property
     def numpy_dtype(self) -> np.dtype:
         """The numpy dtype ``load()`` returns; raises UnsupportedDtypeError if not loadable."""
@@ -154,6 +177,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     UTF-8 JSON object, bad entry), UnsupportedDtypeError (unknown dtype string),
     TensorRangeError (range backwards or != shape x dtype size), TensorOverlapError (two
     ranges overlap; names both), TruncatedFileError (file ends before the last tensor).
+    Bytes after the last tensor are ignored with a ``shard_trailing_bytes`` warning.
     """
     path = os.path.abspath(os.fspath(path))
     size = os.stat(path).st_size
@@ -195,7 +219,29 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     if last is not None and last.offset + last.nbytes > size:
         raise TruncatedFileError(f"file is {size} bytes but the tensor ends at byte "
                                  f"{last.offset + last.nbytes}", path=path, tensor=last.name)
+    data_end = data_start if last is None else max(data_start, last.offset + last.nbytes)
+    if data_end < size:
+        _warn_trailing(path, size, data_end, None if last is None else last.name)
     return tensors
+
+
+_warned_trailing: set[tuple[str, int, int]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_trailing(path: str, size: int, data_end: int, last: str | None) -> None:
+    """Bytes after the last tensor: the spec has none (the reference library refuses such
+    a file); moed reads the tensors and warns, once per file and size in a process."""
+    key = (path, size, data_end)
+    with _warned_lock:
+        if key in _warned_trailing:
+            return
+        _warned_trailing.add(key)
+    log.warning("shard_trailing_bytes", extra={
+        "path": path, "trailing_bytes": size - data_end, "data_end": data_end,
+        "file_bytes": size, "last_tensor": last,
+        "effect": "ignored; the safetensors spec allows no bytes after the last tensor "
+                  "(a copy that went wrong, or a different file?)"})
 
 
 def _read_header_checked(path: str) -> dict[str, TensorInfo]:
@@ -305,13 +351,19 @@ class Checkpoint:
         """Read tensor ``name`` into a new array.
 
         Returns a fresh, writable, C-contiguous array that owns its memory (the caller
-        owns it), shape ``info(name).shape`` and dtype F32 -> float32, F16 -> float16,
-        BF16 -> ml_dtypes.bfloat16, bytes copied verbatim with ``os.preadv``.
-        Raises MissingTensorError (unknown name), UnsupportedDtypeError (dtype not
-        loadable), TruncatedFileError (the file shrank since open), CheckpointError
-        (after ``close()``), OSError (read failure).
+        owns it), shape ``info(name).shape`` and the dtype of ``NUMPY_DTYPES`` (F32 ->
+        float32, F16 -> float16, BF16 -> ml_dtypes.bfloat16, F8_E4M3 ->
+        ml_dtypes.float8_e4m3fn, U8 -> uint8, ...), bytes copied verbatim with
+        ``os.preadv``. Raises MissingTensorError (unknown name), UnsupportedDtypeError
+        (dtype not loadable), TruncatedFileError (the file shrank since open),
+        CheckpointError (after ``close()``), OSError (read failure).
         """
-        info = self.info(name)
+        return self.read(self.info(name))
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """Read the bytes ``info`` describes (a tensor, or a range of one from
+        ``TensorInfo.index``) into a new array; as ``load``."""
+        name = info.name
         out = np.empty(info.shape, dtype=info.numpy_dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))  # [nbytes], aliases out
         fd = self._fd(info.path) if info.nbytes else -1

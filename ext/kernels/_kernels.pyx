@@ -8,22 +8,58 @@ Design:
   fixed by the shapes alone (see `_kernels_impl.h`). So results are bit-identical
   for any `n_threads`, any alignment of the weight buffer, and any batch size;
   placement may change speed, never output.
-- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) and stay in that format;
-  they are dequantised on the fly and accumulated in f32. Activations, the KV
-  cache and routing are f32.
+- Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) arrays or block-quantised
+  (`QuantizedWeight`, below) and stay in that format; they are dequantised on the
+  fly and accumulated in f32. Activations, the KV cache and routing are f32 (never
+  quantised).
 - Outputs are allocated by the caller and written in full. The thin Python
   wrappers validate shape, dtype and C-contiguity and raise `ValueError`;
-  nothing inside `nogil` raises or allocates (except the small pointer tables of
-  `expert_ffn`).
+  nothing inside `nogil` raises or allocates (`expert_ffn` fills its table of
+  weight descriptors before it releases the GIL).
+- The SIMD path is chosen at compile time (`build_info()` says which: "avx512",
+  "avx2" or "portable"); every path gives the same bits.
 
 Shape legend: T tokens, H hidden_size, R rows of a weight, C columns, E
 num_experts, K top_k, N token-expert pairs, I expert intermediate_size,
 nH attention heads, nKV key/value heads, D head_dim, S KV-cache capacity.
+
+Block-quantised weights (`QuantizedWeight`, C helpers in `_quant_impl.h`):
+- Every weight-taking kernel (`matmul`, `expert_ffn`, `dequantize_rows`,
+  `dequantize`) accepts a `QuantizedWeight` wherever it accepts an f32/f16/bf16
+  array; the caller's code does not change. Logical shape [R, C] =
+  [out_features, in_features]. Formats (`fmt`):
+    "fp8_e4m3"  codes uint8 [R, C] (or ml_dtypes.float8_e4m3fn) holding
+                float8_e4m3fn bytes; scales [ceil(R/br), ceil(C/bc)] float32,
+                bfloat16 or uint8 UE8M0 (2^(s-127)), one per (br, bc) block
+                (`block_size`, the config's `weight_block_size`; the last block
+                of each direction may be partial). value = fp8 * scale of its
+                block (DeepSeek-V3's `weight` / `weight_scale_inv`).
+    "mxfp4"     codes uint8 [R, C/32, 16], two E2M1 values per byte (element 2i
+                in the low nibble of byte i, 2i+1 in the high nibble); scales
+                uint8 E8M0 [R, C/32]. value = e2m1 * 2^(s-127) (OCP Microscaling
+                Formats v1.0; GPT-OSS's `*_blocks` / `*_scales`).
+    "int8"      codes int8 [R, C]; scales float16 [R, C/g], one per g
+                consecutive inputs. value = code * scale.
+    "int4"      codes uint8 [R, C/2], nibble order as MXFP4; scales float16
+                [R, C/g]; optional mins float16 [R, C/g]. value = code * scale +
+                min, or (code - 8) * scale without mins.
+  g is a multiple of 32 (moed's repack uses 32, 64 or 128).
+- Dequantisation is exact (the f32 value numpy computes from the definition
+  above) and a quantised row is reduced exactly like the dense row of its
+  dequantised values: fp8/int8 like f32, mxfp4/int4 like bf16 (see
+  `_quant_impl.h`). So `matmul(q, x)` is bit-equal to `matmul(dequantize(q), x)`
+  for fp8/int8 and to `matmul(dequantize(q).astype(bfloat16), x)` for mxfp4
+  (E2M1 x 2^k is exact in bf16), on every SIMD path.
+- Values are not checked per call: NaN, inf or negative scales and E8M0 255 are
+  refused by the loader; the kernels compute with what the bytes say (NaN codes
+  and E8M0 255 give NaN).
+- Mat-mat (T > 1) decodes a tile of weights once for up to 8 tokens; each token's
+  row is still bit-equal to its mat-vec.
 """
 cimport cython
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, sqrtf, INFINITY
-from libc.stdint cimport uint16_t, int32_t, int64_t, uintptr_t
+from libc.stdint cimport uint16_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 
 import numpy as np
@@ -42,9 +78,10 @@ cdef extern from "_kernels_impl.h" nogil:
     int MOED_ROWS
     void moed_dot_rows(int dtype, const char *w, size_t ldw, int nrows, const float *x,
                        Py_ssize_t n, float *out)
-    void moed_dequant_row(int dtype, const void *w, float *out, Py_ssize_t n)
     void moed_axpy(float a, const float *x, float *y, Py_ssize_t n)
+    void moed_axpy_w(int dtype, float a, const void *w, float *y, Py_ssize_t n)
     float moed_silu(float g)
+    float moed_clamped_swiglu(float g, float u, float alpha, float limit)
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16 = np.dtype(np.float16)
@@ -81,7 +118,8 @@ cdef int _wcode(cnp.ndarray a, str name) except -1:
         return MOED_F16
     if dt == _F32:
         return MOED_F32
-    raise ValueError(f"{name}: unsupported weight dtype {dt} (f32, f16, bf16)")
+    raise ValueError(f"{name}: unsupported weight dtype {dt} (f32, f16, bf16; "
+                     "quantised codes go in a QuantizedWeight)")
 
 
 cdef inline void _need_c(cnp.ndarray a, str name) except *:
@@ -117,39 +155,53 @@ cdef inline int _threads_for(Py_ssize_t work, int n_threads) noexcept nogil:
     return n_threads if work >= MIN_PARALLEL_WORK else 1
 
 
+include "_weights.pxi"
+
+
 # ------------------------------------------------------------------- matmul
 
-cdef inline void _matmul_rows(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
-                              const float *x, Py_ssize_t T, float *out,
-                              Py_ssize_t g) noexcept nogil:
+cdef inline void _matmul_rows(const moed_weight *w, const float *x, Py_ssize_t T,
+                              float *out, Py_ssize_t g, int simd) noexcept nogil:
     """out[t, r] = w_r . x[t] for the rows r of group g (MOED_ROWS rows) and t < T.
 
     The group's rows stay in cache while the T tokens pass over them."""
-    cdef float o[8]
-    cdef size_t row_bytes = C * moed_dtype_size(code)
-    cdef Py_ssize_t r0 = g * MOED_ROWS, t, q
-    cdef int nr = <int>(R - r0) if R - r0 < MOED_ROWS else MOED_ROWS
-    for t in range(T):
-        moed_dot_rows(code, w + r0 * row_bytes, row_bytes, nr, x + t * C, C, o)
-        for q in range(nr):
-            out[t * R + r0 + q] = o[q]
+    cdef Py_ssize_t r0 = g * MOED_ROWS
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    moed_w_matmul_rows(w, r0, nr, x, T, out + r0, w.rows, simd)
 
 
-cdef void _matmul(int code, const char *w, Py_ssize_t R, Py_ssize_t C,
-                  const float *x, Py_ssize_t T, float *out,
-                  int n_threads) noexcept nogil:
+cdef void _matmul(const moed_weight *w, const float *x, Py_ssize_t T, float *out,
+                  int n_threads, int simd) noexcept nogil:
     cdef Py_ssize_t g
-    for g in prange((R + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
+    for g in prange((w.rows + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
                     schedule="static"):
-        _matmul_rows(code, w, R, C, x, T, out, g)
+        _matmul_rows(w, x, T, out, g, simd)
 
 
-def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, int simd):
+    cdef moed_weight d
+    _describe(w, "w", &d)
+    _need_f32(x, "x", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_threads(n_threads)
+    cdef Py_ssize_t R = d.rows, C = d.cols, T = x.shape[0]
+    if x.shape[1] != C:
+        raise ValueError(f"x: shape {_shape(x)} does not match w {(R, C)}")
+    if out.shape[0] != T or out.shape[1] != R:
+        raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {R})")
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    with nogil:
+        _matmul(&d, xp, T, op, _threads_for(R * C * T, n_threads), simd)
+
+
+def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     """out = x @ w.T with w dequantised on the fly.
 
     Args:
-        w: [R, C] float32, float16 or bfloat16, C-contiguous (may be read-only,
-            e.g. a memory map; any alignment).
+        w: [R, C] float32, float16 or bfloat16 array, C-contiguous (may be
+            read-only, e.g. a memory map; any alignment), or a QuantizedWeight.
         x: [T, C] float32, C-contiguous.
         out: [T, R] float32, C-contiguous, writable; fully overwritten.
         n_threads: OpenMP threads (rows are split between them).
@@ -157,44 +209,154 @@ def matmul(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
     Row t of `out` is bit-equal whatever T is (mat-mat rows equal mat-vec).
     Raises ValueError on a shape, dtype or contiguity mismatch.
     """
-    cdef int code = _wcode(w, "w")
-    _need_c(w, "w")
-    _need_f32(x, "x", 2)
+    _matmul_checked(w, x, out, n_threads, 1)
+
+
+def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+    """`matmul` on the portable reference path of the quantised formats (what a
+    MOED_PORTABLE=1 build runs), for tests that compare the SIMD path with it."""
+    _matmul_checked(w, x, out, n_threads, 0)
+
+
+def dequantize(object w, cnp.ndarray out=None, int n_threads=1):
+    """The float32 values [R, C] of a weight: exactly what the kernels multiply by.
+
+    Args:
+        w: a QuantizedWeight or a float32/float16/bfloat16 [R, C] array.
+        out: optional [R, C] float32, C-contiguous, writable; allocated if None.
+        n_threads: OpenMP threads (rows are split between them).
+    Returns `out`. Raises ValueError on a bad weight or `out`.
+    """
+    cdef moed_weight d
+    _describe(w, "w", &d)
+    _need_threads(n_threads)
+    if out is None:
+        out = np.empty((d.rows, d.cols), np.float32)
     _need_f32(out, "out", 2)
     _need_writable(out, "out")
+    if out.shape[0] != d.rows or out.shape[1] != d.cols:
+        raise ValueError(f"out: shape {_shape(out)}, expected {(d.rows, d.cols)}")
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t g, r0
+    cdef int nr
+    for g in prange((d.rows + MOED_ROWS - 1) // MOED_ROWS, nogil=True, schedule="static",
+                    num_threads=_threads_for(d.rows * d.cols, n_threads)):
+        r0 = g * MOED_ROWS
+        nr = <int>(d.rows - r0) if d.rows - r0 < MOED_ROWS else MOED_ROWS
+        moed_w_dequant_rows(&d, r0, nr, op + r0 * d.cols, d.cols)
+    return out
+
+
+cdef void _head_rows(const moed_weight *w, Py_ssize_t r0, Py_ssize_t nr, const float *x,
+                     Py_ssize_t x_stride, Py_ssize_t T, float *out, Py_ssize_t out_stride,
+                     int simd) noexcept nogil:
+    """out[t * out_stride + q] = w_{r0+q} . x[t * x_stride] for q < min(nr, MOED_ROWS)
+    and t < T (each row reduced as `matmul` reduces it)."""
+    cdef float o[8]
+    cdef Py_ssize_t t, q
+    if nr > MOED_ROWS:
+        nr = MOED_ROWS
+    for t in range(T):
+        moed_w_dot_rows(w, r0, <int>nr, x + t * x_stride, o, simd)
+        for q in range(nr):
+            out[t * out_stride + q] = o[q]
+
+
+cdef enum:
+    AXPY_CHUNK = 256     # dequantised values per step of a transposed product
+
+
+cdef void _head_rows_t(const moed_weight *w, Py_ssize_t r0, Py_ssize_t rows, const float *x,
+                       float *out) noexcept nogil:
+    """out[j] = sum over r < rows, in order, of x[r] * w[r0 + r, j] (one f32 add per
+    row and output; dense rows are read in place, quantised ones dequantised first —
+    exactly, so the sum is the same)."""
+    cdef Py_ssize_t C = w.cols, r, j, n
+    cdef float buf[AXPY_CHUNK]
+    for j in range(C):
+        out[j] = 0.0
+    for r in range(rows):
+        if w.fmt == MOED_F32 or w.fmt == MOED_F16 or w.fmt == MOED_BF16:
+            moed_axpy_w(w.fmt, x[r], w.codes + (r0 + r) * w.row_bytes, out, C)
+        else:
+            j = 0
+            while j < C:
+                n = C - j if C - j < AXPY_CHUNK else AXPY_CHUNK
+                moed_w_dequant(w, r0 + r, j, n, buf)
+                moed_axpy(x[r], buf, out + j, n)
+                j = j + n
+
+
+def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
+                 cnp.ndarray out, bint transpose, int n_threads=1):
+    """Per-head products with one row block of each head's rows of a weight.
+
+    w holds nH equal groups of G = R / nH consecutive rows; head h uses the block
+    W_h = w[h*G + row0 : h*G + row0 + rows] ([rows, C]). For each token t:
+        transpose False: out[t, h] = W_h @ x[t, h]      (x [T, nH, C], out [T, nH, rows])
+        transpose True:  out[t, h] = W_h.T @ x[t, h]    (x [T, nH, rows], out [T, nH, C])
+    The first reduces each output as `matmul` does; the second sums the block's rows
+    in order (r = 0, 1, ..., rows-1, one f32 add per row). Used by MLA to fold
+    kv_b_proj's key rows into the query and its value rows into the output.
+
+    Args:
+        w: [R, C] float32/float16/bfloat16 array, C-contiguous, or a QuantizedWeight;
+            R a multiple of nH.
+        row0, rows: the block within each head's group, row0 + rows <= G.
+        x, out: float32 C-contiguous as above; out is overwritten.
+    Raises ValueError on a shape, dtype or contiguity mismatch.
+    """
+    cdef moed_weight d
+    _describe(w, "w", &d)
+    _need_f32(x, "x", 3)
+    _need_f32(out, "out", 3)
+    _need_writable(out, "out")
     _need_threads(n_threads)
-    if w.ndim != 2:
-        raise ValueError(f"w: expected 2 dimensions, got shape {_shape(w)}")
-    cdef Py_ssize_t R = w.shape[0], C = w.shape[1], T = x.shape[0]
-    if x.shape[1] != C:
-        raise ValueError(f"x: shape {_shape(x)} does not match w {_shape(w)}")
-    if out.shape[0] != T or out.shape[1] != R:
-        raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {R})")
-    cdef const char *wp = <const char *>cnp.PyArray_DATA(w)
+    cdef Py_ssize_t T = x.shape[0], NH = x.shape[1], R = d.rows, C = d.cols
+    if NH == 0 or R % NH:
+        raise ValueError(f"matmul_heads: {R} weight rows are not {NH} equal head groups")
+    cdef Py_ssize_t G = R // NH
+    if row0 < 0 or rows < 1 or row0 + rows > G:
+        raise ValueError(f"matmul_heads: rows {row0}..{row0 + rows} outside a head's {G}")
+    cdef Py_ssize_t cin = rows if transpose else C, cout = C if transpose else rows
+    if x.shape[2] != cin or out.shape[0] != T or out.shape[1] != NH or out.shape[2] != cout:
+        raise ValueError(f"matmul_heads: w {(R, C)}, x {_shape(x)}, out {_shape(out)}, "
+                         f"rows {rows}, transpose {bool(transpose)}")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    with nogil:
-        _matmul(code, wp, R, C, xp, T, op, _threads_for(R * C * T, n_threads))
+    cdef Py_ssize_t ngroups = (rows + MOED_ROWS - 1) // MOED_ROWS
+    cdef Py_ssize_t f, h, g, t
+    n_threads = _threads_for(T * NH * rows * C, n_threads)
+    if not transpose:
+        for f in prange(NH * ngroups, nogil=True, num_threads=n_threads, schedule="static"):
+            h = f // ngroups
+            g = f % ngroups
+            _head_rows(&d, h * G + row0 + g * MOED_ROWS, rows - g * MOED_ROWS, xp + h * C,
+                       NH * C, T, op + h * rows + g * MOED_ROWS, NH * rows, 1)
+    else:
+        for f in prange(NH * T, nogil=True, num_threads=n_threads, schedule="static"):
+            h = f % NH
+            t = f // NH
+            _head_rows_t(&d, h * G + row0, rows, xp + (t * NH + h) * rows,
+                         op + (t * NH + h) * C)
 
 
-def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
+def dequantize_rows(object w, cnp.ndarray ids, cnp.ndarray out):
     """out[t] = f32(w[ids[t]]): embedding lookup.
 
     Args:
-        w: [V, H] float32/float16/bfloat16, C-contiguous.
+        w: [V, H] float32/float16/bfloat16, C-contiguous, or a QuantizedWeight.
         ids: [T] int64 row indices, each in [0, V).
         out: [T, H] float32, writable.
     Raises ValueError on shape/dtype mismatch or an id out of range.
     """
-    cdef int code = _wcode(w, "w")
-    _need_c(w, "w")
+    cdef moed_weight d
+    _describe(w, "w", &d)
     _need_f32(out, "out", 2)
     _need_writable(out, "out")
-    if w.ndim != 2:
-        raise ValueError(f"w: expected 2 dimensions, got shape {_shape(w)}")
     if ids.dtype != np.int64 or ids.ndim != 1:
         raise ValueError("ids: expected a 1-D int64 array")
-    cdef Py_ssize_t V = w.shape[0], H = w.shape[1], T = ids.shape[0]
+    cdef Py_ssize_t V = d.rows, H = d.cols, T = ids.shape[0]
     if out.shape[0] != T or out.shape[1] != H:
         raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {H})")
     cdef const int64_t[::1] idv = ids
@@ -202,12 +364,10 @@ def dequantize_rows(cnp.ndarray w, cnp.ndarray ids, cnp.ndarray out):
     for t in range(T):
         if idv[t] < 0 or idv[t] >= V:
             raise ValueError(f"token id {idv[t]} out of range [0, {V})")
-    cdef const char *wp = <const char *>cnp.PyArray_DATA(w)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef size_t row_bytes = H * moed_dtype_size(code)
     with nogil:
         for t in range(T):
-            moed_dequant_row(code, wp + idv[t] * row_bytes, op + t * H, H)
+            moed_w_dequant(&d, idv[t], 0, H, op + t * H)
 
 
 # ------------------------------------------------------------------ rmsnorm
@@ -245,76 +405,116 @@ def rmsnorm(cnp.ndarray x, cnp.ndarray weight, float eps, cnp.ndarray out,
 
 # --------------------------------------------------------------------- rope
 
-def rope(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin):
-    """Rotary position embedding in place, rotate-half layout (GPT-NeoX / HF).
+cdef enum:
+    MAX_ROPE_DIM = 1024   # rotated dims per head the interleaved layout can take
 
-    For each token t, head h and i < D/2:
-        x'[i]       = x[i] * cos[t, i] - x[i + D/2] * sin[t, i]
-        x'[i + D/2] = x[i + D/2] * cos[t, i] + x[i] * sin[t, i]
-    as transformers' `apply_rotary_pos_emb` with `rotate_half`.
+
+def rope(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, Py_ssize_t offset=0,
+         bint interleaved=False):
+    """Rotary position embedding in place on dims offset..offset+R-1 of each head
+    (R = 2 * cos.shape[1]); the other dims are left as they are.
+
+    Rotate-half layout (GPT-NeoX / HF), for each token t, head h and i < R/2, with
+    x = the head's rotated dims:
+        x'[i]       = x[i] * cos[t, i] - x[i + R/2] * sin[t, i]
+        x'[i + R/2] = x[i + R/2] * cos[t, i] + x[i] * sin[t, i]
+    as transformers' `apply_rotary_pos_emb` with `rotate_half` (on the first R dims
+    when rotary dims are partial, GLM-4.5). `interleaved`: the pairs are (x[2i],
+    x[2i + 1]) and the result is written in the rotate-half layout,
+        x'[i] = x[2i] cos - x[2i+1] sin,  x'[i + R/2] = x[2i+1] cos + x[2i] sin,
+    as DeepSeek-V3's `apply_rotary_pos_emb_interleave` (`rope_interleave`).
 
     Args:
         x: [T, nHeads, D] float32, modified in place.
-        cos, sin: [T, D/2] float32 (angles = position * inv_freq).
+        cos, sin: [T, R/2] float32 (angles = position * inv_freq, times any
+            attention factor); offset + R <= D, D even.
+        offset: first rotated dim of each head.
+        interleaved: the DeepSeek pair layout (R <= 1024).
     """
     _need_f32(x, "x", 3)
     _need_f32(cos, "cos", 2)
     _need_f32(sin, "sin", 2)
     _need_writable(x, "x")
-    cdef Py_ssize_t T = x.shape[0], NH = x.shape[1], D = x.shape[2], half = D // 2
-    if D % 2 or cos.shape[0] != T or cos.shape[1] != half or sin.shape[0] != T \
-            or sin.shape[1] != half:
-        raise ValueError(f"rope: x {_shape(x)}, cos {_shape(cos)}, sin {_shape(sin)}")
+    cdef Py_ssize_t T = x.shape[0], NH = x.shape[1], D = x.shape[2], half = cos.shape[1]
+    if offset < 0 or offset + 2 * half > D or half == 0 or cos.shape[0] != T \
+            or _shape(sin) != _shape(cos) or D % 2:
+        raise ValueError(f"rope: x {_shape(x)}, cos {_shape(cos)}, sin {_shape(sin)}, offset {offset}")
+    if interleaved and 2 * half > MAX_ROPE_DIM:
+        raise ValueError(f"rope: {2 * half} interleaved dims exceed {MAX_ROPE_DIM}")
     cdef float *xp = <float *>cnp.PyArray_DATA(x)
     cdef const float *cp = <const float *>cnp.PyArray_DATA(cos)
     cdef const float *sp = <const float *>cnp.PyArray_DATA(sin)
     cdef Py_ssize_t t, h, i
-    cdef float a, b, c, s
+    cdef float a, b, c, sn
     cdef float *row
+    cdef float pairs[MAX_ROPE_DIM]
     with nogil:
         for t in range(T):
             for h in range(NH):
-                row = xp + (t * NH + h) * D
+                row = xp + (t * NH + h) * D + offset
+                if interleaved:
+                    for i in range(2 * half):
+                        pairs[i] = row[i]
                 for i in range(half):
-                    a = row[i]
-                    b = row[i + half]
+                    if interleaved:
+                        a = pairs[2 * i]
+                        b = pairs[2 * i + 1]
+                    else:
+                        a = row[i]
+                        b = row[i + half]
                     c = cp[t * half + i]
-                    s = sp[t * half + i]
-                    row[i] = a * c - b * s
-                    row[i + half] = b * c + a * s
+                    sn = sp[t * half + i]
+                    row[i] = a * c - b * sn
+                    row[i + half] = b * c + a * sn
 
 
 # ---------------------------------------------------------------- attention
 
-cdef void _attend_one(const float *q, const float *k, const float *v,
-                      Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t D, float scale,
-                      float *scores, float *out) noexcept nogil:
-    """Softmax attention of one query over keys lo..hi-1 (inclusive of lo)."""
+cdef void _attend_one(const float *q, const float *k, Py_ssize_t ks, const float *v,
+                      Py_ssize_t vs, Py_ssize_t Dk, Py_ssize_t Dv, Py_ssize_t lo,
+                      Py_ssize_t hi, float scale, const float *sink, float *scores,
+                      float *out) noexcept nogil:
+    """Softmax attention of one query over keys lo..hi-1: key s at k + s*ks (Dk dims),
+    value s at v + s*vs (Dv dims). `sink` (or NULL): a logit that joins the softmax's
+    denominator and adds no value (GPT-OSS's attention sinks)."""
     cdef Py_ssize_t s, d
     cdef float m = -INFINITY, total = 0.0, p
     for s in range(lo, hi):
-        scores[s] = moed_dot(MOED_F32, q, k + s * D, D) * scale
+        scores[s] = moed_dot(MOED_F32, q, k + s * ks, Dk) * scale
         if scores[s] > m:
             m = scores[s]
+    if sink != NULL and sink[0] > m:
+        m = sink[0]
     for s in range(lo, hi):
         scores[s] = expf(scores[s] - m)
         total = total + scores[s]
-    for d in range(D):
+    if sink != NULL:
+        total = total + expf(sink[0] - m)
+    for d in range(Dv):
         out[d] = 0.0
     for s in range(lo, hi):
         p = scores[s] / total
-        moed_axpy(p, v + s * D, out, D)
+        moed_axpy(p, v + s * vs, out, Dv)
+
+
+cdef inline void _need_scratch(cnp.ndarray scratch, int n_threads, Py_ssize_t S) except *:
+    _need_f32(scratch, "scratch", 2)
+    _need_writable(scratch, "scratch")
+    if scratch.shape[0] < n_threads or scratch.shape[1] < S:
+        raise ValueError(f"attention: scratch {_shape(scratch)} < ({n_threads}, {S})")
 
 
 def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
               Py_ssize_t pos0, Py_ssize_t window, float scale, cnp.ndarray out,
-              cnp.ndarray scratch, int n_threads=1):
+              cnp.ndarray scratch, int n_threads=1, cnp.ndarray sinks=None):
     """Causal (optionally sliding-window) attention of T queries over the cache.
 
     Query t sits at absolute position pos0 + t and attends to cached positions
     p with max(0, pos0 + t - window + 1) <= p <= pos0 + t (window <= 0: no
     window) — transformers' sliding mask keeps kv_idx > q_idx - sliding_window.
     Query head h reads key/value head h // (nH / nKV) (grouped-query attention).
+    With `sinks`, head h's softmax denominator also holds exp(sinks[h]) (GPT-OSS:
+    transformers' eager attention concatenates the sink logit and drops its column).
     Work is split over (token, head) pairs; each output is reduced in one place.
 
     Args:
@@ -324,15 +524,14 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
         scale: score multiplier (1/sqrt(D) in every family here).
         out: [T, nH, D] float32, writable.
         scratch: [n_threads, S] float32 scores buffer, owned by the caller.
+        sinks: None, or [nH] float32 sink logits.
     Raises ValueError on shape mismatch or if pos0 + T exceeds S.
     """
     _need_f32(q, "q", 3)
     _need_f32(k_cache, "k_cache", 3)
     _need_f32(v_cache, "v_cache", 3)
     _need_f32(out, "out", 3)
-    _need_f32(scratch, "scratch", 2)
     _need_writable(out, "out")
-    _need_writable(scratch, "scratch")
     _need_threads(n_threads)
     cdef Py_ssize_t T = q.shape[0], NH = q.shape[1], D = q.shape[2]
     cdef Py_ssize_t NKV = k_cache.shape[0], S = k_cache.shape[1]
@@ -344,8 +543,13 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
         raise ValueError(f"attention: out {_shape(out)} != q {_shape(q)}")
     if pos0 < 0 or pos0 + T > S:
         raise ValueError(f"attention: positions {pos0}..{pos0 + T} exceed cache {S}")
-    if scratch.shape[0] < n_threads or scratch.shape[1] < S:
-        raise ValueError(f"attention: scratch {_shape(scratch)} < ({n_threads}, {S})")
+    _need_scratch(scratch, n_threads, S)
+    cdef const float *sinkp = NULL
+    if sinks is not None:
+        _need_f32(sinks, "sinks", 1)
+        if sinks.shape[0] != NH:
+            raise ValueError(f"sinks: shape {_shape(sinks)}, expected ({NH},)")
+        sinkp = <const float *>cnp.PyArray_DATA(sinks)
     cdef const float *qp = <const float *>cnp.PyArray_DATA(q)
     cdef const float *kp = <const float *>cnp.PyArray_DATA(k_cache)
     cdef const float *vp = <const float *>cnp.PyArray_DATA(v_cache)
@@ -363,11 +567,76 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
         lo = 0
         if window > 0 and p - window + 1 > 0:
             lo = p - window + 1
-        _attend_one(qp + f * D, kp + kvh * S * D, vp + kvh * S * D, lo, p + 1, D,
-                    scale, sp + threadid() * sstride, op + f * D)
+        _attend_one(qp + f * D, kp + kvh * S * D, D, vp + kvh * S * D, D, D, D, lo, p + 1,
+                    scale, (sinkp + h) if sinkp != NULL else NULL,
+                    sp + threadid() * sstride, op + f * D)
+
+
+def latent_attention(cnp.ndarray q, cnp.ndarray cache, Py_ssize_t pos0, float scale,
+                     cnp.ndarray out, cnp.ndarray scratch, int n_threads=1):
+    """Causal attention of T queries over a compressed (MLA) cache, without expanding it.
+
+    Every head shares one key per position, cache[p] = [latent c_p (Dv dims) | rotary
+    key (Dk - Dv dims)], and one value, c_p itself. With the query already folded
+    through kv_b_proj's key rows (q = [W_UK^T q_nope | q_rope], DeepSeek-V2 §2.1.2),
+    the score q . cache[p] equals transformers' q_nope . k_nope + q_rope . k_rope, and
+    out[t, h] = sum_p softmax_p * c_p is the latent the caller unfolds through the
+    value rows. Query t sits at position pos0 + t and sees p <= pos0 + t. Work is
+    split over (token, head) pairs; each output is reduced in one place.
+
+    Args:
+        q: [T, nH, Dk] float32.
+        cache: [S, Dk] float32; positions < pos0 + T filled.
+        scale: score multiplier (1/sqrt(qk_head_dim), times YaRN's mscale^2).
+        out: [T, nH, Dv] float32, writable (Dv < Dk: the latent dims).
+        scratch: [n_threads, S] float32 scores buffer, owned by the caller.
+    Raises ValueError on shape mismatch or if pos0 + T exceeds S.
+    """
+    _need_f32(q, "q", 3)
+    _need_f32(cache, "cache", 2)
+    _need_f32(out, "out", 3)
+    _need_writable(out, "out")
+    _need_threads(n_threads)
+    cdef Py_ssize_t T = q.shape[0], NH = q.shape[1], Dk = q.shape[2]
+    cdef Py_ssize_t S = cache.shape[0], Dv = out.shape[2]
+    if cache.shape[1] != Dk or out.shape[0] != T or out.shape[1] != NH or not 0 < Dv <= Dk:
+        raise ValueError(f"latent_attention: q {_shape(q)}, cache {_shape(cache)}, out {_shape(out)}")
+    if pos0 < 0 or pos0 + T > S:
+        raise ValueError(f"latent_attention: positions {pos0}..{pos0 + T} exceed cache {S}")
+    _need_scratch(scratch, n_threads, S)
+    cdef const float *qp = <const float *>cnp.PyArray_DATA(q)
+    cdef const float *cp = <const float *>cnp.PyArray_DATA(cache)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef float *sp = <float *>cnp.PyArray_DATA(scratch)
+    cdef Py_ssize_t sstride = scratch.shape[1]
+    cdef Py_ssize_t f, t
+    n_threads = _threads_for(T * NH * (pos0 + T) * (Dk + Dv), n_threads)
+    for f in prange(T * NH, nogil=True, num_threads=n_threads, schedule="static"):
+        t = f // NH
+        _attend_one(qp + f * Dk, cp, Dk, cp, Dk, Dk, Dv, 0, pos0 + t + 1, scale, NULL,
+                    sp + threadid() * sstride, op + f * Dv)
 
 
 # ------------------------------------------------------------------ routing
+
+cdef inline void _need_routing_out(cnp.ndarray router_logits, int top_k, cnp.ndarray ids,
+                                   cnp.ndarray weights) except *:
+    _need_f32(router_logits, "router_logits", 2)
+    _need_f32(weights, "weights", 2)
+    if ids.dtype != np.int32 or ids.ndim != 2:
+        raise ValueError("ids: expected a 2-D int32 array")
+    _need_c(ids, "ids")
+    cdef Py_ssize_t T = router_logits.shape[0], E = router_logits.shape[1]
+    if top_k < 1 or top_k > E:
+        raise ValueError(f"top_k {top_k} not in [1, {E}]")
+    _need_writable(ids, "ids")
+    _need_writable(weights, "weights")
+    if not np.isfinite(router_logits).all():
+        raise ValueError("router_logits contain NaN or inf")
+    if ids.shape[0] != T or ids.shape[1] != top_k or weights.shape[0] != T \
+            or weights.shape[1] != top_k:
+        raise ValueError(f"route: ids {_shape(ids)}, weights {_shape(weights)}, expected ({T}, {top_k})")
+
 
 def route(cnp.ndarray router_logits, int top_k, bint renormalize,
           cnp.ndarray ids, cnp.ndarray weights):
@@ -384,21 +653,8 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
         ids: [T, K] int32 output, experts in rank order.
         weights: [T, K] float32 output.
     """
-    _need_f32(router_logits, "router_logits", 2)
-    _need_f32(weights, "weights", 2)
-    if ids.dtype != np.int32 or ids.ndim != 2:
-        raise ValueError("ids: expected a 2-D int32 array")
-    _need_c(ids, "ids")
+    _need_routing_out(router_logits, top_k, ids, weights)
     cdef Py_ssize_t T = router_logits.shape[0], E = router_logits.shape[1]
-    if top_k < 1 or top_k > E:
-        raise ValueError(f"top_k {top_k} not in [1, {E}]")
-    _need_writable(ids, "ids")
-    _need_writable(weights, "weights")
-    if not np.isfinite(router_logits).all():
-        raise ValueError("router_logits contain NaN or inf")
-    if ids.shape[0] != T or ids.shape[1] != top_k or weights.shape[0] != T \
-            or weights.shape[1] != top_k:
-        raise ValueError(f"route: ids {_shape(ids)}, weights {_shape(weights)}, expected ({T}, {top_k})")
     cdef float[:, ::1] probs = np.empty((T, E), dtype=np.float32)
     cdef const float[:, ::1] lg = router_logits
     cdef int32_t[:, ::1] idv = ids
@@ -435,23 +691,193 @@ def route(cnp.ndarray router_logits, int top_k, bint renormalize,
                     wv[t, r] = wv[t, r] / total
 
 
+cdef inline float _sigmoid(float x) noexcept nogil:
+    return <float>1.0 / (<float>1.0 + expf(-x))
+
+
+cdef inline Py_ssize_t _argmax(const float *v, Py_ssize_t n) noexcept nogil:
+    """Index of the largest of v[0..n-1] (-inf allowed), the lowest index on a tie."""
+    cdef Py_ssize_t e, best = -1
+    cdef float bv = -INFINITY
+    for e in range(n):
+        if v[e] > bv or (best < 0 and v[e] >= bv):
+            bv = v[e]
+            best = e
+    return best
+
+
+def route_grouped(cnp.ndarray router_logits, cnp.ndarray correction_bias, int n_group,
+                  int topk_group, int top_k, bint renormalize, float scaling,
+                  cnp.ndarray ids, cnp.ndarray weights):
+    """Sigmoid routing with a selection-only correction bias and group-limited choice.
+
+    Per token: s = sigmoid(router_logits) in f32; the choice score c = s +
+    correction_bias decides *which* experts, never their weights. The experts form
+    n_group equal groups of consecutive ids; each group is ranked by the sum of its
+    two best choice scores, the topk_group best groups are kept (all of them when
+    topk_group == n_group), and the top_k largest c among their experts are chosen
+    in descending order. Their weights are the unbiased s, divided by (their sum +
+    1e-20) when `renormalize` (HF `norm_topk_prob`), then times `scaling`
+    (`routed_scaling_factor`). Ties (of groups or experts) go to the lower id.
+    Source: transformers' DeepseekV3TopkRouter / Glm4MoeTopkRouter (`noaux_tc`).
+
+    Args:
+        router_logits: [T, E] float32.
+        correction_bias: [E] float32 (`e_score_correction_bias`).
+        n_group, topk_group: `n_group` divides E; 1 <= topk_group <= n_group; groups
+            of at least 2 experts when some are dropped.
+        ids: [T, K] int32 output, experts in rank order. weights: [T, K] float32 output.
+    Raises ValueError on shapes, NaN/inf logits, or a grouping that cannot hold top_k.
+    """
+    _need_routing_out(router_logits, top_k, ids, weights)
+    _need_f32(correction_bias, "correction_bias", 1)
+    cdef Py_ssize_t T = router_logits.shape[0], E = router_logits.shape[1]
+    if correction_bias.shape[0] != E:
+        raise ValueError(f"correction_bias: shape {_shape(correction_bias)}, expected ({E},)")
+    if not np.isfinite(correction_bias).all():
+        raise ValueError("correction_bias contains NaN or inf")
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"route_grouped: {E} experts, n_group {n_group}, topk_group {topk_group}")
+    cdef Py_ssize_t G = E // n_group
+    if topk_group < n_group and G < 2:
+        raise ValueError(f"route_grouped: groups of {G} expert(s) cannot be ranked by their top 2")
+    if top_k > topk_group * G:
+        raise ValueError(f"route_grouped: top_k {top_k} exceeds the {topk_group * G} experts "
+                         f"of {topk_group} groups")
+    cdef float[:, ::1] choice = np.empty((T, E), dtype=np.float32)
+    cdef float[::1] gscore = np.empty(n_group, dtype=np.float32)
+    cdef unsigned char[::1] keep = np.empty(n_group, dtype=np.uint8)
+    cdef const float[:, ::1] lg = router_logits
+    cdef const float[::1] bias = correction_bias
+    cdef int32_t[:, ::1] idv = ids
+    cdef float[:, ::1] wv = weights
+    cdef Py_ssize_t t, e, r, g, best, first
+    cdef float a1, a2, v, total
+    with nogil:
+        for t in range(T):
+            for e in range(E):
+                choice[t, e] = _sigmoid(lg[t, e]) + bias[e]
+            if topk_group < n_group:
+                for g in range(n_group):                 # top-2 sum per group
+                    a1 = -INFINITY
+                    a2 = -INFINITY
+                    for e in range(g * G, (g + 1) * G):
+                        v = choice[t, e]
+                        if v > a1:
+                            a2 = a1
+                            a1 = v
+                        elif v > a2:
+                            a2 = v
+                    gscore[g] = a1 + a2
+                for g in range(n_group):
+                    keep[g] = 0
+                for r in range(topk_group):              # keep the best groups
+                    best = _argmax(&gscore[0], n_group)
+                    keep[best] = 1
+                    gscore[best] = -INFINITY
+                for g in range(n_group):                 # drop the others
+                    if not keep[g]:
+                        for e in range(g * G, (g + 1) * G):
+                            choice[t, e] = -INFINITY
+            for r in range(top_k):
+                best = _argmax(&choice[t, 0], E)
+                idv[t, r] = <int32_t>best
+                wv[t, r] = _sigmoid(lg[t, best])
+                choice[t, best] = -INFINITY
+            if renormalize:
+                total = 0.0
+                for r in range(top_k):
+                    total = total + wv[t, r]
+                total = total + 1e-20
+                for r in range(top_k):
+                    wv[t, r] = wv[t, r] / total
+            for r in range(top_k):
+                wv[t, r] = wv[t, r] * scaling
+
+
+def route_topk_softmax(cnp.ndarray router_logits, int top_k, cnp.ndarray ids,
+                       cnp.ndarray weights):
+    """Top-k first, then softmax over the chosen logits only (GPT-OSS).
+
+    Per token: the top_k largest router_logits in descending order (ties to the lower
+    id); weights = softmax of those top_k values in f32, so they always sum to 1.
+    Source: transformers' GptOssTopKRouter.forward (topk, then softmax over dim 1).
+
+    Args:
+        router_logits: [T, E] float32 (the router's bias already added).
+        ids: [T, K] int32 output in rank order. weights: [T, K] float32 output.
+    """
+    _need_routing_out(router_logits, top_k, ids, weights)
+    cdef Py_ssize_t T = router_logits.shape[0], E = router_logits.shape[1]
+    cdef float[:, ::1] work = np.array(router_logits, dtype=np.float32, order="C")
+    cdef const float[:, ::1] lg = router_logits
+    cdef int32_t[:, ::1] idv = ids
+    cdef float[:, ::1] wv = weights
+    cdef Py_ssize_t t, r, best
+    cdef float m, total
+    with nogil:
+        for t in range(T):
+            for r in range(top_k):
+                best = _argmax(&work[t, 0], E)
+                idv[t, r] = <int32_t>best
+                wv[t, r] = lg[t, best]
+                work[t, best] = -INFINITY
+            m = wv[t, 0]
+            total = 0.0
+            for r in range(top_k):
+                wv[t, r] = expf(wv[t, r] - m)
+                total = total + wv[t, r]
+            for r in range(top_k):
+                wv[t, r] = wv[t, r] / total
+
+
 # ------------------------------------------------------------- expert FFN
 
-cdef void _gate_up_rows(int code, const char *wg, const char *wu, Py_ssize_t g,
-                        Py_ssize_t H, Py_ssize_t I, const float *x, Py_ssize_t n,
-                        float *hbuf) noexcept nogil:
+cdef enum:
+    FFN_TOKENS = 8   # tokens of one _gate_up_rows pass
+    FFN_OUTS = 64    # FFN_TOKENS x MOED_ROWS (8)
+
+
+cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t g,
+                        const float *x, Py_ssize_t n, float *hbuf) noexcept nogil:
     """hbuf[j, i] = silu(gate_i . x_j) * (up_i . x_j) for the rows i of group g
     and the n tokens x_j."""
-    cdef size_t row_bytes = H * moed_dtype_size(code)
-    cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
+    cdef Py_ssize_t H = wg.cols, I = wg.rows
+    cdef Py_ssize_t i0 = g * MOED_ROWS, j0 = 0, j, q, nt
     cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
-    cdef float go[8]
-    cdef float uo[8]
-    for j in range(n):
-        moed_dot_rows(code, wg + i0 * row_bytes, row_bytes, nr, x + j * H, H, go)
-        moed_dot_rows(code, wu + i0 * row_bytes, row_bytes, nr, x + j * H, H, uo)
-        for q in range(nr):
-            hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
+    cdef float go[FFN_OUTS]
+    cdef float uo[FFN_OUTS]
+    while j0 < n:
+        nt = n - j0 if n - j0 < FFN_TOKENS else FFN_TOKENS
+        moed_w_matmul_rows(wg, i0, nr, x + j0 * H, nt, go, nr, 1)
+        moed_w_matmul_rows(wu, i0, nr, x + j0 * H, nt, uo, nr, 1)
+        for j in range(nt):
+            for q in range(nr):
+                hbuf[(j0 + j) * I + i0 + q] = moed_silu(go[j * nr + q]) * uo[j * nr + q]
+        j0 += nt
+
+
+cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray group_start,
+                           cnp.ndarray hbuf, cnp.ndarray out, int n_threads) except -1:
+    """Check an expert FFN's token rows, groups and buffers; 1 when there is nothing to
+    compute (no experts and no rows)."""
+    _need_f32(x, "x", 2)
+    _need_f32(hbuf, "hbuf", 2)
+    _need_f32(out, "out", 2)
+    _need_writable(out, "out")
+    _need_writable(hbuf, "hbuf")
+    _need_threads(n_threads)
+    if group_start.dtype != np.int64 or group_start.ndim != 1 or group_start.shape[0] != K + 1:
+        raise ValueError(f"group_start: expected int64 [{K + 1}]")
+    cdef Py_ssize_t N = x.shape[0]
+    if K == 0:
+        if N:
+            raise ValueError(f"{name}: {N} token rows but no experts")
+        return 1
+    cdef const int64_t[::1] gs = group_start
+    if gs[0] != 0 or gs[K] != N:
+        raise ValueError(f"group_start must run from 0 to {N}")
+    return 0
 
 
 def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
@@ -465,86 +891,250 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     over experts is done afterwards by `combine_experts`, in top-k rank order.
 
     Args:
-        gates, ups: K arrays [I, H]; downs: K arrays [H, I]; all the same dtype
-            (f32, f16 or bf16), C-contiguous, any alignment, may be read-only.
+        gates, ups: K weights [I, H]; downs: K weights [H, I]; all of one format:
+            arrays of one dtype (f32, f16 or bf16; C-contiguous, any alignment,
+            may be read-only) or QuantizedWeights of one `fmt` (their scale
+            dtypes, block and group sizes may differ).
         x: [N, H] float32 gathered token rows, grouped by expert.
         group_start: [K + 1] int64, 0 = group_start[0] <= ... <= group_start[K] = N.
         hbuf: [N, I] float32 scratch (the activations silu(gate x) * up x).
         out: [N, H] float32, writable.
-    Raises ValueError on any shape or dtype mismatch, naming the expert index.
+    Raises ValueError on any shape, dtype or format mismatch, naming the expert index.
     """
     cdef Py_ssize_t K = len(gates)
     if len(ups) != K or len(downs) != K:
         raise ValueError("expert_ffn: gates, ups and downs differ in length")
-    for name, arrays in (("gates", gates), ("ups", ups), ("downs", downs)):
-        for idx, item in enumerate(arrays):
-            if not isinstance(item, np.ndarray):
-                raise ValueError(f"{name}[{idx}]: expected a numpy array, got {type(item).__name__}")
-    _need_f32(x, "x", 2)
-    _need_f32(hbuf, "hbuf", 2)
-    _need_f32(out, "out", 2)
-    _need_writable(out, "out")
-    _need_writable(hbuf, "hbuf")
-    _need_threads(n_threads)
-    if group_start.dtype != np.int64 or group_start.ndim != 1 or group_start.shape[0] != K + 1:
-        raise ValueError(f"group_start: expected int64 [{K + 1}]")
-    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
-    if K == 0:
-        if N:
-            raise ValueError(f"expert_ffn: {N} token rows but no experts")
+    if _need_expert_rows("expert_ffn", K, x, group_start, hbuf, out, n_threads):
         return
-    cdef Py_ssize_t I = (<cnp.ndarray>gates[0]).shape[0]
-    if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
-        raise ValueError(f"expert_ffn: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
+    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
     cdef const int64_t[::1] gs = group_start
-    if gs[0] != 0 or gs[K] != N:
-        raise ValueError(f"group_start must run from 0 to {N}")
-    cdef int code = _wcode(<cnp.ndarray>gates[0], "gates[0]")
-    cdef int k
-    cdef cnp.ndarray a
-    for k in range(K):
-        if gs[k + 1] < gs[k]:
-            raise ValueError("group_start must be non-decreasing")
-        for a, name, shape in ((gates[k], "gates", (I, H)), (ups[k], "ups", (I, H)),
-                               (downs[k], "downs", (H, I))):
-            if _wcode(a, f"{name}[{k}]") != code:
-                raise ValueError(f"{name}[{k}]: dtype {a.dtype} differs from gates[0]")
-            if a.ndim != 2 or a.shape[0] != shape[0] or a.shape[1] != shape[1]:
-                raise ValueError(f"{name}[{k}]: shape {_shape(a)}, expected {shape}")
-            _need_c(a, f"{name}[{k}]")
-    cdef const char **gp = <const char **>malloc(3 * K * sizeof(char *))
-    if gp == NULL:
+    cdef moed_weight *wd = <moed_weight *>malloc(3 * K * sizeof(moed_weight))
+    if wd == NULL:
         raise MemoryError()
-    cdef const char **up = gp + K
-    cdef const char **dp = gp + 2 * K
-    for k in range(K):
-        gp[k] = <const char *>cnp.PyArray_DATA(gates[k])
-        up[k] = <const char *>cnp.PyArray_DATA(ups[k])
-        dp[k] = <const char *>cnp.PyArray_DATA(downs[k])
+    cdef moed_weight *wg = wd
+    cdef moed_weight *wu = wd + K
+    cdef moed_weight *wdn = wd + 2 * K
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t f, n, row0
-    cdef Py_ssize_t GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
-    cdef Py_ssize_t GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
-    n_threads = _threads_for(3 * N * H * I, n_threads)
+    cdef Py_ssize_t f, n, row0, I, GI, GH
+    cdef int k
     try:
+        for k in range(K):
+            _describe(gates[k], f"gates[{k}]", wg + k)
+            _describe(ups[k], f"ups[{k}]", wu + k)
+            _describe(downs[k], f"downs[{k}]", wdn + k)
+        I = wg[0].rows
+        if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
+            raise ValueError(f"expert_ffn: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
+        for k in range(K):
+            if gs[k + 1] < gs[k]:
+                raise ValueError("group_start must be non-decreasing")
+            _check_expert(wg + k, wg, f"gates[{k}]", I, H)
+            _check_expert(wu + k, wg, f"ups[{k}]", I, H)
+            _check_expert(wdn + k, wg, f"downs[{k}]", H, I)
+        GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
+        GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
+        n_threads = _threads_for(3 * N * H * I, n_threads)
         with nogil:
             for f in prange(K * GI, num_threads=n_threads, schedule="static"):
                 k = <int>(f // GI)
                 row0 = gs[k]
                 n = gs[k + 1] - row0
                 if n > 0:
-                    _gate_up_rows(code, gp[k], up[k], f % GI, H, I, xp + row0 * H, n,
-                                  hp + row0 * I)
+                    _gate_up_rows(wg + k, wu + k, f % GI, xp + row0 * H, n, hp + row0 * I)
             for f in prange(K * GH, num_threads=n_threads, schedule="static"):
                 k = <int>(f // GH)
                 row0 = gs[k]
                 n = gs[k + 1] - row0
                 if n > 0:
-                    _matmul_rows(code, dp[k], H, I, hp + row0 * I, n, op + row0 * H, f % GH)
+                    _matmul_rows(wdn + k, hp + row0 * I, n, op + row0 * H, f % GH, 1)
     finally:
-        free(gp)
+        free(wd)
+
+
+cdef int _check_expert(const moed_weight *d, const moed_weight *first, str name,
+                       Py_ssize_t rows, Py_ssize_t cols) except -1:
+    """An expert projection has the format of gates[0] and the shape [rows, cols]."""
+    if d.fmt != first.fmt:
+        raise ValueError(f"{name}: format {_FORMAT_NAMES[d.fmt]} differs from gates[0] "
+                         f"({_FORMAT_NAMES[first.fmt]})")
+    if d.rows != rows or d.cols != cols:
+        raise ValueError(f"{name}: shape {(d.rows, d.cols)}, expected {(rows, cols)}")
+    return 0
+
+
+cdef enum:
+    FUSED_COLUMNS = 64    # output columns per unit of a transposed ([in, out]) projection
+
+
+cdef void _fused_gate_up_rows(const moed_weight *w, const float *bias, Py_ssize_t g,
+                              const float *x, Py_ssize_t n, float *hbuf, float alpha,
+                              float limit) noexcept nogil:
+    """Rows 4g..4g+3 of an interleaved gate_up [2I, H] (gate i = row 2i, up i = row
+    2i + 1) for the n tokens x_j: hbuf[j, i] = clamped_swiglu(gate + b[2i], up + b[2i+1])."""
+    cdef Py_ssize_t H = w.cols, I = w.rows // 2
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    cdef float o[8]
+    for j in range(n):
+        moed_w_dot_rows(w, r0, nr, x + j * H, o, 1)
+        for q in range(0, nr, 2):
+            hbuf[j * I + (r0 + q) // 2] = moed_clamped_swiglu(
+                o[q] + bias[r0 + q], o[q + 1] + bias[r0 + q + 1], alpha, limit)
+
+
+cdef void _columns_t(const moed_weight *w, Py_ssize_t c0, Py_ssize_t nc, const float *x,
+                     float *acc) noexcept nogil:
+    """acc[c] = sum over rows r, in order, of x[r] * w[r, c0 + c] for c < nc, w a plain
+    [in, out] weight (one f32 add per row and output)."""
+    cdef Py_ssize_t r, c
+    cdef size_t item = w.row_bytes // w.cols
+    for c in range(nc):
+        acc[c] = 0.0
+    for r in range(w.rows):
+        moed_axpy_w(w.fmt, x[r], w.codes + r * w.row_bytes + c0 * item, acc, nc)
+
+
+cdef void _fused_gate_up_cols(const moed_weight *w, const float *bias, Py_ssize_t g,
+                              const float *x, Py_ssize_t n, float *hbuf, float alpha,
+                              float limit) noexcept nogil:
+    """Columns of block g of a transposed interleaved gate_up [H, 2I] (gate i = column
+    2i, up i = column 2i + 1) for the n tokens x_j, into hbuf[j, i]."""
+    cdef Py_ssize_t H = w.rows, I = w.cols // 2
+    cdef Py_ssize_t c0 = g * FUSED_COLUMNS, j, c
+    cdef Py_ssize_t nc = w.cols - c0 if w.cols - c0 < FUSED_COLUMNS else FUSED_COLUMNS
+    cdef float acc[FUSED_COLUMNS]
+    for j in range(n):
+        _columns_t(w, c0, nc, x + j * H, acc)
+        for c in range(0, nc, 2):
+            hbuf[j * I + (c0 + c) // 2] = moed_clamped_swiglu(
+                acc[c] + bias[c0 + c], acc[c + 1] + bias[c0 + c + 1], alpha, limit)
+
+
+cdef void _down_rows(const moed_weight *w, const float *bias, Py_ssize_t g, const float *h,
+                     Py_ssize_t n, float *out) noexcept nogil:
+    """out[j, r] = w_r . h_j + bias[r] for the rows r of group g of a down [H, I]."""
+    cdef Py_ssize_t H = w.rows, I = w.cols
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(H - r0) if H - r0 < MOED_ROWS else MOED_ROWS
+    cdef float o[8]
+    for j in range(n):
+        moed_w_dot_rows(w, r0, nr, h + j * I, o, 1)
+        for q in range(nr):
+            out[j * H + r0 + q] = o[q] + bias[r0 + q]
+
+
+cdef void _down_cols(const moed_weight *w, const float *bias, Py_ssize_t g, const float *h,
+                     Py_ssize_t n, float *out) noexcept nogil:
+    """Columns of block g of a transposed down [I, H]: out[j, c] = sum_i h_j[i] w[i, c] + bias[c]."""
+    cdef Py_ssize_t I = w.rows, H = w.cols
+    cdef Py_ssize_t c0 = g * FUSED_COLUMNS, j, c
+    cdef Py_ssize_t nc = H - c0 if H - c0 < FUSED_COLUMNS else FUSED_COLUMNS
+    cdef float acc[FUSED_COLUMNS]
+    for j in range(n):
+        _columns_t(w, c0, nc, h + j * I, acc)
+        for c in range(nc):
+            out[j * H + c0 + c] = acc[c] + bias[c0 + c]
+
+
+def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
+                     cnp.ndarray down_bias, cnp.ndarray x, cnp.ndarray group_start,
+                     cnp.ndarray hbuf, cnp.ndarray out, bint transposed, float alpha,
+                     float limit, int n_threads=1):
+    """GPT-OSS's expert FFNs for groups of tokens: y = down(act(gate_up x + b1)) + b2,
+    act the clamped SwiGLU of `moed_clamped_swiglu` on the interleaved gate/up pairs.
+
+    Expert k is applied to x[group_start[k]:group_start[k+1]]. The projections are
+    stored as GPT-OSS ships them: `transposed` False — gate_up [2I, H] with gate i in
+    row 2i and up i in row 2i + 1, down [H, I], rows = outputs (MXFP4 QuantizedWeights,
+    or plain arrays); `transposed` True — plain f32/f16/bf16 arrays [in, out] as
+    transformers stores them: gate_up [H, 2I] (gate i in column 2i) and down [I, H].
+    A row-major output is reduced as `matmul` reduces a row; a transposed one sums
+    its inputs in order, one f32 add each. Each (expert, block of outputs) is one unit
+    of parallel work; results do not depend on the thread count or on which tokens
+    share a call.
+
+    Args:
+        gate_ups, downs: K weights as above, all of one format.
+        gate_up_bias: [K, 2I] float32 (`gate_up_proj_bias` rows of the K experts).
+        down_bias: [K, H] float32.
+        x: [N, H] float32 token rows grouped by expert. group_start: [K + 1] int64.
+        hbuf: [N, I] float32 scratch. out: [N, H] float32, writable.
+        alpha, limit: `swiglu_alpha`, `swiglu_limit`.
+    Raises ValueError on a shape, dtype or format mismatch, naming the expert index.
+    """
+    cdef Py_ssize_t K = len(gate_ups)
+    if len(downs) != K:
+        raise ValueError("expert_ffn_fused: gate_ups and downs differ in length")
+    _need_f32(gate_up_bias, "gate_up_bias", 2)
+    _need_f32(down_bias, "down_bias", 2)
+    if _need_expert_rows("expert_ffn_fused", K, x, group_start, hbuf, out, n_threads):
+        return
+    cdef Py_ssize_t N = x.shape[0], H = x.shape[1]
+    cdef const int64_t[::1] gs = group_start
+    cdef moed_weight *wd = <moed_weight *>malloc(2 * K * sizeof(moed_weight))
+    if wd == NULL:
+        raise MemoryError()
+    cdef moed_weight *wg = wd
+    cdef moed_weight *wdn = wd + K
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *b1 = <const float *>cnp.PyArray_DATA(gate_up_bias)
+    cdef const float *b2 = <const float *>cnp.PyArray_DATA(down_bias)
+    cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t f, n, row0, I, G1, G2
+    cdef int k
+    try:
+        for k in range(K):
+            _describe(gate_ups[k], f"gate_ups[{k}]", wg + k)
+            _describe(downs[k], f"downs[{k}]", wdn + k)
+        I = (wg[0].cols if transposed else wg[0].rows) // 2
+        if transposed and wg[0].fmt not in (MOED_F32, MOED_F16, MOED_BF16):
+            raise ValueError("expert_ffn_fused: transposed ([in, out]) weights must be plain "
+                             "f32/f16/bf16 arrays")
+        if hbuf.shape[0] < N or hbuf.shape[1] != I or out.shape[0] != N or out.shape[1] != H:
+            raise ValueError(f"expert_ffn_fused: x {_shape(x)}, hbuf {_shape(hbuf)}, out {_shape(out)}, I={I}")
+        if _shape(gate_up_bias) != (K, 2 * I) or _shape(down_bias) != (K, H):
+            raise ValueError(f"expert_ffn_fused: biases {_shape(gate_up_bias)}, {_shape(down_bias)}, "
+                             f"expected {(K, 2 * I)}, {(K, H)}")
+        for k in range(K):
+            if gs[k + 1] < gs[k]:
+                raise ValueError("group_start must be non-decreasing")
+            if transposed:
+                _check_expert(wg + k, wg, f"gate_ups[{k}]", H, 2 * I)
+                _check_expert(wdn + k, wg, f"downs[{k}]", I, H)
+            else:
+                _check_expert(wg + k, wg, f"gate_ups[{k}]", 2 * I, H)
+                _check_expert(wdn + k, wg, f"downs[{k}]", H, I)
+        if transposed:
+            G1 = (2 * I + FUSED_COLUMNS - 1) // FUSED_COLUMNS
+            G2 = (H + FUSED_COLUMNS - 1) // FUSED_COLUMNS
+        else:
+            G1 = (2 * I + MOED_ROWS - 1) // MOED_ROWS
+            G2 = (H + MOED_ROWS - 1) // MOED_ROWS
+        n_threads = _threads_for(3 * N * H * I, n_threads)
+        with nogil:
+            for f in prange(K * G1, num_threads=n_threads, schedule="static"):
+                k = <int>(f // G1)
+                row0 = gs[k]
+                n = gs[k + 1] - row0
+                if n > 0 and transposed:
+                    _fused_gate_up_cols(wg + k, b1 + k * 2 * I, f % G1, xp + row0 * H, n,
+                                        hp + row0 * I, alpha, limit)
+                elif n > 0:
+                    _fused_gate_up_rows(wg + k, b1 + k * 2 * I, f % G1, xp + row0 * H, n,
+                                        hp + row0 * I, alpha, limit)
+            for f in prange(K * G2, num_threads=n_threads, schedule="static"):
+                k = <int>(f // G2)
+                row0 = gs[k]
+                n = gs[k + 1] - row0
+                if n > 0 and transposed:
+                    _down_cols(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
+                elif n > 0:
+                    _down_rows(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
+    finally:
+        free(wd)
 
 
 def combine_experts(cnp.ndarray y, cnp.ndarray rows, cnp.ndarray weights,

@@ -9,14 +9,15 @@
  *   exact orders are given above each function). Nothing depends on the address
  *   of the data: loads are unaligned (memcpy into GCC vector values), so there is
  *   no alignment peeling.
- * - GCC vector extensions give the lane semantics explicitly; the compiler maps
- *   them to AVX-512, AVX2 or SSE as the target allows. The build uses
- *   -ffp-contract=off so a multiply and an add are never fused differently in two
- *   code paths (mat-vec and mat-mat rows are bit-equal).
+ * - The 16-lane vectors of _simd.h give the lane semantics explicitly (one zmm,
+ *   two ymm, or a GCC vector extension value, as the target allows; every path
+ *   gives the same bits). The build uses -ffp-contract=off so a multiply and an add
+ *   are never fused differently in two code paths (mat-vec and mat-mat rows are
+ *   bit-equal).
  * - Weights are dequantised on the fly to f32 and accumulated in f32. Formats:
- *   f32, f16 (IEEE binary16), bf16 (upper half of an f32). fp8-e4m3 with block
- *   scales and MXFP4 will be new MOED_DTYPE codes with their own load functions;
- *   the row-dot dispatch below is the one place they plug in.
+ *   f32, f16 (IEEE binary16), bf16 (upper half of an f32). The block-quantised
+ *   formats (fp8 e4m3, MXFP4, int8, int4) live in _quant_impl.h and reuse the
+ *   reduction orders defined here.
  */
 #ifndef MOED_KERNELS_IMPL_H
 #define MOED_KERNELS_IMPL_H
@@ -26,12 +27,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { MOED_F32 = 0, MOED_F16 = 1, MOED_BF16 = 2 };
+#include "_simd.h"
 
-typedef float moed_vf __attribute__((vector_size(64)));        /* 16 x f32 */
-typedef uint32_t moed_vu32 __attribute__((vector_size(64)));   /* 16 x u32 */
-typedef uint16_t moed_vu16 __attribute__((vector_size(32)));   /* 16 x u16 */
-typedef _Float16 moed_vh __attribute__((vector_size(32)));     /* 16 x f16 */
+enum { MOED_F32 = 0, MOED_F16 = 1, MOED_BF16 = 2 };
 
 static inline size_t moed_dtype_size(int dtype) {
     return dtype == MOED_F32 ? 4 : 2;
@@ -50,73 +48,43 @@ static inline float moed_f16_to_f32(uint16_t h) {
     return (float)v;
 }
 
-static inline moed_vf moed_load_f32(const float *p) {
-    moed_vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
+/* 16 weights of format `dtype` (f32 or f16) starting at element j of row w. */
+static inline moed_v16 moed_loadw(int dtype, const void *w, ptrdiff_t j) {
+    return dtype == MOED_F16 ? moed_v16_load_f16((const uint16_t *)w + j)
+                             : moed_v16_load((const float *)w + j);
 }
-
-static inline moed_vf moed_load_bf16(const uint16_t *p) {
-    moed_vu16 h;
-    memcpy(&h, p, sizeof h);
-    moed_vu32 u = __builtin_convertvector(h, moed_vu32) << 16;
-    moed_vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline moed_vf moed_load_f16(const uint16_t *p) {
-    moed_vh h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, moed_vf);
-}
-
-/* Fixed pairwise tree over 16 lanes: (0+8, 1+9, ...), then 4, 2, 1. */
-static inline float moed_hsum(moed_vf a) {
-    float l[16];
-    memcpy(l, &a, sizeof l);
-    for (int s = 8; s > 0; s >>= 1)
-        for (int i = 0; i < s; i++)
-            l[i] = l[i] + l[i + s];
-    return l[0];
-}
-
-/* Load 16 weights of format `dtype` starting at element j of row w. */
-#define MOED_LOADW(dtype, w, j)                                                  \
-    ((dtype) == MOED_BF16  ? moed_load_bf16((const uint16_t *)(w) + (j))         \
-     : (dtype) == MOED_F16 ? moed_load_f16((const uint16_t *)(w) + (j))          \
-                           : moed_load_f32((const float *)(w) + (j)))
 
 static inline float moed_scalarw(int dtype, const void *w, ptrdiff_t j) {
-    if (dtype == MOED_BF16) return moed_bf16_to_f32(((const uint16_t *)w)[j]);
-    if (dtype == MOED_F16) return moed_f16_to_f32(((const uint16_t *)w)[j]);
-    return ((const float *)w)[j];
+    uint16_t h;
+    float f;
+    if (dtype == MOED_F32) {
+        memcpy(&f, (const float *)w + j, 4);
+        return f;
+    }
+    memcpy(&h, (const uint16_t *)w + j, 2);
+    return dtype == MOED_BF16 ? moed_bf16_to_f32(h) : moed_f16_to_f32(h);
 }
 
-/* The reduction order, shared by every dot below:
+/* The reduction order of moed_dot (rmsnorm, attention):
  *   a0 takes 16-element blocks 0, 2, 4, ...; a1 blocks 1, 3, 5, ... (whole
  *   32-element steps), then one more 16-block into a0 if it fits; then
- *   hsum(a0 + a1); then the remaining n mod 16 elements added one by one. */
-#define MOED_DEFINE_DOT(NAME, DT)                                                \
-    static inline float NAME(const void *w, const float *x, ptrdiff_t n) {      \
-        moed_vf a0 = {0}, a1 = {0};                                              \
-        ptrdiff_t j = 0;                                                         \
-        for (; j + 32 <= n; j += 32) {                                           \
-            a0 = a0 + MOED_LOADW(DT, w, j) * moed_load_f32(x + j);               \
-            a1 = a1 + MOED_LOADW(DT, w, j + 16) * moed_load_f32(x + j + 16);     \
-        }                                                                        \
-        if (j + 16 <= n) {                                                       \
-            a0 = a0 + MOED_LOADW(DT, w, j) * moed_load_f32(x + j);               \
-            j += 16;                                                             \
-        }                                                                        \
-        float s = moed_hsum(a0 + a1);                                            \
-        for (; j < n; j++) s = s + moed_scalarw(DT, w, j) * x[j];                \
-        return s;                                                                \
+ *   hsum(a0 + a1); then the remaining n mod 16 elements added one by one.
+ * `dtype` is f32 or f16. */
+static inline float moed_dot(int dtype, const void *w, const float *x, ptrdiff_t n) {
+    moed_v16 a0 = moed_v16_zero(), a1 = moed_v16_zero();
+    ptrdiff_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        a0 = moed_v16_add(a0, moed_v16_mul(moed_loadw(dtype, w, j), moed_v16_load(x + j)));
+        a1 = moed_v16_add(a1, moed_v16_mul(moed_loadw(dtype, w, j + 16), moed_v16_load(x + j + 16)));
     }
-
-MOED_DEFINE_DOT(moed_dot_f32, MOED_F32)
-MOED_DEFINE_DOT(moed_dot_f16, MOED_F16)
-MOED_DEFINE_DOT(moed_dot_bf16, MOED_BF16)
+    if (j + 16 <= n) {
+        a0 = moed_v16_add(a0, moed_v16_mul(moed_loadw(dtype, w, j), moed_v16_load(x + j)));
+        j += 16;
+    }
+    float s = moed_v16_hsum(moed_v16_add(a0, a1));
+    for (; j < n; j++) s = s + moed_scalarw(dtype, w, j) * x[j];
+    return s;
+}
 
 /* Up to MOED_ROWS weight rows against one f32 vector: out[r] = w_r . x.
  *
@@ -126,106 +94,96 @@ MOED_DEFINE_DOT(moed_dot_bf16, MOED_BF16)
  * accumulators a0/a1, then hsum(a0 + a1), then the n mod 32 tail one by one.
  * For f32/f16, a0 takes elements j..j+15 and a1 j+16..j+31 of each step. For
  * bf16, one 64-byte load holds 32 values as 16 pairs; the even-indexed values
- * (v << 16) go to a0 against x's even elements and the odd ones (v & 0xffff0000)
- * to a1 against x's odd elements, x being de-interleaved by a fixed shuffle.
- * So a row's result does not depend on nrows, on the row's neighbours, on
- * alignment, or on the thread that computes it. */
-#define MOED_ROWS 4
+ * go to a0 against x's even elements and the odd ones to a1 against x's odd
+ * elements. So a row's result does not depend on nrows, on the row's neighbours,
+ * on alignment, or on the thread that computes it. */
+/* Rows of one unit of parallel work; a pass streams up to this many at once
+ * (measured on Zen 5, one thread, 2048 x 7168 from DRAM: 8 rows a pass rather than
+ * 4 moved bf16 27 -> 31 GB/s and f16 28 -> 31 on AVX-512, bf16 25 -> 31 on AVX2). */
+#ifndef MOED_ROWS
+#define MOED_ROWS 8
+#endif
+_Static_assert(MOED_ROWS >= 1 && MOED_ROWS <= 8, "_kernels.pyx's buffers hold 8 rows");
 /* Software prefetch distance along each weight row (measured: +10 % on a
  * DRAM-bound 14336 x 4096 bf16 mat-vec; prefetches never fault). */
+#ifndef MOED_PREFETCH_BYTES
 #define MOED_PREFETCH_BYTES 1024
+#endif
 
-typedef uint32_t moed_vpair __attribute__((vector_size(64)));   /* 16 x (2 x bf16) */
-
-static inline void moed_split_bf16(const uint16_t *p, moed_vf *even, moed_vf *odd) {
-    moed_vpair u;
-    memcpy(&u, p, sizeof u);
-    moed_vpair lo = u << 16, hi = u & 0xffff0000u;
-    memcpy(even, &lo, sizeof *even);
-    memcpy(odd, &hi, sizeof *odd);
-}
-
-static inline __attribute__((always_inline)) void moed_dot_rows_bf16(const char *w, size_t ldw, int nrows, const float *x,
-                                      ptrdiff_t n, float *out) {
-    moed_vf a0[MOED_ROWS] = {{0}}, a1[MOED_ROWS] = {{0}};
+static inline __attribute__((always_inline)) void
+moed_dot_rows_bf16(const char *w, size_t ldw, const int nrows, const float *x, ptrdiff_t n,
+                   float *out) {
+    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS];
+    for (int r = 0; r < nrows; r++) a0[r] = a1[r] = moed_v16_zero();
     ptrdiff_t j = 0;
     for (; j + 32 <= n; j += 32) {
-        moed_vf x0 = moed_load_f32(x + j), x1 = moed_load_f32(x + j + 16);
-        moed_vf xe = __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14,
-                                             16, 18, 20, 22, 24, 26, 28, 30);
-        moed_vf xo = __builtin_shufflevector(x0, x1, 1, 3, 5, 7, 9, 11, 13, 15,
-                                             17, 19, 21, 23, 25, 27, 29, 31);
+        moed_v16 xe, xo;
+        moed_v16_deinterleave(moed_v16_load(x + j), moed_v16_load(x + j + 16), &xe, &xo);
         for (int r = 0; r < nrows; r++) {
-            moed_vf e, o;
+            moed_v16 e, o;
             __builtin_prefetch(w + r * ldw + 2 * j + MOED_PREFETCH_BYTES);
-            moed_split_bf16((const uint16_t *)(w + r * ldw) + j, &e, &o);
-            a0[r] = a0[r] + e * xe;
-            a1[r] = a1[r] + o * xo;
+            moed_v16_load_bf16_pairs((const uint16_t *)(w + r * ldw) + j, &e, &o);
+            a0[r] = moed_v16_add(a0[r], moed_v16_mul(e, xe));
+            a1[r] = moed_v16_add(a1[r], moed_v16_mul(o, xo));
         }
     }
     for (int r = 0; r < nrows; r++) {
-        const uint16_t *wr = (const uint16_t *)(w + r * ldw);
-        float s = moed_hsum(a0[r] + a1[r]);
-        for (ptrdiff_t k = j; k < n; k++) s = s + moed_bf16_to_f32(wr[k]) * x[k];
+        const void *wr = w + r * ldw;
+        float s = moed_v16_hsum(moed_v16_add(a0[r], a1[r]));
+        for (ptrdiff_t k = j; k < n; k++) s = s + moed_scalarw(MOED_BF16, wr, k) * x[k];
         out[r] = s;
     }
 }
 
-#define MOED_DEFINE_DOT_ROWS(NAME, DT)                                           \
-    static inline __attribute__((always_inline)) void NAME(const char *w, size_t ldw, int nrows, const float *x, \
-                            ptrdiff_t n, float *out) {                           \
-        moed_vf a0[MOED_ROWS] = {{0}}, a1[MOED_ROWS] = {{0}};                    \
-        ptrdiff_t j = 0;                                                         \
-        for (; j + 32 <= n; j += 32) {                                           \
-            moed_vf x0 = moed_load_f32(x + j), x1 = moed_load_f32(x + j + 16);   \
-            for (int r = 0; r < nrows; r++) {                                    \
-                const void *wr = w + r * ldw;                                    \
-                a0[r] = a0[r] + MOED_LOADW(DT, wr, j) * x0;                      \
-                a1[r] = a1[r] + MOED_LOADW(DT, wr, j + 16) * x1;                 \
-            }                                                                    \
-        }                                                                        \
-        for (int r = 0; r < nrows; r++) {                                        \
-            const void *wr = w + r * ldw;                                        \
-            float s = moed_hsum(a0[r] + a1[r]);                                  \
-            for (ptrdiff_t k = j; k < n; k++) s = s + moed_scalarw(DT, wr, k) * x[k]; \
-            out[r] = s;                                                          \
-        }                                                                        \
+static inline __attribute__((always_inline)) void
+moed_dot_rows_natural(int dtype, const char *w, size_t ldw, const int nrows, const float *x,
+                      ptrdiff_t n, float *out) {
+    moed_v16 a0[MOED_ROWS], a1[MOED_ROWS];
+    for (int r = 0; r < nrows; r++) a0[r] = a1[r] = moed_v16_zero();
+    ptrdiff_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        moed_v16 x0 = moed_v16_load(x + j), x1 = moed_v16_load(x + j + 16);
+        for (int r = 0; r < nrows; r++) {
+            const char *wr = w + r * ldw;
+            const size_t at = (size_t)j * moed_dtype_size(dtype) + MOED_PREFETCH_BYTES;
+            __builtin_prefetch(wr + at);
+            if (dtype == MOED_F32) __builtin_prefetch(wr + at + 64);   /* 128 bytes a step */
+            a0[r] = moed_v16_add(a0[r], moed_v16_mul(moed_loadw(dtype, wr, j), x0));
+            a1[r] = moed_v16_add(a1[r], moed_v16_mul(moed_loadw(dtype, wr, j + 16), x1));
+        }
     }
+    for (int r = 0; r < nrows; r++) {
+        const void *wr = w + r * ldw;
+        float s = moed_v16_hsum(moed_v16_add(a0[r], a1[r]));
+        for (ptrdiff_t k = j; k < n; k++) s = s + moed_scalarw(dtype, wr, k) * x[k];
+        out[r] = s;
+    }
+}
 
-MOED_DEFINE_DOT_ROWS(moed_dot_rows_f32, MOED_F32)
-MOED_DEFINE_DOT_ROWS(moed_dot_rows_f16, MOED_F16)
-
-/* out[r] = w_r . x for nrows <= MOED_ROWS rows spaced ldw bytes apart. */
-static void moed_dot_rows4(int dtype, const char *w, size_t ldw, const float *x,
-                           ptrdiff_t n, float *out) {
+/* out[r] = w_r . x for MOED_ROWS rows or one row spaced ldw bytes apart. */
+static void moed_dot_rows_all(int dtype, const char *w, size_t ldw, const float *x,
+                              ptrdiff_t n, float *out) {
     if (dtype == MOED_BF16) moed_dot_rows_bf16(w, ldw, MOED_ROWS, x, n, out);
-    else if (dtype == MOED_F16) moed_dot_rows_f16(w, ldw, MOED_ROWS, x, n, out);
-    else moed_dot_rows_f32(w, ldw, MOED_ROWS, x, n, out);
+    else if (dtype == MOED_F16) moed_dot_rows_natural(MOED_F16, w, ldw, MOED_ROWS, x, n, out);
+    else moed_dot_rows_natural(MOED_F32, w, ldw, MOED_ROWS, x, n, out);
 }
 
 static void moed_dot_rows1(int dtype, const char *w, const float *x, ptrdiff_t n,
                            float *out) {
     if (dtype == MOED_BF16) moed_dot_rows_bf16(w, 0, 1, x, n, out);
-    else if (dtype == MOED_F16) moed_dot_rows_f16(w, 0, 1, x, n, out);
-    else moed_dot_rows_f32(w, 0, 1, x, n, out);
+    else if (dtype == MOED_F16) moed_dot_rows_natural(MOED_F16, w, 0, 1, x, n, out);
+    else moed_dot_rows_natural(MOED_F32, w, 0, 1, x, n, out);
 }
 
-/* out[r] = w_r . x for nrows <= MOED_ROWS rows spaced ldw bytes apart: groups of
- * MOED_ROWS share a pass, leftovers go one by one (same per-row arithmetic). */
+/* out[r] = w_r . x for nrows <= MOED_ROWS rows spaced ldw bytes apart: a full group
+ * shares a pass, leftovers go one by one (same per-row arithmetic). */
 static inline void moed_dot_rows(int dtype, const char *w, size_t ldw, int nrows,
                                  const float *x, ptrdiff_t n, float *out) {
     if (nrows == MOED_ROWS) {
-        moed_dot_rows4(dtype, w, ldw, x, n, out);
+        moed_dot_rows_all(dtype, w, ldw, x, n, out);
         return;
     }
     for (int r = 0; r < nrows; r++) moed_dot_rows1(dtype, w + r * ldw, x, n, out + r);
-}
-
-/* Dispatch on the weight format. */
-static inline float moed_dot(int dtype, const void *w, const float *x, ptrdiff_t n) {
-    if (dtype == MOED_BF16) return moed_dot_bf16(w, x, n);
-    if (dtype == MOED_F16) return moed_dot_f16(w, x, n);
-    return moed_dot_f32(w, x, n);
 }
 
 /* out[j] = dequantised w[j] for j < n. */
@@ -233,9 +191,40 @@ static inline void moed_dequant_row(int dtype, const void *w, float *out, ptrdif
     for (ptrdiff_t j = 0; j < n; j++) out[j] = moed_scalarw(dtype, w, j);
 }
 
+/* y[j] += a * dequantised w[j], elementwise: 16 lanes at a time, then one by one (the
+ * same multiply and add either way, so the result does not depend on which path an
+ * element takes). One row of a weight stored [in, out] added into an f32 output; a
+ * transposed mat-vec is a sequence of these, its reduction order the row order. */
+static inline void moed_axpy_w(int dtype, float a, const void *w, float *y, ptrdiff_t n) {
+    moed_v16 av = moed_v16_set1(a);
+    float wf[16];
+    ptrdiff_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        moed_v16 wv;
+        if (dtype == MOED_BF16) {       /* moed_loadw reads f32 and f16 only */
+            for (int q = 0; q < 16; q++) wf[q] = moed_scalarw(dtype, w, j + q);
+            wv = moed_v16_load(wf);
+        } else {
+            wv = moed_loadw(dtype, w, j);
+        }
+        moed_v16_store(y + j, moed_v16_add(moed_v16_load(y + j), moed_v16_mul(av, wv)));
+    }
+    for (; j < n; j++) y[j] = y[j] + a * moed_scalarw(dtype, w, j);
+}
+
 /* y[j] += a * x[j], elementwise (no reduction: order is irrelevant). */
 static inline void moed_axpy(float a, const float *x, float *y, ptrdiff_t n) {
     for (ptrdiff_t j = 0; j < n; j++) y[j] = y[j] + a * x[j];
+}
+
+/* GPT-OSS's clamped SwiGLU: gate clamped from above, up both ways at `limit`, then
+ * (up + 1) * gate * sigmoid(alpha * gate) (transformers' GptOssExperts._apply_gate). */
+static inline float moed_clamped_swiglu(float g, float u, float alpha, float limit) {
+    if (g > limit) g = limit;
+    if (u > limit) u = limit;
+    if (u < -limit) u = -limit;
+    float sig = 1.0f / (1.0f + expf(-(g * alpha)));
+    return (u + 1.0f) * (g * sig);
 }
 
 static inline float moed_silu(float g) {

@@ -25,13 +25,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ext.makemodel.families import _ARCH, ARCHITECTURES, config_json, tensor_specs
-from ext.makemodel.shards import _DTYPES, write_json, write_shards
+from ext.makemodel.families import (_ARCH, ARCHITECTURES, ATTENTION, EXPERT, FLOAT32, HEAD, MLP,
+                                    ROUTER, family_fields,
+                                    TensorSpec, config_json, tensor_specs)
+from ext.makemodel.lowbit import (_PLAIN, MXFP4_GROUP, SCALE_DTYPES, Encoding, Fp8, Mxfp4, Plain,
+                                  quantization_config)
+from ext.makemodel.shards import write_json, write_shards
 from ext.makemodel.skew import skew_adjustments
 from ext.makemodel.tokenizer import SPECIAL_TOKENS, build_tokenizer, tokenizer_config
 
 _VOCAB_MULTIPLE = 64
 DEFAULT_SHARD_SIZE = 2 << 30  # bytes
+DTYPES = ("f32", "f16", "bf16", "fp8", "mxfp4")
 
 
 def make_model(
@@ -56,20 +61,36 @@ def make_model(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     routing_skew: float | None = None,
+    scale_dtype: str | None = None,
+    scale_fmt: str | None = None,
+    options: dict | None = None,
 ) -> Path:
     """Write a random-weight checkpoint for one MoE architecture in Hugging Face layout.
 
     Args:
         out_dir: directory to write; created if missing.
-        arch: one of `ARCHITECTURES` ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe");
-            becomes config.json `model_type`.
-        layers: L, `num_hidden_layers`; every layer is a MoE layer.
-        experts: E, `num_local_experts` (mixtral) or `num_experts` (others).
+        arch: one of `ARCHITECTURES` ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+            "deepseek_v3", "glm4_moe", "gpt_oss"); becomes config.json `model_type`.
+        layers: L, `num_hidden_layers`; every layer is a MoE layer, except the leading
+            `first_k_dense_replace` of deepseek_v3 and glm4_moe (default 1).
+        experts: E, `num_local_experts` (mixtral, gpt_oss), `n_routed_experts`
+            (deepseek_v3, glm4_moe) or `num_experts` (others).
         top_k: `num_experts_per_tok`, 1 <= top_k <= E.
         hidden: H, `hidden_size`.
         intermediate: I, per-expert FFN width: `intermediate_size` for mixtral/olmoe,
             `moe_intermediate_size` for qwen2_moe/qwen3_moe.
-        dtype: "bf16", "f16" or "f32" — the stored dtype of every tensor.
+        dtype: "bf16", "f16" or "f32" — the stored dtype of every tensor; or a published
+            low-bit layout (ext/makemodel/lowbit.py) with config.json's
+            `quantization_config` as those models write it: "fp8" — attention, routed
+            and shared expert projections FP8 E4M3 with 128 x 128 block scales
+            (DeepSeek-V3 / Qwen3-FP8), everything else bf16 (routers and lm_head listed
+            in `modules_to_not_convert`); "mxfp4" — routed experts MXFP4 (GPT-OSS's
+            blocks and scales), everything else bf16. The values are the bf16 model's
+            (same seed) before rounding.
+        scale_dtype: fp8 only: "f32" (the default), "bf16" or "e8m0" (UE8M0 exponents, U8).
+        scale_fmt: fp8 only: "float" or "ue8m0" (scales rounded up to powers of two and
+            `"scale_fmt": "ue8m0"` in the config, as DeepSeek-V3.1); default "ue8m0"
+            for scale_dtype "e8m0", else "float".
         shard_size: maximum bytes of tensor data per shard file; tensors are assigned
             greedily in order, a tensor larger than this gets a shard of its own. If
             everything fits, a single `model.safetensors` is written with no index.
@@ -78,8 +99,9 @@ def make_model(
             embed_tokens / lm_head) is this rounded up to a multiple of 64.
         heads: Nq; default H // 64 when that gives >= 2 heads (head_dim 64), else 4.
         kv_heads: Nkv; default Nq // 2 when Nq is even, else Nq. Must divide Nq.
-        head_dim: D; only qwen3_moe may choose it freely (written to config.json);
-            default H // Nq, which the other architectures require.
+        head_dim: D; qwen3_moe, glm4_moe and gpt_oss may choose it freely (written to
+            config.json); default H // Nq, which the others require. For deepseek_v3 it
+            sizes the MLA defaults (ext/makemodel/families.py `family_fields`).
         shared_intermediate: S, qwen2_moe `shared_expert_intermediate_size`;
             default 4 * I (the ratio of Qwen1.5-MoE-A2.7B). Rejected for other archs.
         max_position_embeddings: written to config.json.
@@ -94,6 +116,10 @@ def make_model(
             (share of top_k selections) follows Zipf(S) over a random per-layer ranking
             of the experts, and a token's expert was also chosen by the previous token at
             about the real rate (0.40 at S = 1). See "Routing skew" below.
+        options: config.json fields of deepseek_v3, glm4_moe and gpt_oss to set instead
+            of make-model's defaults (`family_fields`: e.g. {"q_lora_rank": None,
+            "n_group": 4, "topk_group": 2, "rope_parameters": {...yarn...}}); the tensors
+            follow them. Rejected for the other architectures.
 
     Returns:
         The checkpoint directory as a `Path`.
@@ -101,14 +127,22 @@ def make_model(
     Raises:
         ValueError: unknown arch or dtype, or sizes that are non-positive or
             inconsistent (top_k > experts, Nq not divisible by Nkv, H != Nq * D for an
-            arch that requires it, odd head_dim), or routing_skew negative / not finite.
+            arch that requires it, odd head_dim, mxfp4 with hidden or intermediate not
+            a multiple of 32), scale options that do not fit the dtype, or routing_skew
+            negative / not finite.
         FileExistsError: out_dir already holds a checkpoint and overwrite is False.
     See ext/makemodel/skew.py for the routing-skew construction and its measurements.
     """
     if arch not in _ARCH:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if (scale_dtype is not None or scale_fmt is not None) and dtype != "fp8":
+        raise ValueError(f"scale_dtype and scale_fmt apply to dtype 'fp8' only, not {dtype!r}")
+    scale_dtype = scale_dtype or "f32"
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {tuple(SCALE_DTYPES)}, got {scale_dtype!r}")
+    scale_fmt = scale_fmt or ("ue8m0" if scale_dtype == "e8m0" else "float")
     if sys.byteorder != "little":
         raise ValueError("make_model writes little-endian safetensors and needs a little-endian host")
     for field, value in (("layers", layers), ("experts", experts), ("top_k", top_k),
@@ -127,6 +161,11 @@ def make_model(
         raise ValueError(f"routing_skew must be a finite number >= 0 or None, got {routing_skew!r}")
     if heads is None:
         heads = hidden // 64 if hidden // 64 >= 2 else 4
+    if arch == "deepseek_v3":
+        if kv_heads not in (None, heads):
+            raise ValueError(f"deepseek_v3's latent attention gives every head its key: kv_heads "
+                             f"({kv_heads}) must equal heads ({heads})")
+        kv_heads = heads
     if kv_heads is None:
         kv_heads = heads // 2 if heads % 2 == 0 else heads
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
@@ -135,11 +174,19 @@ def make_model(
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         head_dim = hidden // heads
-    elif arch != "qwen3_moe" and head_dim * heads != hidden:
+    elif arch not in ("qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3") and head_dim * heads != hidden:
         raise ValueError(f"{arch} needs head_dim * heads == hidden, got {head_dim} * {heads} != {hidden}")
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim = hidden / heads = {hidden} / {heads} = {head_dim} must be a positive "
                          f"even number (RoPE rotates pairs); choose heads so that it is")
+    if dtype == "mxfp4" and (hidden % MXFP4_GROUP or intermediate % MXFP4_GROUP):
+        raise ValueError(f"dtype mxfp4 groups {MXFP4_GROUP} values along each expert's inputs: "
+                         f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples "
+                         f"of {MXFP4_GROUP}")
+    if arch == "gpt_oss" and dtype in ("fp8",):
+        raise ValueError("gpt_oss is published with MXFP4 experts: dtype fp8 is not a layout it has")
+    if options and arch not in ("deepseek_v3", "glm4_moe", "gpt_oss"):
+        raise ValueError(f"options apply to deepseek_v3, glm4_moe and gpt_oss, not {arch}")
     if shared_intermediate is not None and arch != "qwen2_moe":
         raise ValueError(f"shared_intermediate applies to qwen2_moe only, not {arch}")
     if arch == "qwen2_moe":
@@ -147,6 +194,7 @@ def make_model(
         if shared_intermediate <= 0:
             raise ValueError(f"shared_intermediate must be positive, got {shared_intermediate}")
 
+    encoding_of = _encodings(dtype, scale_dtype, scale_fmt)   # checks the scale options
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
@@ -158,15 +206,21 @@ def make_model(
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
 
     dims = dict(L=layers, E=experts, H=hidden, I=intermediate, S=shared_intermediate,
-                V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim)
+                V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim, rows_out=dtype == "mxfp4")
+    dims["fields"] = family_fields(arch, dims, top_k, options)
     specs = list(tensor_specs(arch, dims))
-    np_dtype, st_dtype, config_dtype = _DTYPES[dtype]
+    if routing_skew and arch in ("deepseek_v3", "glm4_moe", "gpt_oss"):
+        raise ValueError(f"routing_skew is not built for {arch} yet")
     adjust = (skew_adjustments(arch, dims, top_k, seed, initializer_range, float(routing_skew))
               if routing_skew else None)             # None and 0: plain random weights
-    write_shards(out, specs, np_dtype, st_dtype, shard_size, seed, initializer_range, progress,
-                  adjust)
+    write_shards(out, specs, encoding_of, shard_size, seed, initializer_range, progress, adjust)
 
+    config_dtype = _PLAIN[dtype if dtype in _PLAIN else "bf16"][2]
     config = config_json(arch, dims, top_k, config_dtype, ids, max_position_embeddings, initializer_range)
+    kept = [spec.name.removesuffix(".weight") for spec in specs if spec.role in (ROUTER, HEAD)]
+    quant = quantization_config(dtype, arch, kept, scale_fmt)
+    if quant is not None:
+        config = dict(sorted({**config, "quantization_config": quant}.items()))
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
@@ -176,6 +230,20 @@ def make_model(
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out / "tokenizer_config.json", tokenizer_config(ids, max_position_embeddings))
     return out
+
+
+def _encodings(dtype: str, scale_dtype: str, scale_fmt: str) -> Callable[[TensorSpec], Encoding]:
+    """How each tensor of a `dtype` checkpoint is stored (by its role)."""
+    f32 = Plain("f32")
+    if dtype in _PLAIN:
+        plain = Plain(dtype)
+        return lambda spec: f32 if spec.role == FLOAT32 else plain
+    bf16 = Plain("bf16")
+    if dtype == "fp8":
+        fp8 = Fp8(scale_dtype, scale_fmt)
+        return lambda spec: fp8 if spec.role in (EXPERT, ATTENTION, MLP) else f32 if spec.role == FLOAT32 else bf16
+    mxfp4 = Mxfp4()
+    return lambda spec: mxfp4 if spec.role == EXPERT else f32 if spec.role == FLOAT32 else bf16
 
 
 def _clear_checkpoint(out: Path, overwrite: bool) -> None:

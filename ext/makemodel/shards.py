@@ -5,8 +5,16 @@ The files are written directly (8-byte little-endian header length, JSON header 
 header order); this module assumes a little-endian host. Every tensor draws from its own
 `numpy.random.PCG64` stream seeded by (seed, sha256(tensor name)), so a tensor's values
 do not depend on how many other tensors the model has, and the same arguments always give
-byte-identical files. Values are drawn as float32 and rounded to bf16/f16 with
-`ml_dtypes`/numpy `astype` (round-to-nearest-even), in chunks of `_CHUNK_ELEMENTS`.
+byte-identical files. Values are drawn as float32 in chunks of `_CHUNK_ELEMENTS` and
+stored by the tensor's `Encoding` (ext/makemodel/lowbit.py): rounded to bf16/f16 with
+`ml_dtypes`/numpy `astype` (round-to-nearest-even), or quantised to FP8 / MXFP4, in
+which case one spec becomes several stored tensors (the weight and its scales; shard
+boundaries may fall between them, as in published checkpoints). The values drawn are
+the same whatever the encoding, so a model's fp8 version is its bf16 version quantised.
+Within a shard, tensors are laid out by decreasing element size, keeping their order
+otherwise (as the safetensors library does), so every tensor's data is aligned to its
+element size; a scale that must precede its weight is computed by a first pass over
+the weight's values (drawn again, identically, when the weight is written).
 """
 from __future__ import annotations
 
@@ -17,44 +25,44 @@ import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from ext.makemodel.families import TensorSpec
+from ext.makemodel.lowbit import Encoder, Encoding, StoredTensor, itemsize
 
-_DTYPES = {
-    # name: (numpy dtype, safetensors dtype, config "dtype")
-    "bf16": (np.dtype(ml_dtypes.bfloat16), "BF16", "bfloat16"),
-    "f16": (np.dtype(np.float16), "F16", "float16"),
-    "f32": (np.dtype(np.float32), "F32", "float32"),
-}
 _CHUNK_ELEMENTS = 1 << 23  # 8 Mi values = 32 MiB of float32 scratch
 
 RowAdjust = Callable[[np.ndarray, int], None]
 
 
-def _plan_shards(specs: list[TensorSpec], itemsize: int, shard_size: int) -> list[list[TensorSpec]]:
+def _plan_shards(tensors: list[StoredTensor], shard_size: int) -> list[list[StoredTensor]]:
     """Split tensors greedily, in order, into shards of at most shard_size data bytes."""
-    shards: list[list[TensorSpec]] = [[]]
+    shards: list[list[StoredTensor]] = [[]]
     used = 0
-    for spec in specs:
-        nbytes = spec.numel * itemsize
-        if shards[-1] and used + nbytes > shard_size:
+    for t in tensors:
+        if shards[-1] and used + t.nbytes > shard_size:
             shards.append([])
             used = 0
-        shards[-1].append(spec)
-        used += nbytes
+        shards[-1].append(t)
+        used += t.nbytes
     return shards
 
 
-def write_shards(out: Path, specs: list[TensorSpec], np_dtype: np.dtype, st_dtype: str,
-                  shard_size: int, seed: int, std: float,
-                  progress: Callable[[int, int], None] | None,
-                  adjust: dict[str, RowAdjust] | None = None) -> None:
-    """Stream every tensor into its shard file and write the index when sharded."""
-    itemsize = np_dtype.itemsize
-    shards = _plan_shards(specs, itemsize, shard_size)
-    total = sum(s.numel for s in specs) * itemsize
+def write_shards(out: Path, specs: list[TensorSpec], encoding_of: Callable[[TensorSpec], Encoding],
+                 shard_size: int, seed: int, std: float,
+                 progress: Callable[[int, int], None] | None,
+                 adjust: dict[str, RowAdjust] | None = None) -> None:
+    """Stream every tensor into its shard file and write the index when sharded.
+
+    encoding_of(spec) says how each spec is stored; its first stored tensor is written as
+    the values are drawn, the others (scales) from what the encoder kept.
+    """
+    stored = {spec.name: encoding_of(spec).stored(spec) for spec in specs}
+    first_of = {stored[spec.name][0].name: spec for spec in specs}
+    extra_of = {t.name: spec for spec in specs for t in stored[spec.name][1:]}
+    order = [t for spec in specs for t in stored[spec.name]]
+    shards = _plan_shards(order, shard_size)
+    total = sum(t.nbytes for t in order)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [
         f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -62,43 +70,66 @@ def write_shards(out: Path, specs: list[TensorSpec], np_dtype: np.dtype, st_dtyp
     bound = std * math.sqrt(3.0)
     done = 0
     weight_map = {}
+    pending: dict[str, np.ndarray] = {}     # scales computed, not yet written
+    written: set[str] = set()
+
+    def encode(f, spec: TensorSpec):
+        """Draw and encode `spec` (writing its first tensor to f), keep its other tensors."""
+        encoding = encoding_of(spec)
+        encoder = encoding.encoder(spec)
+        yield from _write_tensor(f, spec, encoding, encoder, seed, bound, scratch,
+                                 (adjust or {}).get(spec.name))
+        for t, data in zip(stored[spec.name][1:], encoder.extras()):
+            if t.name not in written:
+                pending[t.name] = data
+
     for file_name, shard in zip(names, shards):
+        shard = sorted(shard, key=lambda t: -itemsize(t.dtype))     # stable: aligned data
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for spec in shard:
-            nbytes = spec.numel * itemsize
-            header[spec.name] = {"dtype": st_dtype, "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[spec.name] = file_name
+        for t in shard:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+            weight_map[t.name] = file_name
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
         with open(out / file_name, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for spec in shard:
-                for nbytes in _write_tensor(f, spec, np_dtype, seed, bound, scratch,
-                                            (adjust or {}).get(spec.name)):
+            for t in shard:
+                if t.name in first_of:
+                    chunks = encode(f, first_of[t.name])
+                else:
+                    if t.name not in pending:           # its weight comes later: a first pass
+                        for _ in encode(_Discard(), extra_of[t.name]):
+                            pass
+                    data = pending.pop(t.name)
+                    f.write(data.view(np.uint8).data)
+                    chunks = [data.nbytes]
+                written.add(t.name)
+                for nbytes in chunks:
                     done += nbytes
                     if progress is not None:
                         progress(done, total)
     if n > 1:
-        index = {"metadata": {"total_parameters": sum(s.numel for s in specs),
+        index = {"metadata": {"total_parameters": sum(math.prod(t.shape) for t in order),
                               "total_size": total},
                  "weight_map": dict(sorted(weight_map.items()))}
         write_json(out / "model.safetensors.index.json", index)
 
 
-def _write_tensor(f, spec: TensorSpec, np_dtype: np.dtype, seed: int, bound: float,
-                  scratch: np.ndarray, adjust: RowAdjust | None = None) -> Iterator[int]:
-    """Write one tensor's bytes in chunks; yield the byte count of each chunk written.
+def _write_tensor(f, spec: TensorSpec, encoding: Encoding, encoder: Encoder, seed: int,
+                  bound: float, scratch: np.ndarray, adjust: RowAdjust | None = None) -> Iterator[int]:
+    """Write one spec's first stored tensor in chunks; yield the byte count of each chunk.
 
     `adjust`, when given, is called as adjust(rows, first_row) on every chunk of the
-    float32 values, viewed as whole rows [n, shape[-1]], before rounding; it edits them
-    in place. Chunks are then cut at row boundaries (the random stream is the same).
+    float32 values, viewed as whole rows [n, shape[-1]], before encoding; it edits them
+    in place. Chunks are then cut at row boundaries, and at multiples of the encoding's
+    `row_multiple` rows when it has one (the random stream is the same).
     """
     if spec.fill == "ones":
-        data = np.ones(spec.numel, dtype=np_dtype)
+        data = encoder.chunk(np.ones((1, spec.numel), dtype=np.float32))
         f.write(data.view(np.uint8).data)
         yield data.nbytes
         return
@@ -107,7 +138,12 @@ def _write_tensor(f, spec: TensorSpec, np_dtype: np.dtype, seed: int, bound: flo
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
     remaining = spec.numel
     row = spec.shape[-1]
-    step = scratch.size if adjust is None else max(row, scratch.size // row * row)
+    aligned = adjust is not None or encoding.row_multiple is not None
+    if not aligned:
+        step = scratch.size
+    else:
+        rows = row * (encoding.row_multiple or 1)
+        step = max(rows, scratch.size // rows * rows)
     if step > scratch.size:
         scratch = np.empty(step, dtype=np.float32)
     while remaining:
@@ -118,10 +154,17 @@ def _write_tensor(f, spec: TensorSpec, np_dtype: np.dtype, seed: int, bound: flo
         chunk -= np.float32(bound)  # [-bound, bound)
         if adjust is not None:
             adjust(chunk.reshape(-1, row), (spec.numel - remaining) // row)
-        data = chunk if np_dtype == np.float32 else chunk.astype(np_dtype)
-        f.write(data.view(np.uint8).data)
+        data = encoder.chunk(chunk.reshape(-1, row) if aligned else chunk.reshape(1, -1))
+        f.write(np.ascontiguousarray(data).view(np.uint8).data)
         remaining -= count
         yield data.nbytes
+
+
+class _Discard:
+    """A file that forgets what is written to it (the first pass over a weight)."""
+
+    def write(self, data) -> None:
+        pass
 
 
 def write_json(path: Path, obj: object) -> None:

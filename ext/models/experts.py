@@ -1,12 +1,14 @@
 """Routed experts: where each one lives in the checkpoint, and how the MoE block gets it.
 
 An expert is addressed as `(layer, expert)`. Its three projections — gate [I, H],
-up [I, H], down [H, I] in Hugging Face naming (Mixtral's w1, w3, w2) — are tensors
-of the model's own shards, possibly in three different files (transformers ≥ 5
-writes them so). `ExpertLayout` maps an address to those byte ranges; the MoE block
-asks an `ExpertProvider` for weights through `acquire` / `release`, so that the
-streaming cache can replace the simple providers defined here without touching
-the forward pass.
+up [I, H], down [H, I] in Hugging Face naming (Mixtral's w1, w3, w2) — are linear
+weights stored in one of the formats of ext/formats/quant.py: one tensor each
+(f32/f16/bf16), or several *pieces* each (FP8: the weight and its block scales; MXFP4:
+blocks and scales), possibly in different files (transformers ≥ 5 writes them so), or
+byte ranges of tensors fused over experts. `ExpertLayout` maps an address to those
+pieces; the MoE block asks an `ExpertProvider` for weights through `acquire` /
+`release`, so that the streaming cache can replace the simple providers defined here
+without touching the forward pass.
 """
 from __future__ import annotations
 
@@ -19,59 +21,87 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorInfo, TensorRangeError
+from ext.formats.checkpoint import (Checkpoint, MissingTensorError, TensorInfo, TensorRangeError,
+                                    UnsupportedDtypeError)
+from ext.formats.quant import (EXPERT, LAYOUTS, MXFP4, PLAIN_FORMATS, FormatMismatchError,
+                               StoredWeight, resolve_weight)
 from ext.models.config import ModelConfig
+from ext.models.families import family_of
+from ext.models.family import PROJECTIONS
+from ext.models.weights import Weight, read_weight, view_weight
 
-PROJECTIONS = ("gate", "up", "down")
+
+def expert_module_name(model_type: str, layer: int, expert: int, projection: str) -> str:
+    """Hub module name of one projection ("gate", "up" or "down") of a routed expert."""
+    return family_of(model_type).tensors.expert_module(layer, expert, projection)
 
 
 def expert_tensor_name(model_type: str, layer: int, expert: int, projection: str) -> str:
-    """Hub tensor name of one projection ("gate", "up" or "down") of a routed expert."""
-    if model_type == "mixtral":
-        w = {"gate": "w1", "up": "w3", "down": "w2"}[projection]
-        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"
-    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
+    """Hub name of one projection's weight, `<module>.weight` (its only tensor when the
+    weight is plain floats)."""
+    return expert_module_name(model_type, layer, expert, projection) + ".weight"
 
 
 class ExpertWeights(NamedTuple):
-    """One expert's projections as arrays in their native dtype (f32, f16 or bf16).
+    """One expert's projections as the kernels take them: arrays in their native dtype
+    (f32, f16, bf16) or QuantizedWeights over the stored pieces (ext/models/weights.py).
 
     gate, up: [moe_intermediate_size, hidden_size]; down: [hidden_size,
-    moe_intermediate_size]; C-contiguous. They stay valid until the provider's
-    `release` for the same acquire.
+    moe_intermediate_size]. Experts fused as GPT-OSS stores them have gate = the
+    interleaved gate_up ([2I, H], or [H, 2I] when the layout is `transposed`), up None
+    and down [H, I] (or [I, H]). They stay valid until the provider's `release` for
+    the same acquire.
     """
 
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    gate: Weight
+    up: Weight | None
+    down: Weight
+
+
+def expert_weights(projections, make) -> ExpertWeights:
+    """ExpertWeights of make(w) for each projection (gate, up, down) of a location's
+    `projections()`; a missing up (fused gate_up) stays None."""
+    return ExpertWeights(*(None if w is None else make(w) for w in projections))
 
 
 @dataclass(frozen=True)
 class ExpertLocation:
-    """Where one routed expert's projections lie on disk (per projection: file,
-    absolute offset, byte length, dtype, shape — see `checkpoint.TensorInfo`)."""
+    """Where one routed expert's projections lie on disk: per projection a StoredWeight,
+    whose pieces give file, absolute offset, byte length, dtype and shape."""
 
     layer: int
     expert: int
-    gate: TensorInfo
-    up: TensorInfo
-    down: TensorInfo
+    gate: StoredWeight
+    up: StoredWeight | None            # None: gate is GPT-OSS's interleaved gate_up
+    down: StoredWeight
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        """Bytes of every piece of the expert (weights and scales)."""
+        return sum(p.nbytes for p in self.pieces())
 
-    def projections(self) -> tuple[TensorInfo, TensorInfo, TensorInfo]:
+    def projections(self) -> tuple[StoredWeight, StoredWeight | None, StoredWeight]:
         return (self.gate, self.up, self.down)
+
+    def pieces(self) -> tuple[TensorInfo, ...]:
+        """Every tensor (or byte range) the expert is made of, projection by projection."""
+        return tuple(p for w in self.projections() if w is not None for p in w.pieces)
 
 
 class ExpertLayout:
     """Addresses of every routed expert of a checkpoint, validated against the config.
 
+    `format` is the experts' stored format (ext.formats.quant.formats(): "bf16",
+    "fp8_e4m3", "mxfp4", ...). Reads tensor headers only; the scale values are checked
+    by `check_scales`.
+
     Raises:
-        MissingTensorError: a projection of some (layer, expert) is absent.
-        TensorRangeError: a projection's shape or dtype disagrees with the config
-            or with its siblings (every expert of a model shares one dtype).
+        MissingTensorError: a projection (or a piece of it) of some (layer, expert) is
+            absent.
+        TensorRangeError: a projection's shape disagrees with the config, or its format
+            or piece dtypes with its siblings' (every expert of a model shares one).
+        QuantizationError: pieces that disagree with each other or with the
+            quantization config (ext/formats/quant.py).
     """
 
     def __init__(self, checkpoint: Checkpoint, config: ModelConfig):
@@ -79,32 +109,79 @@ class ExpertLayout:
         H, I = config.hidden_size, config.moe_intermediate_size
         expected = {"gate": (I, H), "up": (I, H), "down": (H, I)}
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
-        dtype = None
+        names = family_of(config.model_type).tensors
+        self.transposed = False        # plain fused experts stored [in, out] (GPT-OSS)
+        kind = None
         for layer, is_moe in enumerate(config.moe_layers):
             if not is_moe:
                 continue
             for expert in range(config.num_experts):
-                infos = {}
-                for proj in PROJECTIONS:
-                    name = expert_tensor_name(config.model_type, layer, expert, proj)
-                    if name not in checkpoint:
-                        raise MissingTensorError(
-                            f"expert ({layer}, {expert}) projection {proj} is missing",
-                            path=checkpoint.model_dir, tensor=name)
-                    info = checkpoint.info(name)
-                    if info.shape != expected[proj]:
+                if names.fused_experts:
+                    weights = self._fused(checkpoint, names.moe(layer), expert)
+                else:
+                    weights = {}
+                    for proj in PROJECTIONS:
+                        module = expert_module_name(config.model_type, layer, expert, proj)
+                        weights[proj] = resolve_weight(checkpoint.tensors, module, expected[proj], EXPERT,
+                                                       config.quantization, checkpoint.model_dir)
+                for w in filter(None, weights.values()):
+                    this = (w.format, tuple(p.dtype for p in w.pieces), w.block)
+                    kind = kind or this
+                    if this != kind:
+                        first = w.pieces[0]
                         raise TensorRangeError(
-                            f"shape {list(info.shape)} but the config implies {list(expected[proj])}",
-                            path=info.path, tensor=name)
-                    dtype = dtype or info.dtype
-                    if info.dtype != dtype:
-                        raise TensorRangeError(
-                            f"dtype {info.dtype} differs from the other experts' {dtype}",
-                            path=info.path, tensor=name)
-                    info.numpy_dtype  # raises UnsupportedDtypeError for a dtype we cannot compute
-                    infos[proj] = info
-                self._locations[(layer, expert)] = ExpertLocation(layer, expert, **infos)
-        self.dtype = dtype
+                            f"stored as {_describe(this)}, unlike the other experts' {_describe(kind)}",
+                            path=first.path, tensor=first.name)
+                self._locations[(layer, expert)] = ExpertLocation(layer, expert, **weights)
+        self.format = kind[0] if kind else None
+
+    def _fused(self, checkpoint: Checkpoint, moe: str, expert: int) -> dict[str, StoredWeight | None]:
+        """Expert `expert` of GPT-OSS's tensors fused over experts under `moe`.experts:
+        `gate_up_proj` (gate and up interleaved) and `down_proj`, either MXFP4
+        (`<param>_blocks` [E, R, C/32, 16] + `<param>_scales` [E, R, C/32], rows =
+        outputs) or plain floats [E, in, out] as transformers stores them (then the
+        layout is `transposed`). Raises MissingTensorError, FormatMismatchError (both
+        at once, or against the quantization_config), TensorRangeError (shapes)."""
+        c = self.config
+        H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts
+        quant, where, tensors = c.quantization, checkpoint.model_dir, checkpoint.tensors
+        out: dict[str, StoredWeight | None] = {"up": None}
+        for proj, param, shape in (("gate", f"{moe}.experts.gate_up_proj", (2 * I, H)),
+                                   ("down", f"{moe}.experts.down_proj", (H, I))):
+            quantised = [n for n in (f"{param}_blocks", f"{param}_scales") if n in tensors]
+            if quantised and param in tensors:
+                info = tensors[param]
+                raise FormatMismatchError(f"stored as plain floats and as MXFP4 ({quantised[0]}) at once",
+                                          path=info.path, tensor=param)
+            if quantised:
+                first = tensors[quantised[0]]
+                if quant is None or not quant.allows(param, MXFP4):
+                    raise FormatMismatchError("stored as mxfp4, but config.json's quantization_config "
+                                              "does not store these experts in MXFP4",
+                                              path=first.path, tensor=first.name)
+                if first.shape[:1] != (E,):
+                    raise TensorRangeError(f"shape {list(first.shape)}: the leading axis must hold "
+                                           f"the {E} experts", path=first.path, tensor=first.name)
+                out[proj] = LAYOUTS[MXFP4].fused_expert(tensors, param, expert, shape, where)
+                continue
+            if param not in tensors:
+                raise MissingTensorError("required by the config but missing from the checkpoint",
+                                         path=where, tensor=param)
+            info = tensors[param]
+            if info.dtype not in PLAIN_FORMATS:
+                raise UnsupportedDtypeError(f"dtype {info.dtype} is not a weight format moed reads",
+                                            path=info.path, tensor=param)
+            want = (E, shape[1], shape[0])                   # [E, in, out]
+            if info.shape != want:
+                raise TensorRangeError(f"shape {list(info.shape)} but the config implies {list(want)}",
+                                       path=info.path, tensor=param)
+            if quant is not None and quant.requires(param, EXPERT):
+                raise FormatMismatchError(f"dtype {info.dtype}, but config.json's quantization_config "
+                                          "stores these experts quantised", path=info.path, tensor=param)
+            out[proj] = StoredWeight(name=f"{param}[{expert}]", shape=want[1:],
+                                     format=PLAIN_FORMATS[info.dtype], pieces=(info.index(expert),))
+            self.transposed = True
+        return out
 
     def __getitem__(self, key: tuple[int, int]) -> ExpertLocation:
         return self._locations[key]
@@ -118,6 +195,22 @@ class ExpertLayout:
     @property
     def max_expert_bytes(self) -> int:
         return max((loc.nbytes for loc in self._locations.values()), default=0)
+
+    def check_scales(self, checkpoint: Checkpoint) -> None:
+        """Read every expert's scale pieces and refuse unusable ones (BadScaleError naming
+        the file and tensor): NaN, inf or negative scales, E8M0 255. Nothing to do for
+        plain float experts. Reads only the scales (1/16 of an MXFP4 expert, far less
+        of an FP8 one)."""
+        for loc in self:
+            for w in filter(None, loc.projections()):
+                pieces = w.checked_pieces()
+                if pieces:
+                    w.check_values({role: checkpoint.read(p) for role, p in pieces.items()})
+
+
+def _describe(kind: tuple) -> str:
+    fmt, dtypes, block = kind
+    return f"{fmt} ({', '.join(dtypes)})" if len(dtypes) > 1 else fmt
 
 
 class ExpertProvider(ABC):
@@ -186,12 +279,13 @@ class ExpertProvider(ABC):
 
 
 def _view(buf, offset: int, info: TensorInfo) -> np.ndarray:
-    return np.frombuffer(buf, dtype=info.numpy_dtype, count=info.nbytes // info.numpy_dtype.itemsize,
+    dtype = info.numpy_dtype
+    return np.frombuffer(buf, dtype=dtype, count=info.nbytes // dtype.itemsize,
                          offset=offset).reshape(info.shape)
 
 
 class ResidentExpertProvider(ExpertProvider):
-    """Every routed expert read into RAM at start (anonymous memory, native dtype).
+    """Every routed expert read into RAM at start (anonymous memory, stored format).
 
     Memory: `layout` total expert bytes. For models whose experts fit in RAM, and
     as the all-experts-resident reference of the benchmarks.
@@ -200,8 +294,8 @@ class ResidentExpertProvider(ExpertProvider):
     def __init__(self, checkpoint: Checkpoint, layout: ExpertLayout):
         self._weights: dict[tuple[int, int], ExpertWeights] = {}
         for loc in layout:
-            arrays = [checkpoint.load(info.name) for info in loc.projections()]
-            self._weights[(loc.layer, loc.expert)] = ExpertWeights(*arrays)
+            self._weights[(loc.layer, loc.expert)] = expert_weights(
+                loc.projections(), lambda w: read_weight(checkpoint, w))
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         return [self._weights[(layer, int(e))] for e in experts]
@@ -241,7 +335,8 @@ class MmapExpertProvider(ExpertProvider):
             w = self._views.get(key)
             if w is None:
                 loc = self._layout[key]
-                w = ExpertWeights(*(_view(self._map(i.path), i.offset, i) for i in loc.projections()))
+                w = expert_weights(loc.projections(), lambda p: view_weight(
+                    p, lambda i: _view(self._map(i.path), i.offset, i)))
                 self._views[key] = w
             out.append(w)
         return out

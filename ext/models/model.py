@@ -1,14 +1,19 @@
-"""The forward pass of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE decoders.
+"""The forward pass of the MoE decoders moed serves (the families of ext/models/families/).
 
 Shape legend: T tokens of this step, H hidden_size, V vocab_size, nH attention
 heads, nKV key/value heads, D head_dim, E num_experts, K top_k (num_experts_per_tok),
 I moe_intermediate_size, N token-expert pairs (T*K), S KV-cache capacity.
 
 Conventions: activations, the KV cache and routing are float32; weights stay in
-the checkpoint's dtype and are dequantised inside the kernels (`ext.kernels._kernels`).
+the checkpoint's format (f32/f16/bf16 arrays, or FP8 / MXFP4 / ... pieces behind a
+`QuantizedWeight`: ext/models/weights.py) and are dequantised inside the kernels
+(`ext.kernels._kernels`). Norms, biases and embeddings stay as stored (f32/f16/bf16).
 The forward pass reads in the order the math happens: embed → per layer
-(RMSNorm, q/k/v, q/k norm, RoPE, attention, o, residual, RMSNorm, router,
-experts, weighted sum, residual) → final RMSNorm → logits. Routed expert weights
+(RMSNorm, attention, residual, RMSNorm, router, experts, weighted sum, residual)
+→ final RMSNorm → logits. What differs between families — the attention kind
+(ext/models/attention.py), the routing rule (ext/models/routing.py) and the names
+of the tensors — comes from the model's `Family` (ext/models/family.py); nothing
+here tests a model_type. Routed expert weights
 come from an `ExpertProvider` (one acquire per MoE layer and step); everything
 else is resident. Each output's reduction order depends only on shapes, so a
 token's logits are bit-identical whatever the thread count, the chunking of the
@@ -23,11 +28,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorRangeError
+from ext.formats.checkpoint import (FLOAT_DTYPES, Checkpoint, MissingTensorError,
+                                    TensorRangeError, UnsupportedDtypeError)
+from ext.formats.quant import ATTENTION, HEAD, MLP, ROUTER, StoredWeight, resolve_weight
 from ext.kernels import _kernels as K_
+from ext.models.attention import Segments
 from ext.models.config import ModelConfig, load_config
 from ext.models.experts import (ExpertLayout, ExpertProvider, MmapExpertProvider,
                                 ResidentExpertProvider)
+from ext.models.families import family_of
+from ext.models.kvcache import KVCache
+from ext.models.routing import RouterWeights
+from ext.models.weights import Weight, read_weight
 
 F32 = np.float32
 PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
@@ -44,84 +56,39 @@ def default_threads() -> int:
 @dataclass
 class MLPWeights:
     """A SwiGLU MLP held resident: gate/up [I, H], down [H, I] (dense layers and
-    Qwen2-MoE's shared expert)."""
+    shared experts), in their stored format."""
 
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 @dataclass
 class LayerWeights:
-    """Resident weights of one decoder layer (norm vectors and biases in f32)."""
+    """Resident weights of one decoder layer (linear weights in their stored format,
+    norm vectors in f32)."""
 
     input_norm: np.ndarray           # [H]
     post_norm: np.ndarray            # [H]
-    q: np.ndarray                    # [nH*D, H]
-    k: np.ndarray                    # [nKV*D, H]
-    v: np.ndarray                    # [nKV*D, H]
-    o: np.ndarray                    # [H, nH*D]
-    q_bias: np.ndarray | None        # [nH*D]
-    k_bias: np.ndarray | None        # [nKV*D]
-    v_bias: np.ndarray | None        # [nKV*D]
-    q_norm: np.ndarray | None        # [D] ("head") or [nH*D] ("full")
-    k_norm: np.ndarray | None        # [D] or [nKV*D]
-    router: np.ndarray | None        # [E, H] on MoE layers
+    attention: object                # the attention kind's weights (e.g. GqaWeights)
+    router: RouterWeights | None     # MoE layers
     mlp: MLPWeights | None           # dense layers
     shared_expert: MLPWeights | None  # Qwen2-MoE
-    shared_expert_gate: np.ndarray | None  # [1, H]
-
-
-class KVCache:
-    """Keys and values of one sequence: per layer [nKV, S, D] float32.
-
-    Owned by the sequence; grows by doubling (a copy) when a step would pass
-    the capacity, up to `max_capacity`.
-    """
-
-    def __init__(self, config: ModelConfig, capacity: int, max_capacity: int):
-        self.config = config
-        self.max_capacity = max_capacity
-        self.length = 0
-        self.k: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
-        self._allocate(min(max(capacity, 1), max_capacity))
-
-    def _allocate(self, capacity: int) -> None:
-        c = self.config
-        shape = (c.num_key_value_heads, capacity, c.head_dim)
-        old_k, old_v = self.k, self.v
-        self.k = [np.zeros(shape, F32) for _ in range(c.num_hidden_layers)]
-        self.v = [np.zeros(shape, F32) for _ in range(c.num_hidden_layers)]
-        for new, old in zip(self.k + self.v, old_k + old_v):
-            new[:, : self.length] = old[:, : self.length]
-        self.capacity = capacity
-
-    def reserve(self, n_tokens: int) -> None:
-        """Make room for `n_tokens` more; ValueError past max_capacity."""
-        need = self.length + n_tokens
-        if need > self.max_capacity:
-            raise ValueError(f"sequence of {need} tokens exceeds the context of {self.max_capacity}")
-        if need > self.capacity:
-            self._allocate(min(self.max_capacity, max(need, 2 * self.capacity)))
+    shared_expert_gate: Weight | None  # [1, H], or None for an ungated shared expert
+    expert_resident: object = None   # what the expert kind keeps resident (GPT-OSS: biases)
 
 
 class _Workspace:
-    """Activation buffers for up to `chunk` tokens, allocated once per model."""
+    """Activation buffers of the MoE and MLP blocks for up to `chunk` tokens,
+    allocated once per model (attention keeps its own)."""
 
-    def __init__(self, c: ModelConfig, chunk: int, n_threads: int):
-        H, D = c.hidden_size, c.head_dim
-        q_dim, kv_dim = c.num_attention_heads * D, c.num_key_value_heads * D
+    def __init__(self, c: ModelConfig, chunk: int):
+        H = c.hidden_size
         K = c.num_experts_per_tok
         mlp_i = max(c.moe_intermediate_size, c.intermediate_size if not all(c.moe_layers) else 0,
                     c.shared_expert_intermediate_size)
         self.x = np.empty((chunk, H), F32)
         self.h = np.empty((chunk, H), F32)
-        self.q = np.empty((chunk, q_dim), F32)
-        self.k = np.empty((chunk, kv_dim), F32)
-        self.v = np.empty((chunk, kv_dim), F32)
-        self.attn = np.empty((chunk, q_dim), F32)
-        self.o = np.empty((chunk, H), F32)
         self.router_logits = np.empty((chunk, c.num_experts), F32)
         self.hint_logits = np.empty((chunk, c.num_experts), F32)
         self.hint_h = np.empty((chunk, H), F32)
@@ -131,20 +98,13 @@ class _Workspace:
         self.xg = np.empty((chunk * K, H), F32)
         self._hbuf = np.empty(chunk * K * mlp_i, F32)
         self.y = np.empty((chunk * K, H), F32)
+        self.out = np.empty((chunk, H), F32)
         self.shared = np.empty((chunk, H), F32)
         self.gate = np.empty((chunk, 1), F32)
-        self.cos = np.empty((chunk, D // 2), F32)
-        self.sin = np.empty((chunk, D // 2), F32)
-        self.scratch = np.empty((n_threads, 0), F32)  # attention scores, grown on demand
 
     def hbuf(self, rows: int, cols: int) -> np.ndarray:
         """A C-contiguous [rows, cols] view of the MLP activation buffer."""
         return self._hbuf[: rows * cols].reshape(rows, cols)
-
-    def scores(self, n_threads: int, capacity: int) -> np.ndarray:
-        if self.scratch.shape[0] < n_threads or self.scratch.shape[1] < capacity:
-            self.scratch = np.empty((n_threads, max(capacity, 2 * self.scratch.shape[1])), F32)
-        return self.scratch
 
 
 class Sequence:
@@ -191,15 +151,21 @@ class Model:
         self.layout = layout
         self.experts = experts
         self.n_threads = n_threads
+        self.dense_weights: dict[str, StoredWeight] = {}   # every resident linear weight
+        self.family = family_of(config.model_type)
+        self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads)
+        self.routing = self.family.routing(config)
+        # Called as moe_observer(layer, experts, weights, x [N, H], group_start) before each
+        # batch of expert FFNs, with the rows of experts[g] at group_start[g]:group_start[g+1]
+        # of x; it must not modify anything (ext/quant/importance.py gathers statistics).
+        self.moe_observer: Callable[..., None] | None = None
+        self.expert_ffn = self.family.experts(config, layout.transposed)
         self._load_dense()
-        self.ws = _Workspace(config, PREFILL_CHUNK, n_threads)
+        self.ws = _Workspace(config, PREFILL_CHUNK)
         moe = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
         # The first MoE layer after each layer (None after the last one).
         self.next_moe_layer = [next((m for m in moe if m > l), None)
                                for l in range(config.num_hidden_layers)]
-        D = config.head_dim
-        self.inv_freq = (F32(1.0) / (F32(config.rope_theta) ** (np.arange(0, D, 2, dtype=F32) / F32(D)))).astype(F32)
-        self.scale = float(D) ** -0.5
 
     @classmethod
     def load(cls, model_dir: str | Path, *, n_threads: int | None = None,
@@ -213,11 +179,15 @@ class Model:
                 (all experts read into RAM), an ExpertProvider, or a factory called
                 as experts(checkpoint, layout, config) once those are open.
         Raises:
-            ConfigError / CheckpointError subclasses naming the field, file or tensor.
+            ConfigError / CheckpointError subclasses naming the field, file or tensor
+            (QuantizationError ones for quantised weights: ext/formats/quant.py).
         """
         config = load_config(model_dir)
         checkpoint = Checkpoint(model_dir)
+        if config.quantization is not None:
+            config.quantization.check_checkpoint(checkpoint.tensors, checkpoint.model_dir)
         layout = ExpertLayout(checkpoint, config)
+        layout.check_scales(checkpoint)
         if experts == "mmap":
             provider: ExpertProvider = MmapExpertProvider(layout)
         elif experts == "resident":
@@ -233,6 +203,7 @@ class Model:
     # ------------------------------------------------------------- loading
 
     def _tensor(self, name: str, shape: tuple[int, ...], *, f32: bool = False) -> np.ndarray:
+        """A tensor that is not a linear weight (embedding, norm, bias): f32/f16/bf16."""
         if name not in self.checkpoint:
             raise MissingTensorError("required by the config but missing from the checkpoint",
                                      path=self.checkpoint.model_dir, tensor=name)
@@ -240,60 +211,76 @@ class Model:
         if info.shape != shape:
             raise TensorRangeError(f"shape {list(info.shape)} but the config implies {list(shape)}",
                                    path=info.path, tensor=name)
+        if info.dtype not in FLOAT_DTYPES:
+            raise UnsupportedDtypeError(f"dtype {info.dtype}: embeddings, norms and biases are "
+                                        f"read as stored ({', '.join(FLOAT_DTYPES)})",
+                                        path=info.path, tensor=name)
         arr = self.checkpoint.load(name)
         return np.ascontiguousarray(arr, dtype=F32) if f32 else arr
 
+    def _linear(self, module: str, shape: tuple[int, int], role: str) -> Weight:
+        """The linear weight of `module` [R, C] in its stored format (its scales checked)."""
+        stored = resolve_weight(self.checkpoint.tensors, module, shape, role,
+                                self.config.quantization, self.checkpoint.model_dir)
+        self.dense_weights[module] = stored
+        return read_weight(self.checkpoint, stored)
+
     def _mlp(self, prefix: str, inter: int) -> MLPWeights:
         H = self.config.hidden_size
-        return MLPWeights(gate=self._tensor(f"{prefix}.gate_proj.weight", (inter, H)),
-                          up=self._tensor(f"{prefix}.up_proj.weight", (inter, H)),
-                          down=self._tensor(f"{prefix}.down_proj.weight", (H, inter)))
+        return MLPWeights(gate=self._linear(f"{prefix}.gate_proj", (inter, H), MLP),
+                          up=self._linear(f"{prefix}.up_proj", (inter, H), MLP),
+                          down=self._linear(f"{prefix}.down_proj", (H, inter), MLP))
 
     def _load_dense(self) -> None:
-        c = self.config
-        H, D, V = c.hidden_size, c.head_dim, c.vocab_size
-        q_dim, kv_dim = c.num_attention_heads * D, c.num_key_value_heads * D
+        c, names = self.config, self.family.tensors
+        H, V = c.hidden_size, c.vocab_size
         self.embed = self._tensor("model.embed_tokens.weight", (V, H))
         if c.tie_word_embeddings:
             self.lm_head = self.embed
         else:
-            self.lm_head = self._tensor("lm_head.weight", (V, H))
+            self.lm_head = self._linear("lm_head", (V, H), HEAD)
         self.final_norm = self._tensor("model.norm.weight", (H,), f32=True)
-        moe = "block_sparse_moe" if c.model_type == "mixtral" else "mlp"
         self.layers: list[LayerWeights] = []
         for l in range(c.num_hidden_layers):
-            p = f"model.layers.{l}"
-            a = f"{p}.self_attn"
-            bias = c.qkv_bias
-            norm_q = {"head": (D,), "full": (q_dim,)}.get(c.qk_norm)
-            norm_k = {"head": (D,), "full": (kv_dim,)}.get(c.qk_norm)
+            p, moe = names.layer(l), names.moe(l)
             is_moe = c.moe_layers[l]
-            shared = is_moe and c.shared_expert_intermediate_size > 0
+            shared = is_moe and names.shared_expert is not None
+            gated = shared and names.shared_expert_gate is not None
             self.layers.append(LayerWeights(
                 input_norm=self._tensor(f"{p}.input_layernorm.weight", (H,), f32=True),
                 post_norm=self._tensor(f"{p}.post_attention_layernorm.weight", (H,), f32=True),
-                q=self._tensor(f"{a}.q_proj.weight", (q_dim, H)),
-                k=self._tensor(f"{a}.k_proj.weight", (kv_dim, H)),
-                v=self._tensor(f"{a}.v_proj.weight", (kv_dim, H)),
-                o=self._tensor(f"{a}.o_proj.weight", (H, q_dim)),
-                q_bias=self._tensor(f"{a}.q_proj.bias", (q_dim,), f32=True) if bias else None,
-                k_bias=self._tensor(f"{a}.k_proj.bias", (kv_dim,), f32=True) if bias else None,
-                v_bias=self._tensor(f"{a}.v_proj.bias", (kv_dim,), f32=True) if bias else None,
-                q_norm=self._tensor(f"{a}.q_norm.weight", norm_q, f32=True) if norm_q else None,
-                k_norm=self._tensor(f"{a}.k_norm.weight", norm_k, f32=True) if norm_k else None,
-                router=self._tensor(f"{p}.{moe}.gate.weight", (c.num_experts, H)) if is_moe else None,
+                attention=self.attention.load(l, self._tensor, self._linear),
+                router=self.routing.load(f"{moe}.{names.router}", self._tensor, self._linear)
+                if is_moe else None,
                 mlp=None if is_moe else self._mlp(f"{p}.mlp", c.intermediate_size),
-                shared_expert=self._mlp(f"{p}.mlp.shared_expert", c.shared_expert_intermediate_size)
+                shared_expert=self._mlp(f"{moe}.{names.shared_expert}", c.shared_expert_intermediate_size)
                 if shared else None,
-                shared_expert_gate=self._tensor(f"{p}.mlp.shared_expert_gate.weight", (1, H))
-                if shared else None,
+                shared_expert_gate=self._linear(f"{moe}.{names.shared_expert_gate}", (1, H), ROUTER)
+                if gated else None,
+                expert_resident=self.expert_ffn.load(moe, self._tensor) if is_moe else None,
             ))
+
+    def weight_formats(self) -> dict:
+        """Which stored formats the model uses (JSON-able; logs, /v1/models, metrics):
+        experts: the routed experts' format (ext.formats.quant.formats(), None without
+        experts); dense: the resident linear weights' format, or "mixed" when they differ
+        (e.g. FP8 projections beside a bf16 router); dense_formats: each format used and
+        how many weights have it; quantization: the quantization_config's fields, or None.
+        """
+        counts: dict[str, int] = {}
+        for w in self.dense_weights.values():
+            counts[w.format] = counts.get(w.format, 0) + 1
+        quant = self.config.quantization
+        return {"experts": self.layout.format,
+                "dense": next(iter(counts)) if len(counts) == 1 else "mixed",
+                "dense_formats": dict(sorted(counts.items())),
+                "quantization": quant.describe() if quant is not None else None}
 
     # ------------------------------------------------------------- serving
 
     def new_sequence(self, capacity: int = 256) -> Sequence:
         """A fresh sequence whose KV cache starts with room for `capacity` tokens."""
-        return Sequence(KVCache(self.config, capacity, self.config.max_position_embeddings))
+        return Sequence(self.attention.new_cache(capacity, self.config.max_position_embeddings))
 
     def forward(self, seq: Sequence, token_ids, *, all_logits: bool = False) -> np.ndarray:
         """Run `token_ids` through the model after what `seq` already holds.
@@ -328,38 +315,66 @@ class Model:
     def forward_batch(self, seqs: list[Sequence], token_ids) -> np.ndarray:
         """One decode step for several sequences at once: token_ids[b] follows seqs[b].
 
-        The rows share every weight read — the union of their experts is acquired
-        once per MoE layer — and each row's logits are bit-identical to
-        `forward(seqs[b], [token_ids[b]])` (row-wise kernels with fixed reduction
-        order; attention reads only the row's own KV cache).
+        `forward_step` with one token per sequence; each row's logits are bit-identical
+        to `forward(seqs[b], [token_ids[b]])`.
 
-        Args:
-            seqs: 1..PREFILL_CHUNK distinct sequences; each KV cache grows by one.
-            token_ids: [len(seqs)] ints in [0, vocab_size).
         Returns:
             [len(seqs), V] float32 logits (a new array).
         Raises:
-            ValueError: no sequences, more than PREFILL_CHUNK, a sequence given twice,
-                a length mismatch, an id out of range, or a context exceeded (checked
-                for every sequence before any changes).
+            ValueError: as `forward_step`, and a length mismatch.
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if not seqs or len(seqs) > PREFILL_CHUNK:
-            raise ValueError(f"forward_batch takes 1 to {PREFILL_CHUNK} sequences, got {len(seqs)}")
-        if len({id(s) for s in seqs}) != len(seqs):
-            raise ValueError("forward_batch got the same sequence twice")
         if ids.size != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but {ids.size} token ids")
+        return self.forward_step(seqs, [ids[b:b + 1] for b in range(ids.size)])
+
+    def forward_step(self, seqs: list[Sequence], token_ids: list) -> np.ndarray:
+        """One step over several sequences, each continuing with its own tokens.
+
+        token_ids[b] ([T_b] ints) follows what seqs[b] holds: one token is a decode row,
+        several are a chunk of a prompt's prefill, and both kinds share the step. The
+        rows share every weight read — the union of their experts is acquired once per
+        MoE layer — and each row's arithmetic depends only on its own tokens and KV
+        cache (row-wise kernels with a fixed reduction order; attention reads only the
+        row's own cache), so the logits of seqs[b] are bit-identical to
+        `forward(seqs[b], token_ids[b])`, whatever else is in the step.
+
+        Args:
+            seqs: distinct sequences; each KV cache grows by len(token_ids[b]).
+            token_ids: one non-empty [T_b] array (or list) per sequence, with
+                sum(T_b) <= PREFILL_CHUNK.
+        Returns:
+            [len(seqs), V] float32 logits of each sequence's last token (a new array).
+        Raises:
+            ValueError: no sequences, a sequence given twice, a length mismatch, an
+                empty chunk, more than PREFILL_CHUNK tokens in all, an id out of range,
+                or a context exceeded (checked for every sequence before any changes).
+        """
+        if not seqs or len(seqs) != len(token_ids):
+            raise ValueError(f"forward_step takes one token list per sequence, got {len(seqs)} "
+                             f"sequences and {len(token_ids)} token lists")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("forward_step got the same sequence twice")
+        chunks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_ids]
+        if any(c.size == 0 for c in chunks):
+            raise ValueError("forward_step got an empty token list")
+        ids = np.concatenate(chunks)
+        if ids.size > PREFILL_CHUNK:
+            raise ValueError(f"forward_step takes at most {PREFILL_CHUNK} tokens in all, got {ids.size}")
         self._check_ids(ids)
-        for seq in seqs:
-            if seq.kv.length + 1 > seq.kv.max_capacity:
-                raise ValueError(f"sequence of {seq.kv.length + 1} tokens exceeds the context of "
-                                 f"{seq.kv.max_capacity}")
-        for seq in seqs:
-            seq.kv.reserve(1)
-        h = self._forward_rows([(seq.kv, b, b + 1) for b, seq in enumerate(seqs)], ids)
+        for seq, chunk in zip(seqs, chunks):
+            if seq.kv.length + chunk.size > seq.kv.max_capacity:
+                raise ValueError(f"sequence of {seq.kv.length + chunk.size} tokens exceeds the "
+                                 f"context of {seq.kv.max_capacity}")
+        segments, r0 = [], 0
+        for seq, chunk in zip(seqs, chunks):
+            seq.kv.reserve(chunk.size)
+            segments.append((seq.kv, r0, r0 + chunk.size))
+            r0 += chunk.size
+        h = self._forward_rows(segments, ids)
+        last = np.ascontiguousarray(h[[r1 - 1 for _, _, r1 in segments]])   # [len(seqs), H]
         logits = np.empty((len(seqs), self.config.vocab_size), F32)
-        K_.matmul(self.lm_head, h, logits, self.n_threads)
+        K_.matmul(self.lm_head, last, logits, self.n_threads)
         return logits
 
     def _check_ids(self, ids: np.ndarray) -> None:
@@ -367,7 +382,7 @@ class Model:
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ValueError(f"token id {bad} out of range [0, {self.config.vocab_size})")
 
-    def _forward_rows(self, segments: list[tuple[KVCache, int, int]], ids: np.ndarray) -> np.ndarray:
+    def _forward_rows(self, segments: Segments, ids: np.ndarray) -> np.ndarray:
         """Embed → layers → final norm for T <= PREFILL_CHUNK rows; returns [T, H].
 
         segments: (kv, r0, r1) — rows r0:r1 of `ids` continue that KV cache, in order,
@@ -379,17 +394,14 @@ class Model:
         self.experts.begin_step(T)
         x = ws.x[:T]                                             # [T, H] residual stream
         K_.dequantize_rows(self.embed, ids, x)
-        positions = np.concatenate([np.arange(kv.length, kv.length + r1 - r0, dtype=F32)
-                                    for kv, r0, r1 in segments])
-        np.multiply.outer(positions, self.inv_freq, out=ws.cos[:T])   # angles [T, D/2]
-        np.sin(ws.cos[:T], out=ws.sin[:T])
-        np.cos(ws.cos[:T], out=ws.cos[:T])
+        self.attention.begin_step(np.concatenate(
+            [np.arange(kv.length, kv.length + r1 - r0, dtype=F32) for kv, r0, r1 in segments]))
         for l, layer in enumerate(self.layers):
             h = ws.h[:T]
             if layer.router is not None and self.experts.wants_hints and self.experts.early_hints:
                 self._hint_own_layer(l, layer, x)
             K_.rmsnorm(x, layer.input_norm, c.rms_norm_eps, h, nt)
-            x += self._attention(l, layer, segments, h)
+            x += self.attention(l, layer.attention, segments, h)
             K_.rmsnorm(x, layer.post_norm, c.rms_norm_eps, h, nt)
             if self.experts.wants_hints:
                 self._hint_next_layer(l, h)
@@ -405,7 +417,8 @@ class Model:
 
     def _hint_next_layer(self, l: int, h: np.ndarray) -> None:
         """Offer the provider the routers of the next `experts.hint_depth` MoE layers
-        applied to the current hidden state [T, H], so their experts can be read while
+        applied to the current hidden state [T, H], scored under the family's routing
+        rule (computed only when the provider asks), so their experts can be read while
         this layer computes. Output is unaffected whatever the provider does."""
         nxt = l
         logits = self.ws.hint_logits[:h.shape[0]]
@@ -416,70 +429,32 @@ class Model:
             router = self.layers[nxt].router
 
             def scores(router=router) -> np.ndarray:
-                K_.matmul(router, h, logits, self.n_threads)               # [T, E]
-                return logits
+                self.routing.logits(router, h, logits, self.n_threads)       # [T, E]
+                return self.routing.hint_scores(router, logits)
             self.experts.hint(nxt, scores, ahead)
 
     def _hint_own_layer(self, l: int, layer: LayerWeights, x: np.ndarray) -> None:
         """The sharper guess, before layer l's attention: its own router applied to its
         input [T, H] through its post-attention norm (what the router will see, less the
-        attention's update). The first MoE layer's only guess."""
+        attention's update), scored under the family's rule. The first MoE layer's only
+        guess."""
         T = x.shape[0]
 
         def scores() -> np.ndarray:
             h, logits = self.ws.hint_h[:T], self.ws.hint_logits[:T]
             K_.rmsnorm(x, layer.post_norm, self.config.rms_norm_eps, h, self.n_threads)
-            K_.matmul(layer.router, h, logits, self.n_threads)              # [T, E]
-            return logits
+            self.routing.logits(layer.router, h, logits, self.n_threads)     # [T, E]
+            return self.routing.hint_scores(layer.router, logits)
         self.experts.hint(l, scores, 0)
 
-    def _attention(self, l: int, layer: LayerWeights, segments: list[tuple[KVCache, int, int]],
-                   h: np.ndarray) -> np.ndarray:
-        c, ws, nt = self.config, self.ws, self.n_threads
-        T, D = h.shape[0], c.head_dim
-        nH, nKV = c.num_attention_heads, c.num_key_value_heads
-        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]
-        K_.matmul(layer.q, h, q, nt)                             # [T, nH*D]
-        K_.matmul(layer.k, h, k, nt)                             # [T, nKV*D]
-        K_.matmul(layer.v, h, v, nt)                             # [T, nKV*D]
-        if layer.q_bias is not None:
-            q += layer.q_bias
-            k += layer.k_bias
-            v += layer.v_bias
-        if c.qk_norm == "head":                                  # Qwen3-MoE: per head over D
-            K_.rmsnorm(q.reshape(T * nH, D), layer.q_norm, c.rms_norm_eps, q.reshape(T * nH, D), nt)
-            K_.rmsnorm(k.reshape(T * nKV, D), layer.k_norm, c.rms_norm_eps, k.reshape(T * nKV, D), nt)
-        elif c.qk_norm == "full":                                # OLMoE: over the projection
-            K_.rmsnorm(q, layer.q_norm, c.rms_norm_eps, q, nt)
-            K_.rmsnorm(k, layer.k_norm, c.rms_norm_eps, k, nt)
-        if c.clip_qkv is not None:
-            for t in (q, k, v):
-                np.clip(t, -c.clip_qkv, c.clip_qkv, out=t)
-        q3, k3 = q.reshape(T, nH, D), k.reshape(T, nKV, D)
-        K_.rope(q3, ws.cos[:T], ws.sin[:T])
-        K_.rope(k3, ws.cos[:T], ws.sin[:T])
-        v3 = v.reshape(T, nKV, D)
-        attn3 = ws.attn[:T].reshape(T, nH, D)
-        window = c.sliding_windows[l] or 0
-        for kv, r0, r1 in segments:                              # each row sees its own cache
-            pos0 = kv.length
-            kv.k[l][:, pos0:pos0 + r1 - r0] = k3[r0:r1].transpose(1, 0, 2)   # cache [nKV, S, D]
-            kv.v[l][:, pos0:pos0 + r1 - r0] = v3[r0:r1].transpose(1, 0, 2)
-            K_.attention(q3[r0:r1], kv.k[l], kv.v[l], pos0, window, self.scale, attn3[r0:r1],
-                         ws.scores(nt, kv.capacity), nt)
-        o = ws.o[:T]
-        K_.matmul(layer.o, ws.attn[:T], o, nt)                   # [T, H]
-        return o
-
     def _moe(self, l: int, layer: LayerWeights, h: np.ndarray) -> np.ndarray:
-        """Routed experts (+ Qwen2-MoE's gated shared expert) for [T, H] input."""
+        """Routed experts (+ the shared expert, gated or not) for [T, H] input."""
         c, ws, nt = self.config, self.ws, self.n_threads
         T, K = h.shape[0], c.num_experts_per_tok
-        logits = ws.router_logits[:T]
-        K_.matmul(layer.router, h, logits, nt)                   # [T, E]
+        logits = self.routing.logits(layer.router, h, ws.router_logits[:T], nt)   # [T, E]
         ids, weights = ws.ids[:T], ws.weights[:T]
         try:
-            K_.route(logits, K, c.norm_topk_prob, ids, weights)  # [T, K] in rank order
+            self.routing.select(layer.router, logits, ids, weights)   # [T, K] in rank order
         except ValueError as e:
             raise ValueError(f"layer {l}: {e} (the weights of this layer's router or of the "
                              "layers before it hold NaN or inf)") from None
@@ -499,9 +474,11 @@ class Model:
             r0, r1 = int(group_start[g0]), int(group_start[g1])
             weights_of = self.experts.acquire(l, batch)          # the expert fetch
             try:
-                K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
-                              [w.down for w in weights_of], xg[r0:r1], group_start[g0:g1 + 1] - r0,
-                              ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
+                if self.moe_observer is not None:
+                    self.moe_observer(l, batch, weights_of, xg[r0:r1], group_start[g0:g1 + 1] - r0)
+                self.expert_ffn(layer.expert_resident, batch, weights_of, xg[r0:r1],
+                                group_start[g0:g1 + 1] - r0,
+                                ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
             finally:
                 self.experts.release(l, batch)
         rows = np.empty(N, np.int64)
@@ -522,10 +499,13 @@ class Model:
         ready = iter(self.experts.acquire_in_order(l, experts))   # a failed read releases
         for positions, weights_of in ready:
             n = len(positions)
+            batch = [experts[i] for i in positions]
+            starts = np.arange(n + 1, dtype=np.int64)
             try:
-                K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
-                              [w.down for w in weights_of], xg[:n], np.arange(n + 1, dtype=np.int64),
-                              ws.hbuf(n, c.moe_intermediate_size), part[:n], nt)
+                if self.moe_observer is not None:
+                    self.moe_observer(l, batch, weights_of, xg[:n], starts)
+                self.expert_ffn(layer.expert_resident, batch, weights_of, xg[:n], starts,
+                                ws.hbuf(n, c.moe_intermediate_size), part[:n], nt)
             except BaseException:
                 ready.close()
                 self.experts.release(l, experts)
@@ -539,16 +519,18 @@ class Model:
     def _combine(self, layer: LayerWeights, h: np.ndarray, y: np.ndarray, rows: np.ndarray,
                  weights: np.ndarray) -> np.ndarray:
         """The weighted sum of the routed experts' rows in rank order, plus the shared
-        expert (Qwen2-MoE): [T, H]."""
+        expert (gated or not): [T, H]."""
         ws, nt = self.ws, self.n_threads
         T = h.shape[0]
-        out = ws.o[:T]
+        out = ws.out[:T]
         K_.combine_experts(y, rows, weights, out)                # [T, H], rank order
         if layer.shared_expert is not None:
             shared = self._dense_mlp(layer.shared_expert, h, ws.shared[:T])
-            gate = ws.gate[:T]
-            K_.matmul(layer.shared_expert_gate, h, gate, nt)     # [T, 1]
-            out += (F32(1.0) / (F32(1.0) + np.exp(-gate))) * shared
+            if layer.shared_expert_gate is not None:             # Qwen2-MoE: sigmoid gate
+                gate = ws.gate[:T]
+                K_.matmul(layer.shared_expert_gate, h, gate, nt)  # [T, 1]
+                shared *= F32(1.0) / (F32(1.0) + np.exp(-gate))
+            out += shared
         return out
 
     def _dense_mlp(self, mlp: MLPWeights, h: np.ndarray, out: np.ndarray) -> np.ndarray:

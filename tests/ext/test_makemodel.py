@@ -13,10 +13,15 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from checkpoint_files import headers
+
 from ext.makemodel import ARCHITECTURES, build_tokenizer, make_model
 from ext.tokenizer import Tokenizer, stop_token_ids
 
 TINY = dict(layers=2, experts=4, top_k=2, hidden=32, intermediate=16)
+# The families whose tests here spell out their per-module layout (the others:
+# tests/ext/test_makemodel_frontier.py).
+FIRST_FAMILIES = ARCHITECTURES[:4]
 
 
 def _tensors(model_dir: Path) -> dict[str, np.ndarray]:
@@ -30,7 +35,7 @@ def _file_digests(model_dir: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(model_dir.iterdir())}
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", FIRST_FAMILIES)
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, dtype):
     torch = pytest.importorskip("torch")
@@ -256,3 +261,124 @@ def test_build_tokenizer_reaches_requested_size():
     tok = build_tokenizer(512)
     assert tok.get_vocab_size() == 512
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ low-bit layouts
+
+LOWBIT = dict(layers=2, experts=4, top_k=2, hidden=160, intermediate=96)
+
+
+_headers = headers
+
+
+@pytest.mark.parametrize("arch", FIRST_FAMILIES)
+def test_fp8_layout_is_deepseek_v3s(tmp_path, arch):
+    model_dir = make_model(tmp_path / "m", arch=arch, dtype="fp8", shard_size=40_000, **LOWBIT)
+    headers = _headers(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    up = "w3" if arch == "mixtral" else "up_proj"
+    kept = [f"model.layers.{l}.{moe}.gate" for l in range(2)]
+    if arch == "qwen2_moe":
+        kept = [m for l in range(2) for m in (f"model.layers.{l}.mlp.gate",
+                                               f"model.layers.{l}.mlp.shared_expert_gate")]
+    assert config["quantization_config"] == {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128], "modules_to_not_convert": [*kept, "lm_head"]}
+    assert config["torch_dtype"] == "bfloat16"
+    expert = f"model.layers.1.{moe}.experts.3.{up}.weight"
+    assert headers[expert]["dtype"] == "F8_E4M3" and headers[expert]["shape"] == [96, 160]
+    assert headers[expert + "_scale_inv"] == {**headers[expert + "_scale_inv"], "dtype": "F32",
+                                              "shape": [1, 2]}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert headers[q + "_scale_inv"]["shape"] == [2, 2]       # 160 = 128 + 32 each way
+    for name, entry in headers.items():
+        quantised = entry["dtype"] == "F8_E4M3"
+        assert quantised == (name + "_scale_inv" in headers)
+        if not quantised and not name.endswith("_scale_inv"):
+            assert entry["dtype"] == "BF16", name
+    assert headers["lm_head.weight"]["dtype"] == headers[f"model.layers.0.{moe}.gate.weight"]["dtype"] == "BF16"
+    assert not any(n.endswith(("_blocks", "_scales")) for n in headers)
+
+
+@pytest.mark.parametrize("arch", FIRST_FAMILIES)
+def test_mxfp4_layout_is_gpt_osss_blocks_and_scales_per_expert(tmp_path, arch):
+    model_dir = make_model(tmp_path / "m", arch=arch, dtype="mxfp4", **LOWBIT)
+    headers = _headers(model_dir)
+    quant = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "mxfp4" and "lm_head" in quant["modules_to_not_convert"]
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    down = "w2" if arch == "mixtral" else "down_proj"
+    d = f"model.layers.0.{moe}.experts.1.{down}.weight"
+    assert headers[d + "_blocks"]["dtype"] == headers[d + "_scales"]["dtype"] == "U8"
+    assert headers[d + "_blocks"]["shape"] == [160, 3, 16] and headers[d + "_scales"]["shape"] == [160, 3]
+    assert d not in headers
+    assert {e["dtype"] for n, e in headers.items() if ".experts." not in n} == {"BF16"}
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="fp8", scale_dtype="bf16"),
+                                    dict(dtype="fp8", scale_dtype="e8m0"),
+                                    dict(dtype="mxfp4")])
+def test_lowbit_files_are_deterministic_aligned_and_reported(tmp_path, kwargs):
+    calls = []
+    a = make_model(tmp_path / "a", arch="qwen2_moe", shard_size=30_000, seed=2,
+                   progress=lambda done, total: calls.append((done, total)), **LOWBIT, **kwargs)
+    b = make_model(tmp_path / "b", arch="qwen2_moe", shard_size=30_000, seed=2, **LOWBIT, **kwargs)
+    assert _file_digests(a) == _file_digests(b)
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    assert calls[-1] == (index["metadata"]["total_size"],) * 2
+    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}
+    for path in a.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:                 # the reference reader accepts it
+            assert set(f.keys()) == {n for n, s in index["weight_map"].items() if s == path.name}
+    for name, entry in _headers(a).items():               # every tensor aligned to its element
+        assert entry["data_offsets"][0] % size[entry["dtype"]] == 0, name
+    if kwargs.get("scale_dtype") == "e8m0":
+        config = json.loads((a / "config.json").read_text())
+        assert config["quantization_config"]["scale_fmt"] == "ue8m0"
+        assert _headers(a)["model.layers.0.self_attn.q_proj.weight_scale_inv"]["dtype"] == "U8"
+
+
+def test_fp8_values_are_the_bf16_models_quantised(tmp_path):
+    """Same seed: the fp8 checkpoint's non-quantised tensors are the bf16 one's bytes, and
+    its FP8 weights round the same draws (E4M3 keeps 4 significant bits)."""
+    bf16 = _tensors(make_model(tmp_path / "b", arch="olmoe", seed=5, **LOWBIT))
+    f32 = _tensors(make_model(tmp_path / "f", arch="olmoe", seed=5, dtype="f32", **LOWBIT))
+    fp8_dir = make_model(tmp_path / "q", arch="olmoe", seed=5, dtype="fp8", **LOWBIT)
+    with safe_open(fp8_dir / "model.safetensors", "pt") as f:
+        router = f.get_tensor("model.layers.1.mlp.gate.weight")
+        w = f.get_tensor("model.layers.1.mlp.experts.2.gate_proj.weight").float().numpy()
+        scale = f.get_tensor("model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv").numpy()
+    assert np.array_equal(router.view(dtype=__import__("torch").int16).numpy(),
+                          bf16["model.layers.1.mlp.gate.weight"].view(np.int16))
+    exact = f32["model.layers.1.mlp.experts.2.gate_proj.weight"]            # [96, 160]
+    full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:96, :160]
+    assert np.abs(w * full - exact).max() <= np.abs(exact).max() * 2 ** -4
+    assert np.allclose(scale[0], [np.abs(exact[:, :128]).max() / 448, np.abs(exact[:, 128:]).max() / 448])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtype="bf16", scale_dtype="f32"), "apply to dtype 'fp8' only"),
+    (dict(dtype="mxfp4", scale_fmt="ue8m0"), "apply to dtype 'fp8' only"),
+    (dict(dtype="fp8", scale_dtype="f16"), "scale_dtype must be one of"),
+    (dict(dtype="fp8", scale_dtype="e8m0", scale_fmt="float"), "needs scale_fmt 'ue8m0'"),
+    (dict(dtype="fp8", scale_dtype="bf16", scale_fmt="ue8m0"), "f32 or e8m0"),
+    (dict(dtype="mxfp4"), "multiples of 32"),
+])
+def test_invalid_lowbit_arguments(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_model(tmp_path / "x", arch="qwen3_moe", **TINY, **kwargs)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_writes_fp8_with_bf16_scales(tmp_path):
+    out = tmp_path / "m"
+    proc = subprocess.run([sys.executable, "-m", "daemon.commands.cli", "make-model", "--arch", "mixtral",
+                           "--layers", "1", "--experts", "2", "--top-k", "1", "--hidden", "96",
+                           "--intermediate", "80", "--dtype", "fp8", "--scale-dtype", "bf16",
+                           "--out", str(out)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr
+    headers = _headers(out)
+    assert headers["model.layers.0.block_sparse_moe.experts.1.w2.weight_scale_inv"]["dtype"] == "BF16"
+    assert headers["model.layers.0.block_sparse_moe.experts.1.w2.weight"]["shape"] == [96, 80]

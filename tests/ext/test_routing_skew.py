@@ -109,6 +109,24 @@ def test_skew_one_gives_zipf_popularity_and_real_reuse(skewed_routing):
     assert len({frozenset(h) for h in hottest}) > 1
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_lowbit_versions_keep_the_skew(tmp_path, skewed, dtype):
+    """--routing-skew with --dtype fp8|mxfp4: the routers are the bf16 model's bytes (kept
+    in bf16), the experts and attention its values rounded, and routing keeps the bands."""
+    lowbit = make_model(tmp_path / dtype, routing_skew=1.0, seed=0, dtype=dtype, **SHAPE)
+    from safetensors import safe_open
+
+    router = "model.layers.2.mlp.gate.weight"
+    bf16_router, low_router = (safe_open(sorted(d.glob("*.safetensors"))[0], "pt").get_tensor(router)
+                               for d in (skewed, lowbit))
+    assert bf16_router.dtype == low_router.dtype and bf16_router.equal(low_router)
+    _, ids = _decode_routing(lowbit)
+    for layer in range(SHAPE["layers"]):
+        top, exponent, reuse = _layer_stats(ids[:, layer], SHAPE["experts"])
+        assert top >= 0.40 and 0.8 <= exponent <= 1.45 and 0.30 <= reuse <= 0.50, \
+            (layer, top, exponent, reuse)
+
+
 def test_vanishing_skew_routes_near_uniformly(tmp_path):
     # Not S = 0: S = 0 keeps today's plain random weights byte for byte, and those do not
     # route uniformly (attention's context average dominates the residual stream, so

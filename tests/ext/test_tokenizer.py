@@ -237,3 +237,27 @@ def test_stop_ids_invalid_type_names_file(tmp_path):
     model_dir = _write_model_dir(tmp_path, None, generation_config={"eos_token_id": "2"})
     with pytest.raises(TokenizerFilesError, match="generation_config.json"):
         stop_token_ids(model_dir)
+
+
+def test_rendering_stops_at_max_chars_and_at_the_timeout():
+    from ext.chat_template import ChatTemplateLimitError, compile_template, render
+    many = compile_template("{% for i in range(100000) %}{% for j in range(100000) %}xx"
+                            "{% endfor %}{% endfor %}")
+    with pytest.raises(ChatTemplateLimitError, match="more than 1000 characters"):
+        render(many, {}, max_chars=1000)
+    ticks = iter(range(10**6))                       # one second per piece rendered
+    with pytest.raises(ChatTemplateLimitError, match="longer than 5 s"):
+        render(many, {}, max_chars=10**9, timeout_s=5, clock=lambda: float(next(ticks)))
+    assert render(compile_template("{{ 'ab' * 3 }}"), {}, max_chars=6) == "ababab"
+
+
+def test_a_tokenizer_uses_the_renderer_it_was_given(chatml_dir):
+    seen = []
+
+    def renderer(source, variables):
+        seen.append((source, variables["messages"]))
+        return "rendered elsewhere"
+    tok = Tokenizer.from_model_dir(chatml_dir, renderer=renderer)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == "rendered elsewhere"
+    assert seen == [(tok.chat_template, messages)]

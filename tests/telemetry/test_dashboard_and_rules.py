@@ -15,8 +15,9 @@
   evaluate without error.
 
 Grafana itself is not installed here: the dashboard is checked this way and never
-rendered. promtool and prometheus come from Debian's `prometheus` package (.ci/run
-installs it); without them these tests fail, they do not skip. No sleeps: Prometheus'
+rendered. promtool and prometheus come from Debian's `prometheus` package, which the test
+run installs when it may (tests/tools.py); where it cannot, these tests skip saying so,
+and under MOED_TEST_TOOLS=require (CI) they fail instead. No sleeps: Prometheus'
 readiness is its own log line; scrapes and rule evaluations are awaited by polling its
 API against a deadline.
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import tools
 from metrics_scrape import parse as parse_scrape
 
 from daemon.store.streaming import minimum_cache_bytes
@@ -75,11 +77,8 @@ DEADLINE_S = 90.0
 
 
 def tool(name: str) -> str:
-    """The path of a Prometheus tool; fails (not skips) when it is missing."""
-    path = shutil.which(name)
-    assert path, (f"{name} is not installed: install Debian's `prometheus` package "
-                  "(.ci/run does when promtool is missing)")
-    return path
+    """The path of a Prometheus tool the test declared with @pytest.mark.tools."""
+    return tools.path(name)
 
 
 # ---------------------------------------------------------------------- PromQL metric names
@@ -327,6 +326,7 @@ def load_rules() -> list[dict]:
     return [rule for group in groups for rule in group["rules"]]
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_check_rules_accepts_the_rules():
     out = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True,
                          text=True, timeout=60)
@@ -357,6 +357,7 @@ def promtool_test(directory: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_test_rules_passes_with_a_firing_and_a_silent_case_per_alert():
     cases = rule_test_cases()
     assert {name for name, _, fires in cases if fires} == ALERTS
@@ -366,6 +367,7 @@ def test_promtool_test_rules_passes_with_a_firing_and_a_silent_case_per_alert():
     assert "SUCCESS" in out.stdout
 
 
+@pytest.mark.tools("promtool")
 @pytest.mark.parametrize("mutation, expr", [("never", "vector(1) > 2"), ("always", "vector(1)")])
 def test_rule_tests_fail_when_the_alerts_never_or_always_fire(tmp_path, mutation, expr):
     """Every firing case fails when its alert never fires; every alert has a silent case
@@ -619,6 +621,7 @@ def live(moed, tmp_path_factory):
         prometheus.stop()
 
 
+@pytest.mark.tools("prometheus")
 def test_every_panel_query_parses_and_serving_and_expert_panels_return_data(live):
     failures = []
     for q in dashboard_queries(load_dashboard()):
@@ -631,6 +634,7 @@ def test_every_panel_query_parses_and_serving_and_expert_panels_return_data(live
     assert failures == [], "\n".join(failures)
 
 
+@pytest.mark.tools("prometheus")
 def test_the_rules_load_into_prometheus_and_evaluate_without_error(live):
     def evaluated():
         groups = live.prometheus.api("/api/v1/rules")["data"]["groups"]

@@ -17,7 +17,7 @@ from scheduler.cache import ExpertCache
 from telemetry.metrics import DaemonMetrics, ExpertCounters, Snapshot
 
 LAYERS = (1, 3, 5)            # MoE layer ids (not 0..L-1: a model with dense layers between)
-BUILD = {"version": "9.9.9", "model_type": "qwen3_moe"}
+BUILD = {"version": "9.9.9", "model_type": "qwen3_moe", "quantization": "fp8_e4m3"}
 
 
 def metrics(source=lambda: None) -> DaemonMetrics:
@@ -83,6 +83,7 @@ def test_the_snapshot_numbers_are_what_is_exported():
     assert {name: value(samples, name) for name in plain} == plain
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_accepts_a_scrape_with_traffic():
     snap = busy_snapshot()
     m = metrics(lambda: snap)
@@ -94,6 +95,7 @@ def test_promtool_accepts_a_scrape_with_traffic():
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_is_not_fooled_a_gauge_named_total_fails():
     """The check above means something: promtool flags what the module avoids."""
     text = "# HELP x_total a gauge\n# TYPE x_total gauge\nx_total 1.0\n"

@@ -45,7 +45,7 @@ def test_generate_prints_only_the_text_on_stdout(model_dir, capsys):
     model = Model.load(model_dir, n_threads=1)
     gen = Generation(model, tok.encode("hello"), max_tokens=12)
     assert out == tok.decode(list(gen)) + "\n"
-    assert "model loaded" in err and "generated" in err
+    assert "model_loaded" in err and "generation_finished" in err
 
 
 def test_same_seed_same_text_different_seed_differs(model_dir, capsys):
@@ -87,7 +87,7 @@ def test_bad_sampling_value_is_a_usage_error_before_loading(model_dir, capsys):
         main(["generate", "--model", str(model_dir), "--top-p", "1.5", "hi"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--top-p" in err and "model loaded" not in err
+    assert "--top-p" in err and "model_loaded" not in err
 
 
 def test_log_level_after_the_command_and_version(model_dir, capsys):

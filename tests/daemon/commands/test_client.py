@@ -78,7 +78,9 @@ def test_generate_over_the_socket_streams_what_the_daemon_and_in_process_generat
     proc = moed("generate", "--socket", daemon.socket, "--max-tokens", str(TOKENS), PROMPT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == text + "\n"
-    assert f"generated {TOKENS} tokens" in proc.stderr
+    [finished] = [e for e in map(json.loads, proc.stderr.splitlines())
+                  if e["event"] == "generation_finished"]
+    assert finished["completion_tokens"] == TOKENS and finished["socket"] == daemon.socket
     # the in-process mode (greedy by default) gives the same text
     assert main(["generate", "--model", str(model_dir), "--max-tokens", str(TOKENS), PROMPT]) == 0
     assert capsys.readouterr().out == text + "\n"
@@ -199,6 +201,20 @@ def test_chat_from_a_pipe_keeps_the_conversation(daemon):
     assert proc.stderr == ""     # no banner or prompts when stdin is not a terminal
 
 
+def test_chat_json_writes_one_object_per_answer_even_when_answers_hold_newlines(daemon):
+    first = [{"role": "user", "content": "hello"}]
+    a1 = completion_text(daemon, messages=first, max_tokens=24, temperature=0)
+    second = first + [{"role": "assistant", "content": a1}, {"role": "user", "content": "more"}]
+    a2 = completion_text(daemon, messages=second, max_tokens=24, temperature=0)
+    proc = moed("chat", "--socket", daemon.socket, "--max-tokens", "24", "--json",
+                input="hello\nmore\n")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    answers = [json.loads(x) for x in lines]
+    assert [(a["message"], a["answer"]) for a in answers] == [("hello", a1), ("more", a2)]
+    assert all(a["finish_reason"] in ("length", "stop") for a in answers)
+
+
 def test_chat_reset_and_exit(daemon, capsys, monkeypatch):
     a1 = completion_text(daemon, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
                          temperature=0)
@@ -304,8 +320,8 @@ def test_demo_refuses_a_directory_that_is_not_a_model(tmp_path):
     assert f"moed demo: error: the model in {not_a_model} cannot be served" in proc.stderr
     assert "neither model.safetensors.index.json nor model.safetensors found" in proc.stderr
     missing = moed("demo", "--dir", str(tmp_path / "state"), "--model", str(tmp_path / "nope"))
-    assert missing.returncode == 1
-    assert f"no model directory at {tmp_path / 'nope'}" in missing.stderr
+    assert missing.returncode == 2                  # a --model that does not exist: usage
+    assert f"moed demo: error: --model: {tmp_path / 'nope'} does not exist" in missing.stderr
 
 
 def test_demo_keep_serves_until_interrupted(tmp_path):

@@ -220,3 +220,38 @@ def test_the_serving_plan_refuses_with_the_numbers(planned_model):
     with pytest.raises(MemoryPlanError, match=r"the dense part does not fit: needs \d+ B"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                             reading=MemoryReading(100 << 20, ()))
+
+
+def test_the_serving_plan_counts_the_stored_bytes_of_lowbit_weights(tmp_path):
+    """FP8 experts and attention: the plan's dense part and slots are FP8 bytes plus
+    scales, not the bf16 sizes of the same model."""
+    kw = dict(arch="qwen3_moe", layers=2, experts=8, top_k=2, hidden=256, intermediate=128)
+    bf16, fp8 = make_model(tmp_path / "b", **kw), make_model(tmp_path / "f", dtype="fp8", **kw)
+    reading = MemoryReading(64 << 30, ())
+    b, f = (plan_serving_memory(d, max_concurrent_sequences=1, pin_fraction=0.5, reading=reading)
+            for d in (bf16, fp8))
+    # a bf16 expert is 3 x 128 x 256 x 2 bytes = 48 pages (49 when it starts mid-page);
+    # FP8 is half, plus a page of block scales (the safetensors layout puts the F32 scales
+    # apart from the codes) and one for an unaligned start
+    assert b.plan.slot_bytes in (48 * 4096, 49 * 4096)
+    assert 25 * 4096 <= f.plan.slot_bytes <= 26 * 4096
+    assert (b.all_experts_bytes, f.all_experts_bytes) == (16 * b.plan.slot_bytes, 16 * f.plan.slot_bytes)
+    # attention q, k, v, o (256 x 256, 2 x 128 x 256, 256 x 256) per layer: half, plus
+    # the 2 x 2, 1 x 2, 1 x 2, 2 x 2 F32 scale grids
+    attention = 256 * 256 + 2 * 128 * 256 + 256 * 256
+    assert b.plan.dense_bytes - f.plan.dense_bytes == 2 * (attention - 12 * 4)
+
+
+def test_the_live_system_is_read_through_psutil():
+    import os
+
+    import psutil
+
+    from daemon.machine.memory import read_mem_available, read_mem_total
+    from daemon.machine.system import mem_total_bytes, usable_cpus
+    assert read_mem_total() == psutil.virtual_memory().total == mem_total_bytes()
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    assert read_mem_total() == int(meminfo["MemTotal"].split()[0]) * 1024
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    assert abs(read_mem_available() - available) < 0.1 * read_mem_total()   # it moves
+    assert usable_cpus() == len(os.sched_getaffinity(0))

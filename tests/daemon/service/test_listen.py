@@ -91,7 +91,7 @@ def test_a_stale_socket_is_replaced(short_dir, listen_log):
         probe.connect(str(path))
     with bind_unix_socket(path) as listener:
         assert _round_trip(listener) == b"x"
-    assert any("stale_socket_replaced" in r.getMessage() for r in listen_log)
+    assert any(r["event"] == "stale_socket_replaced" for r in listen_log)
 
 
 def test_a_live_socket_is_refused_and_left_alone(short_dir):
@@ -212,7 +212,7 @@ def test_close_leaves_a_socket_that_replaced_ours(short_dir, listen_log):
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(str(path))  # still served by the newer owner
             newer.accept()[0].close()
-    assert any("socket_replaced" in r.getMessage() for r in listen_log)
+    assert any(r["event"] == "socket_replaced" for r in listen_log)
     # The lock was released all the same; the newer owner's file is stale by now.
     with bind_unix_socket(path) as again:
         assert _round_trip(again) == b"x"

@@ -116,6 +116,7 @@ def delta(after: dict, before: dict, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------------- first scrape
 
 
+@pytest.mark.tools("promtool")
 def test_first_scrape_has_every_series_at_zero(model_dir, quarter_cache):
     d = start(model_dir, "--expert-cache-bytes", str(quarter_cache))
     try:
@@ -144,6 +145,7 @@ def test_first_scrape_has_every_series_at_zero(model_dir, quarter_cache):
 # ---------------------------------------------------------------------- after traffic
 
 
+@pytest.mark.tools("promtool")
 def test_promtool_reports_nothing_after_real_traffic(daemon):
     complete(daemon, "the cache", 5, ignore_eos=True)
     status, _, body = daemon.request("POST", "/v1/completions", {
@@ -230,6 +232,12 @@ def test_stats_and_metrics_show_the_same_numbers(daemon):
         "moed_prefetch_wasted_bytes_total": x["prefetch_wasted_bytes"],
         "moed_pinned_experts": s["cache"]["pinned_experts"],
         "moed_pin_swaps_total": s["cache"]["pin_swaps"],
+        "moed_prefill_tokens_total": s["requests"]["prefill_tokens"],
+        "moed_prefix_cache_queries_total": s["prefix_cache"]["queries"],
+        "moed_prefix_cache_hits_total": s["prefix_cache"]["hits"],
+        "moed_prefix_cache_reused_tokens_total": s["prefix_cache"]["reused_tokens"],
+        "moed_prefix_cache_bytes": s["prefix_cache"]["bytes"],
+        "moed_prefix_cache_capacity_bytes": s["prefix_cache"]["capacity_bytes"],
     }
     assert {name: value(m, name) for name in pairs} == pairs
     assert s["decode_steps"] > 0 and x["misses"] > 0

@@ -1,7 +1,6 @@
 """sd_notify and socket activation (daemon/service/sdnotify.py), against a real datagram socket."""
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import tempfile
@@ -106,8 +105,9 @@ def test_send_errors_never_raise_and_warn_once(tmp_path, sdnotify_log):
     assert n.watchdog() is False
     assert n.stopping() is False
     assert n.send_failures == 3
-    warnings = [r for r in sdnotify_log if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "READY" in warnings[0].getMessage()
+    warnings = [r for r in sdnotify_log if r["level"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["event"] == "sd_notify_failed"
+    assert warnings[0]["message"] == "READY"
     n.close()
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import tools
 from daemon_proc import Daemon, UnixHTTPConnection, short_dir
 
 from daemon.store.streaming import minimum_cache_bytes
@@ -31,7 +32,6 @@ from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.tokenizer import Tokenizer
 
-CURL = "/usr/bin/curl"
 MODEL = "model"                      # the canonical name: the model directory's basename
 CONTEXT = 4096                       # make_model's max_position_embeddings
 MAX_BODY = 64 * 1024
@@ -186,13 +186,16 @@ def test_health_models_metrics_stats_pins(daemon, model_dir, cache_bytes):
     assert [{k: m[k] for k in ("id", "object", "owned_by")} for m in models["data"]] == [
         {"id": MODEL, "object": "model", "owned_by": "moed"}]
     assert isinstance(models["data"][0]["created"], int)
+    weights = models["data"][0]["weights"]
+    assert (weights["experts"], weights["dense"], weights["quantization"]) == ("bf16", "bf16", None)
+    assert list(weights["dense_formats"]) == ["bf16"] and weights["dense_formats"]["bf16"] > 0
 
     status, headers, body = daemon.request("GET", "/metrics")
     assert status == 200
     assert headers["Content-Type"].startswith("text/plain; version=")
     text = body.decode()
     assert "# TYPE moed_build_info gauge" in text
-    assert (f'moed_build_info{{model_type="qwen3_moe",version="{version("moed")}"}} 1.0'
+    assert (f'moed_build_info{{model_type="qwen3_moe",quantization="none",version="{version("moed")}"}} 1.0'
             in text.splitlines())
 
     s = stats(daemon)
@@ -201,6 +204,11 @@ def test_health_models_metrics_stats_pins(daemon, model_dir, cache_bytes):
     assert s["requests"]["max_concurrent_sequences"] == 4
     assert s["requests"]["max_queue"] == CLIENTS * PER_CLIENT
     assert s["memory"]["budget_bytes"] == cache_bytes
+    # the daemon's resident memory (psutil), as the kernel counts it
+    status_rss = next(int(line.split()[1]) * 1024 for line in
+                      Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines()
+                      if line.startswith("VmRSS:"))
+    assert 0.5 * status_rss < s["memory"]["rss_bytes"] < 2 * status_rss
     cache = s["cache"]
     slots = cache["pinned"]["slots"] + cache["dynamic"]["slots"] + cache["staging"]["slots"]
     assert slots * cache["slot_bytes"] <= cache_bytes < (slots + 1) * cache["slot_bytes"]
@@ -289,12 +297,12 @@ def test_openai_client_chat_and_completion(daemon, tokenizer):
 # ---------------------------------------------------------------------- 2. curl and SSE framing
 
 
+@pytest.mark.tools("curl")
 def test_curl_streaming_sse_framing(daemon, tokenizer):
-    assert os.access(CURL, os.X_OK), f"{CURL} is required"     # absent: fail, never skip
     messages = [{"role": "user", "content": "Stream me some tokens."}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 9, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    run = subprocess.run([CURL, "-sS", "-N", "--unix-socket", daemon.socket, "-D", "-",
+    run = subprocess.run([tools.path("curl"), "-sS", "-N", "--unix-socket", daemon.socket, "-D", "-",
                           "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
                           "http://localhost/v1/chat/completions"],
                          capture_output=True, timeout=120, check=True)
@@ -322,6 +330,8 @@ def test_curl_streaming_sse_framing(daemon, tokenizer):
                                  "finish_reason": "length"}]
     prompt_tokens = chat_prompt_tokens(tokenizer, messages)
     assert usage["choices"] == []
+    cached = usage["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert cached % 16 == 0 and 0 <= cached < prompt_tokens     # whole prefix-cache blocks
     assert usage["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9,
                               "total_tokens": prompt_tokens + 9}
     assert len({c["id"] for c in chunks}) == 1 and first["id"].startswith("chatcmpl-")
@@ -334,13 +344,16 @@ def test_curl_streaming_sse_framing(daemon, tokenizer):
     assert status == 200
     assert full["choices"][0]["message"]["content"] == "".join(
         c["choices"][0]["delta"]["content"] for c in content)
+    # the streamed run left the whole prompt's blocks in the prefix cache
+    assert full["usage"].pop("prompt_tokens_details") == {"cached_tokens": (prompt_tokens - 1) // 16 * 16}
     assert full["usage"] == usage["usage"]
 
 
+@pytest.mark.tools("curl")
 def test_curl_completions_stream_without_usage(daemon):
     body = {"prompt": "once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    run = subprocess.run([CURL, "-sS", "-N", "--unix-socket", daemon.socket,
+    run = subprocess.run([tools.path("curl"), "-sS", "-N", "--unix-socket", daemon.socket,
                           "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
                           "http://localhost/v1/completions"],
                          capture_output=True, timeout=120, check=True)
@@ -423,7 +436,12 @@ def test_concurrent_clients_get_the_same_answers_as_alone(daemon):
     concurrent = asyncio.run(together())
     after = stats(daemon)
 
+    reused = 0
     for (path, body), a, c in zip(specs, alone, concurrent):
+        # The second run finds the first one's prompts in the prefix cache: the same
+        # answers, but the usage says how much of each prompt was reused.
+        reused += c["usage"].pop("prompt_tokens_details")["cached_tokens"]
+        assert a["usage"].pop("prompt_tokens_details") == {"cached_tokens": 0}
         assert c == a, (path, body)
         if body["ignore_eos"]:
             assert a["usage"]["completion_tokens"] == body["max_tokens"]
@@ -434,6 +452,7 @@ def test_concurrent_clients_get_the_same_answers_as_alone(daemon):
     assert 2 * steps < tokens <= 4 * steps
     assert after["requests"]["total"] - before["requests"]["total"] == len(specs)
     assert after["requests"]["running"] == 0 and after["requests"]["waiting"] == 0
+    assert reused > 0 and after["prefix_cache"]["reused_tokens"] - before["prefix_cache"]["reused_tokens"] == reused
 
 
 @pytest.fixture
@@ -512,6 +531,8 @@ def test_streaming_client_disconnect_cancels_within_a_step(daemon):
     status, again = daemon.json("POST", "/v1/chat/completions", probe)
     assert status == 200
     assert again["choices"] == reference["choices"]
+    again["usage"].pop("prompt_tokens_details")       # the probe's prompt is cached now
+    reference["usage"].pop("prompt_tokens_details")
     assert again["usage"] == reference["usage"]
 
 
@@ -545,6 +566,8 @@ def test_non_streaming_client_disconnect_cancels(daemon):
     status, again = daemon.json("POST", "/v1/completions", probe)
     assert status == 200
     assert again["choices"] == reference["choices"]
+    again["usage"].pop("prompt_tokens_details")       # the probe's prompt is cached now
+    reference["usage"].pop("prompt_tokens_details")
     assert again["usage"] == reference["usage"]
 
 
@@ -576,9 +599,34 @@ BAD_REQUESTS = [
      400, "messages", None),
     ("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages", None),
     ("stream-string", CHAT, {"messages": HELLO, "stream": "yes"}, 400, "stream", None),
-    ("n-2", CHAT, {"messages": HELLO, "n": 2}, 400, "n", None),
-    ("logprobs", CHAT, {"messages": HELLO, "logprobs": True}, 400, "logprobs", None),
-    ("logprobs-completions", COMPLETIONS, {"prompt": "a", "logprobs": 3}, 400, "logprobs", None),
+    ("n-over-max-concurrent-sequences", CHAT, {"messages": HELLO, "n": 64}, 400, "n", None),
+    ("best-of", COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of", None),
+    ("logprobs-not-bool", CHAT, {"messages": HELLO, "logprobs": 3}, 400, "logprobs", None),
+    ("top-logprobs-without-logprobs", CHAT, {"messages": HELLO, "top_logprobs": 2}, 400,
+     "top_logprobs", None),
+    ("top-logprobs-21", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", None),
+    ("logprobs-completions-21", COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, "logprobs",
+     None),
+    ("presence-penalty-3", CHAT, {"messages": HELLO, "presence_penalty": 3}, 400,
+     "presence_penalty", None),
+    ("frequency-penalty-string", CHAT, {"messages": HELLO, "frequency_penalty": "x"}, 400,
+     "frequency_penalty", None),
+    ("logit-bias-list", CHAT, {"messages": HELLO, "logit_bias": [1]}, 400, "logit_bias", None),
+    ("logit-bias-key", CHAT, {"messages": HELLO, "logit_bias": {"a": 1}}, 400, "logit_bias", None),
+    ("logit-bias-out-of-vocab", CHAT, {"messages": HELLO, "logit_bias": {"100000": 1}}, 400,
+     "logit_bias", None),
+    ("logit-bias-200", CHAT, {"messages": HELLO, "logit_bias": {"5": 200}}, 400, "logit_bias",
+     None),
+    ("response-format-unknown", CHAT, {"messages": HELLO, "response_format": {"type": "xml"}},
+     400, "response_format", None),
+    ("response-format-string", CHAT, {"messages": HELLO, "response_format": "json"}, 400,
+     "response_format", None),
+    ("json-schema-missing", CHAT, {"messages": HELLO, "response_format": {"type": "json_schema"}},
+     400, "response_format", None),
+    ("json-schema-invalid", CHAT, {"messages": HELLO, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format", None),
     ("tools", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {}}}}]}, 400, "tools", None),
     ("unknown-model", CHAT, {"model": "gpt-4o", "messages": HELLO}, 404, "model",
@@ -612,6 +660,32 @@ def test_bad_requests_get_openai_errors(daemon, path, body, status, param, code)
     assert_serving(daemon)
 
 
+def test_a_max_tokens_cut_by_the_context_says_so_in_a_header(daemon):
+    prompt = [4] * (CONTEXT - 3)   # not the tokens of the next test, whose cached_tokens are 0
+    status, headers, raw = daemon.request("POST", COMPLETIONS, {
+        "prompt": prompt, "max_tokens": 100000, "ignore_eos": True})
+    body = json.loads(raw)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    assert headers["X-Moed-Max-Tokens"] == (
+        f"3; limited by the context: {CONTEXT} tokens, {CONTEXT - 3} of them the prompt")
+    status, headers, _ = daemon.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and headers["X-Moed-Max-Tokens"] == "2"
+
+
+def test_a_max_tokens_cut_by_the_server_ceiling_is_named_too():
+    from daemon.service import api
+
+    class Vocab:
+        vocab_size = 100
+    parsed = api.parse_request({"prompt": [1, 2, 3], "max_tokens": 500}, chat=False,
+                               model_names=("m",), tokenizer=Vocab(), stop_ids=frozenset(),
+                               context=4096, max_tokens_cap=64, request_timeout_s=60, now=0.0)
+    assert parsed.engine.max_tokens == 64 and parsed.max_tokens_limited_by == "max_tokens"
+    assert api.max_tokens_header(parsed, 4096, 64) == {
+        "X-Moed-Max-Tokens": "64; limited by the server's max_tokens ceiling (64)"}
+
+
 def test_prompt_of_exactly_the_context_is_rejected_one_less_is_served(daemon):
     status, body = daemon.json("POST", COMPLETIONS, {"prompt": [5] * CONTEXT, "max_tokens": 1})
     assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
@@ -621,7 +695,7 @@ def test_prompt_of_exactly_the_context_is_rejected_one_less_is_served(daemon):
                                                      "max_tokens": 50, "ignore_eos": True})
     assert status == 200, body
     assert body["usage"] == {"prompt_tokens": CONTEXT - 1, "completion_tokens": 1,
-                             "total_tokens": CONTEXT}
+                             "total_tokens": CONTEXT, "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+import tools
 from daemon_proc import MOED, Daemon, UnixHTTPConnection, short_dir
 from ext.makemodel import make_model
 
@@ -40,7 +41,6 @@ CACHE_BYTES = 1536 * 1024            # 29 slots of 53248 bytes for 64 experts: ~
 TOP_K, MOE_LAYERS = 4, 4             # the cache's minimum is top_k slots per MoE layer
 PROMPT = "the quick brown fox jumps over the lazy dog"
 DRAINED_TOKENS = 300                 # ~2 s of decoding here: long enough to look at the drain
-SOCKET_ACTIVATE = "/usr/bin/systemd-socket-activate"
 WAIT_S = 120.0
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)   # also its SCM_ type (Linux)
 
@@ -153,9 +153,8 @@ def finished(d: Daemon) -> list[dict]:
     return [e for e in d.events if e.get("event") == "request_finished"]
 
 
-def events_starting(d: Daemon, prefix: str) -> list[dict]:
-    """Log lines of the standard-library loggers, whose event is the whole message."""
-    return [e for e in d.events if str(e.get("event", "")).startswith(prefix)]
+def events_named(d: Daemon, event: str) -> list[dict]:
+    return [e for e in d.events if e.get("event") == event]
 
 
 def usage_files(state_dir: str) -> list[str]:
@@ -165,7 +164,8 @@ def usage_files(state_dir: str) -> list[str]:
 def run_as(uid: int, socket_path: str, method: str, path: str, body=None) -> tuple[int, dict]:
     """One HTTP request over the Unix socket from a process running as `uid` (curl: any
     user may execute it, unlike a virtual environment under a private home)."""
-    cmd = ["curl", "-sS", "--max-time", str(WAIT_S), "--unix-socket", socket_path, "-X", method,
+    cmd = [tools.path("curl"), "-sS", "--max-time", str(WAIT_S), "--unix-socket", socket_path,
+           "-X", method,
            "-H", "Content-Type: application/json", "-w", "\n%{http_code}",
            f"http://localhost{path}"]
     if body is not None:
@@ -186,7 +186,7 @@ def python_for(uid: int) -> str:
         return sys.executable
     except (OSError, subprocess.CalledProcessError):
         pass
-    system = "/usr/bin/python3"
+    system = tools.path("python3")
     probe = subprocess.run([system, "-c", "import sys; print(sys.version_info[:2])"], user=uid,
                            cwd="/", capture_output=True, text=True)
     assert probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]), (
@@ -284,7 +284,7 @@ def test_sigterm_drains_a_running_request_flushes_state_and_pins_it_next_time(
         assert status == 200 and pins["pins"] == []          # nothing learned yet
         fingerprint = pins["model_fingerprint"]
         assert usage_files(d.state_dir) == []
-        assert events_starting(d, "slot_arena_mlock_refused") == []  # root may mlock
+        assert events_named(d, "slot_arena_mlock_refused") == []  # root may mlock
 
         stream = Stream(d.socket, completion_body(DRAINED_TOKENS))
         assert stream.first.wait(WAIT_S) and stream.chunks, stream.error
@@ -335,6 +335,49 @@ def test_sigterm_drains_a_running_request_flushes_state_and_pins_it_next_time(
         assert len(finished(d2)) == 1
         assert hit_rate(line2) > 0
         assert d2.stop() == 0
+
+
+# ------------------------------------------------------------------ 1b. read-only state
+
+
+def read_only_launcher(directory: str) -> tuple[str, ...]:
+    """Run the daemon in a mount namespace where `directory` is a read-only bind mount
+    (skips where this process may not make one)."""
+    unshare, mount = tools.path("unshare"), tools.path("mount")
+    probe = subprocess.run([unshare, "-m", mount, "--bind", "-o", "ro", directory, directory],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here: {probe.stderr.strip()}")
+    return (unshare, "-m", "sh", "-c",
+            f'{mount} --bind -o ro "$0" "$0" && exec "$@"', directory)
+
+
+@pytest.mark.tools("unshare", "mount")
+def test_a_read_only_state_directory_is_read_and_used_and_warned_about_once(model_dir, workdir):
+    args = ("--expert-cache-bytes", str(CACHE_BYTES), "--no-prefetch")
+    with serving(model_dir, workdir, *args) as d:          # learn, and save on SIGTERM
+        status, _ = d.json("POST", "/v1/completions", completion_body(64, stream=False))
+        assert status == 200
+        assert d.stop() == 0
+    (state_file,) = usage_files(d.state_dir)
+    saved = Path(state_file).read_bytes()
+    with serving(model_dir, workdir, *args, launcher=read_only_launcher(d.state_dir)) as ro:
+        # the learned usage is in use: the empty cache was warm-started from it (pins
+        # come only with a share the learner validated, which 64 tokens may not give)
+        status, stats = ro.json("GET", "/v1/moed/stats")
+        assert status == 200 and stats["experts"]["bytes_read_by_reason"]["pin_load"] > 0
+        assert stats["experts"]["bytes_read_by_reason"]["demand"] == 0
+        status, _ = ro.json("POST", "/v1/completions", completion_body(64, stream=False))
+        assert status == 200
+        status, body = ro.json("POST", "/v1/moed/pins/reset")
+        assert status == 200 and body["reset"] is True      # in memory; the file stays
+        assert ro.stop() == 0
+        warnings = [e for e in ro.events if e["level"] in ("warning", "error")]
+        assert [e["event"] for e in warnings] == ["state_dir_read_only"], warnings
+        assert warnings[0]["learned_usage_loaded"] is True
+        assert warnings[0]["state_dir"] == d.state_dir
+    assert Path(state_file).read_bytes() == saved            # nothing written
+    assert usage_files(d.state_dir) == [state_file]
 
 
 # ---------------------------------------------------------------------------- 2. no grace
@@ -424,14 +467,14 @@ def test_stale_socket_is_replaced_and_a_live_one_or_a_file_is_refused(model_dir,
     assert stat.S_ISSOCK(os.lstat(first.socket).st_mode)   # left behind by kill -9
 
     with serving(model_dir, workdir, *args) as d:
-        d.wait_line(f'"event": "stale_socket_replaced: {d.socket} (nothing answered on it)"')
+        d.wait_event("stale_socket_replaced", socket=d.socket, reason="nothing answered on it")
         assert d.json("GET", "/health") == (200, {"status": "ok"})
         bound = os.lstat(d.socket).st_ino
 
         with serving(model_dir, workdir, *args, wait_ready=False) as second:
             assert second.wait_exit(WAIT_S) == 1
         assert f"moed serve: error: another moed serves {d.socket}" in "".join(second.stderr_lines)
-        assert events_starting(second, "expert cache") == []       # the model was not loaded
+        assert events_named(second, "expert_cache_built") == []       # the model was not loaded
         assert [e for e in second.events if e.get("event") in ("socket_listening", "ready")] == []
         assert os.lstat(d.socket).st_ino == bound
         assert d.json("GET", "/health") == (200, {"status": "ok"})
@@ -458,12 +501,12 @@ def test_stale_socket_is_replaced_and_a_live_one_or_a_file_is_refused(model_dir,
 # ---------------------------------------------------------------------------- 5. activation
 
 
+@pytest.mark.tools("systemd-socket-activate")
 def test_socket_activation_serves_the_inherited_socket_and_leaves_its_file_alone(
         model_dir, workdir):
-    assert os.access(SOCKET_ACTIVATE, os.X_OK), f"{SOCKET_ACTIVATE} is needed for this test"
     path = os.path.join(workdir, "activated.sock")
     none = os.path.join(workdir, "none.toml")
-    launcher = (SOCKET_ACTIVATE, "-l", path)
+    launcher = (tools.path("systemd-socket-activate"), "-l", path)
     # --socket-mode 0600 would be applied if moed bound the path itself
     with serving(model_dir, workdir, "--config", none, "--socket-mode", "0600",
                  "--expert-cache-bytes", str(CACHE_BYTES), socket_path=path,
@@ -539,6 +582,7 @@ def test_sd_notify_lifecycle(model_dir, workdir, notify, watchdog_pid):
 # ---------------------------------------------------------------------------- 7. admin, mlock
 
 
+@pytest.mark.tools("curl", "python3")
 def test_admin_calls_are_refused_to_other_users(model_dir, workdir):
     os.chmod(workdir, 0o755)
     args = ("--expert-cache-bytes", str(CACHE_BYTES), "--socket-mode", "0666")
@@ -559,24 +603,24 @@ def test_admin_calls_are_refused_to_other_users(model_dir, workdir):
         state = json.loads(Path(state_file).read_text())
         assert state["tokens"] == 0
         assert all(c == 0 for row in state["payload"]["counts"] for c in row)
-        assert events_starting(d, "slot_arena_mlock_refused") == []
+        assert events_named(d, "slot_arena_mlock_refused") == []
         assert d.stop() == 0
 
 
+@pytest.mark.tools("curl", "prlimit", "python3")
 def test_mlock_refused_falls_back_and_the_daemons_own_user_is_admin(model_dir, workdir):
     os.chmod(workdir, 0o755)
     os.chown(workdir, NOBODY, NOBODY)               # its state dir and socket go here
     memlock = 64 * 1024                              # below the 1.5 MiB slot arena
     with serving(model_dir, workdir, "--expert-cache-bytes", str(CACHE_BYTES),
                  "--socket-mode", "0666", user=NOBODY, moed=moed_for(NOBODY),
-                 launcher=("prlimit", f"--memlock={memlock}:{memlock}")) as d:
+                 launcher=(tools.path("prlimit"), f"--memlock={memlock}:{memlock}")) as d:
         slot = d.json("GET", "/v1/moed/stats")[1]["cache"]["slot_bytes"]
-        (refused,) = events_starting(d, "slot_arena_mlock_refused")
+        (refused,) = events_named(d, "slot_arena_mlock_refused")
         assert refused["level"] == "warning" and refused["logger"] == "moed.io"
-        assert refused["event"].startswith(
-            f"slot_arena_mlock_refused bytes={CACHE_BYTES // slot * slot} error=")
-        assert refused["event"].endswith(
-            f"rlimit_memlock={memlock}/{memlock}: slots stay pageable")
+        assert refused["bytes"] == CACHE_BYTES // slot * slot and refused["error"]
+        assert refused["rlimit_memlock"] == f"{memlock}/{memlock}"
+        assert refused["effect"] == "slots stay pageable"
         status, body = d.json("POST", "/v1/completions", completion_body(8, stream=False))
         assert status == 200 and body["usage"]["completion_tokens"] == 8   # serves pageable
 
@@ -607,8 +651,9 @@ def test_config_precedence_flag_over_environment_over_file(model_dir, workdir):
     with serving(model_dir, workdir, "--config", str(config),
                  env={"MOED_MAX_TOKENS": "7", "MOED_FOO": "1"}) as d:
         assert _cap(d) == 7
-        (warning,) = events_starting(d, "config_warning: unknown environment variable MOED_FOO")
+        (warning,) = events_named(d, "config_warning")
         assert warning["level"] == "warning"
+        assert warning["warning"].startswith("unknown environment variable MOED_FOO")
         assert d.stop() == 0
     with serving(model_dir, workdir, "--config", str(config), "--max-tokens", "5",
                  env={"MOED_MAX_TOKENS": "7"}) as d:

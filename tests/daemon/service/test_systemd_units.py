@@ -1,8 +1,9 @@
 """systemd/moed.socket and systemd/moed.service: `systemd-analyze verify` accepts them with
 no warning at all, and they carry the settings the daemon relies on.
 
-systemd-analyze is required, not optional: CI installs it (.ci/run), and a missing tool
-fails these tests rather than skipping them.
+systemd-analyze comes from Debian's systemd package, which the test run installs when it
+may (tests/tools.py); where it cannot, the tests that run it skip saying so, and under
+MOED_TEST_TOOLS=require (CI) they fail instead.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tools
 
 from daemon.service.config import DEFAULT_CONFIG_PATH, ServeConfig
 
@@ -24,9 +26,7 @@ WAIT = 120  # seconds: a bound on systemd-analyze, not a sleep
 
 
 def _tool() -> str:
-    tool = shutil.which("systemd-analyze")
-    assert tool, "systemd-analyze is missing: apt-get install systemd (.ci/run does)"
-    return tool
+    return tools.path("systemd-analyze")
 
 
 def _moed() -> str:
@@ -79,12 +79,14 @@ def _usec(timespan: str) -> int:
     return int(re.search(r"μs: (\d+)", out).group(1))
 
 
+@pytest.mark.tools("systemd-analyze", "kill")
 def test_systemd_analyze_verify_accepts_the_units_silently(tmp_path):
     units = _copy_units(tmp_path)
     result = _verify(units, "moed.socket", "moed.service")
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
 
 
+@pytest.mark.tools("systemd-analyze", "kill")
 def test_verify_as_run_here_does_report_a_bad_unit(tmp_path):
     """The check above has teeth: an unknown key (only a warning in systemd 252) and a
     missing executable both show up on stderr."""
@@ -130,6 +132,7 @@ def test_service_unit():
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
+@pytest.mark.tools("systemd-analyze")
 def test_service_timeouts_fit_the_daemon():
     s = _directives(UNITS / "moed.service")["Service"]
     grace_usec = int(ServeConfig().shutdown_grace_s * 1e6)
@@ -142,3 +145,19 @@ def test_service_timeouts_fit_the_daemon():
 def test_units_mention_no_path_of_this_checkout(name):
     text = (UNITS / name).read_text()
     assert str(ROOT) not in text and ".venv" not in text
+
+
+def test_units_name_their_documentation_and_the_user_install_service_creates():
+    for name in ("moed.socket", "moed.service"):
+        docs = _directives(UNITS / name)["Unit"]["Documentation"]
+        assert docs == ["file:/usr/local/share/doc/moed/README.md"]
+    user = _directives(UNITS / "moed.service")["Service"]["User"][0]
+    [line] = [x for x in (UNITS / "moed.sysusers").read_text().splitlines()
+              if x and not x.startswith("#")]
+    kind, name, _id, _gecos, home, shell = line.split(maxsplit=2)[:2] + ["-"] + \
+        line.split('"')[1:2] + line.split('"')[2].split()
+    assert (kind, name, home, shell) == ("u", user, "/var/lib/moed", "/usr/sbin/nologin")
+    from importlib import resources
+    shipped = resources.files("daemon") / "systemd"           # what a wheel carries
+    assert {p.name for p in shipped.iterdir()} >= {"moed.service", "moed.socket", "moed.toml",
+                                                   "moed.sysusers"}

@@ -20,6 +20,7 @@ from daemon.store.reads import (DEMAND, PIN_LOAD, PREFETCH, REASONS, ExpertReadE
                                 probe_direct_io)
 from daemon.store.slots import SlotArena
 from ext.formats.checkpoint import Checkpoint, TensorInfo
+from ext.formats.quant import StoredWeight
 from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout, ExpertLocation
@@ -53,7 +54,7 @@ def _open(model_dir: Path) -> tuple[Checkpoint, ExpertLayout]:
 
 
 def _expected(ckpt: Checkpoint, layout: ExpertLayout) -> dict[tuple[int, int], list[bytes]]:
-    return {(loc.layer, loc.expert): [ckpt.load(i.name).tobytes() for i in loc.projections()]
+    return {(loc.layer, loc.expert): [ckpt.read(i).tobytes() for i in loc.pieces()]
             for loc in layout}
 
 
@@ -74,9 +75,10 @@ def _fs_type(path: Path) -> str:
     return kind
 
 
-def _info(name: str, path: str, offset: int, nbytes: int) -> TensorInfo:
-    return TensorInfo(name=name, path=path, offset=offset, nbytes=nbytes, dtype="BF16",
-                      shape=(nbytes // 2,))
+def _info(name: str, path: str, offset: int, nbytes: int) -> StoredWeight:
+    """A bf16 weight [1, nbytes / 2] stored as one tensor at that byte range."""
+    return StoredWeight.plain(TensorInfo(name=name, path=path, offset=offset, nbytes=nbytes,
+                                         dtype="BF16", shape=(1, nbytes // 2)))
 
 
 # ----------------------------------------------------------------------------- plans
@@ -90,7 +92,7 @@ def test_plan_merges_touching_ranges_in_one_file_only():
             for s in plan.spans] == [("/m/A", 0, 12288, 0, ["g", "u"]),
                                      ("/m/B", 8192, 4096, 12288, ["d"])]
     assert plan.slot_bytes == 12288 + 4096
-    assert [(p.span, p.slot_offset) for p in plan.placements()] == [
+    assert [(p.span, p.slot_offset) for p in plan.placements] == [
         (0, 100), (0, 5100), (1, 12288 + 9000 - 8192)]
     assert (plan.layer, plan.expert) == (0, 3)
 
@@ -104,7 +106,7 @@ def test_plan_merges_adjacent_aligned_ranges_and_keeps_gaps_apart():
     assert [(s.offset, s.length, [t.name for t in s.tensors]) for s in plan.spans] == [
         (4096, 8192, ["u", "g"]), (20480, 4096, ["d"])]
     assert plan.slot_bytes == 12288
-    assert [p.slot_offset for p in plan.placements()] == [4096, 904, 8192]
+    assert [p.slot_offset for p in plan.placements] == [4096, 904, 8192]
     # A finer alignment gives tighter spans.
     fine = ReadPlan.for_expert(loc, 512)
     assert [(s.offset, s.length) for s in fine.spans] == [(4608, 2560), (8192, 4096), (20480, 512)]
@@ -120,7 +122,7 @@ def test_views_alias_the_slot_at_each_tensor_offset():
     slot = bytearray(np.arange(plan.slot_bytes, dtype=np.uint32).astype(np.uint8).tobytes())
     weights = plan.views(slot)
     raw = np.frombuffer(slot, dtype=np.uint8)
-    for array, placement in zip(weights, plan.placements()):
+    for array, placement in zip(weights, plan.placements):
         start = placement.slot_offset
         assert array.tobytes() == bytes(slot[start:start + placement.info.nbytes])
         assert array.shape == placement.info.shape
@@ -128,9 +130,37 @@ def test_views_alias_the_slot_at_each_tensor_offset():
         assert array.flags.c_contiguous and not array.flags.writeable
         assert np.shares_memory(array, raw)  # a view, not a copy
     slot[5100] ^= 0xFF
-    assert weights.up.view(np.uint8)[0] == slot[5100]
+    assert weights.up.view(np.uint8).reshape(-1)[0] == slot[5100]
     with pytest.raises(ValueError, match="smaller than"):
         plan.views(bytearray(plan.slot_bytes - 1))
+
+
+def test_fp8_pieces_share_a_slot_and_views_are_quantized_weights():
+    """Each FP8 projection is two pieces (codes, block scales), here with the scales
+    gathered in another region of the file, as the safetensors library lays them out:
+    one slot holds all six, the views are QuantizedWeights over it."""
+    from ext.kernels._kernels import QuantizedWeight
+
+    def fp8(name, offset, scale_offset):
+        return StoredWeight(name=name, shape=(64, 32), format="fp8_e4m3", block=(128, 128), pieces=(
+            TensorInfo(name=name, path="/m/A", offset=offset, nbytes=2048, dtype="F8_E4M3",
+                       shape=(64, 32)),
+            TensorInfo(name=name + "_scale_inv", path="/m/A", offset=scale_offset, nbytes=4,
+                       dtype="F32", shape=(1, 1))))
+
+    loc = ExpertLocation(0, 1, gate=fp8("g", 40960, 100), up=fp8("u", 43008, 104),
+                         down=fp8("d", 45056, 108))
+    plan = ReadPlan.for_expert(loc, ALIGN)
+    assert [(s.offset, s.length, [t.name for t in s.tensors]) for s in plan.spans] == [
+        (0, 4096, ["g_scale_inv", "u_scale_inv", "d_scale_inv"]), (40960, 8192, ["g", "u", "d"])]
+    assert [p.slot_offset for p in plan.placements] == [4096, 100, 6144, 104, 8192, 108]
+    slot = bytearray(plan.slot_bytes)
+    slot[100:104] = np.float32(0.5).tobytes()
+    slot[4096] = 0x38                                    # e4m3 1.0 at gate[0, 0]
+    weights = plan.views(slot)
+    assert all(isinstance(w, QuantizedWeight) and w.fmt == "fp8_e4m3" for w in weights)
+    assert weights.gate.scales[0, 0] == 0.5 and weights.gate.codes.view(np.uint8)[0, 0] == 0x38
+    assert np.shares_memory(weights.down.codes, np.frombuffer(slot, np.uint8))
 
 
 def test_plan_geometry_on_a_sharded_model(shared_model):
@@ -152,7 +182,7 @@ def test_plan_geometry_on_a_sharded_model(shared_model):
             assert plan.slot_bytes == sum(s.length for s in plan.spans)
             assert [s.slot_offset for s in plan.spans] == list(
                 np.cumsum([0] + [s.length for s in plan.spans[:-1]]))
-            split += len({i.path for i in loc.projections()}) > 1
+            split += len({i.path for i in loc.pieces()}) > 1
             merged += any(len(s.tensors) > 1 for s in plan.spans)
         assert split > 0 and merged > 0  # the fixture exercises both cases
         assert max_slot_bytes(layout) == max(p.slot_bytes for p in plans.values())
@@ -458,8 +488,9 @@ def test_locked_arena_is_mlocked_and_release_unlocks_a_slot():
 
 
 MLOCK_REFUSED_SCRIPT = r"""
-import ctypes, ctypes.util, json, logging, resource, sys
-logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+import ctypes, ctypes.util, json, resource, sys
+from telemetry.logs import configure
+configure("warning", json=True)
 # Drop CAP_IPC_LOCK (root ignores RLIMIT_MEMLOCK while it holds it), then lower the limit.
 libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 class Header(ctypes.Structure):
@@ -497,8 +528,10 @@ def test_mlock_refused_by_rlimit_falls_back_with_a_warning():
         pytest.skip("cannot drop CAP_IPC_LOCK here")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"locked": False, "usable": True, "released": True}
-    assert "WARNING:moed.io:slot_arena_mlock_refused bytes=262144" in proc.stderr
-    assert "rlimit_memlock=4096/4096" in proc.stderr
+    [warning] = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert (warning["event"], warning["level"], warning["logger"]) == (
+        "slot_arena_mlock_refused", "warning", "moed.io")
+    assert (warning["bytes"], warning["rlimit_memlock"]) == (262144, "4096/4096")
 
 
 # ----------------------------------------------------------------------------- live resizing

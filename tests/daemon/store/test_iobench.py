@@ -121,8 +121,16 @@ def test_existing_scratch_file_is_kept(tmp_path):
     assert [p.spans[0].offset for p in target.plans] == [0, 64 << 10, 128 << 10, 192 << 10]
 
 
+def test_a_model_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["iobench", "--model", str(tmp_path / "nope"), "--seconds", "1",
+              "--state-dir", str(tmp_path / "s")])
+    assert e.value.code == 2
+    assert f"moed iobench: error: --model: {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "{missing}"], "is not a model directory"),
     (["--model", "{empty}"], "model.safetensors"),
 ])
 def test_bad_model_exits_1_with_a_message(tmp_path, capsys, argv, message):
@@ -165,3 +173,14 @@ def test_experts_split_across_shards_do_not_set_the_block(tmp_path):
                    intermediate=64, dtype="bf16", seed=0, shard_size=100_000)
     target = model_target(d)
     assert target.block_bytes == 53248 and len(target.plans) >= 6     # of 12 with that size
+
+
+def test_model_blocks_follow_a_lowbit_models_expert_bytes(tmp_path):
+    """The probe reads blocks the size of the model's own (smaller) expert slots."""
+    bf16 = make_model(tmp_path / "b", arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=256,
+                      intermediate=128, seed=1)
+    mx = make_model(tmp_path / "m", arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=256,
+                    intermediate=128, seed=1, dtype="mxfp4")
+    # bf16: 3 x 256 x 128 x 2 = 192 KiB; mxfp4: 3 x 128 x 256 / 2 + scales = 49.5 KiB
+    assert model_target(bf16).block_bytes >= 192 * 1024
+    assert model_target(mx).block_bytes <= 56 * 1024

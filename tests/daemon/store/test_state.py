@@ -3,7 +3,6 @@ aside, two writers merging, where the state directory is."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pwd
 import signal
@@ -89,7 +88,7 @@ StateStore(Path(state_dir), fingerprint, _fault=fault).save(
 
 @pytest.mark.parametrize("had_old_file", [True, False], ids=["over-old", "first-write"])
 @pytest.mark.parametrize("step", FAULT_STEPS)
-def test_kill_9_during_save_leaves_the_old_or_the_new_file(tmp_path, step, had_old_file, caplog):
+def test_kill_9_during_save_leaves_the_old_or_the_new_file(tmp_path, step, had_old_file, log_records):
     store = StateStore(tmp_path, FP)
     old = {"generation": "old"}
     if had_old_file:
@@ -98,9 +97,9 @@ def test_kill_9_during_save_leaves_the_old_or_the_new_file(tmp_path, step, had_o
                           cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     new = {"generation": "new", "seen": old if had_old_file else None}
-    with caplog.at_level(logging.WARNING, logger="moed.state"):
-        record = store.load_record()
-    assert caplog.records == []  # nothing torn, nothing set aside
+    records = log_records("moed.state")
+    record = store.load_record()
+    assert [r for r in records if r["level"] != "debug"] == []  # nothing torn, nothing set aside
     if step == "renamed":
         assert (record.payload, record.tokens) == (new, 3 + 10 * had_old_file)
     elif had_old_file:
@@ -134,19 +133,19 @@ CORRUPT = {
 
 
 @pytest.mark.parametrize("kind", CORRUPT)
-def test_a_corrupt_file_is_set_aside_with_a_warning(tmp_path, kind, caplog):
+def test_a_corrupt_file_is_set_aside_with_a_warning(tmp_path, kind, log_records):
     bad = CORRUPT[kind](_good_file(tmp_path))
     store = StateStore(tmp_path, FP, clock=lambda: 0.0)
     store.path.write_bytes(bad)
-    with caplog.at_level(logging.WARNING, logger="moed.state"):
-        assert store.load() is None
+    records = log_records("moed.state")
+    assert store.load() is None
     assert not store.path.exists()
     [aside] = _set_aside(tmp_path, "corrupt")
     assert aside.name == f"usage-{FP[:16]}.json.corrupt-19700101T000000.000000Z"
     assert aside.read_bytes() == bad  # kept for a human to look at
-    [warning] = [r for r in caplog.records if r.name == "moed.state"]
-    assert warning.levelno == logging.WARNING
-    assert str(store.path) in warning.getMessage() and str(aside) in warning.getMessage()
+    [warning] = records
+    assert warning["level"] == "warning" and warning["event"] == "state_file_set_aside"
+    assert warning["path"] == str(store.path) and warning["moved_to"] == str(aside)
     # Learning starts fresh; a second bad file at the same instant gets its own name.
     store.path.write_bytes(bad)
     seen = []
@@ -156,7 +155,7 @@ def test_a_corrupt_file_is_set_aside_with_a_warning(tmp_path, kind, caplog):
 
 
 @pytest.mark.parametrize("change", ["fingerprint", "version"])
-def test_a_foreign_file_is_set_aside_not_trusted(tmp_path, change, caplog):
+def test_a_foreign_file_is_set_aside_not_trusted(tmp_path, change, log_records):
     good = json.loads(_good_file(tmp_path))
     if change == "fingerprint":
         good["fingerprint"] = OTHER_FP
@@ -164,12 +163,12 @@ def test_a_foreign_file_is_set_aside_not_trusted(tmp_path, change, caplog):
         good["version"] = VERSION + 1
     store = StateStore(tmp_path, FP)
     store.path.write_text(json.dumps(good))
-    with caplog.at_level(logging.WARNING, logger="moed.state"):
-        assert store.load() is None
+    records = log_records("moed.state")
+    assert store.load() is None
     [aside] = _set_aside(tmp_path, "foreign")
     assert json.loads(aside.read_text()) == good
     assert _set_aside(tmp_path, "corrupt") == []
-    assert any("foreign" in r.getMessage() and change in r.getMessage() for r in caplog.records)
+    assert any(r["kind"] == "foreign" and change in r["reason"] for r in records)
     assert store.load() is None and not store.path.exists()
 
 

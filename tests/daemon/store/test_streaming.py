@@ -2,8 +2,9 @@
 
 Greedy tokens and every step's logits must be bit-identical to the memory-mapped
 reference at every cache size moed accepts, with prefetch and pins on and off, with
-1 or 2 compute threads and 1 or 4 io workers; usage learned in one session is pinned
-in the next.
+1 or 2 compute threads and 1 or 4 io workers, for bf16 experts and for the low-bit
+formats (FP8 with block scales, MXFP4: several pieces per expert in one slot); usage
+learned in one session is pinned in the next.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repacked_models import REPACKED, make_in_format
 
 from daemon.store import streaming
 from daemon.store.plans import plans_for
@@ -84,6 +86,67 @@ PREFETCH_MODES = {"off": dict(prefetch=False),
 @pytest.mark.parametrize("n_threads,io_workers", [(1, 1), (2, 4)])
 def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, slots, prefetch,
                                                         n_threads, io_workers):
+    _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers)
+
+
+LOWBIT = ("fp8", "mxfp4", *REPACKED)
+# The low-bit formats run the same grid; by default a diagonal through it (every cache
+# size, every prefetch mode, both thread/io settings), the rest with -m slow.
+_DIAGONAL = {("min", "eager", 1), ("quarter", "idle", 2), ("half", "staged", 1),
+             ("all", "off", 2), ("half", "eager", 2), ("min", "staged", 2)}
+LOWBIT_PLACEMENTS = [
+    pytest.param(dtype, slots, prefetch, n_threads, io_workers,
+                 id=f"{dtype}-{slots}-{prefetch}-t{n_threads}-io{io_workers}",
+                 marks=() if (slots, prefetch, n_threads) in _DIAGONAL else pytest.mark.slow)
+    for dtype in LOWBIT for slots in ("min", "quarter", "half", "all")
+    for prefetch in sorted(PREFETCH_MODES) for n_threads, io_workers in ((1, 1), (2, 4))]
+
+
+@pytest.fixture(scope="module")
+def lowbit(tmp_path_factory):
+    """get(dtype) -> (model dir, mmap reference run) of the fixture model in that format."""
+    cache = {}
+
+    def get(dtype: str):
+        if dtype not in cache:
+            d = make_in_format(tmp_path_factory.mktemp(f"stream-{dtype}") / "m", dtype,
+                               arch="qwen3_moe", layers=3, experts=8, top_k=2, hidden=64,
+                               intermediate=32, shard_size=20_000, seed=11, initializer_range=0.2)
+            cache[dtype] = d, _run(Model.load(d, n_threads=2, experts="mmap"))
+        return cache[dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype, slots, prefetch, n_threads, io_workers", LOWBIT_PLACEMENTS)
+def test_lowbit_tokens_and_logits_identical_at_every_placement(lowbit, dtype, slots, prefetch,
+                                                               n_threads, io_workers):
+    model_dir, reference = lowbit(dtype)
+    _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers)
+
+
+@pytest.mark.parametrize("dtype", LOWBIT)
+def test_lowbit_slots_hold_every_piece_and_are_smaller(model_dir, lowbit, dtype):
+    """A low-bit expert's slot holds its weights and scales (one plan, aligned spans) and
+    is smaller than the bf16 expert's: the bytes a miss costs follow the format."""
+    d, _ = lowbit(dtype)
+    layout, config = _layout_config(d)
+    loc = layout[(1, 5)]
+    pieces = {"fp8": 6, "mxfp4": 6, "int4": 9, "int8": 6}[dtype]          # int4: codes, scale, min
+    assert len(loc.pieces()) == pieces
+    assert layout.format == {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}.get(dtype, dtype)
+    plan = plans_for(layout)[(1, 5)]
+    assert [p.info for p in plan.placements] == list(loc.pieces())
+    assert plan.slot_bytes == sum(s.length for s in plan.spans)
+    bf16 = _layout_config(model_dir)[0][(1, 5)].nbytes
+    assert loc.nbytes == {"fp8": bf16 // 2 + 3 * 4, "mxfp4": bf16 // 4 + 3 * 32 * 2,
+                          "int4": bf16 // 4 + 3 * 2 * 128, "int8": bf16 // 2 + 3 * 128}[dtype]
+    if dtype in REPACKED:      # one expert, one aligned span
+        assert len(plan.spans) == 1 and plan.spans[0].offset % 4096 == 0
+    assert minimum_cache_bytes(layout, config) == 2 * 3 * _slot_bytes(d)
+
+
+def _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers):
     slot = _slot_bytes(model_dir)
     n = {"min": 2 * 3, "quarter": 3 * 8 // 4, "half": 3 * 8 // 2, "all": 3 * 8}[slots]
     model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot,
@@ -103,8 +166,11 @@ def test_tokens_and_logits_identical_at_every_placement(model_dir, reference, sl
     model.close()
 
 
-def test_pins_on_and_long_prefill_in_batches(model_dir, reference):
+@pytest.mark.parametrize("dtype", ["bf16", *LOWBIT])
+def test_pins_on_and_long_prefill_in_batches(model_dir, lowbit, dtype):
     """Learned pins and a prompt whose chunk touches more experts than the cache holds."""
+    if dtype != "bf16":
+        model_dir, _ = lowbit(dtype)
     counts = np.zeros((3, 8))
     counts[:, :3] = [30.0, 20.0, 10.0]
     slot = _slot_bytes(model_dir)

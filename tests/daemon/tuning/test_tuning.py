@@ -9,7 +9,6 @@ clock (a known cost surface over the live settings), so its decisions are exact.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -117,9 +116,9 @@ def test_settings_from_other_hardware_are_ignored_with_a_warning_naming_the_chan
     TunedStore(tmp_path, FP, FACTS).save(SETTINGS)
     records = log_records("moed.tuning")
     assert TunedStore(tmp_path, FP, {**FACTS, fact: value}).load() is None
-    [warning] = [r for r in records if "tuned_settings_invalidated" in r.getMessage()]
-    assert warning.levelno == logging.WARNING
-    assert f"hardware changed ({fact})" in warning.getMessage()
+    [warning] = [r for r in records if r["event"] == "tuned_settings_invalidated"]
+    assert warning["level"] == "warning"
+    assert warning["reason"] == "hardware changed" and warning["changed"] == [fact]
     # Ignored, not destroyed: the hardware it was tuned on still gets it.
     assert TunedStore(tmp_path, FP, FACTS).load() == SETTINGS
 
@@ -131,7 +130,7 @@ def test_a_corrupt_tuned_file_is_set_aside_and_load_returns_none(tmp_path, log_r
     assert store.load() is None
     assert not store.path.exists()
     assert len(list(tmp_path.glob(f"tuned-{FP[:16]}.json.corrupt-*"))) == 1
-    assert any("state_file_set_aside" in r.getMessage() for r in records)
+    assert any(r["event"] == "state_file_set_aside" for r in records)
     store.save(SETTINGS)                        # and the next save starts afresh
     assert store.load() == SETTINGS
 
@@ -363,8 +362,8 @@ def test_tune_rejects_a_candidate_that_changes_output_and_keeps_the_real_wins(
     assert (rejected.knob, rejected.a, rejected.b) == (IO_WORKERS, 2, 4)
     assert rejected.outcome == "rejected: changed the tokens of the check prompt"
     assert rejected.costs_a == rejected.costs_b == []
-    [error] = [r for r in records if r.levelno >= logging.ERROR]
-    assert error.getMessage().startswith("tuner_candidate_changed_output knob=io_workers value=4")
+    [error] = [r for r in records if r["level"] == "error"]
+    assert (error["event"], error["knob"], error["value"]) == ("tuner_candidate_changed_output", IO_WORKERS, 4)
     wins = [(t.knob, t.a, t.b) for t in tuner.trials if t.outcome == "win"]
     assert wins == [(THREADS, 1, 2), (IO_WORKERS, 2, 8)]
     assert "threads 1 -> 2: win (gains +20.0 %, +20.0 %)" in progress
@@ -407,7 +406,7 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
     # what is saved is what the final comparison confirmed: the tuned settings, or else
     # the defaults it started from (one pair here: it confirms only a win in that pair)
     assert report["saved"] == (tuned if report["confirmed"] else report["default"])
-    assert report["confirmed"] == (tuned != report["default"] and speed["ratio_by_pair"][0] > 1.0)
+    assert report["confirmed"] == (tuned != report["default"] and speed["pair_ratios"][0] > 1.0)
     assert TunedStore(state_dir, fingerprint, hardware_facts(model_dir)).load() == report["saved"]
 
 
@@ -418,9 +417,9 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
     ([10, 10, 10], [12, 12, 12], True, False),                     # the defaults themselves
 ])
 def test_the_final_comparison_confirms_only_a_clear_win(default, tuned, same, want):
+    from daemon.commands.figures import compare
     from daemon.commands.tune import confirms
-    confirmed, ratios = confirms(default, tuned, same)
-    assert confirmed is want and ratios == [round(t / d, 4) for d, t in zip(default, tuned)]
+    assert confirms(compare(tuned, default, "tuned", "default")["pair_ratios"], same) is want
 
 
 @pytest.mark.parametrize("total, fraction", [(26, 0.5), (24, 0.375), (30, 0.125)])

@@ -244,6 +244,26 @@ def test_file_shorter_than_last_tensor(tmp_path):
     assert_names(err, path, "last")
 
 
+def test_bytes_after_the_last_tensor_are_read_past_with_one_warning(model, log_records):
+    model_dir, arrays = model
+    records = log_records("moed.checkpoint")
+    with Checkpoint(model_dir):
+        pass
+    assert records == []                               # what save_file writes: no warning
+    shard = model_dir / "model-00002-of-00002.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\xde\xad" * 50)                      # 100 bytes nobody indexed
+    with Checkpoint(model_dir) as ck:
+        np.testing.assert_array_equal(ck.load("lm_head.weight"), arrays["lm_head.weight"])
+    with Checkpoint(model_dir):                        # opened again: said once
+        pass
+    [warning] = records
+    assert (warning["event"], warning["level"]) == ("shard_trailing_bytes", "warning")
+    assert warning["path"] == str(shard) and warning["trailing_bytes"] == 100
+    assert (warning["data_end"], warning["file_bytes"]) == (size, size + 100)
+
+
 def test_range_disagrees_with_shape_times_dtype(tmp_path):
     path = write_raw(tmp_path / "size.safetensors", {"w": entry("BF16", [2, 3], 0, 24)},
                      b"\0" * 24)

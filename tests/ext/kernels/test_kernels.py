@@ -713,7 +713,7 @@ def test_expert_ffn_rejects_bad_arguments():
     bad("group_start must run from 0", gs=np.array([1, 2, 3], np.int64))
     bad("group_start must run from 0", gs=np.array([0, 2, 2], np.int64))
     bad("non-decreasing", gs=np.array([0, 4, 3], np.int64), x=_f32(rng, (3, H)))
-    bad(r"ups\[1\]: dtype", ups=[ups[0], ups[1].astype(np.float16)])
+    bad(r"ups\[1\]: format float16 differs from gates\[0\] \(float32\)", ups=[ups[0], ups[1].astype(np.float16)])
     bad(r"gates\[1\]: unsupported weight dtype", gates=[gates[0], gates[1].astype(np.float64)])
     bad(r"downs\[1\]: shape", downs=[downs[0], downs[1].T.copy()])
     bad(r"gates\[0\]: shape", gates=[gates[0][:, :H - 1].copy(), gates[1][:, :H - 1].copy()])

@@ -50,11 +50,12 @@ def test_bad_batches_change_nothing(model):
     a, b = model.new_sequence(), model.new_sequence()
     model.forward(a, [1, 2])
     model.forward(b, [3])
-    for seqs, ids, message in [([], [], "1 to"), ([a, a], [1, 2], "same sequence"),
+    for seqs, ids, message in [([], [], "one token list per sequence"),
+                               ([a, a], [1, 2], "same sequence"),
                                ([a, b], [1], "2 sequences but 1"),
                                ([a, b], [1, model.config.vocab_size], "out of range"),
                                ([model.new_sequence() for _ in range(PREFILL_CHUNK + 1)],
-                                [1] * (PREFILL_CHUNK + 1), "1 to")]:
+                                [1] * (PREFILL_CHUNK + 1), "at most")]:
         with pytest.raises(ValueError, match=message):
             model.forward_batch(seqs, ids)
     assert (a.length, b.length) == (2, 1)

@@ -379,7 +379,7 @@ def test_bad_moe_layer_fields():
 
 # --------------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3", "Mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "Mixtral"])
 def test_unsupported_model_type(tmp_path, model_type):
     err = _raises(UnsupportedModelError, _write(tmp_path, _minimal(model_type)),
                   "'model_type'", repr(model_type), "config.json")

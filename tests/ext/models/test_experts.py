@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorRangeError
+from ext.kernels._kernels import QuantizedWeight
 from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import (ExpertLayout, MmapExpertProvider, ResidentExpertProvider,
@@ -36,9 +37,10 @@ def test_layout_gives_file_offset_length_dtype_shape(models, arch):
     loc = layout[(1, 3)]
     assert loc.gate.name == expert_tensor_name(arch, 1, 3, "gate")
     assert (loc.gate.shape, loc.up.shape, loc.down.shape) == ((32, 64), (32, 64), (64, 32))
-    assert loc.gate.dtype == "BF16" and loc.nbytes == 3 * 32 * 64 * 2
+    assert loc.gate.format == "bf16" and loc.nbytes == 3 * 32 * 64 * 2
+    assert [p.dtype for p in loc.pieces()] == ["BF16"] * 3
     # the byte range really holds the tensor
-    for info in loc.projections():
+    for info in loc.pieces():
         with open(info.path, "rb") as f:
             f.seek(info.offset)
             raw = f.read(info.nbytes)
@@ -57,6 +59,28 @@ def test_mmap_and_resident_providers_agree(models, arch):
         res.acquire(5, [0])
     mm.close()
     res.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_lowbit_experts_stay_in_their_stored_format(tmp_path, dtype):
+    """Both providers hand out QuantizedWeights over the stored bytes (no conversion)."""
+    d = make_model(tmp_path / dtype, arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=64,
+                   intermediate=32, dtype=dtype, shard_size=30_000, seed=3)
+    ckpt = Checkpoint(d)
+    layout = ExpertLayout(ckpt, load_config(d))
+    loc = layout[(1, 2)]
+    assert layout.format == {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}[dtype]
+    mm, res = MmapExpertProvider(layout), ResidentExpertProvider(ckpt, layout)
+    for a, b, stored in zip(mm.acquire(1, [2])[0], res.acquire(1, [2])[0], loc.projections()):
+        assert isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
+        assert a.fmt == b.fmt == stored.format and a.shape == b.shape == stored.shape
+        assert a.nbytes == b.nbytes == stored.nbytes
+        for x, y, piece in zip((a.codes, a.scales), (b.codes, b.scales), stored.pieces):
+            assert x.tobytes() == y.tobytes() == ckpt.read(piece).tobytes()
+        assert not a.codes.flags.writeable          # a view of the read-only map
+    mm.close()
+    res.close()
+    ckpt.close()
 
 
 def _copy(src: Path, dst: Path) -> Path:

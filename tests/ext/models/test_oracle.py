@@ -11,20 +11,18 @@ routing kernel is checked on a 64-expert top-8 router against numpy and torch.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
-from oracle_models import (ARCH_CASES, NEW_TOKENS, PROMPT_LEN, Reference, SeedRejected,
-                           check_margins, load_reference_model, select_seed, shard_layout)
+from oracle_models import (ARCH_CASES, cached_moed_runs, NEW_TOKENS, PROMPT_LEN, Reference, SeedRejected,
+                           assert_logits_close, check_margins, load_reference_model, moed_greedy,
+                           open_model, select_seed, shard_layout)
 
 import ext.models.model
 from ext.kernels import _kernels
 from ext.models.model import Model
 
 DTYPES = ("f32", "bf16")
-LOGIT_TOL_REL = 1e-4
 
 CASES = [pytest.param(case, dtype, id=f"{case.id}-{dtype}") for case in ARCH_CASES for dtype in DTYPES]
 CLIP_CASES = [p for p in CASES if p.values[0].model_type == "olmoe"]
@@ -50,29 +48,6 @@ def references(tmp_path_factory):
     return get
 
 
-@contextlib.contextmanager
-def open_model(model_dir, n_threads=2, experts="mmap"):
-    model = Model.load(model_dir, n_threads=n_threads, experts=experts)
-    try:
-        yield model
-    finally:
-        model.close()
-
-
-def moed_greedy(model: Model, prompt: list[int], n_new: int = NEW_TOKENS):
-    """(tokens, [n_new, V] logits that chose them): prefill, then one token per forward."""
-    seq = model.new_sequence()
-    logits = model.forward(seq, prompt)
-    tokens, steps = [], []
-    while True:
-        assert logits.shape == (1, model.config.vocab_size)
-        steps.append(logits[0])
-        tokens.append(int(np.argmax(logits[0])))
-        if len(tokens) == n_new:
-            return tokens, np.stack(steps)
-        logits = model.forward(seq, [tokens[-1]])
-
-
 def one_by_one(model: Model, token_ids: list[int]) -> np.ndarray:
     """[T, V] logits of `token_ids` fed to a fresh sequence one token per forward."""
     seq = model.new_sequence()
@@ -83,30 +58,10 @@ def all_at_once(model: Model, token_ids: list[int]) -> np.ndarray:
     return model.forward(model.new_sequence(), token_ids, all_logits=True)
 
 
-def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
-    assert actual.shape == expected.shape, what
-    scale = float(np.abs(expected).max())
-    err = float(np.abs(actual - expected).max())
-    assert err <= LOGIT_TOL_REL * scale, \
-        f"{what}: max |Δ| {err:.3g} > {LOGIT_TOL_REL:g} × max |logit| {scale:.3g}"
-
-
 @pytest.fixture(scope="module")
 def moed_runs(references):
     """get(case, dtype) -> (greedy tokens, step logits, teacher-forced logits) from moed."""
-    cache = {}
-
-    def get(case, dtype):
-        key = (case.id, dtype)
-        if key not in cache:
-            ref = references(case, dtype)
-            with open_model(ref.model_dir) as model:
-                tokens, steps = moed_greedy(model, ref.prompt)
-                teacher = all_at_once(model, ref.prompt + ref.tokens)
-            cache[key] = tokens, steps, teacher
-        return cache[key]
-
-    return get
+    return cached_moed_runs(references)
 
 
 # ------------------------------------------------------------- the fixtures themselves

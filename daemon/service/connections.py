@@ -1,0 +1,214 @@
+"""The daemon's listeners: a cap on the open connections of each, and the sites that serve
+aiohttp through it.
+
+aiohttp's server bounds a request's line and header sizes (`max_line_size`,
+`max_field_size`, `max_headers`) and, with `keepalive_timeout`, the time a connection
+may wait for a complete request head: the timer starts when the connection opens and
+again after each answer, and closes the connection when no whole head arrived within it
+(a client that trickles headers — slowloris — is cut off there). moed sets it to
+`header_timeout_s`. aiohttp has no bound on the number of connections a listener keeps
+open and none on the time a body takes: `ConnectionGate` is the first (this module), the
+body deadline is daemon/service/app.py's.
+
+`ConnectionGate` wraps aiohttp's protocol factory for one listener. Up to `limit`
+connections are handed to aiohttp; one more is answered at once with a 503 (OpenAI's
+error shape, ``Retry-After``, ``Connection: close``), half-closed, drained for at most
+`LINGER_S` so the client reads the answer instead of a reset, and closed. Refusals are
+counted (`refused`) and logged as ``connection_refused`` — the first one, then at most
+one line per `REFUSAL_LOG_EVERY_S` with the count since the last.
+
+`GatedSite` is an aiohttp site (registered with its runner like `web.SockSite`, so
+`runner.cleanup()` stops it) that listens on a bound socket through a gate.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import resource
+import socket
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from telemetry.logs import get_logger
+
+log = get_logger("server")
+
+LINGER_S = 1.0                  # a refused connection is drained at most this long
+REFUSAL_LOG_EVERY_S = 60.0      # at most one connection_refused line per this long
+BACKLOG = 1024                  # listen(2) backlog of every listener (the kernel caps it)
+OPEN_FILES_SPARE = 1024         # file descriptors besides connections: shards, pipes, ...
+
+
+def _refusal_bytes(listener: str, limit: int) -> bytes:
+    body = json.dumps({"error": {
+        "message": f"too many connections: the {listener} listener holds its limit of {limit} "
+                   "open connections (max_connections); retry shortly",
+        "type": "service_unavailable", "param": None, "code": "too_many_connections"}}).encode()
+    head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class _Refusal(asyncio.Protocol):
+    """Answer 503, stop writing, discard what the client sends, close within LINGER_S."""
+
+    def __init__(self, answer: bytes):
+        self._answer = answer
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self._answer)             # type: ignore[attr-defined]
+        if transport.can_write_eof():            # type: ignore[attr-defined]
+            transport.write_eof()                # type: ignore[attr-defined]
+            self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        pass                                      # the request nobody will serve
+
+    def eof_received(self) -> bool:
+        self._transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, counted by its gate until it is lost.
+
+    Forwards every protocol callback the transport makes (and any other attribute)."""
+
+    def __init__(self, gate: ConnectionGate, inner: asyncio.Protocol):
+        self._gate = gate
+        self._inner = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._gate.open -= 1
+        self._inner.connection_lost(exc)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+class ConnectionGate:
+    """A protocol factory: aiohttp's `factory` for up to `limit` open connections, a 503
+    refusal beyond. `listener` names it in logs and metrics ("socket", "tcp", "metrics").
+    `on_refused(listener)` is called for each refusal (a metrics counter); `clock` is
+    monotonic seconds (injectable). Event-loop thread only."""
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, listener: str, *,
+                 on_refused: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self._factory = factory
+        self.limit = limit
+        self.listener = listener
+        self.open = 0
+        self.refused = 0
+        self._on_refused = on_refused
+        self._clock = clock
+        self._answer = _refusal_bytes(listener, limit)
+        self._logged_at: float | None = None
+        self._logged_refused = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.limit:
+            self._refuse()
+            return _Refusal(self._answer)
+        self.open += 1        # counted now: a burst of accepts cannot overshoot the limit
+        return _Counted(self, self._factory())
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        if self._on_refused is not None:
+            self._on_refused(self.listener)
+        now = self._clock()
+        if self._logged_at is None or now - self._logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning("connection_refused", listener=self.listener, limit=self.limit,
+                        refused=self.refused - self._logged_refused,
+                        reason="max_connections open connections")
+            self._logged_at, self._logged_refused = now, self.refused
+
+
+class GatedSite(web.BaseSite):
+    """Serve `runner` on the bound socket `sock` (listening or not) through `gate`, which
+    wraps the runner's own protocol factory. `name` is what `runner.addresses` reports."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, limit: int, listener: str,
+                 on_refused: Callable[[str], None] | None = None, backlog: int = BACKLOG):
+        super().__init__(runner, backlog=backlog)
+        self._sock = sock
+        self._listener = listener
+        self.gate = ConnectionGate(lambda: runner.server(), limit, listener,  # type: ignore[misc]
+                                   on_refused=on_refused)
+
+    @property
+    def name(self) -> str:
+        address = self._sock.getsockname()
+        if self._sock.family == socket.AF_UNIX:
+            return f"http://unix:{address}:"
+        host, port = address[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await super().start()
+        self._server = await asyncio.get_running_loop().create_server(
+            self.gate, sock=self._sock, backlog=self._backlog)
+
+
+def fit_open_files(listeners: int, max_connections: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard one (as Go's runtime does; epoll has no
+    FD_SETSIZE ceiling) and warn when it still cannot hold `listeners` x
+    `max_connections` connections plus OPEN_FILES_SPARE for shards, pipes and the rest.
+    Returns (soft, needed)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    needed = listeners * max_connections + OPEN_FILES_SPARE
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning("open_file_limit_low", rlimit_nofile=soft, needed=needed,
+                    effect="connections beyond the limit fail at accept; lower max_connections "
+                           "or raise LimitNOFILE=")
+    return soft, needed
+
+
+def tcp_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for `host` (a name, an IPv4 or an IPv6 address) and `port`
+    (0: the kernel picks one), with SO_REUSEADDR; OSError as getaddrinfo or bind raise it."""
+    last: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+    raise last if last is not None else OSError(f"{host}:{port}: no address to bind")

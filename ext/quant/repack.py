@@ -1,0 +1,474 @@
+"""Write a repacked model directory: routed experts (and optionally dense weights) in
+moed's int4 / int8 group format, laid out for streaming (ext/formats/repacked.py).
+
+`repack(model_dir, out_dir, spec)` reads a model directory moed can load, quantises
+every routed expert's gate, up and down projections with `spec.experts` (and, with
+`spec.dense`, the attention projections, shared experts and dense MLPs; routers,
+norms, embeddings and lm_head are never quantised), copies every other tensor byte for
+byte, and writes config.json with moed's quantization_config plus every other regular
+file of the directory (tokenizer files, generation_config.json, chat template, licence)
+unchanged. The output is built in a temporary directory beside `out_dir` and renamed
+into place at the end, so a failed or interrupted repack leaves no half-written model.
+
+Shards hold whole blocks — one routed expert, or one dense tensor — in the order dense
+tensors (by name), then experts by (layer, expert); a shard is closed when the next
+block would pass `shard_size` bytes (a block larger than that gets a shard of its own).
+Memory: one expert (or one dense tensor) at a time, in float32, plus its codes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ext.formats.checkpoint import CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, Checkpoint, TensorInfo
+from ext.formats.files import read_json
+from ext.formats.repacked import (ALIGNMENT, PADDING_PREFIX, TENSOR_ALIGNMENT, QuantGroup, QuantScheme, RepackConfig,
+                                  min_name, read_repack_config, scale_name)
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout, expert_tensor_name
+from ext.models.family import PROJECTIONS
+from ext.models.weights import weight_values
+from ext.quant.codec import (QuantizedTensor, importance_weights, magnitude_weights,
+                             quantize, quantize_gptq)
+from ext.quant.importance import PRIOR_TOKENS, ImportanceStats, LayerwiseMoments
+
+DEFAULT_SHARD_SIZE = 2 << 30      # bytes of tensor data per shard
+WEIGHTINGS = ("uniform", "magnitude", "importance", "importance*magnitude")
+_DENSE_PATTERNS = (r"model\.layers\.\d+\.self_attn\.[qkvo]_proj\.weight",
+                   r"model\.layers\.\d+\.mlp\.shared_expert\.(gate|up|down)_proj\.weight",
+                   r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight")
+_COPIED_SKIP = (CONFIG_NAME, INDEX_NAME)
+
+
+@dataclass(frozen=True)
+class RepackSpec:
+    """What `repack` does.
+
+    experts: the routed experts' scheme. dense: a scheme for the attention projections,
+    shared experts and dense MLPs, or None (they stay as stored). method: "search" or
+    "rtn" (ext/quant/codec.py). weighting: the error weights of the search — "uniform",
+    "magnitude" (k-quants' rms + |x|), "importance" (column importance from calibration
+    text) or "importance*magnitude" (llama.cpp's imatrix weighting); the importance ones
+    need `ImportanceStats` and apply to routed experts (dense weights then use magnitude).
+    prior_tokens: the layer prior's pseudo-count in an expert's importance.
+    """
+
+    experts: QuantScheme
+    dense: QuantScheme | None = None
+    method: str = "search"
+    weighting: str = "magnitude"
+    prior_tokens: float = PRIOR_TOKENS
+
+    def __post_init__(self):
+        if self.method not in ("rtn", "search", "gptq"):
+            raise ValueError(f"unknown method {self.method!r} (known: rtn, search, gptq)")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"unknown weighting {self.weighting!r} (known: {', '.join(WEIGHTINGS)})")
+        if self.dense is not None and self.dense.min:
+            raise ValueError("dense weights take int8 or symmetric int4")
+
+    @property
+    def needs_importance(self) -> bool:
+        return self.method == "gptq" or (self.method == "search"
+                                         and self.weighting.startswith("importance"))
+
+
+def quantize_expert(spec: RepackSpec, arrays, layer: int, expert: int,
+                    importance: ImportanceStats | None = None) -> dict[str, QuantizedTensor]:
+    """{"gate", "up", "down"} -> QuantizedTensor of one expert's projections (`arrays`:
+    ExpertWeights or a mapping of any float arrays [I, H], [I, H], [H, I])."""
+    out = {}
+    for proj in PROJECTIONS:
+        w = np.asarray(arrays[proj] if isinstance(arrays, dict) else getattr(arrays, proj), np.float32)
+        if spec.method == "gptq":
+            if importance is None or not importance.second_moments:
+                raise ValueError("method 'gptq' needs second moments gathered from text")
+            out[proj] = quantize_gptq(w, spec.experts, importance.moment_matrix(
+                layer, expert, proj, spec.prior_tokens))
+            continue
+        out[proj] = quantize(w, spec.experts, method=spec.method,
+                             weights=_error_weights(spec, w, spec.experts, importance, layer,
+                                                    expert, proj))
+    return out
+
+
+def quantize_dense(spec: RepackSpec, w: np.ndarray) -> QuantizedTensor:
+    """One dense weight [R, C] with `spec.dense` (magnitude weights unless uniform)."""
+    w = np.asarray(w, np.float32)
+    weights = None if spec.weighting == "uniform" else magnitude_weights(w, spec.dense)
+    return quantize(w, spec.dense, method="rtn" if spec.method == "rtn" else "search",
+                    weights=weights)
+
+
+def _error_weights(spec, w, scheme, importance, layer, expert, proj):
+    if spec.method == "rtn" or spec.weighting == "uniform":
+        return None
+    if spec.weighting == "magnitude":
+        return magnitude_weights(w, scheme)
+    if importance is None:
+        raise ValueError(f"weighting {spec.weighting!r} needs importance statistics from text")
+    imp = importance.column_importance(layer, expert, proj, spec.prior_tokens)
+    return importance_weights(w, imp, scheme, magnitude=spec.weighting == "importance*magnitude")
+
+
+def dense_weight_names(checkpoint: Checkpoint, expert_pieces: set[str]) -> list[str]:
+    """The dense weights `spec.dense` applies to: attention q/k/v/o projections, shared
+    experts' and dense MLPs' gate/up/down stored as plain floats (never routers, norms,
+    embeddings, lm_head; FP8 ones stay FP8)."""
+    pattern = re.compile("|".join(f"(?:{p})" for p in _DENSE_PATTERNS))
+    return [n for n, info in checkpoint.tensors.items()
+            if n not in expert_pieces and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
+            and pattern.fullmatch(n)]
+
+
+def name_patterns(names: list[str], all_names: list[str]) -> list[str]:
+    """fnmatch patterns covering exactly `names` among `all_names`: layer and expert numbers
+    become "*" (e.g. "model.layers.*.mlp.experts.*.up_proj.weight"); the explicit names
+    when the patterns would cover anything else."""
+    import fnmatch
+    patterns = sorted({re.sub(r"\.\d+(?=\.)", ".*", n) for n in names})
+    chosen = set(names)
+    if all(any(fnmatch.fnmatchcase(n, p) for p in patterns) == (n in chosen) for n in all_names):
+        return patterns
+    return sorted(chosen)
+
+
+# ------------------------------------------------------------------ the shard layout
+
+@dataclass
+class _Piece:
+    """One tensor of a shard: its header entry, and where its bytes come from."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int = 0
+
+
+@dataclass
+class _Block:
+    """Tensors written together: one expert (aligned to `align`) or one dense tensor.
+    produce() returns their bytes in piece order."""
+
+    pieces: list[_Piece]
+    align: int
+    produce: Callable[[], list[bytes | np.ndarray]]
+    nbytes: int = 0
+
+    def __post_init__(self):
+        self.nbytes = sum(p.nbytes for p in self.pieces)
+
+
+@dataclass
+class _Shard:
+    blocks: list[_Block] = field(default_factory=list)
+    entries: list[_Piece] = field(default_factory=list)     # pieces and padding, file order
+    data_bytes: int = 0
+
+
+def _quant_pieces(name: str, scheme: QuantScheme, shape: tuple[int, int]) -> list[_Piece]:
+    shapes = scheme.shapes(shape)
+    R, C = shape
+    g = scheme.group(C)
+    pieces = [_Piece(name, scheme.code_dtype, shapes["codes"], R * C * scheme.bits // 8),
+              _Piece(scale_name(name), "F16", shapes["scale"], R * (C // g) * 2)]
+    if scheme.min:
+        pieces.append(_Piece(min_name(name), "F16", shapes["min"], R * (C // g) * 2))
+    return pieces
+
+
+def _arrays(q: QuantizedTensor) -> list[np.ndarray]:
+    return [q.codes, q.scale] + ([] if q.min is None else [q.min])
+
+
+def _plan_shards(blocks: list[_Block], shard_size: int, alignment: int) -> list[_Shard]:
+    shards = [_Shard()]
+    for block in blocks:
+        if shards[-1].blocks and shards[-1].data_bytes + block.nbytes > shard_size:
+            shards.append(_Shard())
+        shards[-1].blocks.append(block)
+        shards[-1].data_bytes += block.nbytes
+    for i, shard in enumerate(shards):
+        offset, pads = 0, 0
+
+        def pad_to(align: int) -> None:
+            nonlocal offset, pads
+            gap = -offset % align
+            if gap:
+                shard.entries.append(_Piece(f"{PADDING_PREFIX}{i}.{pads}", "U8", (gap,), gap, offset))
+                pads += 1
+                offset += gap
+
+        for block in shard.blocks:
+            pad_to(block.align)
+            for piece in block.pieces:
+                pad_to(TENSOR_ALIGNMENT)
+                piece.offset = offset
+                shard.entries.append(piece)
+                offset += piece.nbytes
+        shard.data_bytes = offset
+    return shards
+
+
+def _header(shard: _Shard, alignment: int) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "moed": "repack"}}
+    for p in shard.entries:
+        header[p.name] = {"dtype": p.dtype, "shape": list(p.shape),
+                          "data_offsets": [p.offset, p.offset + p.nbytes]}
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return raw + b" " * (-(8 + len(raw)) % alignment)     # data starts on `alignment`
+
+
+def _raw_bytes(checkpoint: Checkpoint, info: TensorInfo) -> bytes:
+    with open(info.path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.nbytes)
+    if len(data) != info.nbytes:
+        raise OSError(f"{info.path}: tensor {info.name!r} ends before its {info.nbytes} bytes")
+    return data
+
+
+# ------------------------------------------------------------------ repack
+
+@dataclass(frozen=True)
+class RepackResult:
+    """What `repack` wrote: the directory, its config, shard count and byte totals."""
+
+    out_dir: Path
+    config: RepackConfig
+    shards: int
+    expert_bytes_before: int
+    expert_bytes_after: int
+    total_bytes: int
+    source_format: str
+    losses: tuple[str, ...] = ()
+
+
+def _source_description(raw_config: dict, layout: ExpertLayout) -> dict:
+    """What was repacked: its experts' stored format, and its quantization_config (which
+    the weights kept as they were still follow; ext/formats/repacked.py MoedMethod)."""
+    return {"experts_format": layout.format,
+            "quantization_config": raw_config.get("quantization_config")}
+
+
+# Bits per weight of the formats a repack may read, and what a second rounding loses.
+_SOURCE_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "fp8_e4m3": 8.0, "mxfp4": 4.25}
+
+
+def _losses(layout: ExpertLayout, spec: RepackSpec) -> tuple[str, ...]:
+    """What the repack gives up, one sentence each."""
+    src = layout.format
+    bits = _SOURCE_BITS.get(src)
+    target = (f"{spec.experts.scheme} in groups of {spec.experts.group_size}"
+              f"{' with a minimum' if spec.experts.min else ''} "
+              f"({spec.experts.bits_per_weight:g} bits per weight)")
+    out = [f"routed experts {src}" + (f" ({bits:g} bits per weight)" if bits else "")
+           + f" -> {target}: every weight is rounded to one of {2 ** spec.experts.bits} "
+           "levels of its group"]
+    if src == "fp8_e4m3":
+        out.append("the FP8 E4M3 values (3 mantissa bits, a scale per 128x128 block) are "
+                   f"rounded a second time into {spec.experts.scheme} groups: the repack is "
+                   "lossy against the FP8 checkpoint, not only against its bf16 original")
+    elif src == "mxfp4":
+        out.append("the MXFP4 values (E2M1 levels 0..6 with a power-of-two scale per 32) do "
+                   f"not fall on {spec.experts.scheme}'s uniform levels in general: they are "
+                   "rounded a second time (compare with 'moed eval' before serving)")
+    if spec.dense is not None:
+        out.append(f"dense projections -> {spec.dense.scheme} in groups of {spec.dense.group_size}")
+    return tuple(out)
+
+
+def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: RepackSpec, *,
+           importance: ImportanceStats | LayerwiseMoments | None = None,
+           provenance: dict | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+           overwrite: bool = False, threads: int = 1,
+           progress: Callable[[int, int], None] | None = None) -> RepackResult:
+    """Repack `model_dir` into `out_dir` (see the module doc).
+
+    importance: statistics from calibration text, needed by the importance weightings and
+    GPTQ (`LayerwiseMoments` gathers GPTQ's a few layers at a time).
+    threads: blocks quantised at once (numpy releases the GIL); the output is the same
+    for any count.
+    provenance: extra fields for quantization_config.quantizer (e.g. the text used).
+    progress(done, total): expert and dense tensors quantised or copied, in bytes of input.
+    Raises FileExistsError (`out_dir` exists and is not empty, without `overwrite`),
+    ValueError (`out_dir` is `model_dir`, a model already repacked by moed, a weight
+    whose shape the scheme cannot cut — naming it, importance missing), the loaders'
+    ConfigError / CheckpointError naming the file and tensor, and OSError.
+    """
+    src = Path(model_dir).resolve()
+    out = Path(out_dir)
+    if out.exists() and out.resolve() == src:
+        raise ValueError(f"--out {out} is the model directory itself")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; use --force to replace it")
+    raw_config = read_json(src / CONFIG_NAME)
+    if read_repack_config(raw_config, src / CONFIG_NAME) is not None:
+        raise ValueError(f"{src / CONFIG_NAME}: the model is already repacked by moed "
+                         "(repack its source model instead)")
+    if spec.needs_importance and importance is None:
+        raise ValueError(f"weighting {spec.weighting!r} needs importance statistics from text")
+    config = load_config(src)
+    with Checkpoint(src) as checkpoint:
+        layout = ExpertLayout(checkpoint, config)
+        layout.check_scales(checkpoint)
+        source_pieces = {p.name for loc in layout for p in loc.pieces()}
+        expert_names = {expert_tensor_name(config.model_type, loc.layer, loc.expert, proj): w.shape
+                        for loc in layout for proj, w in zip(PROJECTIONS, loc.projections())}
+        dense_names = set(dense_weight_names(checkpoint, source_pieces)) if spec.dense else set()
+        for name, shape in sorted({**expert_names,
+                                   **{n: checkpoint.info(n).shape for n in dense_names}}.items()):
+            scheme = spec.experts if name in expert_names else spec.dense
+            why = scheme.check_columns(shape[1])
+            if why:
+                where = checkpoint.info(name).path if name in checkpoint else checkpoint.model_dir
+                raise ValueError(f"{where}: tensor {name!r}: {why}; {scheme.scheme} cannot "
+                                 "repack it")
+        blocks = _dense_blocks(checkpoint, source_pieces, dense_names, spec)
+        blocks += _expert_blocks(checkpoint, layout, spec, importance)
+        out_names = [p.name for b in blocks for p in b.pieces]
+        rc = RepackConfig(
+            experts=QuantGroup(spec.experts, tuple(name_patterns(sorted(expert_names), out_names))),
+            dense=None if not dense_names else QuantGroup(
+                spec.dense, tuple(name_patterns(sorted(dense_names), out_names))),
+            alignment=ALIGNMENT,
+            quantizer={"method": spec.method,
+                       **({"weighting": spec.weighting} if spec.method == "search" else {}),
+                       **({"prior_tokens": spec.prior_tokens} if spec.needs_importance else {}),
+                       **(provenance or {})},
+            source=_source_description(raw_config, layout))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        os.chmod(tmp, 0o777 & ~_umask())    # mkdtemp's 0700 would outlive the rename
+        try:
+            shards = _plan_shards(blocks, shard_size, ALIGNMENT)
+            total_in = sum(b.nbytes for b in blocks)   # progress in bytes written
+            written = _write_shards(tmp, shards, ALIGNMENT, progress, total_in, threads)
+            new_config = {**raw_config, "quantization_config": rc.to_json()}
+            (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
+            for entry in sorted(src.iterdir()):
+                if (entry.is_file() and entry.name not in _COPIED_SKIP
+                        and not entry.name.endswith(".safetensors")):
+                    shutil.copyfile(entry, tmp / entry.name)
+            if out.exists():
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        before = sum(loc.nbytes for loc in layout)
+        after = sum(p.nbytes for b in blocks if b.align == ALIGNMENT for p in b.pieces)
+        return RepackResult(out_dir=out, config=rc, shards=len(shards),
+                            expert_bytes_before=before, expert_bytes_after=after,
+                            total_bytes=written, source_format=layout.format, losses=_losses(layout, spec))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _dense_blocks(checkpoint: Checkpoint, expert_pieces: set[str], dense_names: set[str],
+                  spec: RepackSpec) -> list[_Block]:
+    blocks = []
+    for name, info in checkpoint.tensors.items():
+        if name in expert_pieces:
+            continue
+        if name in dense_names:
+            shape = (info.shape[0], info.shape[1])
+            blocks.append(_Block(_quant_pieces(name, spec.dense, shape), TENSOR_ALIGNMENT,
+                                 lambda n=name: _arrays(quantize_dense(spec, checkpoint.load(n)))))
+        else:
+            blocks.append(_Block([_Piece(name, info.dtype, info.shape, info.nbytes)],
+                                 TENSOR_ALIGNMENT, lambda i=info: [_raw_bytes(checkpoint, i)]))
+    return blocks
+
+
+def _expert_blocks(checkpoint: Checkpoint, layout: ExpertLayout, spec: RepackSpec,
+                   importance: ImportanceStats | LayerwiseMoments | None) -> list[_Block]:
+    model_type = layout.config.model_type
+    blocks = []
+    for loc in sorted(layout, key=lambda l: (l.layer, l.expert)):
+        pieces = []
+        for proj, w in zip(PROJECTIONS, loc.projections()):
+            pieces += _quant_pieces(expert_tensor_name(model_type, loc.layer, loc.expert, proj),
+                                    spec.experts, w.shape)
+
+        def produce(loc=loc):
+            arrays = {p: weight_values(checkpoint, w) for p, w in zip(PROJECTIONS, loc.projections())}
+            stats = None if importance is None else importance.for_layer(loc.layer)
+            q = quantize_expert(spec, arrays, loc.layer, loc.expert, stats)
+            return [a for p in PROJECTIONS for a in _arrays(q[p])]
+        blocks.append(_Block(pieces, ALIGNMENT, produce))
+    return blocks
+
+
+def _produced(blocks: list[_Block], threads: int) -> Iterator[list]:
+    """Each block's produce(), in order, up to 2 x threads of them computed ahead."""
+    if threads <= 1:
+        yield from (b.produce() for b in blocks)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        ahead: deque = deque()
+        it = iter(blocks)
+        for block in it:
+            ahead.append(pool.submit(block.produce))
+            if len(ahead) >= 2 * threads:
+                break
+        while ahead:
+            done = ahead.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                ahead.append(pool.submit(nxt.produce))
+            yield done
+
+
+def _write_shards(out: Path, shards: list[_Shard], alignment: int,
+                  progress: Callable[[int, int], None] | None, total: int, threads: int) -> int:
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, done, written = {}, 0, 0
+    produced = _produced([b for s in shards for b in s.blocks], threads)
+    for file_name, shard in zip(names, shards):
+        header = _header(shard, alignment)
+        with open(out / file_name, "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            start = f.tell()
+            pieces = iter(shard.entries)
+            for block in shard.blocks:
+                for data in next(produced):
+                    piece = next(pieces)
+                    while piece.name.startswith(PADDING_PREFIX):
+                        f.write(bytes(piece.nbytes))
+                        piece = next(pieces)
+                    buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(
+                        data, np.ndarray) else memoryview(data)
+                    if f.tell() - start != piece.offset or buf.nbytes != piece.nbytes:
+                        raise AssertionError(f"layout of {piece.name} broke")   # a bug here
+                    f.write(buf)
+                    weight_map[piece.name] = file_name
+                done += block.nbytes
+                if progress is not None:
+                    progress(done, total)
+            written += f.tell()
+            f.flush()
+            os.fsync(f.fileno())
+    tensor_bytes = sum(p.nbytes for s in shards for p in s.entries if not p.name.startswith(PADDING_PREFIX))
+    index = {"metadata": {"total_size": tensor_bytes, "format": "moed-repack"},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return written

@@ -1,0 +1,322 @@
+"""`moed serve` against hostile clients: each attack is bounded and nothing else suffers.
+
+The real daemon subprocess with short limits: a slowloris connection that trickles its
+headers is closed at header_timeout_s; a body shorter than its Content-Length is a 408 at
+body_timeout_s; a listener holding max_connections answers the next connection 503 at
+once (the Unix socket and the TCP metrics listener alike); a chat template bomb in the
+model directory is a 400; and through all of it the daemon keeps serving and every line
+it logs is JSON. A shard whose expert bytes vanish makes /health say "degraded" until a
+read succeeds again. No sleeps: each wait is for the
+daemon's answer or its close, bounded by a deadline.
+"""
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from daemon_proc import Daemon, short_dir
+
+from daemon.service import app as app_module
+from daemon.store.streaming import minimum_cache_bytes
+from ext.formats.checkpoint import Checkpoint
+from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout
+
+TEMPLATE_MAX_CHARS = 100_000
+TEMPLATE_TIMEOUT_S = 0.5
+# A chat template from a hostile model directory: normal, unless the first message asks
+# for one of its bombs (so that normal chat requests show the daemon unaffected).
+HOSTILE_TEMPLATE = """\
+{%- if messages[0].content == "many" -%}
+{%- for i in range(5000) %}{% for j in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor -%}
+{%- elif messages[0].content == "one" -%}
+{{ "y" * 30000000 }}
+{%- elif messages[0].content == "slow" -%}
+{%- for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor -%}
+{%- else -%}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+{%- endif -%}
+"""
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 4
+DEADLINE_S = 30.0       # a bound on each wait, far above the timeouts under test
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = make_model(tmp_path_factory.mktemp("hostile") / "model", arch="qwen3_moe", layers=2,
+                     experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=0)
+    (out / "chat_template.jinja").write_text(HOSTILE_TEMPLATE)   # takes precedence
+    return out
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir):
+    d = Daemon(model_dir, short_dir(), "--threads", "1",
+               "--header-timeout-s", str(HEADER_TIMEOUT_S),
+               "--body-timeout-s", str(BODY_TIMEOUT_S),
+               "--max-connections", str(MAX_CONNECTIONS),
+               "--chat-template-max-chars", str(TEMPLATE_MAX_CHARS),
+               "--chat-template-timeout-s", str(TEMPLATE_TIMEOUT_S))
+    try:
+        yield d
+        assert d.stop() == 0
+        not_json = [line for line in d.stderr_lines if not _is_json(line)]
+        assert not_json == [], "".join(not_json)
+    finally:
+        d.cleanup()
+
+
+def _is_json(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def unix_connection(d: Daemon) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(DEADLINE_S)
+    sock.connect(d.socket)
+    return sock
+
+
+def metrics_connection(d: Daemon) -> socket.socket:
+    host, port = d.wait_event("metrics_listening")["address"].rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=DEADLINE_S)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (bounded by the socket's timeout)."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def serving(d: Daemon) -> bool:
+    """A normal completion still gets its answer."""
+    status, body = d.json("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                       "temperature": 0})
+    return status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+def test_a_connection_that_trickles_its_headers_is_closed_at_the_header_timeout(daemon):
+    sock = unix_connection(daemon)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+    started = time.monotonic()
+    closed = False
+    # slowloris: one more header byte whenever the server has said nothing for a while
+    while time.monotonic() - started < DEADLINE_S:
+        readable, _, _ = select.select([sock], [], [], 0.1)
+        if readable:
+            closed = sock.recv(1024) == b""
+            break
+        try:
+            sock.sendall(b"X")
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+    elapsed = time.monotonic() - started
+    sock.close()
+    assert closed, f"still open after {elapsed:.1f} s of trickled headers"
+    assert elapsed >= HEADER_TIMEOUT_S * 0.9
+    assert serving(daemon)
+
+
+def test_a_body_shorter_than_its_content_length_is_a_408_at_the_body_timeout(daemon):
+    body = b'{"prompt": "hi"'
+    with unix_connection(daemon) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + body)
+        started = time.monotonic()
+        answer = read_all(sock)             # the daemon answers and closes
+        elapsed = time.monotonic() - started
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer[:300]
+    assert b"Connection: close" in head
+    error = json.loads(payload)["error"]
+    assert error["code"] == "request_timeout" and "body_timeout_s" in error["message"]
+    assert f"{len(body)} of 1000 bytes" in error["message"]
+    assert BODY_TIMEOUT_S * 0.9 <= elapsed < DEADLINE_S
+    assert serving(daemon)
+
+
+@pytest.mark.parametrize("listener", ["socket", "metrics"])
+def test_a_listener_at_its_connection_cap_answers_503_and_serves_again_after(daemon, listener):
+    connect = unix_connection if listener == "socket" else metrics_connection
+    held = [connect(daemon) for _ in range(MAX_CONNECTIONS)]
+    try:
+        # the kernel queues connections in order: the daemon accepts the held ones first
+        extra = connect(daemon)
+        try:
+            answer = read_all(extra)
+        finally:
+            extra.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer[:300]
+        assert b"Retry-After: 1" in head and b"Connection: close" in head
+        error = json.loads(payload)["error"]
+        assert error["code"] == "too_many_connections"
+        assert f"{listener} listener" in error["message"] and "max_connections" in error["message"]
+        refused = daemon.wait_event("connection_refused", listener=listener)
+        assert refused["limit"] == MAX_CONNECTIONS
+    finally:
+        for sock in held:
+            sock.close()
+    # the held ones are gone: the listener serves again
+    if listener == "socket":
+        assert serving(daemon)
+    else:
+        sock = metrics_connection(daemon)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = read_all(sock)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"moed_connections_refused_total" in answer
+        assert b'moed_connections_refused_total{listener="metrics"} 1.0' in answer
+
+
+def chat(d: Daemon, content: str) -> tuple[int, dict]:
+    return d.json("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0})
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("bomb, says", [
+    ("many", f"more than {TEMPLATE_MAX_CHARS} characters (chat_template_max_chars)"),
+    ("one", f"more than {TEMPLATE_MAX_CHARS} characters (chat_template_max_chars)"),
+    ("slow", f"took longer than {TEMPLATE_TIMEOUT_S:g} s to render (chat_template_timeout_s)"),
+])
+def test_a_chat_template_bomb_is_a_400_and_nothing_else_is_affected(daemon, bomb, says):
+    status, body = chat(daemon, "hello")                  # the template works for others
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    before = rss_bytes(daemon.proc.pid)
+    status, body = chat(daemon, bomb)
+    assert status == 400, body
+    assert body["error"]["param"] == "messages" and says in body["error"]["message"]
+    # the daemon did not hold the text (tens of MB without the bound; its render ran in
+    # a worker process), and it goes on serving chats and completions
+    assert rss_bytes(daemon.proc.pid) - before < 16 << 20
+    status, body = chat(daemon, "hello again")
+    assert status == 200
+    assert serving(daemon)
+    assert daemon.json("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_the_api_key_is_compared_in_constant_time(monkeypatch):
+    seen = []
+
+    def spy(a, b):
+        seen.append((a, b))
+        return a == b
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    assert app_module.api_key_matches("Bearer s3cret", "s3cret")
+    assert not app_module.api_key_matches("Bearer s3cre", "s3cret")
+    assert not app_module.api_key_matches("Basic s3cret", "s3cret")
+    assert not app_module.api_key_matches("", "s3cret")
+    assert seen[:2] == [(b"s3cret", b"s3cret"), (b"s3cre", b"s3cret")]
+
+
+# ------------------------------------------------------------------ a shard that breaks
+
+
+@pytest.fixture(scope="module")
+def sharded_model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("broken") / "model", arch="qwen3_moe", layers=4,
+                      experts=16, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=1,
+                      shard_size=64 << 10)
+
+
+def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sharded_model):
+    checkpoint = Checkpoint(sharded_model)
+    config = load_config(sharded_model)
+    cache = minimum_cache_bytes(ExpertLayout(checkpoint, config), config)
+    checkpoint.close()
+    shards = sorted(sharded_model.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--expert-cache-bytes", str(cache),
+               "--no-prefetch")
+    try:
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        saved = {p: p.read_bytes() for p in shards}
+        for p in shards:                     # every expert's bytes gone: only headers stay
+            header = 8 + int.from_bytes(saved[p][:8], "little")
+            with open(p, "r+b") as f:
+                f.truncate(header)
+        status, body = d.json("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 16,
+                                                           "temperature": 0})
+        assert status == 500 and "generation failed" in body["error"]["message"]
+        status, health = d.json("GET", "/health")
+        assert status == 503 and health["status"] == "degraded"
+        assert health["reason"].startswith("expert reads are failing: reading expert (")
+        assert any(str(p) in health["reason"] for p in shards)
+        for p, data in saved.items():        # the disk is back
+            p.write_bytes(data)
+        assert serving(d)
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+
+
+def test_a_client_that_leaves_mid_stream_is_a_499_not_a_traceback(monkeypatch):
+    """A write to a closing transport ends the answer quietly and counts as 499 (aiohttp
+    would log it as an "Error handling request" traceback)."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from daemon.service import api
+    from daemon.service.engine import EngineRequest
+
+    counted = []
+
+    class State:
+        class telemetry:                                    # noqa: N801
+            @staticmethod
+            def response(route, status):
+                counted.append(status)
+
+        class loaded:                                       # noqa: N801
+            class engine:                                   # noqa: N801
+                tokenizer = None
+
+    async def closing(self, data):
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    async def prepared(self, request):
+        return None
+    monkeypatch.setattr(web.StreamResponse, "write", closing)
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepared)
+    http = app_module.HttpApp(State())
+    parsed = api.ParsedRequest(engine=EngineRequest(request_id="cmpl-1", prompt_ids=(1,),
+                                                    max_tokens=2),
+                               model="m", stream=True, include_usage=False, chat=True)
+
+    async def scenario():
+        class Handle:
+            events = asyncio.Queue()
+        request = make_mocked_request("POST", "/v1/chat/completions")
+
+        async def handler(req):
+            return await http._stream(req, parsed, Handle(), {})
+        return await http._count(request, handler)
+    response = asyncio.run(scenario())
+    assert isinstance(response, web.StreamResponse)
+    assert counted == [499]

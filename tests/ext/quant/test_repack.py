@@ -1,0 +1,353 @@
+"""`moed repack`'s output: a spec-conforming, streaming-friendly model directory whose
+config and tensors agree, and whose bad inputs are refused with the culprit named."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from daemon.commands.cli import main
+from ext.formats.checkpoint import Checkpoint
+from ext.formats.quant import QuantizationConfigError, QuantizationError
+from ext.formats.repacked import ALIGNMENT, PADDING_PREFIX, QuantScheme
+from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout, expert_tensor_name
+from ext.models.model import Model
+from ext.models.weights import float_values
+from ext.quant.importance import LayerwiseMoments, gather, moment_bytes
+from ext.quant.repack import RepackSpec, repack
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A bf16 make-model checkpoint in several shards."""
+    out = tmp_path_factory.mktemp("src") / "model"
+    make_model(out, arch="qwen3_moe", layers=2, experts=6, top_k=2, hidden=64, intermediate=64,
+               dtype="bf16", shard_size=40_000, initializer_range=0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def repacked(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rp") / "int4"
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(out),
+                 "--shard-size", "64K"]) == 0
+    return out
+
+
+def _raw_config(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def _experts(d: Path) -> dict:
+    """Weight name -> StoredWeight of every routed expert projection, as moed reads them."""
+    config = load_config(d)
+    with Checkpoint(d) as ckpt:
+        layout = ExpertLayout(ckpt, config)
+    return {w.name: w for loc in layout for w in loc.projections()}
+
+
+def _decode(scheme: QuantScheme, codes, scale, minimum):
+    """Independent decode from the README's spec (low nibble first; g = min(g, C))."""
+    if scheme.scheme == "int4":
+        q = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1).astype(np.float32)
+        q = q if scheme.min else q - 8
+    else:
+        q = codes.astype(np.float32)
+    g = q.shape[1] // scale.shape[1]
+    out = q * np.repeat(scale.astype(np.float32), g, axis=1)
+    if scheme.min:
+        out = out + np.repeat(minimum.astype(np.float32), g, axis=1)
+    return out
+
+
+def test_the_output_is_valid_safetensors_without_holes(repacked):
+    """The safetensors library (which refuses holes and overlaps) reads every shard, and
+    each shard's data starts on a 4 KiB boundary of the file."""
+    shards = sorted(repacked.glob("*.safetensors"))
+    assert len(shards) >= 2
+    for shard in shards:
+        with safe_open(shard, "np") as f:
+            for name in f.keys():
+                if name.startswith(PADDING_PREFIX):
+                    assert not f.get_tensor(name).any()
+        with open(shard, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        assert (8 + n) % ALIGNMENT == 0
+
+
+def test_config_lists_the_scheme_and_matches_the_tensors(repacked, source):
+    raw = _raw_config(repacked)
+    q = raw["quantization_config"]
+    assert q["quant_method"] == "moed" and q["scheme"] == "int4" and q["group_size"] == 32
+    assert q["min"] is True and q["dense"] is None
+    assert q["source"] == {"experts_format": "bf16", "quantization_config": None}
+    assert {k: v for k, v in raw.items() if k != "quantization_config"} == _raw_config(source)
+    experts = _experts(repacked)
+    assert len(experts) == 2 * 6 * 3 and {w.format for w in experts.values()} == {"int4"}
+    with Checkpoint(repacked) as ckpt:
+        assert not any(n.startswith(PADDING_PREFIX) for n in ckpt.tensors)   # not in the index
+    model = Model.load(repacked, n_threads=1)
+    assert model.weight_formats()["quantization"] == {
+        "quant_method": "moed", "scheme": "int4", "group_size": 32, "min": True,
+        "label": "int4-g32-min", "dense": None}
+    assert model.weight_formats()["experts"] == "int4"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (repacked / name).read_bytes() == (source / name).read_bytes()
+
+
+def test_each_expert_is_one_aligned_read(repacked):
+    """An expert's 9 tensors lie in one shard, start on 4 KiB, and sit back to back (gaps
+    only to 64-byte tensor starts), so one aligned read of the expert's span covers them."""
+    parts = _experts(repacked)
+    for layer in range(2):
+        for expert in range(6):
+            infos = [i for p in ("gate", "up", "down")
+                     for i in parts[expert_tensor_name("qwen3_moe", layer, expert, p)].pieces]
+            assert len(infos) == 9 and len({i.path for i in infos}) == 1
+            infos.sort(key=lambda i: i.offset)
+            assert infos[0].offset % ALIGNMENT == 0
+            assert all(i.offset % 64 == 0 for i in infos)
+            for a, b in zip(infos, infos[1:]):
+                assert 0 <= b.offset - (a.offset + a.nbytes) < 64
+
+
+def test_values_decode_close_to_the_source_weights(repacked, source):
+    """An independent decode of the codes is within one quantisation step of the bf16
+    weights (every tensor, every group)."""
+    scheme = QuantScheme("int4", 32, True)
+    with Checkpoint(source) as src, Checkpoint(repacked) as rp:
+        for name, w in _experts(repacked).items():
+            codes, scale, mins = (rp.read(p) for p in w.pieces)
+            values = _decode(scheme, codes, scale, mins)
+            original = src.load(name).astype(np.float32)
+            step = np.repeat(np.abs(scale.astype(np.float32)), 32, axis=1)
+            assert values.shape == original.shape
+            assert np.all(np.abs(values - original) <= step * 1.01 + 1e-6), name
+
+
+def test_int8_with_dense_int8_quantises_attention_but_not_routers_or_embeddings(source, tmp_path):
+    out = tmp_path / "int8"
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--dense", "int8",
+                 "--out", str(out)]) == 0
+    q = _raw_config(out)["quantization_config"]
+    assert q["scheme"] == "int8" and q["min"] is False and q["dense"]["scheme"] == "int8"
+    model = Model.load(out, n_threads=1)
+    formats = {m: w.format for m, w in model.dense_weights.items()}
+    assert formats["model.layers.0.self_attn.q_proj"] == "int8"
+    assert formats["model.layers.0.mlp.gate"] == "bf16"           # the router
+    assert model.weight_formats()["dense"] == "mixed" and model.layout.format == "int8"
+    with Checkpoint(out) as ckpt:
+        assert ckpt.info("model.embed_tokens.weight").dtype == "BF16"
+        assert ckpt.info("lm_head.weight").dtype == "BF16"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_repacks(arch, tmp_path):
+    src = tmp_path / "src"
+    make_model(src, arch=arch, layers=2, experts=4, top_k=2, hidden=64, intermediate=32)
+    out = tmp_path / "out"
+    assert main(["repack", "--model", str(src), "--scheme", "int4", "--symmetric",
+                 "--out", str(out)]) == 0
+    parts = _experts(out)
+    with Checkpoint(src) as s:
+        layout = ExpertLayout(s, load_config(src))
+        assert set(parts) == {w.name for loc in layout for w in loc.projections()}
+    # down has C = 32 columns: one group of 32; gate/up C = 64: two groups
+    down = parts[expert_tensor_name(arch, 0, 0, "down")]
+    assert down.pieces[1].shape == (64, 1) and len(down.pieces) == 2
+    assert parts[expert_tensor_name(arch, 0, 0, "up")].pieces[1].shape == (32, 2)
+    Model.load(out, n_threads=1).close()
+
+
+def test_an_existing_out_is_refused_without_force_and_replaced_with_it(source, repacked, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out)]) == 1
+    assert "--force" in capsys.readouterr().err and (out / "keep.txt").exists()
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out),
+                 "--force"]) == 0
+    assert not (out / "keep.txt").exists()
+    assert _raw_config(out)["quantization_config"]["scheme"] == "int8"
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".taken")] == []
+
+
+def test_out_may_not_be_the_model_and_a_repacked_model_is_not_repacked_again(source, repacked,
+                                                                             capsys):
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(source),
+                 "--force"]) == 1
+    assert "model directory itself" in capsys.readouterr().err
+    assert main(["repack", "--model", str(repacked), "--scheme", "int4", "--out",
+                 str(repacked.parent / "again")]) == 1
+    assert "already repacked" in capsys.readouterr().err
+
+
+def test_unknown_scheme_and_bad_flag_combinations_are_usage_errors(source, tmp_path):
+    for argv in (["--scheme", "int3"], ["--scheme", "int8", "--symmetric"],
+                 ["--scheme", "int4", "--method", "gptq"], ["--scheme", "int4", "--group-size", "48"]):
+        with pytest.raises(SystemExit) as e:
+            main(["repack", "--model", str(source), "--out", str(tmp_path / "x"), *argv])
+        assert e.value.code == 2
+
+
+def test_a_row_the_scheme_cannot_cut_is_refused_naming_the_tensor(tmp_path, capsys):
+    src = tmp_path / "odd"
+    make_model(src, arch="qwen3_moe", layers=1, experts=2, top_k=1, hidden=64, intermediate=48)
+    assert main(["repack", "--model", str(src), "--scheme", "int4", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "down_proj.weight" in err and "48 columns" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------- config and tensors disagree
+
+def _tamper(repacked: Path, tmp_path: Path, edit) -> Path:
+    bad = tmp_path / "bad"
+    shutil.copytree(repacked, bad)
+    raw = _raw_config(bad)
+    edit(raw["quantization_config"])
+    (bad / "config.json").write_text(json.dumps(raw))
+    return bad
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda q: q.update(scheme="int8", min=False), "stored as int4, but .* it stores this weight as int8"),
+    (lambda q: q.update(min=False), "no min tensor"),
+    (lambda q: q.update(group_size=64), r"F16 \[64, 1\]"),
+    (lambda q: q.update(weights=["model.layers.*.mlp.experts.*.gate_proj.weight"]),
+     "does not quantise"),
+    (lambda q: q.update(weights=["nothing.*"]), "match no tensor"),
+])
+def test_config_and_tensors_that_disagree_are_refused_naming_the_tensor(repacked, tmp_path, edit,
+                                                                        message):
+    bad = _tamper(repacked, tmp_path, edit)
+    with pytest.raises(QuantizationError, match=message) as e:
+        Model.load(bad, n_threads=1)
+    assert e.value.path is not None and str(bad) in e.value.path
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda q: q.update(scheme="int2"), "scheme"),
+    (lambda q: q.update(group_size=16), "group_size"),
+    (lambda q: q.update(format_version=9), "format_version"),
+    (lambda q: q.update(scheme="int8"), "min"),
+    (lambda q: q.update(weights=[]), "weights"),
+    (lambda q: q.update(alignment=1000), "alignment"),
+])
+def test_bad_quantization_config_fields_are_named(repacked, tmp_path, edit, field, capsys):
+    bad = _tamper(repacked, tmp_path, edit)
+    with pytest.raises(QuantizationConfigError) as e:
+        load_config(bad)
+    assert e.value.field == f"quantization_config.{field}"
+    assert str(bad / "config.json") in str(e.value)
+    assert main(["generate", "--model", str(bad), "--max-tokens", "2", "x"]) == 1
+    assert f"quantization_config.{field}" in capsys.readouterr().err
+
+
+def test_a_missing_or_non_finite_scale_is_refused(repacked, tmp_path):
+    bad = tmp_path / "nan"
+    shutil.copytree(repacked, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
+    with Checkpoint(bad) as ckpt:
+        info = ckpt.info(name)
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(QuantizationError, match="NaN or infinite") as e:
+        Model.load(bad, n_threads=1)
+    assert e.value.tensor == name
+    del index["weight_map"][name]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(QuantizationError, match="missing") as e:
+        Model.load(bad, n_threads=1)
+    assert e.value.tensor == name
+
+
+# ----------------------------------------------------------- calibration and threads
+
+def test_threads_do_not_change_a_byte(source, tmp_path):
+    spec = RepackSpec(QuantScheme("int4", 32, True))
+    outs = []
+    for threads in (1, 3):
+        out = tmp_path / f"t{threads}"
+        repack(source, out, spec, shard_size=64 << 10, threads=threads)
+        outs.append({p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))})
+    assert outs[0] == outs[1] and len(outs[0]) >= 2
+
+
+def test_second_moments_in_layer_passes_equal_one_pass(source):
+    """A budget of one layer's moments gathers them in one pass per MoE layer, and each
+    layer's moments equal those of a single pass over every layer."""
+    model = Model.load(source, n_threads=1)
+    windows = [np.arange(1, 40), np.arange(100, 131)]
+    whole = gather(model, windows, second_moments=True)
+    lazy = LayerwiseMoments(model, windows, budget_bytes=moment_bytes(model.config))
+    for layer in (0, 1):
+        stats = lazy.for_layer(layer)
+        assert stats.moment_layers == {layer}
+        for e in range(6):
+            np.testing.assert_array_equal(stats.moment_matrix(layer, e, "down"),
+                                          whole.moment_matrix(layer, e, "down"))
+    assert lazy.passes == 2
+    assert lazy.for_layer(1) is stats and lazy.passes == 2      # held: no third pass
+    np.testing.assert_array_equal(whole.counts[1], stats.counts[1])
+    assert whole.counts[0].sum() == 2 * (39 + 31)               # top_k 2 per token
+
+
+def test_gptq_from_calibration_text_is_recorded_and_loads(source, tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    out = tmp_path / "gptq"
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(out),
+                 "--calibration-text", str(text), "--calibration-tokens", "200"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["method"] == "gptq" and printed["bits_per_weight"] == 5.0
+    q = _raw_config(out)["quantization_config"]
+    assert q["quantizer"]["method"] == "gptq"
+    assert q["quantizer"]["calibration"]["files"] == ["calib.txt"]
+    assert 0 < q["quantizer"]["calibration"]["tokens"] <= 200
+    searched = tmp_path / "search"
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(searched)]) == 0
+    assert _raw_config(searched)["quantization_config"]["quantizer"]["method"] == "search"
+    a = {p.name: p.read_bytes() for p in out.glob("*.safetensors")}
+    b = {p.name: p.read_bytes() for p in searched.glob("*.safetensors")}
+    assert a.keys() == b.keys() and a != b
+    Model.load(out, n_threads=1).close()
+
+
+@pytest.mark.parametrize("dtype,kept", [("fp8", "fp8_e4m3"), ("mxfp4", "bf16")])
+def test_a_low_bit_source_repacks_to_int4_and_says_what_it_loses(dtype, kept, tmp_path, capsys):
+    """FP8 / MXFP4 experts are decoded and rounded again into int4 (a warning says so);
+    the weights the repack keeps (FP8 attention) still load in their format."""
+    src = make_model(tmp_path / dtype, arch="qwen2_moe", layers=2, experts=4, top_k=2,
+                     hidden=64, intermediate=64, dtype=dtype, initializer_range=0.1)
+    out = tmp_path / "int4"
+    assert main(["repack", "--model", str(src), "--scheme", "int4", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert printed["source_format"] == {"fp8": "fp8_e4m3", "mxfp4": "mxfp4"}[dtype]
+    assert any("rounded a second time" in loss for loss in printed["losses"])
+    assert '"level": "warning"' in captured.err and "repack_loses_precision" in captured.err
+    q = _raw_config(out)["quantization_config"]
+    assert q["source"]["quantization_config"]["quant_method"] == dtype
+    model = Model.load(out, n_threads=1)
+    formats = model.weight_formats()
+    assert formats["experts"] == "int4"
+    assert model.dense_weights["model.layers.0.self_attn.q_proj"].format == kept
+    ids = model.forward(model.new_sequence(), [1, 2, 3])
+    assert np.isfinite(ids).all()
+    # the int4 values are close to the low-bit source's (one int4 step)
+    src_model = Model.load(src, n_threads=1)
+    a = float_values(model.experts.acquire(1, [1])[0].down)
+    b = float_values(src_model.experts.acquire(1, [1])[0].down)
+    assert 0 < np.abs(a - b).max() <= np.abs(b).max() / 7
