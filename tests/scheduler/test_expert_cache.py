@@ -503,3 +503,45 @@ def test_set_tiers_under_random_traffic_keeps_the_invariants(policy, seed):
     assert snap.lookups == 120 * 3 * top_k
     assert sum(snap.prefetches_used) + sum(snap.prefetches_wasted) + sum(snap.prefetches_unused) \
         == sum(snap.prefetches_issued)
+
+
+# -- warm start and a live policy switch -------------------------------------------------
+def test_a_warm_start_read_takes_only_free_slots_and_evicts_nothing():
+    cache = ExpertCache([0], 8, 2, total_slots=3, policy="lru")
+    s = cache.warm(0, 5, token=0)
+    assert s is not None and cache.state(s) == SlotState.LOADING
+    assert cache.warm(0, 5, token=0) is None              # in flight already
+    cache.loaded(s)
+    assert cache.warm(0, 5, token=0) is None              # resident
+    assert cache.warm(0, 6, token=0) is not None and cache.warm(0, 7, token=0) is not None
+    for e in (6, 7):
+        cache.loaded(cache.slot_of(0, e))
+    assert cache.warm(0, 1, token=0) is None              # no FREE slot: nothing is evicted
+    assert _resident(cache, 0) == {5, 6, 7}
+    assert _step(cache, 0, [5, 6], 1) == [OUTCOME_HIT, OUTCOME_HIT]
+    snap = cache.snapshot()                               # warm reads are not lookups
+    assert snap.lookups == 2 and snap.misses == (0,)
+
+
+@pytest.mark.parametrize("old", ["default", "lfu", "slru"])
+def test_set_policy_keeps_the_residents_and_lru_starts_from_the_old_policys_ranking(old):
+    cache = ExpertCache([0], 8, 2, total_slots=4, policy=old)
+    for t, experts in enumerate([[0, 1], [0, 1], [0, 1], [2, 3], [0, 2]]):
+        _step(cache, 0, experts, t)
+    assert _resident(cache, 0) == {0, 1, 2, 3}
+    policy = cache._policies[0]
+    values = {e: policy.value(e, 4) for e in (1, 3)}      # 0 and 2 are asked for below
+    cache.set_policy("lru")
+    assert cache.policy_name == "lru" and _resident(cache, 0) == {0, 1, 2, 3}
+    # the first victim is the old policy's least valuable resident, whatever LRU's
+    # own recency would say; from there on it is plain LRU
+    assert _step(cache, 0, [0, 2], 5) == [OUTCOME_HIT, OUTCOME_HIT]
+    _step(cache, 0, [5, 0], 6)
+    (gone,) = {1, 3} - _resident(cache, 0)
+    assert gone == min(values, key=lambda e: (values[e], e))
+    (kept,) = {1, 3} - {gone}
+    _step(cache, 0, [6, 0], 7)
+    assert kept not in _resident(cache, 0) and {0, 5, 6} <= _resident(cache, 0)
+    with pytest.raises(ValueError):
+        cache.set_policy("no-such-policy")
+    assert cache.policy_name == "lru"
