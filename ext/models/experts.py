@@ -228,18 +228,37 @@ class ExpertProvider(ABC):
     Contract: `acquire(layer, experts)` returns, in the order asked, one
     `ExpertWeights` per expert id, valid until `release(layer, experts)` with
     the same arguments; the forward pass calls each pair exactly once per MoE
-    layer and step. When `wants_hints` is True, the forward pass also calls
-    `hint` after each layer's attention with each of the next `hint_depth` MoE
-    layers' routers applied to the current hidden state — a prefetch
-    opportunity; it must not block and never changes what `acquire` returns.
+    layer and step (or `acquire_in_order` in place of `acquire`). When
+    `wants_hints` is True, the forward pass also calls `hint` after each layer's
+    attention with each of the next `hint_depth` MoE layers' routers applied to the
+    current hidden state, and — when `early_hints` is True — before each MoE layer's
+    attention with that layer's own router applied to its input (ahead=0): prefetch
+    opportunities; they must not block and never change what `acquire` returns.
+    When `wants_routing` is True, `observe_routing` gets each MoE layer's top-k choice
+    of every row (for learning and recording; it must not keep the array).
     """
 
     wants_hints: bool = False
+    early_hints: bool = False
+    wants_routing: bool = False
     hint_depth: int = 1
 
     @abstractmethod
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         """Weights for `experts` of `layer`; raises KeyError for an unknown address."""
+
+    def acquire_in_order(self, layer: int, experts: Sequence[int]):
+        """Like `acquire`, as the weights become usable: yields (positions, weights) —
+        positions into `experts` and their `ExpertWeights` — until every expert was
+        yielded once; the caller then calls `release(layer, experts)` — unless the
+        iteration raised (a failed read), which leaves nothing to release. The default
+        yields them all at once; a provider that reads experts yields resident ones
+        first and the others as their reads complete, so compute overlaps the reads."""
+        yield list(range(len(experts))), self.acquire(layer, experts)
+
+    def observe_routing(self, layer: int, ids: np.ndarray) -> None:
+        """Layer `layer` routed its rows: ids [T, K] int32, each row's experts in rank
+        order (a view valid only during the call)."""
 
     def max_acquire(self, layer: int) -> int | None:
         """Most experts of `layer` one `acquire` may ask for (None: no limit). A prefill
@@ -258,8 +277,10 @@ class ExpertProvider(ABC):
         Args:
             layer: the MoE layer the prediction is for.
             router_logits: [T, E] float32, that layer's router applied to the
-                current hidden state (a view valid only during the call).
-            ahead: how many MoE layers after the current one `layer` is (1 = next).
+                current hidden state (a view valid only during the call), or a
+                callable returning it (computed only when the provider asks).
+            ahead: how many MoE layers after the current one `layer` is (1 = next;
+                0 = `layer` itself, before its attention).
         """
 
     def close(self) -> None:
