@@ -21,7 +21,8 @@ no meaningful text) every text is a fixed sequence of uniform random token ids
     python bench/quant_quality.py [--model default] [--variants all|NAME,...] [--random]
 
 Prints one JSON object: per variant, its scheme, bits per weight and the figures of
-each text. Progress on stderr.
+each text. Progress on stderr, with each variant's row as a line "row {JSON}" when it is
+done.
 """
 from __future__ import annotations
 
@@ -198,6 +199,7 @@ def main() -> None:
         print(f"[{i + 1}/{len(names)}] {name} quantised in {quant_s:.1f} s: "
               + " ".join(f"{t}={row[t]['kl_mean']:.5f}/{row[t]['top1']:.3f}" for t in texts),
               file=sys.stderr)
+        print("row " + json.dumps(row), file=sys.stderr, flush=True)   # a long sweep cut short keeps its rows
     shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps({"model": model_dir, "texts": text_info, "context": args.context,
                       "calibration_tokens": args.calibration_tokens, "variants": rows}, indent=1))

@@ -67,7 +67,9 @@ class Generation:
         # The KV cache grows by doubling; do not reserve a huge max_tokens up front.
         seq = model.new_sequence(capacity=len(self.prompt_ids) + min(self.max_tokens, 1024))
         t0 = self.clock()
+        _set_phase(model, "prefill")
         logits = model.forward(seq, np.asarray(self.prompt_ids, np.int64))
+        _set_phase(model, "decode")
         for i in range(self.max_tokens):
             token = self.sampler.sample(logits[-1])
             if i == 0:
@@ -89,3 +91,10 @@ class Generation:
         if self.completion_tokens < 2 or self.decode_s <= 0:
             return 0.0
         return (self.completion_tokens - 1) / self.decode_s
+
+
+def _set_phase(model: Model, phase: str) -> None:
+    """Tell an expert provider that counts per phase what the next forward is ("prefill"
+    or "decode", as the daemon's engine does)."""
+    if hasattr(model.experts, "phase"):
+        model.experts.phase = phase

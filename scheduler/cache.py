@@ -376,6 +376,22 @@ class ExpertCache:
         self._prefetches_issued[li] += 1
         return s
 
+    def warm(self, layer: int, expert: int, token: int) -> int | None:
+        """Reserve a FREE dynamic slot of `layer` for a warm-start read of `expert` (what an
+        earlier session used most), or None: no FREE slot (nothing is evicted for it) or
+        the expert is resident or in flight. The slot is LOADING: the caller reads the
+        expert, then calls `loaded` or `failed`. It joins the layer's policy as an
+        admission that is not a use."""
+        li = self._layer_index(layer)
+        (expert,) = self._check_experts([expert], distinct=True)
+        if (li, expert) in self._where or not self._free_dyn[li]:
+            return None
+        self._now = max(self._now, token)
+        s = self._take_dynamic_slot(li, token, incoming=expert)
+        self._reserve(s, li, expert, users=0, prefetch=False)
+        self._policies[li].admit(expert, token, demand=False)
+        return s
+
     # -- pins --------------------------------------------------------------------------
     def set_pins(self, pins: Iterable[tuple[int, int]]) -> list[PinLoad]:
         """Make the pinned tier hold `pins` ((layer id, expert) pairs); returns reads to issue.
@@ -437,6 +453,115 @@ class ExpertCache:
                 loads.append(PinLoad(p, self.moe_layers[li], e))
             self._pins.add(key)
         return loads
+
+    # -- policy ------------------------------------------------------------------------
+    def set_policy(self, policy: str) -> None:
+        """Switch every layer's dynamic tier to `policy` (a name of POLICIES or "default").
+
+        Residents stay where they are; the new policy learns them least valuable first
+        (by the old policy's value), so LRU, say, starts with the old policy's victims at
+        its old end. Raises ValueError for an unknown name.
+        """
+        factory = policy_factory(policy, self.num_experts)
+        now = self._now
+        new = [factory(i, n) for i, n in enumerate(self._dyn_count)]
+        for li, old in enumerate(self._policies):
+            residents = [self._key[s][1] for s in self._dyn_slots[li] if self._key[s] is not None]
+            ranked = sorted(residents, key=lambda e, o=old: (o.value(e, now), e))
+            for e in ranked:
+                new[li].admit(e, now, demand=True)
+        self._policies = new
+        self.policy_name = policy
+
+    # -- tiers -------------------------------------------------------------------------
+    def set_tiers(self, pinned_slots: int, staging_slots: int,
+                  dynamic_slots: Sequence[int] | None = None) -> None:
+        """Re-divide the slots between the tiers, keeping what each tier still has room for.
+
+        pinned_slots / staging_slots: the new sizes of the global tiers. dynamic_slots:
+        the new dynamic size of each layer (moe_layers order; default the rest split
+        evenly, the first layers taking the remainder, as at construction), each >= top_k,
+        summing to total_slots - pinned_slots - staging_slots.
+        Residents keep their slots (no read, no copy): a slot only changes tier. A layer
+        whose dynamic tier shrinks evicts its policy's victims (counted as evictions);
+        staging keeps its freshest guesses, the others are dropped (unused: wasted); the
+        pinned tier keeps the pin set, and a pinned-tier slot that holds no pin any more
+        joins its layer's dynamic tier as a resident. Call it between steps: raises
+        ValueError when a slot is being read or in use, when the pin set does not fit the
+        new pinned tier (shrink it with `set_pins` first), or for sizes that leave a layer
+        fewer than top_k dynamic slots; CacheBudgetError like the constructor.
+        """
+        n_layers = len(self.moe_layers)
+        if pinned_slots < 0 or staging_slots < 0:
+            raise ValueError(f"tier sizes must be >= 0, got pinned {pinned_slots}, staging {staging_slots}")
+        rest = self.total_slots - pinned_slots - staging_slots
+        if dynamic_slots is None:
+            per_layer, extra = divmod(rest, n_layers)
+            counts = [per_layer + (1 if i < extra else 0) for i in range(n_layers)]
+        else:
+            counts = [int(c) for c in dynamic_slots]
+            if len(counts) != n_layers or sum(counts) != rest:
+                raise ValueError(f"dynamic_slots must give {n_layers} layers {rest} slots in all, got {counts}")
+        if min(counts) < self.top_k:
+            raise CacheBudgetError(f"{pinned_slots} pinned and {staging_slots} staging slots leave a layer "
+                                   f"{min(counts)} dynamic slots; at least top_k={self.top_k} are needed")
+        if any(st == SlotState.LOADING for st in self._state) or any(self._users):
+            raise ValueError("set_tiers needs every read finished and every slot released")
+        if len(self._pins) > pinned_slots:
+            raise ValueError(f"{len(self._pins)} pins do not fit {pinned_slots} pinned slots; "
+                             "shrink the pin set first")
+        now = self._now
+        # What each group keeps: pins; the freshest guesses; each layer's best residents.
+        keep_pin = [self._where[key] for key in sorted(self._pins)]
+        for s in sorted(self._pin_slots):                   # a pinned slot holding no pin
+            key = self._key[s]
+            if key is not None and key not in self._pins:
+                self._tier[s], self._owner[s] = Tier.DYNAMIC, key[0]
+                self._dyn_slots[key[0]].add(s)
+                self._policies[key[0]].admit(key[1], now, demand=False)
+        guesses = sorted((s for s in self._stage_slots if self._key[s] is not None),
+                         key=lambda s: (self._guess.get(s, (0, 0.0, True))[2],
+                                        -self._guess.get(s, (0, 0.0, True))[0], s))
+        for s in guesses[staging_slots:]:
+            li, e = self._key[s]
+            if self._prefetched[s]:
+                self._waste(li, e)
+            self._free(s)
+        keep_stage = guesses[:staging_slots]
+        keep_dyn: list[list[int]] = []
+        for li in range(n_layers):
+            residents = {self._key[s][1]: s for s in self._dyn_slots[li] if self._key[s] is not None}
+            while len(residents) > counts[li]:
+                victim = self._policies[li].victim(now, lambda e, r=residents: e in r)
+                self._evict(residents.pop(victim))
+            keep_dyn.append(sorted(residents.values()))
+        # Relabel: kept slots stay in their group, FREE slots fill the groups' remaining room.
+        free = sorted(s for s in range(self.total_slots) if self._key[s] is None)
+        self._pin_slots, self._stage_slots = set(keep_pin), set(keep_stage)
+        self._free_pin = set(free[:pinned_slots - len(keep_pin)])
+        free = free[pinned_slots - len(keep_pin):]
+        self._free_stage = set(free[:staging_slots - len(keep_stage)])
+        free = free[staging_slots - len(keep_stage):]
+        self._pin_slots |= self._free_pin
+        self._stage_slots |= self._free_stage
+        for s in self._pin_slots:
+            self._tier[s], self._owner[s] = Tier.PINNED, -1
+        for s in self._stage_slots:
+            self._tier[s], self._owner[s] = Tier.STAGING, -1
+        self._dyn_slots, self._free_dyn = [], []
+        for li in range(n_layers):
+            room = counts[li] - len(keep_dyn[li])
+            mine, free = free[:room], free[room:]
+            self._dyn_slots.append(set(keep_dyn[li]) | set(mine))
+            self._free_dyn.append(set(mine))
+            for s in self._dyn_slots[li]:
+                self._tier[s], self._owner[s] = Tier.DYNAMIC, li
+            if counts[li] != self._dyn_count[li]:
+                self._policies[li].resize(counts[li])
+        assert not free
+        self._guess = {s: g for s, g in self._guess.items() if s in self._stage_slots}
+        self._dyn_count = counts
+        self.pinned_slots, self.staging_slots = int(pinned_slots), int(staging_slots)
 
     @property
     def pins(self) -> frozenset[tuple[int, int]]:

@@ -29,8 +29,12 @@ Policies (`POLICIES`, by name):
   slru    segmented LRU (Karedla et al. 1994): new experts enter a probation segment, a
           second use promotes to a protected segment (PROTECTED_FRACTION of the slots);
           victims come from probation's LRU end first. value as lru.
+  lfu     in-cache LFU: victim = fewest uses since admission, ties to the least recent.
+          value as lru.
   arc     ARC (Megiddo & Modha, FAST 2003): recency list T1 and frequency list T2 with
           ghost lists B1/B2 adapting the T1 target p. value as lru.
+  s3fifo  S3-FIFO (Yang et al., SOSP 2023): small, main and ghost FIFO queues
+          (`S3FIFOPolicy`). value as lru.
   lrfu    two-scale LRFU (after Lee et al., IEEE TC 2001, "LRFU: a spectrum of policies
           that subsumes LRU and LFU"): each expert keeps two combined recency-frequency
           values, CRF_h(t) = sum over past uses u of 2 ** (-(t - u) / h), for a short and a
@@ -72,6 +76,7 @@ LRFU_LONG_HALF_LIFE = 50.0     # tokens
 LRFU_LONG_WEIGHT = 0.8         # a in value = (1 - a) * r_short + a * r_long
 TRANSITION_HALF_LIFE = 500.0   # predictive: tokens
 PREDICT_WEIGHT = 0.5           # predictive: weight of p_next against the lrfu rate
+S3FIFO_SMALL_FRACTION = 0.1    # s3fifo: share of the slots in the small FIFO (the paper's 10 %)
 
 
 class EvictionPolicy(ABC):
@@ -81,6 +86,9 @@ class EvictionPolicy(ABC):
 
     def step(self, token: int, experts: Sequence[int]) -> None:
         """All experts the layer needs at this step (resident or not, pinned included)."""
+
+    def resize(self, capacity: int) -> None:
+        """The layer's dynamic tier now has `capacity` slots (ExpertCache.set_tiers)."""
 
     @abstractmethod
     def admit(self, expert: int, token: int, demand: bool, score: float = 0.0) -> None: ...
@@ -143,6 +151,7 @@ class SLRUPolicy(EvictionPolicy):
     name = "slru"
 
     def __init__(self, num_experts: int, capacity: int, protected_fraction: float = PROTECTED_FRACTION):
+        self._protected_fraction = protected_fraction
         self._protected_max = max(1, int(round(capacity * protected_fraction)))
         self._probation: OrderedDict[int, int] = OrderedDict()
         self._protected: OrderedDict[int, int] = OrderedDict()
@@ -152,6 +161,9 @@ class SLRUPolicy(EvictionPolicy):
         self._probation[expert] = token
         if not demand:
             self._fresh.add(expert)
+
+    def resize(self, capacity):
+        self._protected_max = max(1, int(round(capacity * self._protected_fraction)))
 
     def hit(self, expert, token):
         if expert in self._fresh:                       # first real use of a prefetch
@@ -253,6 +265,11 @@ class ARCPolicy(EvictionPolicy):
     def value(self, expert, token):
         last = self._t1.get(expert, self._t2.get(expert))
         return _recency_value(last, token)
+
+    def resize(self, capacity):
+        self._c = capacity
+        self._p = min(self._p, float(capacity))
+        self._trim_ghosts()
 
     def _trim_ghosts(self):
         while self._b1 and len(self._t1) + len(self._b1) > self._c:
@@ -462,6 +479,139 @@ class PredictivePolicy(LRFUPolicy):
         return self._predict_weight, self.p_next()
 
 
+class LFUPolicy(EvictionPolicy):
+    """In-cache LFU: victim = the resident used least since it was admitted, ties to the
+    least recently used, then to the higher id. A prefetched expert not yet used counts 0."""
+
+    name = "lfu"
+
+    def __init__(self, num_experts: int, capacity: int):
+        self._uses: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+
+    def admit(self, expert, token, demand, score=0.0):
+        self._uses[expert] = 1 if demand else 0
+        self._last[expert] = token
+
+    def hit(self, expert, token):
+        self._uses[expert] = self._uses.get(expert, 0) + 1
+        self._last[expert] = token
+
+    def evict(self, expert, token):
+        self.drop(expert)
+
+    def drop(self, expert):
+        self._uses.pop(expert, None)
+        self._last.pop(expert, None)
+
+    def victim(self, token, evictable, incoming=None):
+        order = sorted(self._uses, key=lambda e: (self._uses[e], self._last[e], -e))
+        return next((e for e in order if evictable(e)), None)
+
+    def value(self, expert, token):
+        return _recency_value(self._last[expert], token)
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP 2023, "FIFO queues are all you need for cache eviction").
+
+    A small FIFO S (S3FIFO_SMALL_FRACTION of the slots) takes new experts; a main FIFO M
+    holds those used again while in S; a ghost FIFO G remembers (ids only, as many as
+    the slots) what left S unused, and an expert found in G is admitted straight to M.
+    Each resident has a use count capped at 3. Evicting: while S holds at least its
+    share, S's oldest moves to M if it was used since admission, else it is the victim
+    (and enters G); otherwise M's oldest is reinserted with its count minus one while the
+    count is positive, else it is the victim. victim() walks copies of the queues (no
+    side effects); evict() of the expert it named commits that walk.
+    value as lru.
+    """
+
+    name = "s3fifo"
+
+    def __init__(self, num_experts: int, capacity: int):
+        self._capacity = capacity
+        self._small: OrderedDict[int, None] = OrderedDict()
+        self._main: OrderedDict[int, None] = OrderedDict()
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        self._freq: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._pending: tuple | None = None   # (victim, small, main, freq) of the last walk
+
+    def resize(self, capacity):
+        self._capacity = capacity
+        self._pending = None
+
+    def admit(self, expert, token, demand, score=0.0):
+        self._pending = None
+        if expert in self._ghost:
+            del self._ghost[expert]
+            self._main[expert] = None
+        else:
+            self._small[expert] = None
+        self._freq[expert] = 0
+        self._last[expert] = token
+
+    def hit(self, expert, token):
+        self._pending = None
+        self._freq[expert] = min(3, self._freq.get(expert, 0) + 1)
+        self._last[expert] = token
+
+    def evict(self, expert, token):
+        pending = self._pending
+        if pending is not None and pending[0] == expert:
+            _, self._small, self._main, self._freq = pending
+        from_small = expert in self._small
+        self.drop(expert)
+        if from_small:
+            self._ghost[expert] = None
+            while len(self._ghost) > self._capacity:
+                self._ghost.popitem(last=False)
+
+    def drop(self, expert):
+        self._pending = None
+        self._small.pop(expert, None)
+        self._main.pop(expert, None)
+        self._freq.pop(expert, None)
+        self._last.pop(expert, None)
+
+    def victim(self, token, evictable, incoming=None):
+        small, main, freq = OrderedDict(self._small), OrderedDict(self._main), dict(self._freq)
+        small_share = max(1, round(S3FIFO_SMALL_FRACTION * self._capacity))
+        skipped: set[int] = set()          # not evictable now: passed over, kept in place
+        for _ in range(4 * (len(small) + len(main)) + 4):
+            queue = small if len(small) >= small_share or not main else main
+            candidates = [e for e in queue if e not in skipped]
+            if not candidates:
+                queue = main if queue is small else small
+                candidates = [e for e in queue if e not in skipped]
+                if not candidates:
+                    return None
+            e = candidates[0]
+            if queue is small:
+                if freq.get(e, 0) > 0:
+                    del small[e]
+                    main[e] = None
+                    freq[e] = 0
+                elif evictable(e):
+                    self._pending = (e, small, main, freq)
+                    return e
+                else:
+                    skipped.add(e)
+            else:
+                if freq.get(e, 0) > 0:
+                    freq[e] -= 1
+                    main.move_to_end(e)
+                elif evictable(e):
+                    self._pending = (e, small, main, freq)
+                    return e
+                else:
+                    skipped.add(e)
+        return None
+
+    def value(self, expert, token):
+        return _recency_value(self._last[expert], token)
+
+
 class BeladyPolicy(EvictionPolicy):
     """Belady's MIN for one layer: evict the resident whose next use is furthest away.
 
@@ -506,8 +656,8 @@ class BeladyPolicy(EvictionPolicy):
 PolicyFactory = Callable[[int, int], EvictionPolicy]   # (layer_index, capacity) -> policy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy, "slru": SLRUPolicy, "arc": ARCPolicy, "lrfu": LRFUPolicy,
-    "predictive": PredictivePolicy,
+    "lru": LRUPolicy, "lfu": LFUPolicy, "slru": SLRUPolicy, "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy, "lrfu": LRFUPolicy, "predictive": PredictivePolicy,
 }
 DEFAULT_POLICY = "predictive"
 

@@ -196,10 +196,16 @@ class SqueezePolicy:
                              f"low_water_bytes {self.low_water_bytes}")
 
 
-def default_squeeze_policy(maximum_cache_bytes: int, mem_total_bytes: int) -> SqueezePolicy:
-    """Low water 5 % of RAM (at least 256 MiB), high water twice that; grow by 1/16 of
-    the configured budget per reading, shrink under pressure by 1/8."""
-    low = max(256 << 20, mem_total_bytes // 20)
+LOW_WATER_FRACTION = 0.05        # of the room: the memory moed may use at most
+LOW_WATER_FLOOR_BYTES = 16 << 20
+
+
+def default_squeeze_policy(maximum_cache_bytes: int, room_bytes: int) -> SqueezePolicy:
+    """Water marks relative to the room moed runs in — the tightest cgroup limit over
+    it, else the host's MemTotal: low water 5 % of it (at least 16 MiB), high water twice
+    that; grow by 1/16 of the configured budget per reading, shrink under pressure by 1/8.
+    (A 640 MiB cgroup: 32 and 64 MiB; a 24 GiB host without a limit: 1.2 and 2.4 GiB.)"""
+    low = max(LOW_WATER_FLOOR_BYTES, int(room_bytes * LOW_WATER_FRACTION))
     return SqueezePolicy(low_water_bytes=low, high_water_bytes=2 * low,
                          grow_step_bytes=max(1, maximum_cache_bytes // 16),
                          shrink_step_bytes=max(1, maximum_cache_bytes // 8))
@@ -223,23 +229,37 @@ class CacheSqueeze:
         self.maximum = maximum_bytes
         self.slot = slot_bytes
         self.calm = 0
+        self.last_available: int | None = None
 
     def target(self, current_bytes: int, available: int | None,
                pressure_avg10: float | None = None) -> int:
         """The budget to run with after this reading (== current_bytes: no change).
 
-        available: bytes of memory still available (None: unknown, no change);
-        pressure_avg10: PSI some avg10 in percent, or None where PSI does not exist.
+        available: bytes of memory that can still be had without taking page cache
+        back from anyone — the tightest of MemAvailable and each cgroup's limit minus
+        its usage net of page cache (None: unknown, no change). Page cache filling a
+        cgroup is not pressure: the kernel takes it back first. pressure_avg10: PSI some
+        avg10 in percent, or None where PSI does not exist.
+        Shrinks only on real pressure: PSI at or above the policy's threshold, available
+        below low water, or available falling — between the marks, by more than half
+        their gap since the previous reading — by what was lost. Grows after
+        calm_readings readings above high water without pressure.
         """
         p = self.policy
         if available is None:
             return current_bytes
+        last, self.last_available = self.last_available, available
         pressured = pressure_avg10 is not None and pressure_avg10 >= p.pressure_avg10
-        if available < p.low_water_bytes or pressured:
+        gap = p.high_water_bytes - p.low_water_bytes
+        falling = (last is not None and available < p.high_water_bytes
+                   and last - available > gap // 2)
+        if available < p.low_water_bytes or pressured or falling:
             self.calm = 0
             cut = 0
             if available < p.low_water_bytes:
-                cut = (p.low_water_bytes - available) + (p.high_water_bytes - p.low_water_bytes) // 2
+                cut = (p.low_water_bytes - available) + gap // 2
+            elif falling:
+                cut = last - available
             if pressured:
                 cut = max(cut, p.shrink_step_bytes)
             return self._clamp(current_bytes - max(cut, self.slot))

@@ -22,11 +22,18 @@ against the start by the same A/B rule, so a suggestion is kept only when it win
 candidate the caller refuses (`reject`, e.g. because it changed the tokens of the check
 prompt) is skipped for the rest of the run.
 
+Window length: a trial can only resolve an effect larger than the noise of one window.
+With `noise_pairs`, the tuner first runs that many A-vs-A pairs (the start settings in
+both arms), measures the noise of a pair's relative difference, and sets
+`window_multiplier` (`window_multiplier()`) so that a MIN_GAIN effect is resolvable; the
+caller lengthens its windows by it.
+
 Cache budget and pinned share are not tuned here by A/B (a short window cannot warm a
 cache); `choose_cache_split` picks them by replaying recorded routing.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +44,8 @@ from scheduler.replay import simulate_hit_rate
 PAIRS = 4
 MIN_GAIN = 0.03
 MAX_ROUNDS = 3
+NOISE_PAIRS = 4           # A-vs-A pairs measured before the search (0: none)
+MAX_WINDOW_MULTIPLIER = 16
 MAX_DROPPED_WINDOWS = 2   # x pairs: then the trial restarts at the batch size now seen
 ARM_A, ARM_B = "A", "B"
 
@@ -88,6 +97,23 @@ class Trial:
                 "outcome": self.outcome}
 
 
+def window_multiplier(noise: float, min_gain: float = MIN_GAIN,
+                      maximum: int = MAX_WINDOW_MULTIPLIER) -> int:
+    """How many times longer a window must be for a `min_gain` effect to be resolvable.
+
+    noise: the root mean square of the relative differences (cost_a - cost_b) / cost_a
+    of A-vs-A pairs — windows of the same settings — at the base window length. A gain
+    of min_gain wins a pair when it exceeds that pair's noise; with per-pair noise at
+    min_gain / 2 a real min_gain effect wins each pair with probability ~0.98 and all
+    PAIRS with ~0.9. Noise of independent steps falls as 1 / sqrt(steps), so the window
+    grows by (noise / (min_gain / 2)) ** 2, rounded up, between 1 and `maximum`.
+    """
+    target = min_gain / 2.0
+    if not noise > target:
+        return 1
+    return int(min(maximum, math.ceil((noise / target) ** 2)))
+
+
 def wins(gains: Sequence[float], min_gain: float = MIN_GAIN) -> bool:
     """B beats A: better in every pair, and the median gain is at least min_gain."""
     return bool(gains) and all(g > 0 for g in gains) and statistics.median(gains) >= min_gain
@@ -101,7 +127,7 @@ class OnlineTuner:
 
     def __init__(self, knobs: Sequence[Knob], start: Mapping[str, Any], *, pairs: int = PAIRS,
                  min_gain: float = MIN_GAIN, max_rounds: int = MAX_ROUNDS,
-                 proposals: Sequence[tuple[str, Any]] = ()):
+                 proposals: Sequence[tuple[str, Any]] = (), noise_pairs: int = 0):
         if pairs < 1:
             raise ValueError(f"pairs must be >= 1, got {pairs}")
         for knob in knobs:
@@ -129,7 +155,17 @@ class OnlineTuner:
         values = {k.name: k.values for k in self.knobs}
         self._proposals = [(k, v) for k, v in proposals
                            if k in values and v in values[k] and v != self.incumbent[k]]
-        self._next_proposal_or_search()
+        # A-vs-A first: `noise_pairs` pairs of windows at the start settings measure the
+        # noise, which sets `window_multiplier` (the caller lengthens its windows by it).
+        self.noise_pairs = noise_pairs
+        self.noise_costs: list[float] = []
+        self.noise: float | None = None
+        self.window_multiplier = 1
+        if noise_pairs:
+            self.calibrating = True
+        else:
+            self.calibrating = False
+            self._next_proposal_or_search()
 
     def _next_proposal_or_search(self) -> None:
         if self._proposals:
@@ -144,7 +180,7 @@ class OnlineTuner:
     # ----------------------------------------------------------------- the caller's API
     def settings(self) -> dict[str, Any]:
         """The settings to run the next window with."""
-        if self.trial is None:
+        if self.trial is None or self.calibrating:
             return dict(self.incumbent)
         return {**self.incumbent, self.trial.knob: self._arm_value()}
 
@@ -170,6 +206,9 @@ class OnlineTuner:
         not a positive finite number."""
         if not (cost > 0 and cost != float("inf")):
             raise ValueError(f"a window cost must be a positive finite number, got {cost!r}")
+        if self.calibrating:
+            self._calibrate(cost)
+            return
         trial = self.trial
         if trial is None:
             return
@@ -199,6 +238,16 @@ class OnlineTuner:
             self._next_proposal_or_search()
         elif not self._step():                     # the next value the same way, if any
             self._after_loss()
+
+    def _calibrate(self, cost: float) -> None:
+        self.noise_costs.append(cost)
+        if len(self.noise_costs) < 2 * self.noise_pairs:
+            return
+        a, b = self.noise_costs[0::2], self.noise_costs[1::2]
+        self.noise = math.sqrt(statistics.fmean(((x - y) / x) ** 2 for x, y in zip(a, b)))
+        self.window_multiplier = window_multiplier(self.noise, self.min_gain)
+        self.calibrating = False
+        self._next_proposal_or_search()
 
     # -------------------------------------------------------------------- the search
     def _arm_value(self) -> Any:
@@ -277,6 +326,9 @@ class OnlineTuner:
     def report(self) -> dict:
         """What was tried and kept (JSON-ready)."""
         return {"settings": dict(self.incumbent), "rounds": self.rounds, "done": self.done,
+                "noise": None if self.noise is None else round(self.noise, 4),
+                "noise_costs": [round(c, 6) for c in self.noise_costs],
+                "window_multiplier": self.window_multiplier,
                 "trials": [t.to_dict() for t in self.trials]}
 
 

@@ -104,6 +104,9 @@ class UsageStats:
         self._scale = 1.0                     # 2 ** (-tokens / H) since renormalisation
         self._tokens_since_take = 0
         self.tokens_observed = 0              # tokens advanced over this object's life
+        # What the pin learner and the referee settled on (scheduler.pinlearn,
+        # scheduler.referee), saved with the counts: {"pin_share", "pin_source", "mechanisms"}.
+        self.learned: dict[str, Any] = {}
 
     # -- recording ---------------------------------------------------------------------
     def observe(self, layer: int, experts: Sequence[int] | np.ndarray,
@@ -184,9 +187,11 @@ class UsageStats:
         """A JSON-ready payload of the current counts (version FORMAT_VERSION).
 
         Keys: format, version, fingerprint (the model fingerprint, or None),
-        moe_layers, num_experts, half_life_tokens, tokens_observed, counts ([L][E] floats).
+        moe_layers, num_experts, half_life_tokens, tokens_observed, counts ([L][E] floats),
+        and learned (`learned`, when not empty).
         """
-        return {
+        out = {} if not self.learned else {"learned": dict(self.learned)}
+        return {**out,
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "fingerprint": fingerprint,
@@ -208,7 +213,10 @@ class UsageStats:
         from now on (default: the payload's). The delta starts empty.
         Raises UsageFormatError (naming the field) for: not a dict, wrong format or
         version, another model's fingerprint, unknown or missing layers, wrong
-        num_experts, counts of the wrong shape or with NaN / inf / negative values.
+        num_experts, counts of the wrong shape or with NaN / inf / negative values, a
+        `learned` that is not an object or holds a bad pin_share (a number in [0, 1]),
+        pin_source ("long" or "recent") or mechanisms (names to booleans); other keys
+        of `learned` are dropped.
         """
         if not isinstance(payload, dict):
             raise UsageFormatError("<root>", f"expected an object, got {type(payload).__name__}")
@@ -254,7 +262,33 @@ class UsageStats:
         stats = cls(layers, n_exp, hl if half_life_tokens is None else half_life_tokens)
         stats.set_counts(counts)
         stats.tokens_observed = int(seen)
+        stats.learned = _learned(payload.get("learned", {}))
         return stats
+
+
+def _learned(value: Any) -> dict[str, Any]:
+    """The checked `learned` field of a payload (see `UsageStats.from_dict`)."""
+    if not isinstance(value, dict):
+        raise UsageFormatError("learned", f"expected an object, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    if "pin_share" in value:
+        share = value["pin_share"]
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool)
+                and math.isfinite(share) and 0.0 <= share <= 1.0):
+            raise UsageFormatError("learned.pin_share", f"expected a number in [0, 1], got {share!r}")
+        out["pin_share"] = float(share)
+    if "pin_source" in value:
+        if value["pin_source"] not in ("long", "recent"):
+            raise UsageFormatError("learned.pin_source", f"expected 'long' or 'recent', got "
+                                   f"{str(value['pin_source'])[:40]!r}")
+        out["pin_source"] = value["pin_source"]
+    if "mechanisms" in value:
+        mech = value["mechanisms"]
+        if not (isinstance(mech, dict) and all(isinstance(k, str) and len(k) < 64 and isinstance(v, bool)
+                                               for k, v in mech.items())):
+            raise UsageFormatError("learned.mechanisms", "expected an object of names to booleans")
+        out["mechanisms"] = dict(mech)
+    return out
 
 
 def _is_int(x: Any) -> bool:

@@ -46,6 +46,9 @@ OUTCOMES = ("hit", "prefetch_hit", "miss")
 PHASES = ("prefill", "decode")
 REASONS = ("demand", "prefetch", "pin_load")
 TIERS = ("pinned", "dynamic")                       # tiers that evict
+# The adaptive mechanisms the do-no-harm referee values (scheduler.referee.MECHANISMS) and
+# the learned pins (scheduler.pinlearn).
+MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "pins")
 CACHE_TIERS = ("pinned", "dynamic", "staging")      # tiers that hold slots (staging: guesses)
 
 # ------------------------------------------------------------------ buckets (seconds)
@@ -84,6 +87,9 @@ class ExpertCounters:
     evicted. pin_swaps: experts that entered the pin set while serving.
     prefetch_issued / prefetch_used: prefetch reads issued / whose expert was then
     needed; prefetch_wasted_bytes: bytes of prefetched experts that left unused.
+    shadow_lookups / shadow_naive_misses: decode lookups the shadow of the naive mode
+    replayed and its misses (scheduler.shadow). mechanism_decisions: mechanism -> times
+    the referee turned it on or off (the pin learner's changes under "pins").
     """
 
     lookups: Mapping[tuple[int, str, str], int] = field(default_factory=dict)
@@ -96,6 +102,9 @@ class ExpertCounters:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_wasted_bytes: int = 0
+    shadow_lookups: int = 0
+    shadow_naive_misses: int = 0
+    mechanism_decisions: Mapping[str, int] = field(default_factory=dict)
 
     def __add__(self, other: ExpertCounters) -> ExpertCounters:
         def add(a: Mapping, b: Mapping) -> dict:
@@ -113,7 +122,10 @@ class ExpertCounters:
             evictions=add(self.evictions, other.evictions), pin_swaps=self.pin_swaps + other.pin_swaps,
             prefetch_issued=self.prefetch_issued + other.prefetch_issued,
             prefetch_used=self.prefetch_used + other.prefetch_used,
-            prefetch_wasted_bytes=self.prefetch_wasted_bytes + other.prefetch_wasted_bytes)
+            prefetch_wasted_bytes=self.prefetch_wasted_bytes + other.prefetch_wasted_bytes,
+            shadow_lookups=self.shadow_lookups + other.shadow_lookups,
+            shadow_naive_misses=self.shadow_naive_misses + other.shadow_naive_misses,
+            mechanism_decisions=add(self.mechanism_decisions, other.mechanism_decisions))
 
     def lookups_where(self, outcome: str | None = None, phase: str | None = None) -> int:
         """Sum of `lookups` over every layer, restricted to an outcome and/or a phase."""
@@ -133,7 +145,10 @@ class Snapshot:
     model_load_seconds. Daemon totals: state_saves, state_save_errors, tuner_trials,
     tuner_accepted. Prefill: prefill_tokens (prompt tokens computed, the others came from
     the prefix cache); prefix_cache_queries / _hits / _reused_tokens / _evicted_blocks
-    (totals), prefix_cache_bytes / _capacity_bytes (gauges).
+    (totals), prefix_cache_bytes / _capacity_bytes (gauges). Do no harm: mechanism_enabled
+    (1/0) and mechanism_net_seconds (the referee's smoothed saving minus cost, seconds per
+    token) per mechanism, naive_estimated_speedup (the referee's latest estimate; 0: none
+    yet), pin_share.
     """
 
     requests_running: int = 0
@@ -163,6 +178,10 @@ class Snapshot:
     prefix_cache_bytes: int = 0
     prefix_cache_capacity_bytes: int = 0
     prefix_cache_evicted_blocks: int = 0
+    mechanism_enabled: Mapping[str, int] = field(default_factory=dict)
+    mechanism_net_seconds: Mapping[str, float] = field(default_factory=dict)
+    naive_estimated_speedup: float = 0.0
+    pin_share: float = 0.0
 
 
 # ------------------------------------------------------------------ the collector
@@ -266,6 +285,29 @@ class SnapshotCollector(prometheus_client.registry.Collector):
                        x.prefetch_used)
         yield _counter("moed_prefetch_wasted_bytes", "Bytes of prefetched experts evicted or "
                        "failed before any use.", x.prefetch_wasted_bytes)
+
+        yield _labelled(GaugeMetricFamily(
+            "moed_mechanism_enabled", "1 while an adaptive mechanism is on (the do-no-harm "
+            "referee turns off what does not pay and probes it again later; pins: a share "
+            "above 0 is learned).", labels=["mechanism"]), "mechanism", MECHANISMS,
+            s.mechanism_enabled)
+        yield _labelled(GaugeMetricFamily(
+            "moed_mechanism_net_seconds_per_token", "A mechanism's measured saving minus its "
+            "cost on the current traffic, smoothed over windows of decode steps.",
+            labels=["mechanism"]), "mechanism", MECHANISMS, s.mechanism_net_seconds)
+        yield _labelled(CounterMetricFamily(
+            "moed_mechanism_decisions", "Times a mechanism was turned on or off (pins: the "
+            "learned share or set changed).", labels=["mechanism"]), "mechanism", MECHANISMS,
+            x.mechanism_decisions)
+        yield _gauge("moed_naive_estimated_speedup", "The referee's estimate of decode speed "
+                     "over the naive mode (LRU, no pins, no prefetch) on the latest window; "
+                     "0 before the first.", s.naive_estimated_speedup)
+        yield _counter("moed_shadow_lookups", "Decode lookups replayed by the shadow of the "
+                       "naive mode's cache.", x.shadow_lookups)
+        yield _counter("moed_shadow_naive_misses", "Misses the naive mode's cache would have "
+                       "had on those lookups.", x.shadow_naive_misses)
+        yield _gauge("moed_pin_share", "Share of the cache above its minimum the learned pins "
+                     "take.", s.pin_share)
 
         yield _counter("moed_decode_steps", "Batched decode steps.", s.decode_steps)
         yield _counter("moed_io_wait_seconds", "Time of decode steps spent waiting for expert "

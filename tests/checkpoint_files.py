@@ -1,8 +1,10 @@
-"""Reading what a checkpoint directory holds without the code under test: the
-safetensors headers of every shard (8-byte little-endian length, then JSON)."""
+"""Reading (and, to damage a copy, rewriting) what a checkpoint directory holds without
+the code under test: the safetensors headers of every shard (8-byte little-endian length,
+then JSON)."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 
@@ -16,3 +18,20 @@ def headers(model_dir: Path) -> dict[str, dict]:
         header.pop("__metadata__", None)
         out.update(header)
     return out
+
+
+def edit_header(model_dir: Path, tensor: str, **fields) -> Path:
+    """Rewrite `tensor`'s entry in the header of the shard the index puts it in (its data
+    left as it is: the data offsets are relative to the end of the header); returns the
+    shard's path."""
+    model_dir = Path(model_dir)
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    shard = model_dir / index["weight_map"][tensor]
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header[tensor].update(fields)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (-len(new) % 8)
+    shard.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    return shard

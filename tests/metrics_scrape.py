@@ -38,6 +38,11 @@ TYPES = {
     "moed_decode_steps_total": "counter", "moed_decode_step_seconds": "histogram",
     "moed_io_wait_seconds_total": "counter", "moed_compute_seconds_total": "counter",
     "moed_compute_threads": "gauge", "moed_io_workers": "gauge",
+    # do no harm: the referee and the learned pins (issue 17)
+    "moed_mechanism_enabled": "gauge", "moed_mechanism_net_seconds_per_token": "gauge",
+    "moed_mechanism_decisions_total": "counter", "moed_naive_estimated_speedup": "gauge",
+    "moed_shadow_lookups_total": "counter", "moed_shadow_naive_misses_total": "counter",
+    "moed_pin_share": "gauge",
     # memory and tuning
     "moed_memory_budget_bytes": "gauge", "moed_memory_available_bytes": "gauge",
     "moed_tuner_trials_total": "counter", "moed_tuner_accepted_total": "counter",
@@ -48,6 +53,7 @@ TYPES = {
     "process_virtual_memory_bytes": "gauge", "process_start_time_seconds": "gauge",
     "process_open_fds": "gauge", "process_max_fds": "gauge",
 }
+MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "pins")
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
              "pins_reset", "other")
 STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",
@@ -61,6 +67,9 @@ LABELS = {
     "moed_expert_cache_bytes": [{"tier": t} for t in ("pinned", "dynamic", "staging")],
     "moed_expert_cache_capacity_bytes": [{"tier": t} for t in ("pinned", "dynamic", "staging")],
     "moed_expert_evictions_total": [{"tier": t} for t in ("pinned", "dynamic")],
+    **{name: [{"mechanism": m} for m in MECHANISMS]
+       for name in ("moed_mechanism_enabled", "moed_mechanism_net_seconds_per_token",
+                    "moed_mechanism_decisions_total")},
 }
 # Buckets chosen for the quantity: token latencies 1 ms - 60 s, SSD reads 10 us - 1 s.
 TOKEN_BUCKETS = ("0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0",
@@ -78,7 +87,7 @@ BUCKETS = {"moed_request_queue_seconds": REQUEST_BUCKETS,
 NOT_ZERO_AT_START = {"moed_build_info", "moed_expert_cache_capacity_bytes", "moed_compute_threads",
                      "moed_io_workers", "moed_memory_budget_bytes", "moed_memory_available_bytes",
                      "moed_model_load_seconds", "moed_expert_cache_bytes",
-                     "moed_prefix_cache_capacity_bytes"}
+                     "moed_prefix_cache_capacity_bytes", "moed_mechanism_enabled"}
 
 Series = tuple[str, frozenset]
 

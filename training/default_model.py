@@ -77,16 +77,21 @@ def model_config(aux_coef: float):
 
 
 # ------------------------------------------------------------------------- corpus
-def corpus_files() -> tuple[Path, list[str], list[str]]:
-    """(stdlib dir, training files, held-out files), relative POSIX paths, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def corpus_files(root: Path | None = None, pattern: str = "*.py",
+                 held_out: tuple[str, ...] = HELD_OUT,
+                 excluded: set[str] = EXCLUDED_PARTS) -> tuple[Path, list[str], list[str]]:
+    """(corpus dir, training files, held-out files), relative POSIX paths, sorted.
+
+    Defaults: the standard library of this interpreter, its ``*.py`` files, `HELD_OUT`,
+    `EXCLUDED_PARTS` (training/second_model.py passes another corpus)."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
     train, held = [], []
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(root.rglob(pattern)):
         rel = path.relative_to(root)
-        if EXCLUDED_PARTS & set(rel.parts[:-1]) or rel.parts[0].startswith("test"):
+        if excluded & set(rel.parts[:-1]) or rel.parts[0].startswith("test"):
             continue
         name = rel.as_posix()
-        (held if any(name == h or (h.endswith("/") and name.startswith(h)) for h in HELD_OUT)
+        (held if any(name == h or (h.endswith("/") and name.startswith(h)) for h in held_out)
          else train).append(name)
     return root, train, held
 
@@ -95,18 +100,23 @@ def read_texts(root: Path, names: list[str]) -> list[str]:
     return [(root / n).read_text(encoding="utf-8", errors="replace") for n in names]
 
 
-def describe_corpus(root: Path, train: list[str], held: list[str]) -> dict:
+def file_lists(root: Path, train: list[str], held: list[str]) -> dict:
+    """The training and held-out file lists with their SHA-256 digests and sizes."""
     def digest(names):
         h = hashlib.sha256()
         for n in names:
             h.update(n.encode() + b"\0" + (root / n).read_bytes() + b"\0")
         return h.hexdigest()
-    return {"python": sys.version.split()[0], "implementation": platform.python_implementation(),
-            "stdlib": "sysconfig.get_paths()['stdlib']", "excluded": sorted(EXCLUDED_PARTS),
-            "train_files": train, "held_out_files": held,
+    return {"train_files": train, "held_out_files": held,
             "train_sha256": digest(train), "held_out_sha256": digest(held),
             "train_bytes": sum((root / n).stat().st_size for n in train),
             "held_out_bytes": sum((root / n).stat().st_size for n in held)}
+
+
+def describe_corpus(root: Path, train: list[str], held: list[str]) -> dict:
+    return {"python": sys.version.split()[0], "implementation": platform.python_implementation(),
+            "stdlib": "sysconfig.get_paths()['stdlib']", "excluded": sorted(EXCLUDED_PARTS),
+            **file_lists(root, train, held)}
 
 
 # ---------------------------------------------------------------------- tokenizer
@@ -170,13 +180,20 @@ def top_quarter_shares(router_logits, cfg) -> list[float]:
     return shares
 
 
-def train(stream: np.ndarray, args, log) -> tuple[object, dict]:
+def model_class(config):
+    """The transformers causal-LM class of `config` (Qwen3-MoE here, OLMoE for the second
+    model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def train(stream: np.ndarray, args, log, cfg=None) -> tuple[object, dict]:
+    """Train a model of `cfg` (default: `model_config(args.aux_coef)`) on `stream`."""
     import torch
-    import transformers
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    cfg = model_config(args.aux_coef)
-    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    cfg = model_config(args.aux_coef) if cfg is None else cfg
+    model = model_class(cfg)(cfg).float()
     # The balancing loss is added per layer below (`layer_balancing_loss`), not by
     # transformers over all layers pooled, which lets each layer collapse onto its own
     # few experts as long as the layers pick different ones.
@@ -234,7 +251,7 @@ def evaluate(model_dir: Path, held_texts: list[str], train_stream: np.ndarray,
     import transformers
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     c = model.config
     n_bytes = sum(len(t.encode("utf-8")) for t in held_texts)
@@ -246,12 +263,20 @@ def evaluate(model_dir: Path, held_texts: list[str], train_stream: np.ndarray,
     hooks = [layer.mlp.gate.register_forward_hook(
         lambda mod, args, out, l=l: inputs.__setitem__(l, args[0].reshape(-1, c.hidden_size)))
         for l, layer in enumerate(model.model.layers)]
+    # ... and each layer's input (the previous layer's output), for the guess made before
+    # the layer's attention: its own router on its input through its post-attention norm.
+    layer_inputs: dict[int, torch.Tensor] = {}
+    hooks += [layer.register_forward_pre_hook(
+        lambda mod, args, kwargs, l=l: layer_inputs.__setitem__(
+            l, (args[0] if args else kwargs["hidden_states"]).reshape(-1, c.hidden_size)),
+        with_kwargs=True) for l, layer in enumerate(model.model.layers)]
     nats, n_pred = 0.0, 0
     L, E, K = c.num_hidden_layers, c.num_experts, c.num_experts_per_tok
     counts = np.zeros((L, E), np.int64)
     reuse_hits = np.zeros(L, np.int64)
     reuse_total = 0
     recall = {K: np.zeros(L - 1, np.int64), 2 * K: np.zeros(L - 1, np.int64)}
+    own_recall = {K: np.zeros(L, np.int64), 2 * K: np.zeros(L, np.int64)}
     n_routed = 0
     with torch.no_grad():
         for s in range(0, len(ids) - 1, seq_len):
@@ -280,6 +305,12 @@ def evaluate(model_dir: Path, held_texts: list[str], train_stream: np.ndarray,
                 for width in recall:
                     pred = torch.topk(pred_logits, width, -1).indices.numpy()
                     recall[width][l] += sum(len(set(p) & set(a)) for p, a in zip(pred, chosen[l + 1]))
+            for l in range(L):
+                layer = model.model.layers[l]
+                own_logits = layer.post_attention_layernorm(layer_inputs[l]) @ layer.mlp.gate.weight.T
+                for width in own_recall:
+                    pred = torch.topk(own_logits, width, -1).indices.numpy()
+                    own_recall[width][l] += sum(len(set(p) & set(a)) for p, a in zip(pred, chosen[l]))
     for h in hooks:
         h.remove()
 
@@ -304,6 +335,9 @@ def evaluate(model_dir: Path, held_texts: list[str], train_stream: np.ndarray,
             "previous_token_reuse": [round(float(x) / reuse_total, 3) for x in reuse_hits],
             "next_layer_recall": {f"width_{w}": [round(float(x) / (n_routed * K), 3) for x in r]
                                   for w, r in recall.items()},
+            "own_router_before_attention_recall": {
+                f"width_{w}": [round(float(x) / (n_routed * K), 3) for x in r]
+                for w, r in own_recall.items()},
         },
     }
     log(json.dumps(report))
@@ -315,7 +349,7 @@ def samples(model_dir: Path, prompts: tuple[str, ...], n: int = 48) -> dict[str,
     import transformers
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     found = {}
     for p in prompts:
         ids = torch.tensor([tok.encode(p, add_special_tokens=False).ids])
@@ -424,11 +458,9 @@ repeats itself. `moed demo` samples at temperature 0.7 from `def fibonacci(n):` 
     (out / "README.md").write_text(text)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="model directory to write")
-    parser.add_argument("--steps", type=int, default=1800, help="optimizer steps (default 1800)")
+def add_training_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The training options both models' scripts take (defaults: the shipped runs)."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
@@ -436,11 +468,20 @@ def main(argv=None) -> int:
                         help="router_aux_loss_coef, the load-balancing loss weight (default 0.003)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="model directory to write")
+    add_training_arguments(parser, steps=1800)
     parser.add_argument("--eval-only", action="store_true", help="evaluate an already trained --out")
     args = parser.parse_args(argv)
-
-    def log(msg):
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     import torch
     torch.set_num_threads(args.threads)

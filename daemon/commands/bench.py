@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.commands.args import (MODEL_HELP, Parents, Progress, check_model_dir, cpu_threads,
-                                  nonempty, positive_int, size)
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, check_model_dir,
+                                  cpu_threads, nonempty, positive_int, size)
 from daemon.commands.figures import compare, spread
 from daemon.store.plans import max_slot_bytes, plans_for
 from daemon.store.probe import probe_summary
@@ -60,6 +60,7 @@ from ext.models.families import family_of
 from ext.models.model import Model
 from ext.models.weights import read_weight
 from ext.sampling import Sampler, SamplingParams
+from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
 
 
 @dataclass
@@ -81,6 +82,7 @@ class BenchConfig:
     prefetch_min_precision: float = StreamingOptions.prefetch_min_precision
     idle_prefetch: bool = True
     pin_fraction: float = StreamingOptions.pin_fraction
+    referee: bool = True
 
 
 def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
@@ -153,13 +155,22 @@ def bench_prompt(config: ModelConfig, prompt_ids=()) -> list[int]:
     return list(prompt_ids) or [1 + (i * 37) % (config.vocab_size - 1) for i in range(16)]
 
 
-def learned_usage(model: Model, prompt: list[int], bench: BenchConfig):
-    """The earlier session moed's runs pin from: `bench`'s workload run once on `model`
-    (then closed); returns its usage counts [MoE layers, experts]."""
+@dataclass(frozen=True)
+class Learned:
+    """What an earlier session leaves the next one: usage counts [MoE layers, experts] and
+    the pin learner's and referee's state (StreamingExpertProvider's `learned=`)."""
+
+    counts: np.ndarray
+    state: dict
+
+
+def learned_usage(model: Model, prompt: list[int], bench: BenchConfig) -> Learned:
+    """The earlier session moed's runs start from: `bench`'s workload run once on `model`
+    (then closed)."""
     timed_run(model, prompt, bench)
-    counts = model.experts.usage.counts()
+    learned = Learned(model.experts.usage.counts(), model.experts.learned_state())
     model.experts.close()
-    return counts
+    return learned
 
 
 def timed_run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
@@ -167,7 +178,9 @@ def timed_run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
     provider: StreamingExpertProvider = model.experts
     sampler = Sampler(SamplingParams(temperature=bench.temperature, seed=bench.seed))
     seq = model.new_sequence(capacity=len(prompt) + bench.tokens)
+    provider.phase = PHASE_PREFILL
     logits = model.forward(seq, prompt)
+    provider.phase = PHASE_DECODE
     token = sampler.sample(logits[-1])
     before = _counters(provider)
     t_first = time.perf_counter()
@@ -194,6 +207,22 @@ def timed_run(model: Model, prompt: list[int], bench: BenchConfig) -> dict:
     }
 
 
+def adaptation_summary(p: StreamingExpertProvider) -> dict:
+    """Where a run's learning ended: the cache's tiers, the pin learner's share, and the
+    referee's mechanism states and latest estimate of the speed-up over naive."""
+    cache = p.cache
+    out = {"pinned_slots": cache.pinned_slots, "staging_slots": cache.staging_slots,
+           "pinned_experts": len(cache.pins), "policy": cache.policy_name}
+    a = p.adaptation
+    if a is not None:
+        if a.learner is not None:
+            out["pin_share"] = a.learner.share
+        if a.referee is not None:
+            out["mechanisms"] = {m: s.on for m, s in a.referee.states.items() if m in a.referee.managed}
+            out["referee_estimated_speedup"] = a.referee.verdict.estimated_speedup
+    return out
+
+
 def _counters(p: StreamingExpertProvider) -> dict:
     snap = p.cache.snapshot()
     io = p.io.stats()
@@ -213,17 +242,21 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
     direct = probe_direct_io(shards[0]) if bench.direct is None else bench.direct
     prompt = bench_prompt(config, bench.prompt_ids)
 
-    def model_for(mode: str, counts) -> Model:
+    def model_for(mode: str, learned: Learned | None) -> Model:
+        moed = mode == "moed"
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, io_workers=bench.io_workers,
-                                direct=direct, prefetch=mode == "moed" and bench.prefetch,
-                                policy="default" if mode == "moed" else "lru",
+                                direct=direct, prefetch=moed and bench.prefetch,
+                                policy="default" if moed else "lru",
                                 prefetch_width=bench.prefetch_width,
                                 prefetch_min_precision=bench.prefetch_min_precision,
                                 idle_prefetch_min_precision=(
                                     StreamingOptions.idle_prefetch_min_precision
                                     if bench.idle_prefetch else 1.0),
-                                pin_fraction=bench.pin_fraction if mode == "moed" else 0.0)
-        provider = StreamingExpertProvider(layout, config, opts, usage_counts=counts)
+                                pin_fraction=bench.pin_fraction if moed else 0.0,
+                                learn_pins=moed, referee=moed and bench.referee)
+        provider = StreamingExpertProvider(layout, config, opts,
+                                           usage_counts=learned.counts if learned else None,
+                                           learned=learned.state if learned else None)
         return Model(config, checkpoint, layout, provider, bench.threads)
 
     if progress:
@@ -232,6 +265,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
 
     runs: dict[str, list[dict]] = {"naive": [], "moed": []}
     tiers: dict[str, dict] = {}
+    ends: dict[str, dict] = {}
     for r in range(bench.repeats):
         for mode in ("naive", "moed"):
             drop_page_cache(shards)
@@ -240,6 +274,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
             tiers[mode] = {"pinned_slots": cache.pinned_slots, "staging_slots": cache.staging_slots,
                            "dynamic_slots": sum(map(cache.dynamic_slots, cache.moe_layers))}
             runs[mode].append(timed_run(model, prompt, bench))
+            ends[mode] = adaptation_summary(model.experts)
             model.experts.close()
             if progress:
                 progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
@@ -258,6 +293,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         med["tokens_per_second_spread"] = spread([r["tokens_per_second"] for r in rs])
         med["io_path"] = "direct" if direct else "buffered"
         med["cache_slots"] = tiers[mode]
+        med["at_end_of_last_run"] = ends[mode]
         return med
 
     moed, naive = summary("moed"), summary("naive")
@@ -302,6 +338,13 @@ def register(sub, parents: Parents) -> None:
     b.add_argument("--repeats", type=positive_int, default=3, metavar="R",
                    help="runs of each mode (default: 3)")
     b.add_argument("--prompt", default="", help="prompt text (default: a fixed token pattern)")
+    b.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="read the prompt text from FILE (UTF-8), cut to --prompt-tokens tokens")
+    b.add_argument("--prompt-tokens", type=positive_int, default=256, metavar="N",
+                   help="with --prompt-file: at most this many prompt tokens, and never more "
+                        "than the context leaves room for (default: 256)")
+    b.add_argument("--no-referee", action="store_true",
+                   help="moed mode without the do-no-harm referee (every mechanism stays on)")
     b.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     b.add_argument("--no-prefetch", action="store_true",
@@ -312,16 +355,33 @@ def register(sub, parents: Parents) -> None:
     b.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def prompt_ids(model_dir: str, text: str = "", path: str | None = None, max_tokens: int = 256,
+               new_tokens: int = 64) -> tuple[int, ...]:
+    """The prompt's token ids: `text`, or the file at `path` cut to `max_tokens` tokens and
+    to what the context leaves for `new_tokens`; () for neither. Raises UsageError naming
+    a file that cannot be read as UTF-8 text."""
     from ext.tokenizer import Tokenizer
 
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {path}: {e}") from None
+    if not text:
+        return ()
+    ids = Tokenizer.from_model_dir(model_dir).encode(text)
+    room = load_config(model_dir).max_position_embeddings - new_tokens - 1
+    return tuple(ids[: max(1, min(max_tokens, room))]) if path is not None else tuple(ids)
+
+
+def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
-    prompt = tuple(Tokenizer.from_model_dir(args.model).encode(args.prompt)) if args.prompt else ()
+    prompt = prompt_ids(args.model, args.prompt, args.prompt_file, args.prompt_tokens, args.tokens)
     bench = BenchConfig(model=args.model, cache_bytes=args.expert_cache_bytes, tokens=args.tokens,
                         prompt_ids=prompt, temperature=args.temperature, seed=args.seed,
                         threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                         repeats=args.repeats, prefetch=not args.no_prefetch,
-                        idle_prefetch=not args.no_idle_prefetch)
+                        idle_prefetch=not args.no_idle_prefetch, referee=not args.no_referee)
     progress = Progress("bench runs", unit="run")
     report = run_bench(bench, progress=progress)
     progress.note(report["speedup_vs_naive_verdict"])

@@ -268,7 +268,8 @@ def _percent(x: float | None) -> str:
 
 
 def summary_lines(*, result: StreamResult, stats: dict, pins: dict, budget: CacheBudget,
-                  metrics_url: str, previous: dict | None, keep: bool) -> list[str]:
+                  metrics_url: str, previous: dict | None, keep: bool,
+                  start_pinned: int = 0) -> list[str]:
     """The stats summary printed on stdout after the answer."""
     tokens = result.completion_tokens or 0
     rate = tokens / result.duration_s if result.duration_s > 0 else 0.0
@@ -283,6 +284,7 @@ def summary_lines(*, result: StreamResult, stats: dict, pins: dict, budget: Cach
             before += f", {100 * (hit_rate - previous['hit_rate']):+.1f} points"
         before += ")"
     pinned = len(pins.get("pins") or ())
+    adaptation = (stats.get("cache") or {}).get("adaptation") or stats.get("adaptation") or {}
     lines = [
         f"moed demo: {tokens} tokens in {result.duration_s:.2f} s, {rate:.1f} tokens/s "
         f"(prompt included){first}",
@@ -295,14 +297,42 @@ def summary_lines(*, result: StreamResult, stats: dict, pins: dict, budget: Cach
         f"{_mib((experts.get('bytes_read_by_reason') or {}).get('prefetch', 0))} ahead of need, "
         f"{_mib(experts.get('prefetch_wasted_bytes', 0))} of it unused)",
     ]
-    if pinned:
-        lines.append(f"pinned experts: {pinned} of {budget.experts}, learned in earlier runs")
-    else:
-        lines.append(f"pinned experts: 0 of {budget.experts}; nothing learned yet, the next "
-                     "run starts with the experts this one used most pinned")
+    lines.append(f"pinned experts: {pinned} of {budget.experts} now, {start_pinned} when this run "
+                 "started" + (" (learned in earlier runs)" if start_pinned else ""))
+    lines += _learning_lines(adaptation)
     lines.append(f"metrics: {metrics_url}" + ("" if keep else " (while the daemon ran; "
                                               "--keep keeps it serving)"))
     return lines
+
+
+def _learning_lines(adaptation: dict) -> list[str]:
+    """What the pin learner decided and why, and what the referee estimates, in words."""
+    out = []
+    learning = adaptation.get("pin_learning") or {}
+    last = learning.get("last")
+    if learning:
+        if last is None:
+            out.append("pin learning: no decision yet (the first needs 64 tokens of routing, "
+                       "prompt included)")
+        else:
+            v = last["validation"]
+            won = v["challenger"]
+            kept = "kept" if learning.get("share") else "no pins kept"
+            out.append(f"pin learning: {kept} — on the newest {v['window_tokens']} tokens the "
+                       f"best candidate (share {won['share']:.3g}, {won['source']} counts) hit "
+                       f"{_percent(won['hit_rate'])} against {_percent(v['incumbent']['hit_rate'])} "
+                       f"for the set in use (share {v['incumbent']['share']:.3g}); pins change only "
+                       "when they win by a margin")
+    naive = adaptation.get("against_naive") or {}
+    referee = adaptation.get("referee") or {}
+    if naive.get("naive_hit_rate") is not None:
+        off = [m for m, st in (referee.get("mechanisms") or {}).items() if st.get("managed") and not st.get("on")]
+        speedup = (referee.get("latest") or {}).get("estimated_speedup")
+        out.append(f"do no harm: the naive cache (LRU, no pins, no prefetch) would have hit "
+                   f"{_percent(naive['naive_hit_rate'])} of these decode lookups"
+                   + (f"; estimated speed-up over it {speedup:.2f}x" if speedup else "")
+                   + (f"; turned off as not paying here: {', '.join(off)}" if off else ""))
+    return out
 
 
 def _read_last_run(path: Path) -> dict | None:
@@ -361,6 +391,8 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
         metrics_url = f"http://{metrics['address']}/metrics" if metrics else "(not served)"
         note(f"daemon ready in {time.monotonic() - t0:.1f} s; asking it: {DEMO_PROMPT!r}")
         async with Client(socket_path) as client:
+            start_pinned = len((await client.get("/v1/moed/pins")).get("pins") or ())
+
             def write(piece: str) -> None:
                 out.write(piece)
                 out.flush()
@@ -378,7 +410,8 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
                                      or previous.get("max_tokens") != options.max_tokens):
             previous = None     # another model's or another length's figures compare to nothing
         for line in summary_lines(result=result, stats=stats, pins=pins, budget=budget,
-                                  metrics_url=metrics_url, previous=previous, keep=options.keep):
+                                  metrics_url=metrics_url, previous=previous, keep=options.keep,
+                                  start_pinned=start_pinned):
             out.write(line + "\n")
         out.flush()
         if options.keep:

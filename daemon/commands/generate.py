@@ -51,8 +51,13 @@ def register(sub, parents: Parents) -> None:
     g.add_argument("--no-prefetch", action="store_true",
                    help="with --expert-cache-bytes: do not read predicted experts ahead")
     g.add_argument("--pin-fraction", type=fraction, default=0.5, metavar="F",
-                   help="with --expert-cache-bytes: share of the spare cache pinned to the "
-                        "experts learned as hot (default: 0.5)")
+                   help="with --expert-cache-bytes: the largest share of the spare cache the "
+                        "pins may take; the share itself (0 included) is learned while "
+                        "generating (default: 0.5)")
+    g.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="append the routing of every decoded token to FILE, one JSON line "
+                        "per token in the format `moed replay-trace` reads (with --model; "
+                        "`moed serve --record-trace` records the daemon's requests)")
     g.set_defaults(func=run,
                    in_process_defaults={dest: g.get_default(dest) for dest in _IN_PROCESS_ONLY})
 
@@ -115,11 +120,12 @@ def _load_model(args: argparse.Namespace):
     return open_model(args.model, threads=args.threads, cache_bytes=args.expert_cache_bytes,
                       experts=args.experts, io_workers=args.io_workers,
                       prefetch=not args.no_prefetch, pin_fraction=args.pin_fraction,
-                      state_dir=args.state_dir, environ=os.environ)
+                      state_dir=args.state_dir, environ=os.environ, record_trace=args.record_trace)
 
 _IN_PROCESS_ONLY = {"threads": "--threads", "io_workers": "--io-workers", "experts": "--experts",
                     "expert_cache_bytes": "--expert-cache-bytes", "state_dir": "--state-dir",
-                    "no_prefetch": "--no-prefetch", "pin_fraction": "--pin-fraction"}
+                    "no_prefetch": "--no-prefetch", "pin_fraction": "--pin-fraction",
+                    "record_trace": "--record-trace"}
 
 @client_command
 def _generate_over_socket(args: argparse.Namespace) -> int:

@@ -14,11 +14,16 @@ def register(sub, parents: Parents) -> None:
         "replay-trace", parents=[parents.common],
         help="replay a routing trace through the expert cache policies (no compute)",
         description="Replay a routing trace (JSON Lines, one token per line: "
-                    '{"tok": n, "layers": [[expert ids], ...]}) through the scheduler\'s own '
-                    "cache policies and print their hit rates as JSON. Tokens before "
-                    "--warm-tokens are only observed (moed learns its pins from them); from "
-                    "there caches start empty, moed's learned pins are loaded, and hits are "
-                    "counted. Caches are per layer; Belady is the offline optimum.",
+                    '{"tok": n, "layers": [[expert ids], ...]}, as `moed serve --record-trace` '
+                    "and `moed generate --record-trace` write it) through the scheduler's own "
+                    "cache policies and print their hit rates as JSON. Hits are counted from "
+                    "--warm-tokens on. Two starts, both printed by default: warm (every cache, "
+                    "LRU's and Belady's too, has replayed the tokens before --warm-tokens "
+                    "uncounted) and cold (every cache starts empty there; moed's learned pins "
+                    "are loaded). moed's policies learn their pins while they replay, as the "
+                    "daemon does; the standard policies run without pins; Belady is the offline "
+                    "optimum. The summary gives the default's lead over LRU in points and the "
+                    "share of the LRU-to-Belady gap it closes.",
         epilog="example: moed replay-trace ../shared/traces/kimi_linear_decode/trace_kimi_300.jsonl "
                "--slots-per-layer 16")
     r.add_argument("trace", metavar="TRACE", help="routing trace, JSON Lines")
@@ -29,25 +34,39 @@ def register(sub, parents: Parents) -> None:
                    choices=["default", *POLICIES, "belady"],
                    help="policy to replay, one of default (moed's), "
                         f"{', '.join(POLICIES)}, belady (the offline optimum) "
-                        "(repeatable; default: default, lru, belady)")
+                        f"(repeatable; default: {', '.join(DEFAULT_POLICIES)})")
     r.add_argument("--warm-tokens", type=int, default=None, metavar="W",
-                   help="tokens observed before counting starts (default: half the trace)")
+                   help="tokens before counting starts (default: half the trace)")
+    r.add_argument("--start", choices=["warm", "cold", "both"], default="both",
+                   help="warm: every cache replays the first W tokens first; cold: every cache "
+                        "starts empty at W (default: both)")
     r.add_argument("--pin-fraction", type=fraction, default=None, metavar="F",
-                   help="share of the slots moed pins from what it learned (default: the "
-                        "scheduler's measured choice)")
+                   help="pin this fixed share of all slots from what the first W tokens taught "
+                        "instead of learning the pins while replaying")
     r.set_defaults(func=run)
 
+
+DEFAULT_POLICIES = ("default", "lru", "lfu", "slru", "s3fifo", "belady")
+
+
 def run(args: argparse.Namespace) -> int:
-    from scheduler.replay import replay_trace
+    from scheduler.replay import replay_trace, summarise
 
     if not os.path.exists(args.trace):
         raise UsageError(f"TRACE: {args.trace} does not exist")
     if os.path.isdir(args.trace):
         raise UsageError(f"TRACE: {args.trace} is a directory, not a JSON Lines file")
-
-    policies = args.policy or ["default", "lru", "belady"]
-    kwargs = {} if args.pin_fraction is None else {"pin_fraction": args.pin_fraction}
-    result = replay_trace(args.trace, args.slots_per_layer, policies,
-                          warm_tokens=args.warm_tokens, **kwargs)
-    print(json.dumps(result, indent=2))
+    policies = args.policy or list(DEFAULT_POLICIES)
+    starts = ["warm", "cold"] if args.start == "both" else [args.start]
+    results = {start: replay_trace(args.trace, args.slots_per_layer, policies,
+                                   warm_tokens=args.warm_tokens, pin_fraction=args.pin_fraction,
+                                   start=start) for start in starts}
+    first = results[starts[0]]
+    report = {"trace": args.trace, "slots_per_layer": first["slots_per_layer"],
+              "warm_tokens": first["warm_tokens"], "tokens": first["tokens"],
+              "layers": first["layers"], "top_k": first["top_k"], "num_experts": first["num_experts"],
+              **{start: {name: {k: v for k, v in r.items()} for name, r in result["policies"].items()}
+                 for start, result in results.items()},
+              "summary": summarise(results)}
+    print(json.dumps(report, indent=2))
     return 0

@@ -45,7 +45,7 @@ class TuneConfig:
     window_steps: int = WINDOW_STEPS
     pairs: int = 4
     compare_tokens: int = 64
-    compare_repeats: int = 3
+    compare_repeats: int = 5
     seed: int = 0
 
 def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict], cfg: TuneConfig,
@@ -68,6 +68,17 @@ def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict
                          f"{runs[name][-1]:.2f} tokens/s")
     return {name: {"tokens_per_second": statistics.median(v), "runs": [round(x, 3) for x in v],
                    "spread": spread(v)} for name, v in runs.items()}
+
+def confirms(pair_ratios: list[float], same: bool) -> bool:
+    """Whether the final interleaved comparison confirms the tuned settings, from its
+    tuned / default tokens/s pair by pair: not the defaults themselves, faster in the
+    median pair and in all pairs but at most one — anything less is within the noise, and
+    nothing unconfirmed is saved."""
+    if same or not pair_ratios:
+        return False
+    wins = sum(r > 1.0 for r in pair_ratios)
+    return statistics.median(pair_ratios) > 1.0 and wins >= len(pair_ratios) - 1
+
 
 def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> dict:
     """`moed tune`: tune threads, io workers and prefetch width by A/B on the built-in
@@ -117,14 +128,22 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                      f"pinned, hit rate {100 * choice.hit_rate:.1f} %")
         compared = compare_settings(session, model, prompts, {"default": default, "tuned": tuned}, cfg, progress)
         versus = compare(compared["tuned"]["runs"], compared["default"]["runs"], "tuned", "default")
+        confirmed = confirms(versus["pair_ratios"], tuned == default)
+        saved = tuned if confirmed else default
         if progress:
             progress(versus["verdict"])
+            if not confirmed:
+                progress("the final comparison did not confirm the tuned settings "
+                         f"(tuned / default by pair: {versus['pair_ratios']}): the defaults are saved")
         report = {
             "model": str(cfg.model), "hardware": facts, "default": default, "tuned": tuned,
+            "confirmed": confirmed, "saved": saved,
             "tokens_per_second": {
                 **{k: round(v["tokens_per_second"], 3) for k, v in compared.items()},
                 "ratio": round(compared["tuned"]["tokens_per_second"]
                                / compared["default"]["tokens_per_second"], 3),
+                "saved_over_default": 1.0 if not confirmed else round(
+                    compared["tuned"]["tokens_per_second"] / compared["default"]["tokens_per_second"], 3),
                 "runs": {k: v["runs"] for k, v in compared.items()},
                 "spread": {k: v["spread"] for k, v in compared.items()},
                 "pair_ratios": versus["pair_ratios"], "significant": versus["significant"],
@@ -137,7 +156,7 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
                             "table": [{"slots_per_layer": s, "pin_fraction_of_slots": f,
                                        "hit_rate": round(h, 4)} for s, f, h in choice.table]},
         }
-        store.save(tuned, {"tokens_per_second": report["tokens_per_second"]})
+        store.save(saved, {"tokens_per_second": report["tokens_per_second"], "confirmed": confirmed})
         report["saved_to"] = str(store.path)
         try:
             session.flush()                 # the usage it learned, for the next start
@@ -158,12 +177,15 @@ def register(sub, parents: Parents) -> None:
         description="Run the self-tuner once in the foreground on a built-in workload (one "
                     "sequence sampling at temperature 0.7 from fixed code prompts): compute "
                     "threads, io workers and prefetch width one at a time by interleaved A/B "
-                    "windows (a change is kept only when it wins all 4 pairs with a median gain "
-                    "of at least 3 % and a repeat confirms it; a change that alters the greedy "
-                    "tokens of a check prompt is rejected and logged as a bug), then the cache "
-                    "size and pinned share by replaying the routing it recorded. Then tuned and "
-                    "default settings are compared from a cold cache, interleaved. Prints one "
-                    "JSON report (what it tried and kept) and saves the winners in the state "
+                    "windows (first A-vs-A pairs measure the noise and set the window length so "
+                    "a 3 % effect can be resolved; a change is kept only when it wins all 4 pairs "
+                    "with a median gain of at least 3 % and a repeat confirms it; a change that "
+                    "alters the greedy tokens of a check prompt is rejected and logged as a bug), "
+                    "then the cache size and pinned share by replaying the routing it recorded. "
+                    "Then tuned and default settings are compared from a cold cache, interleaved: "
+                    "the tuned ones are saved only if that comparison confirms them, else the "
+                    "defaults are. Prints one JSON report (what it tried and kept) and saves the "
+                    "winners in the state "
                     "directory for this model and this hardware; --threads and --io-workers "
                     "give the defaults it starts from.",
         epilog="example: moed tune --model ./bench-model --expert-cache-bytes 768M")
@@ -178,8 +200,10 @@ def register(sub, parents: Parents) -> None:
                    help="interleaved A/B pairs per trial (default: 4)")
     t.add_argument("--compare-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens per run of the final tuned-vs-default comparison (default: 64)")
-    t.add_argument("--compare-repeats", type=positive_int, default=3, metavar="R",
-                   help="runs of each in that comparison (default: 3)")
+    t.add_argument("--compare-repeats", type=positive_int, default=5, metavar="R",
+                   help="runs of each in that comparison (default: 5); the tuned settings are "
+                        "saved only when they win the median pair and all pairs but one, else "
+                        "the defaults are")
     t.set_defaults(func=run)
 
 

@@ -208,7 +208,13 @@ def read_memory(root: str | os.PathLike = "/") -> MemoryReading:
 def read_memory_pressure(root: str | os.PathLike = "/") -> float | None:
     """PSI ``some avg10`` of /proc/pressure/memory, in percent; None where PSI is absent
     (kernels without CONFIG_PSI, or psi=0) or the file is malformed."""
-    text = _read_text(Path(root) / "proc" / "pressure" / "memory")
+    return read_pressure_file(Path(root) / "proc" / "pressure" / "memory")
+
+
+def read_pressure_file(path: str | os.PathLike) -> float | None:
+    """PSI ``some avg10`` of a pressure file (/proc/pressure/memory, or a cgroup v2
+    memory.pressure), in percent; None when it is absent or malformed."""
+    text = _read_text(Path(path))
     if text is None:
         return None
     for line in text.splitlines():

@@ -392,6 +392,8 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "tuner": _Key(_tuner, "MODE", "self-tuning of threads, io workers and prefetch width: off, "
                                   "live (on traffic; saved winners reused) or live+idle (also a "
                                   "built-in workload when idle)"),
+    "record_trace": _Key(_text, "FILE", "append the routing of every decoded token to FILE, in "
+                                        "the format moed replay-trace reads", True, "not recorded"),
 })
 
 
@@ -442,6 +444,7 @@ class ServeConfig:
     prefetch: bool = True
     half_life_tokens: float = 2048.0
     tuner: str = "live"
+    record_trace: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

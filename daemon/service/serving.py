@@ -65,7 +65,9 @@ class ServingState:
             t = loaded.tuner.tuner
             out["tuner"].update(finished=loaded.tuner.finished, settings=dict(t.settings()),
                                 best=dict(t.incumbent), trials=len(t.trials),
-                                kept=sum(1 for x in t.trials if x.outcome == "win"))
+                                kept=sum(1 for x in t.trials if x.outcome == "win"),
+                                noise=t.noise, calibrating=t.calibrating,
+                                window_steps=loaded.tuner.window_steps * t.window_multiplier)
         return out
 
     async def flush_state(self) -> None:

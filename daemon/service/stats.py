@@ -42,6 +42,13 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
                                          "dynamic": sum(snap.dynamic_slots) * slot,
                                          "staging": snap.staging_slots * slot},
             pinned_experts=len(cache.pins), io_workers=io.n_workers)
+        adaptation = getattr(provider, "adaptation", None)
+        if adaptation is not None:
+            enabled, net, speedup = adaptation.gauges()
+            learner = adaptation.learner
+            gauges.update(mechanism_enabled=enabled, mechanism_net_seconds=net,
+                          naive_estimated_speedup=speedup,
+                          pin_share=learner.share if learner is not None else 0.0)
         document = {"cache": {
             "slot_bytes": slot,
             "pinned": {"slots": snap.pinned_slots, "bytes": snap.pinned_slots * slot,
@@ -51,7 +58,8 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
                         "reserved_slots": sum(snap.loading)},
             "staging": {"slots": snap.staging_slots, "bytes": snap.staging_slots * slot,
                         "resident_slots": sum(snap.resident_staging)},
-            "policy": snap.policy}, "io_path": io.io_path}
+            "policy": snap.policy}, "io_path": io.io_path,
+            "adaptation": adaptation.report() if adaptation is not None else None}
     s = Snapshot(
         requests_running=e.running, requests_waiting=e.waiting, decode_steps=e.decode_steps,
         prompt_tokens=e.prompt_tokens, generation_tokens=e.completion_tokens,
@@ -107,6 +115,7 @@ def _document(s: Snapshot, e, extra: dict) -> dict:
         "read_errors": x.read_errors, "io_path": extra["io_path"], "io_workers": s.io_workers,
         "prefetches_issued": x.prefetch_issued, "prefetches_used": x.prefetch_used,
         "prefetch_wasted_bytes": x.prefetch_wasted_bytes}
+    out["adaptation"] = extra.get("adaptation")
     return out
 
 

@@ -1,7 +1,8 @@
 """One chat-template render process (`python -m daemon.service.template_worker LIMIT`).
 
 Run by daemon/service/templates.py. It limits its own address space to LIMIT bytes
-(RLIMIT_AS) before it reads anything, then answers requests, one JSON object per line:
+(RLIMIT_AS) before it reads anything, says ``{"ready": true}`` on stdout once it has
+imported what it needs, then answers requests, one JSON object per line:
 on stdin ``{"source": str, "variables": {...}, "max_chars": int, "timeout_s": float}``,
 on stdout ``{"text": str}`` or ``{"error": str, "limit": bool}`` (limit: the render was
 stopped by a bound, not by a fault of the template). Compiled templates are kept by
@@ -20,6 +21,8 @@ def main(argv: list[str]) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from ext.chat_template import ChatTemplateError, ChatTemplateLimitError, compile_template, render
 
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
     compiled: dict[str, object] = {}
     for line in sys.stdin:
         try:

@@ -35,9 +35,11 @@ from telemetry.logs import get_logger
 log = get_logger("server")
 
 KILL_GRACE_S = 1.0              # past timeout_s, the wait before a silent worker is killed
+STARTUP_S = 30.0                # a new worker's interpreter start and imports (a loaded machine)
 BASE_MEMORY_BYTES = 256 << 20   # a worker's interpreter and jinja2, with room to spare
 BYTES_PER_CHAR = 16             # the text as str (up to 4 bytes a character), its pieces, JSON
 DEFAULT_WORKERS = 2
+WORKER_COMMAND = (sys.executable, "-m", "daemon.service.template_worker")
 
 
 def worker_memory_bytes(max_chars: int) -> int:
@@ -50,11 +52,23 @@ class _Worker:
 
     def __init__(self, memory_bytes: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.service.template_worker", str(memory_bytes)],
+            [*WORKER_COMMAND, str(memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             close_fds=True, text=True, encoding="ascii",
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         self.memory_bytes = memory_bytes
+
+    def wait_ready(self, wait_s: float) -> bool:
+        """Wait for the worker's `{"ready": true}` line (its interpreter started and its
+        imports done), so that a render's time limit never counts the start of a process;
+        False when it did not come within `wait_s` or the worker died."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], wait_s)
+        if not ready:
+            return False
+        try:
+            return json.loads(self.proc.stdout.readline() or "null") == {"ready": True}
+        except ValueError:
+            return False
 
     def ask(self, request: dict, wait_s: float) -> dict | None:
         """Send one request; the answer, or None when none came within `wait_s` or the
@@ -162,6 +176,11 @@ class TemplateWorkers:
             except OSError as e:
                 self._idle.put(None)
                 raise ChatTemplateError(f"cannot start a chat-template render process: {e}") from None
+            if not worker.wait_ready(STARTUP_S):
+                ended = worker.kill()
+                self._idle.put(None)
+                raise ChatTemplateError(f"a chat-template render process did not start within "
+                                        f"{STARTUP_S:g} s ({ended})")
             with self._lock:
                 if self._closed:
                     worker.kill()

@@ -178,7 +178,8 @@ class IoStats:
     that succeeded. ``read_seconds_*`` cover successful reads, from the first preadv to
     the last (queue wait excluded): ``_total`` their sum, ``_buckets`` cumulative
     (upper bound, count) pairs ending at +inf, ``recent_read_seconds`` the latest
-    RECENT_READS of them.
+    RECENT_READS of them. ``read_cpu_seconds_total``: CPU time the workers spent on
+    reads (their thread time from taking a job to resolving it, successful or not).
     """
 
     io_path: str
@@ -194,6 +195,7 @@ class IoStats:
     recent_read_seconds: tuple[float, ...]
     queue_depth: int
     in_flight: int
+    read_cpu_seconds_total: float = 0.0
 
 
 @dataclass(order=True)
@@ -243,6 +245,7 @@ class IoPool:
         self._cancelled = self._in_flight = 0
         self._failing: str | None = None      # the error of the latest read, if it failed
         self._read_seconds_total = 0.0
+        self._read_cpu_seconds_total = 0.0
         self._bucket_counts = [0] * len(READ_SECONDS_BUCKETS)
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_READS)
         self._threads: dict[int, threading.Thread] = {}   # worker index -> thread
@@ -336,42 +339,49 @@ class IoPool:
 
     def _work(self, index: int) -> None:
         while (job := self._next_job(index)) is not None:
-            if not job.future.set_running_or_notify_cancel():
-                with self._stats_lock:
-                    self._cancelled += 1
-                continue
+            cpu_start = time.thread_time()
+            self._run_job(job)
             with self._stats_lock:
-                self._in_flight += 1
-                self._bytes_issued[job.reason] += job.plan.slot_bytes
-            try:
-                if self._before_read is not None:
-                    self._before_read(job.plan, job.reason)
-                start = time.perf_counter()
-                n = self._read_plan(job.plan, job.buffer)
-                seconds = time.perf_counter() - start
-            except ExpertReadError as e:
-                log.warning("expert_read_failed", reason=job.reason, error=str(e))
-                with self._stats_lock:
-                    self._read_errors += 1
-                    self._in_flight -= 1
-                    self._failing = str(e)
-                job.future.set_exception(e)
-            except BaseException as e:  # a bug, not a disk error: hand it to the caller
-                with self._stats_lock:
-                    self._in_flight -= 1
-                job.future.set_exception(e)
-            else:
-                with self._stats_lock:
-                    self._in_flight -= 1
-                    self._failing = None
-                    self._reads_completed[job.reason] += 1
-                    self._read_seconds_total += seconds
-                    self._recent.append(seconds)
-                    for i, bound in enumerate(READ_SECONDS_BUCKETS):
-                        if seconds <= bound:
-                            self._bucket_counts[i] += 1
-                            break
-                job.future.set_result(n)
+                self._read_cpu_seconds_total += time.thread_time() - cpu_start
+
+    def _run_job(self, job: _Job) -> None:
+        """Read one job's plan and resolve its future (a worker's thread)."""
+        if not job.future.set_running_or_notify_cancel():
+            with self._stats_lock:
+                self._cancelled += 1
+            return
+        with self._stats_lock:
+            self._in_flight += 1
+            self._bytes_issued[job.reason] += job.plan.slot_bytes
+        try:
+            if self._before_read is not None:
+                self._before_read(job.plan, job.reason)
+            start = time.perf_counter()
+            n = self._read_plan(job.plan, job.buffer)
+            seconds = time.perf_counter() - start
+        except ExpertReadError as e:
+            log.warning("expert_read_failed", reason=job.reason, error=str(e))
+            with self._stats_lock:
+                self._read_errors += 1
+                self._in_flight -= 1
+                self._failing = str(e)
+            job.future.set_exception(e)
+        except BaseException as e:  # a bug, not a disk error: hand it to the caller
+            with self._stats_lock:
+                self._in_flight -= 1
+            job.future.set_exception(e)
+        else:
+            with self._stats_lock:
+                self._in_flight -= 1
+                self._failing = None
+                self._reads_completed[job.reason] += 1
+                self._read_seconds_total += seconds
+                self._recent.append(seconds)
+                for i, bound in enumerate(READ_SECONDS_BUCKETS):
+                    if seconds <= bound:
+                        self._bucket_counts[i] += 1
+                        break
+            job.future.set_result(n)
 
     def _read_plan(self, plan: ReadPlan, buffer: memoryview) -> int:
         return sum(self._read_span(plan, span,
@@ -454,7 +464,7 @@ class IoPool:
                 read_seconds_buckets=tuple(zip(READ_SECONDS_BUCKETS,
                                                itertools.accumulate(self._bucket_counts))),
                 recent_read_seconds=tuple(self._recent), queue_depth=depth,
-                in_flight=self._in_flight)
+                in_flight=self._in_flight, read_cpu_seconds_total=self._read_cpu_seconds_total)
 
     def close(self) -> None:
         """Finish every queued read, join the workers, close the files. Idempotent."""

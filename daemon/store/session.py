@@ -15,8 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from daemon.store.state import StateStore, default_state_dir
+from daemon.store.trace import RecordingProvider, TraceWriter
 from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, expert_counters,
-                                    flush_usage, load_usage_counts)
+                                    flush_usage, load_usage_state)
 from ext.models.model import Model
 from telemetry.logs import get_logger
 from telemetry.metrics import ExpertCounters
@@ -53,7 +54,8 @@ class ExpertSession:
         """
         if self.store is None or not self.store.writable:
             return False
-        self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint))
+        self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint,
+                                       self.provider.learned_state()))
         return True
 
     def _save(self, write) -> None:
@@ -79,12 +81,14 @@ class ExpertSession:
         return dropped
 
     def rebuild(self, cache_bytes: int | None = None, pin_fraction: float | None = None,
-                prefetch: bool | None = None) -> None:
+                prefetch: bool | None = None, pinned_slots: int | None = None) -> None:
         """Swap in a provider with a new budget / pin share / prefetch switch (between steps).
 
-        The learned counts carry over; the new cache starts from the pins they give. The
-        io worker count and (unless `prefetch` is given) the prefetch width of the old
-        provider carry over too: the live tuner may have changed them.
+        The learned counts and state carry over; the new cache starts from the pins they
+        give (`pinned_slots` of them when given: the squeezer keeps the pinned tier while
+        the dynamic one gives way). The io worker count and (unless `prefetch` is given)
+        the prefetch width of the old provider carry over too: the live tuner may have
+        changed them.
         Raises CacheBudgetError (a ValueError) for a budget below the minimum; the old
         provider then stays in place.
         """
@@ -93,14 +97,16 @@ class ExpertSession:
         options = replace(self.options, **changes)
         old = self.provider
         provider = StreamingExpertProvider(self.model.layout, self.model.config, options,
-                                           usage_counts=old.usage.counts())
+                                           usage_counts=old.usage.counts(),
+                                           learned=old.learned_state(), pinned_slots=pinned_slots)
         # What the live tuner set on the old provider carries over (a new budget is not a
         # reason to forget the io workers or prefetch width it found).
         if provider.io.n_workers != old.io.n_workers:
             provider.io.set_workers(old.io.n_workers)
         if prefetch is None:
-            provider.set_prefetch(old.width if old.wants_hints else 0)
+            provider.set_prefetch(old.prefetch_width)
         provider.routing_recorder = old.routing_recorder
+        provider.trace_writer, old.trace_writer = old.trace_writer, None
         self.model.experts = provider
         self.provider, self.options = provider, options
         old.close()
@@ -122,30 +128,41 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                pin_fraction: float = StreamingOptions.pin_fraction,
                half_life_tokens: float = StreamingOptions.half_life_tokens, mlock: bool = False,
                state_dir: str | Path | None = None,
-               environ: Mapping[str, str] = {}) -> tuple[Model, ExpertSession | None]:
+               environ: Mapping[str, str] = {},
+               record_trace: str | Path | None = None,
+               **streaming_options) -> tuple[Model, ExpertSession | None]:
     """Load `model_dir`; (model, session) — session is None without a cache budget.
 
     experts: without cache_bytes, "mmap" or "resident". state_dir: where learned usage
     lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
     unusable state directory is a warning, never an error: learning is only speed.
+    record_trace: a file the decode routing is appended to, in the replay format
+    (daemon/store/trace.py). streaming_options: other StreamingOptions fields.
     Raises the model's load errors (ConfigError / CheckpointError, naming the file,
-    tensor or field) and CacheBudgetError (message gives the minimum).
+    tensor or field), CacheBudgetError (message gives the minimum) and OSError when
+    record_trace cannot be opened.
     """
     if cache_bytes is None:
-        return Model.load(model_dir, n_threads=threads, experts=experts), None
+        model = Model.load(model_dir, n_threads=threads, experts=experts)
+        if record_trace is not None:
+            moe = [l for l, m in enumerate(model.config.moe_layers) if m]
+            model.experts = RecordingProvider(model.experts, TraceWriter(record_trace, len(moe))).bind(moe)
+        return model, None
     options = StreamingOptions(cache_bytes=cache_bytes, prefetch=prefetch, io_workers=io_workers,
                                pin_fraction=pin_fraction, half_life_tokens=half_life_tokens,
-                               mlock=mlock)
+                               mlock=mlock, **streaming_options)
     built: list[tuple[StreamingExpertProvider, StateStore | None, str]] = []
 
     def streaming(checkpoint, layout, config):
         fingerprint = checkpoint.fingerprint()
         moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
-        counts, store = None, None
+        counts, learned, store = None, None, None
         try:
             store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint)
-            counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint,
-                                       options.half_life_tokens)
+            state = load_usage_state(store, moe_layers, config.num_experts, fingerprint,
+                                     options.half_life_tokens)
+            if state is not None:
+                counts, learned = state
             if not store.writable:
                 log.warning("state_dir_read_only", state_dir=str(store.state_dir),
                             learned_usage_loaded=counts is not None,
@@ -155,11 +172,18 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
             log.warning("state_dir_unusable", error=str(e),
                         effect="expert usage will not be learned across runs")
             store = None
-        provider = StreamingExpertProvider(layout, config, options, usage_counts=counts)
+        provider = StreamingExpertProvider(layout, config, options, usage_counts=counts,
+                                           learned=learned)
         built.append((provider, store, fingerprint))
         return provider
 
     model = Model.load(model_dir, n_threads=threads, experts=streaming)
     provider, store, fingerprint = built[0]
+    if record_trace is not None:
+        try:
+            provider.trace_writer = TraceWriter(record_trace, len(provider.moe_layers))
+        except OSError:
+            model.close()
+            raise
     return model, ExpertSession(model, provider, store, fingerprint, options)
 

@@ -34,13 +34,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from daemon.store.adaptive import GUESS_EARLY, GUESS_IDLE, GUESS_LIKELY, Adaptation
 from daemon.store.plans import ReadPlan, plans_for
 from daemon.store.reads import DEMAND, PIN_LOAD, PREFETCH, ExpertReadError, IoPool, probe_direct_io
 from daemon.store.slots import SlotArena
 from ext.models.config import ModelConfig
 from ext.models.experts import ExpertLayout, ExpertProvider, ExpertWeights
-from scheduler.cache import (OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_DECODE, CacheBudgetError,
+from scheduler.cache import (OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_DECODE, CacheBudgetError,
                              CacheFullError, ExpertCache)
+from scheduler.pinlearn import PinDecision
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
 from scheduler.usage import UsageStats
@@ -59,7 +61,12 @@ class StreamingOptions:
 
     cache_bytes: the expert cache's byte budget, cut into slots of the largest expert's
         aligned size. pin_fraction: share of the slots above the minimum (top_k per MoE
-        layer) given to the pinned tier. prefetch: read predicted experts ahead.
+        layer) the pinned tier may take: with learn_pins (default) the most the pin
+        learner tries (scheduler.pinlearn: the share, 0 included, and the set are chosen
+        on older decode windows and kept only when they win on the newest, from the first
+        session on); without, the share the pinned tier always has. prefetch: read
+        predicted experts ahead. referee: value every mechanism live against a shadow of
+        the naive mode and turn off what does not pay (scheduler.referee).
     prefetch_width: candidates per layer and step (default top_k: on a disk-bound
         Zipf-1 checkpoint top_k + 2 read 13 % more bytes for 1 % more hits). io_workers:
         reader threads. direct: O_DIRECT (None: probe with a real aligned read).
@@ -102,6 +109,13 @@ class StreamingOptions:
         1.04-1.25x. Each staging slot is one the cache loses: needed reads were 141.8,
         142.8, 144.0 and 145.0 MB/token at 2, 4, 6 and 8 slots.
     half_life_tokens: usage decay. mlock: lock the slot memory when allowed.
+    warm_start: a session that starts with learned usage reads each layer's most used
+        experts into its empty dynamic tier at once (in the background, behind demand
+        reads): an empty cache evicts nothing, so this costs reads, never hits.
+    early_hints: guess each MoE layer's experts a second time, from its own router
+        applied to its input before its attention (ahead=0; the first MoE layer's only
+        guess). compute_in_read_order: a decode step computes cached experts at once and
+        the others as their reads land, summed in rank order after (acquire_in_order).
     """
 
     cache_bytes: int
@@ -117,6 +131,11 @@ class StreamingOptions:
     idle_prefetch_min_precision: float = 0.4
     staging_slots: int | None = None
     prefetch_depth: int = 1
+    learn_pins: bool = True
+    referee: bool = True
+    early_hints: bool = True
+    compute_in_read_order: bool = True
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pin_fraction <= 1.0:  # also rejects NaN
@@ -151,7 +170,13 @@ class StreamingExpertProvider(ExpertProvider):
 
     def __init__(self, layout: ExpertLayout, config: ModelConfig, options: StreamingOptions,
                  usage_counts: np.ndarray | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, learned: dict | None = None,
+                 pinned_slots: int | None = None):
+        """usage_counts: [MoE layers, experts] counts learned earlier (None: a first
+        session). learned: what that session's pin learner and referee settled on
+        (`learned_state()`; its "pin_share" is used only with usage_counts).
+        pinned_slots: the pinned tier's size to start with, instead of the learned share's
+        (a rebuild that keeps the pins while the dynamic tier shrinks)."""
         self.config = config
         self.options = options
         self.clock = clock
@@ -168,17 +193,29 @@ class StreamingExpertProvider(ExpertProvider):
                 f"slots of {self.slot_bytes} bytes = {minimum * self.slot_bytes} bytes")
         total_slots = min(total_slots, len(self.plans))  # more slots than experts is waste
         spare = max(0, total_slots - minimum)
-        pinned_slots = int(spare * options.pin_fraction) if usage_counts is not None else 0
-        staging_slots = 0
+        learned = dict(learned or {})
+        if usage_counts is None:
+            learned.pop("pin_share", None)                # nothing to pin from yet
+        wanted = 0
         if options.prefetch and total_slots < len(self.plans):
-            wanted = (3 * config.top_k // 4 if options.staging_slots is None
-                      else options.staging_slots)
+            wanted = (3 * config.top_k // 4 if options.staging_slots is None else options.staging_slots)
+        keep = pinned_slots
+        if options.learn_pins:
+            staging_slots = min(wanted, spare // 2)
+            share = min(float(learned.get("pin_share", 0.0)), options.pin_fraction)
+            pinned_slots = int((spare - staging_slots) * share)
+            if keep is not None and usage_counts is not None:
+                pinned_slots = min(keep, spare - staging_slots)
+                learned["pin_share"] = pinned_slots / max(1, spare - staging_slots)
+        else:                        # a fixed share, from the first session on
+            pinned_slots = int(spare * options.pin_fraction) if keep is None else min(keep, spare)
             staging_slots = min(wanted, spare - pinned_slots, spare // 2)
         expert_bytes = [[self.plans[(l, e)].slot_bytes for e in range(config.num_experts)]
                         for l in self.moe_layers]
         self.cache = ExpertCache(self.moe_layers, config.num_experts, config.top_k, total_slots,
                                  pinned_slots=pinned_slots, policy=options.policy,
                                  expert_bytes=expert_bytes, staging_slots=staging_slots)
+        self.staging_default = staging_slots
         self.usage = UsageStats(self.moe_layers, config.num_experts, options.half_life_tokens)
         if usage_counts is not None:
             self.usage.set_counts(usage_counts)
@@ -186,7 +223,10 @@ class StreamingExpertProvider(ExpertProvider):
         direct = probe_direct_io(first_shard) if options.direct is None else options.direct
         self.arena = SlotArena(total_slots, self.slot_bytes, lock=options.mlock)
         self.io = IoPool(options.io_workers, direct)
-        self.wants_hints = options.prefetch
+        self._hints_on = options.prefetch
+        self._prefetch_allowed = True                    # the referee's say
+        self._idle_allowed = True
+        self._early_allowed = True
         self.hint_depth = options.prefetch_depth
         self.width = options.prefetch_width or config.top_k
         # The predictor's precision by rank, for single-token steps and for prefill chunks
@@ -202,6 +242,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.token = 0
         self.step_tokens = 0                             # positions in the current step
         self.routing_recorder = None                     # daemon.tuning.workload.RoutingRecorder
+        self.trace_writer = None                         # daemon.store.trace.TraceWriter
         self.observe_usage = True                        # False: a synthetic workload runs
         self.phase = PHASE_DECODE
         self.pin_swaps = 0                               # experts pinned by re-evaluation
@@ -212,12 +253,43 @@ class StreamingExpertProvider(ExpertProvider):
         self.bytes_submitted = {DEMAND: 0, PREFETCH: 0, PIN_LOAD: 0}  # aligned lengths
         self.read_failures = 0
         self.demand_rereads = 0                          # failed background reads read again
-        if pinned_slots:
-            self._apply_pins(select_pins(self.usage.counts(), self.slot_bytes,
+        mechanisms = tuple(m for m, on in (
+            ("prefetch", options.prefetch),
+            ("idle_prefetch", options.prefetch and options.idle_prefetch_min_precision < 1.0),
+            ("early_hints", options.prefetch and options.early_hints),
+            ("policy", options.policy != "lru")) if on)
+        self.adaptation: Adaptation | None = None
+        if options.referee or options.learn_pins:
+            self.adaptation = Adaptation(
+                len(self.moe_layers), config.num_experts, config.top_k, self.cache,
+                learn_pins=options.learn_pins, max_pin_share=options.pin_fraction,
+                referee=options.referee, mechanisms=mechanisms, policy=options.policy,
+                staging_slots=staging_slots, learned=learned, clock=clock)
+            referee = self.adaptation.referee
+            if referee is not None:                      # start where the last session ended
+                for name in mechanisms:
+                    if not referee.is_on(name):
+                        self._set_mechanism(name, False)
+        if pinned_slots and usage_counts is not None:
+            self._apply_pins(select_pins(self._pin_counts(), self.slot_bytes,
                                          pinned_slots * self.slot_bytes))
+        self.warm_loads = 0
+        if options.warm_start and usage_counts is not None:
+            self._warm_start()
         log.info("expert_cache_built", slots=total_slots, slot_bytes=self.slot_bytes,
                  pinned_slots=pinned_slots, staging_slots=staging_slots, io_path=self.io.io_path,
-                 io_workers=options.io_workers, prefetch=options.prefetch)
+                 io_workers=options.io_workers, prefetch=options.prefetch,
+                 pins="learned" if options.learn_pins else "fixed share")
+
+    @property
+    def wants_hints(self) -> bool:
+        """Whether the forward pass should call `hint` (prefetch on and allowed)."""
+        return self._hints_on and self._prefetch_allowed
+
+    @property
+    def prefetch_width(self) -> int:
+        """The prefetch width set (`set_prefetch`; 0: off), whatever the referee decides."""
+        return self.width if self._hints_on else 0
 
     # ------------------------------------------------------------ provider API
 
@@ -232,6 +304,8 @@ class StreamingExpertProvider(ExpertProvider):
     def begin_step(self, tokens: int) -> None:
         """`tokens` new positions are about to run through the model."""
         before = self.token
+        if self.trace_writer is not None:
+            self.trace_writer.end_step()
         for (_, ahead), (ranked, decode, needed) in self._predicted.items():
             if needed is not None:          # the layer ran (a failed step may stop short)
                 self.calibration[(decode, ahead)].observe(ranked, needed)
@@ -243,10 +317,36 @@ class StreamingExpertProvider(ExpertProvider):
         self.token += tokens
         if self.observe_usage:
             self.usage.advance(tokens)
+        a = self.adaptation
+        if a is not None:
+            decisions = a.step_begins(self.phase == PHASE_DECODE, self.observe_usage, self._io_totals)
+            for d in decisions:
+                self._set_mechanism(d.mechanism, d.on)
+            if self.observe_usage and a.pin_decision_due():
+                self._apply_pin_decision(a.decide_pins(self.usage.counts()))
         if self.cache.pinned_slots and before // PIN_REEVALUATE_TOKENS != self.token // PIN_REEVALUATE_TOKENS:
             self._reevaluate_pins()
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        out: list[ExpertWeights | None] = [None] * len(experts)
+        for positions, weights in self._acquire(layer, experts, in_order=False):
+            for i, w in zip(positions, weights):
+                out[i] = w
+        return out
+
+    def acquire_in_order(self, layer: int, experts: Sequence[int]):
+        """Cached experts at once, then each read as it lands (in the order they were
+        issued, any already done first): the caller computes while the rest are read."""
+        if not self.options.compute_in_read_order:
+            yield from super().acquire_in_order(layer, experts)
+            return
+        yield from self._acquire(layer, experts, in_order=True)
+
+    def _acquire(self, layer: int, experts: Sequence[int], in_order: bool):
+        """The demand path: request, issue the misses, then yield (positions, weights)
+        as experts become usable (everything at the end unless `in_order`). A failed
+        read releases the layer's experts and raises ExpertReadError."""
+        t_start = self.clock()
         self._reap()
         try:
             accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
@@ -260,52 +360,114 @@ class StreamingExpertProvider(ExpertProvider):
         for a in accesses:
             if a.outcome == OUTCOME_MISS:
                 self._submit(layer, a.expert, a.slot, DEMAND)
-        t0 = self.clock()
+        if self.adaptation is not None:
+            self.adaptation.add_time("bookkeeping", self.clock() - t_start)
+        pending = [i for i, a in enumerate(accesses) if a.outcome in (OUTCOME_MISS, OUTCOME_INFLIGHT)]
+        futures = {i: self._inflight.pop(accesses[i].slot) for i in pending}
+        for i in pending:
+            self._prefetch_layer.pop(accesses[i].slot, None)
+        if in_order:
+            ready = [i for i, a in enumerate(accesses) if a.outcome == OUTCOME_HIT]
+            if ready:
+                yield ready, [self._weights(layer, accesses[i].expert, accesses[i].slot) for i in ready]
+        waited = 0.0
         error: ExpertReadError | None = None
-        for a in accesses:
-            if a.outcome in (OUTCOME_MISS, OUTCOME_INFLIGHT):
-                future = self._inflight.pop(a.slot)
-                self._prefetch_layer.pop(a.slot, None)
-                try:
-                    try:
-                        future.result()
-                    except ExpertReadError as e:
-                        if a.outcome == OUTCOME_MISS:
-                            raise
-                        # A background read (prefetch, pin load) of an expert this step
-                        # needs failed: one demand read decides, as if it had missed.
-                        self.read_failures += 1
-                        self.demand_rereads += 1
-                        log.warning("expert_reread_on_demand", error=str(e))
-                        self._submit(layer, a.expert, a.slot, DEMAND)
-                        self._inflight.pop(a.slot).result()
-                    self.cache.loaded(a.slot)
-                except ExpertReadError as e:
-                    self.cache.failed(a.slot)
-                    self.read_failures += 1
-                    error = error or e
-        self.io_wait_s += self.clock() - t0
+        while pending:
+            done = [i for i in pending if futures[i].done()] or pending[:1]   # else wait for the first
+            t0 = self.clock()
+            for i in done:
+                error = self._land(layer, accesses[i], futures[i]) or error
+            waited += self.clock() - t0
+            pending = [i for i in pending if i not in done]
+            if in_order and error is None:
+                yield done, [self._weights(layer, accesses[i].expert, accesses[i].slot) for i in done]
+        self.io_wait_s += waited
         if error is not None:
             self.cache.release(layer, experts)
             raise error
+        self._acquired(layer, experts, accesses, waited)
+        if not in_order:
+            yield list(range(len(accesses))), [self._weights(layer, a.expert, a.slot) for a in accesses]
+
+    def _land(self, layer: int, a, future: Future) -> ExpertReadError | None:
+        """Wait for the read of access `a`; mark its slot loaded, or failed (returned)."""
+        try:
+            try:
+                future.result()
+            except ExpertReadError as e:
+                if a.outcome == OUTCOME_MISS:
+                    raise
+                # A background read (prefetch, pin load) of an expert this step
+                # needs failed: one demand read decides, as if it had missed.
+                self.read_failures += 1
+                self.demand_rereads += 1
+                log.warning("expert_reread_on_demand", error=str(e))
+                self._submit(layer, a.expert, a.slot, DEMAND)
+                self._inflight.pop(a.slot).result()
+            self.cache.loaded(a.slot)
+        except ExpertReadError as e:
+            self.cache.failed(a.slot)
+            self.read_failures += 1
+            return e
+        return None
+
+    def _acquired(self, layer: int, experts: Sequence[int], accesses, waited: float) -> None:
+        """A layer has every expert it needs: learning, recording, idle-worker guesses."""
+        if self.adaptation is not None:
+            self.adaptation.add_time("stall", waited)
+            self.adaptation.acquired(self._row[layer], experts, [a.outcome for a in accesses],
+                                     self.phase == PHASE_DECODE, layer)
         if self.observe_usage:
             self.usage.observe(layer, list(experts))
         if self.routing_recorder is not None and self.step_tokens == 1:
             self.routing_recorder.observe(self._row[layer], experts)
-        for ahead in range(1, self.hint_depth + 1):
+        for ahead in range(0, self.hint_depth + 1):
             predicted = self._predicted.get((layer, ahead))
             if predicted is not None:
                 predicted[2] = (predicted[2] or set()) | {int(e) for e in experts}
         if self._idle_candidates:
+            t1 = self.clock()
             self._prefetch_into_idle_workers(layer)
-        return [self._weights(layer, a.expert, a.slot) for a in accesses]
+            if self.adaptation is not None:
+                spent = self.clock() - t1
+                self.adaptation.add_time("hint", spent)
+                self.adaptation.add_time("idle_hint", spent)
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
+        t0 = self.clock()
         self.cache.release(layer, experts)
+        if self.adaptation is not None:
+            self.adaptation.add_time("bookkeeping", self.clock() - t0)
 
-    def hint(self, layer: int, router_logits: np.ndarray, ahead: int = 1) -> None:
-        if not self.wants_hints or ahead > self.hint_depth:
+    @property
+    def early_hints(self) -> bool:
+        """Guess each MoE layer's experts again before its attention (ahead=0)."""
+        return self.options.early_hints and self._early_allowed
+
+    @property
+    def wants_routing(self) -> bool:
+        """The pin learner or a trace writer wants every row's routing."""
+        learner = self.adaptation.learner if self.adaptation is not None else None
+        return learner is not None or self.trace_writer is not None
+
+    def observe_routing(self, layer: int, ids: np.ndarray) -> None:
+        if self.adaptation is not None:
+            self.adaptation.routed(self._row[layer], ids)
+        if self.trace_writer is not None and self.phase == PHASE_DECODE:
+            self.trace_writer.routed(self._row[layer], ids)
+
+    def hint(self, layer: int, router_logits, ahead: int = 1) -> None:
+        if not self.wants_hints or ahead > self.hint_depth or (ahead == 0 and not self.early_hints):
             return
+        t0 = self.clock()
+        self._hint(layer, router_logits() if callable(router_logits) else router_logits, ahead)
+        if self.adaptation is not None:
+            spent = self.clock() - t0
+            self.adaptation.add_time("hint", spent)
+            if ahead == 0:
+                self.adaptation.add_time("early_hint", spent)
+
+    def _hint(self, layer: int, router_logits: np.ndarray, ahead: int) -> None:
         self._reap()
         z = router_logits - router_logits.max(axis=1, keepdims=True)
         probs = np.exp(z)
@@ -318,20 +480,26 @@ class StreamingExpertProvider(ExpertProvider):
         calibration = self.calibration[(decode, ahead)]
         if ahead == 1:
             self._idle_candidates = []      # the nearest hint starts a new layer's list
+        kind = GUESS_EARLY if ahead == 0 else GUESS_LIKELY
         for rank, e in enumerate(ranked):
             precision = calibration.precision(rank)
             if precision >= self.options.prefetch_min_precision:
-                self._prefetch(layer, e, precision)
-            elif precision >= self.options.idle_prefetch_min_precision:
+                self._prefetch(layer, e, precision, kind)
+            elif self._idle_allowed and precision >= self.options.idle_prefetch_min_precision:
                 self._idle_candidates.append((ahead, -precision, rank, layer, e))
+        if ahead == 0 and self._idle_candidates:
+            # the layer before has its experts: the disk idles during this attention
+            self._prefetch_into_idle_workers(-1)
 
-    def _prefetch(self, layer: int, expert: int, precision: float) -> bool:
+    def _prefetch(self, layer: int, expert: int, precision: float, kind: str) -> bool:
         """Read `expert` of `layer` in the background if the cache gives it a slot."""
         slot = self.cache.prefetch(layer, expert, self.token, precision)
         if slot is None:
             return False
         self._submit(layer, expert, slot, PREFETCH)
         self._prefetch_layer[slot] = layer
+        if self.adaptation is not None:
+            self.adaptation.guessed(layer, expert, kind)
         return True
 
     def _prefetch_into_idle_workers(self, current: int) -> None:
@@ -344,13 +512,13 @@ class StreamingExpertProvider(ExpertProvider):
         for _, neg_precision, _, layer, e in candidates:
             if idle <= 0:
                 break
-            idle -= self._prefetch(layer, e, -neg_precision)
+            idle -= self._prefetch(layer, e, -neg_precision, GUESS_IDLE)
 
     def _calibration_for(self, width: int) -> dict[tuple[bool, int], RankCalibration]:
         """{(decode, ahead): calibration} for `width` candidates per layer."""
         if width not in self._calibrations:
             self._calibrations[width] = {(decode, ahead): RankCalibration(width)
-                                         for decode in (True, False) for ahead in (1, 2)}
+                                         for decode in (True, False) for ahead in (0, 1, 2)}
         return self._calibrations[width]
 
     def set_prefetch(self, width: int) -> None:
@@ -360,7 +528,7 @@ class StreamingExpertProvider(ExpertProvider):
             raise ValueError(f"prefetch width must be >= 0, got {width}")
         self._predicted.clear()             # observations of the old width are not this one's
         self._idle_candidates = []
-        self.wants_hints = width > 0
+        self._hints_on = width > 0
         if width:
             self.width = width
             self.calibration = self._calibration_for(width)
@@ -371,6 +539,10 @@ class StreamingExpertProvider(ExpertProvider):
         self.usage.set_counts(np.zeros_like(self.usage.counts()))
         self.usage.take_delta()
         self.cache.set_pins([])
+        if self.adaptation is not None:
+            if self.adaptation.learner is not None:
+                self.adaptation.learner.share, self.adaptation.learner.pins = 0.0, frozenset()
+            self.adaptation.pins_changed(set(), self.cache.pinned_slots)
         return dropped
 
     def counters(self) -> tuple[int, int, int]:
@@ -379,6 +551,8 @@ class StreamingExpertProvider(ExpertProvider):
         return hits, misses, sum(self.bytes_submitted.values())
 
     def close(self) -> None:
+        if self.trace_writer is not None:
+            self.trace_writer.close()
         self.io.close()
         self._reap()
         self._views.clear()
@@ -391,6 +565,8 @@ class StreamingExpertProvider(ExpertProvider):
         plan = self.plans[(layer, expert)]
         self._inflight[slot] = self.io.submit(plan, self.arena.buffer(slot), reason)
         self.bytes_submitted[reason] += plan.slot_bytes
+        if self.adaptation is not None:
+            self.adaptation.read_issued(reason)
 
     def _weights(self, layer: int, expert: int, slot: int) -> ExpertWeights:
         key = (layer, expert)
@@ -419,26 +595,101 @@ class StreamingExpertProvider(ExpertProvider):
         self._finish_reads([s for s, f in self._inflight.items() if f.done()])
 
     def _apply_pins(self, pins) -> None:
+        """Make the pinned tier hold `pins` ((layer index, expert)); issue the loads."""
         for load in self.cache.set_pins(pins_to_layer_ids(pins, self.moe_layers)):
             self._submit(load.layer, load.expert, load.slot, PIN_LOAD)
+        if self.adaptation is not None:
+            self.adaptation.pins_changed({(self._row[l], e) for l, e in self.cache.pins},
+                                         self.cache.pinned_slots)
+
+    def _warm_start(self) -> None:
+        """Fill each layer's dynamic tier with the experts it used most before (reads in
+        the background, behind every demand read and prefetch). An empty cache evicts
+        nothing, so a session whose traffic differs loses no hit to it, only reads."""
+        counts = self.usage.counts()
+        for layer in self.moe_layers:
+            row = counts[self._row[layer]]
+            room = self.cache.dynamic_slots(layer)
+            chosen = [int(e) for e in np.argsort(-row, kind="stable")[:room] if row[e] > 0]
+            for e in reversed(chosen):                  # the most used last: the most recent
+                slot = self.cache.warm(layer, e, self.token)
+                if slot is not None:
+                    self._submit(layer, e, slot, PIN_LOAD)
+                    self.warm_loads += 1
+
+    def _pin_counts(self) -> np.ndarray:
+        """The counts pins follow: the learner's chosen source, else the usage counts."""
+        learner = self.adaptation.learner if self.adaptation is not None else None
+        counts = self.usage.counts()
+        return counts if learner is None else learner.counts_for(learner.source, counts)
 
     def _reevaluate_pins(self) -> None:
         current = {(self._row[l], e) for l, e in self.cache.pins}
-        add, remove = self.pin_policy.reevaluate(current, self.usage.counts(),
+        add, remove = self.pin_policy.reevaluate(current, self._pin_counts(),
                                                  self.cache.pinned_slots * self.slot_bytes)
         if add or remove:
             self._apply_pins((current - set(remove)) | set(add))
             self.pin_swaps += len(add)
 
+    def _quiesce(self) -> None:
+        """Let every read in flight land (a tier change needs every slot settled)."""
+        t0 = self.clock()
+        self._finish_reads(list(self._inflight))
+        self.io_wait_s += self.clock() - t0
+
+    def _apply_pin_decision(self, decision: PinDecision) -> None:
+        """The pin learner's choice: resize the pinned tier and load the new set."""
+        current = {(self._row[l], e) for l, e in self.cache.pins}
+        if decision.pinned_slots == self.cache.pinned_slots and set(decision.pins) == current:
+            return
+        self._quiesce()
+        wanted = pins_to_layer_ids(decision.pins, self.moe_layers)
+        keep = sorted(p for p in self.cache.pins if p in wanted)[: decision.pinned_slots]
+        self.cache.set_pins(keep)
+        self.cache.set_tiers(decision.pinned_slots, self.cache.staging_slots)
+        self._apply_pins(decision.pins)
+        self.pin_swaps += len(set(decision.pins) - current)
+
+    def _set_mechanism(self, name: str, on: bool) -> None:
+        """Apply a referee decision (between steps): prefetch on/off with its staging
+        tier, idle-worker prefetch on/off, the eviction policy or LRU."""
+        if name == "prefetch":
+            self._prefetch_allowed = on
+            self._predicted.clear()
+            self._idle_candidates = []
+            staging = self.staging_default if on else 0
+            if staging != self.cache.staging_slots:
+                self._quiesce()
+                self.cache.set_tiers(self.cache.pinned_slots, staging)
+                if self.adaptation is not None:
+                    self.adaptation.staging_changed(staging)
+        elif name == "idle_prefetch":
+            self._idle_allowed = on
+            self._idle_candidates = []
+        elif name == "early_hints":
+            self._early_allowed = on
+        elif name == "policy":
+            self.cache.set_policy(self.options.policy if on else "lru")
+
+    def _io_totals(self) -> tuple[float, int]:
+        stats = self.io.stats()
+        return stats.read_cpu_seconds_total, sum(stats.reads_completed.values()) + stats.read_errors
+
+    def learned_state(self) -> dict:
+        """What the next session should start from (saved beside the usage counts)."""
+        return {} if self.adaptation is None else self.adaptation.learned()
+
 
 # ---------------------------------------------------------------- persistence
 
 
-def load_usage_counts(store, moe_layers: Sequence[int], num_experts: int, fingerprint: str,
-                      half_life_tokens: float) -> np.ndarray | None:
-    """Learned counts [L, E] from the state file, or None (absent, set aside, unusable).
+def load_usage_state(store, moe_layers: Sequence[int], num_experts: int, fingerprint: str,
+                     half_life_tokens: float) -> tuple[np.ndarray, dict] | None:
+    """(learned counts [L, E], learned state) from the state file, or None (absent, set
+    aside, unusable). The state is what the pin learner and the referee settled on
+    (StreamingExpertProvider's `learned=`).
 
-    store: a daemon.state.StateStore. A payload that does not fit this model is
+    store: a daemon.store.state.StateStore. A payload that does not fit this model is
     ignored with a warning, never trusted.
     """
     from scheduler.usage import UsageFormatError
@@ -451,15 +702,24 @@ def load_usage_counts(store, moe_layers: Sequence[int], num_experts: int, finger
     except UsageFormatError as e:
         log.warning("usage_state_ignored", error=str(e))
         return None
-    return stats.counts()
+    return stats.counts(), stats.learned
 
 
-def flush_usage(store, usage: UsageStats, fingerprint: str) -> None:
+def load_usage_counts(store, moe_layers: Sequence[int], num_experts: int, fingerprint: str,
+                      half_life_tokens: float) -> np.ndarray | None:
+    """The counts of `load_usage_state` (None when it has none)."""
+    state = load_usage_state(store, moe_layers, num_experts, fingerprint, half_life_tokens)
+    return None if state is None else state[0]
+
+
+def flush_usage(store, usage: UsageStats, fingerprint: str, learned: dict | None = None) -> None:
     """Merge what this process observed since its last flush into the state file.
 
     Under the store's lock: file counts decayed by our tokens since the last flush,
     plus our delta (scheduler.usage.merge_counts), so two processes serving the same
     model add up instead of overwriting each other. The merged counts become ours.
+    learned: this process's pin learner and referee state, written as the file's
+    (the latest writer's word; None keeps what the file has).
     """
     from scheduler.usage import UsageFormatError, merge_counts
 
@@ -468,16 +728,21 @@ def flush_usage(store, usage: UsageStats, fingerprint: str) -> None:
 
     def merge(current: dict | None) -> dict:
         counts = usage.counts()
+        kept_learned = {}
         if current is not None:
             try:
                 on_disk = UsageStats.from_dict(current, usage.moe_layers, usage.num_experts,
-                                               fingerprint).counts()
-                counts = merge_counts(on_disk, tokens, delta, usage.half_life_tokens)
+                                               fingerprint)
+                counts = merge_counts(on_disk.counts(), tokens, delta, usage.half_life_tokens)
+                kept_learned = on_disk.learned
             except UsageFormatError as e:
                 log.warning("usage_state_replaced", error=str(e))
         merged_counts.append(counts)
         payload = usage.to_dict(fingerprint)
         payload["counts"] = counts.tolist()
+        state = kept_learned if learned is None else learned
+        if state:
+            payload["learned"] = dict(state)
         return payload
 
     store.save(merge, tokens=tokens)
@@ -496,6 +761,10 @@ def expert_counters(provider, cache_snapshot=None, io_stats=None) -> ExpertCount
     """
     snap = cache_snapshot or provider.cache.snapshot()
     io = io_stats or provider.io.stats()
+    a = provider.adaptation
+    shadow = ({} if a is None else dict(shadow_lookups=a.totals["lookups"],
+                                        shadow_naive_misses=a.totals["naive_misses"],
+                                        mechanism_decisions=a.decision_counts()))
     lookups = {(layer, outcome, phase): getattr(snap, key)[phase][i]
                for i, layer in enumerate(snap.moe_layers)
                for outcome, key in _CACHE_KEYS.items() for phase in PHASES}
@@ -505,4 +774,4 @@ def expert_counters(provider, cache_snapshot=None, io_stats=None) -> ExpertCount
         evictions={"pinned": sum(snap.evictions_pinned), "dynamic": sum(snap.evictions_dynamic)},
         pin_swaps=provider.pin_swaps, prefetch_issued=sum(snap.prefetches_issued),
         prefetch_used=sum(snap.prefetches_used),
-        prefetch_wasted_bytes=sum(snap.prefetches_wasted_bytes))
+        prefetch_wasted_bytes=sum(snap.prefetches_wasted_bytes), **shadow)

@@ -26,7 +26,7 @@ class LiveKnobs:
     def current(self) -> dict[str, Any]:
         p = self.model.experts
         return {THREADS: self.model.n_threads, IO_WORKERS: p.io.n_workers,
-                PREFETCH_WIDTH: p.width if p.wants_hints else 0}
+                PREFETCH_WIDTH: p.prefetch_width}
 
     def apply(self, settings: Mapping[str, Any]) -> None:
         p = self.model.experts

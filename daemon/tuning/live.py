@@ -16,7 +16,7 @@ from daemon.tuning.saved import TunedStore, hardware_facts, valid_settings
 from daemon.tuning.search import WINDOW_STEPS, check_candidates, check_tokens, replay_cache_split
 from daemon.tuning.workload import RoutingRecorder, workload_prompts
 from ext.models.model import Model
-from scheduler.tuner import Knob, OnlineTuner
+from scheduler.tuner import NOISE_PAIRS, Knob, OnlineTuner
 from telemetry.logs import get_logger
 
 log = get_logger("tuning")
@@ -29,7 +29,8 @@ class LiveTuner:
     """The tuner on live traffic: fed every decode step by the engine, on its thread.
 
     A window is `window_steps` consecutive decode steps at one batch size (a change of
-    batch size starts the window again); its cost is the median step time divided by the
+    batch size starts the window again), times the tuner's window multiplier once its
+    `noise_pairs` A-vs-A pairs have measured the noise; its cost is the median step time divided by the
     batch size, i.e. seconds per decode step per sequence. Between windows the next
     settings are applied (placement only: output cannot change). A candidate is first
     checked on `check_prompt` (a private sequence, greedy): if its tokens differ from
@@ -40,7 +41,8 @@ class LiveTuner:
     def __init__(self, model: Model, knobs: list[Knob], start: Mapping[str, Any],
                  check_prompt: list[int], *, window_steps: int = WINDOW_STEPS, pairs: int = 4,
                  on_done: Callable[[OnlineTuner], None] | None = None, session=None,
-                 budget_bytes: int | None = None, proposals: list[tuple[str, Any]] = ()):
+                 budget_bytes: int | None = None, proposals: list[tuple[str, Any]] = (),
+                 noise_pairs: int = NOISE_PAIRS):
         self.model = model
         self.session = session
         self.budget_bytes = budget_bytes
@@ -55,7 +57,8 @@ class LiveTuner:
         self.on_done = on_done
         start = {k.name: snap_to(k, start[k.name]) for k in knobs}
         self.live.apply(start)
-        self.tuner = OnlineTuner(knobs, start, pairs=pairs, proposals=proposals)
+        self.tuner = OnlineTuner(knobs, start, pairs=pairs, proposals=proposals,
+                                 noise_pairs=noise_pairs)
         self.reference: list[int] | None = None
         self._checked: set[tuple[str, Any]] = set()
         self._times: list[float] = []
@@ -68,7 +71,7 @@ class LiveTuner:
         if self.reference is None and not self.tuner.done:     # the incumbent's tokens, once
             self.live.apply(self.tuner.incumbent)
             self.reference = check_tokens(self.model, self.check_prompt)
-        if self.reference is not None:
+        if self.reference is not None and not self.tuner.calibrating:
             check_candidates(self.model, self.tuner, self.check_prompt, self.reference,
                              self._checked)
         self.live.apply(self.tuner.settings())
@@ -119,7 +122,7 @@ class LiveTuner:
         if batch_size != self._batch:
             self._times, self._batch = [], batch_size
         self._times.append(seconds)
-        if len(self._times) < self.window_steps:
+        if len(self._times) < self.window_steps * self.tuner.window_multiplier:
             return
         cost = statistics.median(self._times) / batch_size
         self._times = []

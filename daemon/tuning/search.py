@@ -17,7 +17,7 @@ from daemon.store.streaming import minimum_cache_bytes
 from daemon.tuning.knobs import LiveKnobs, snap_to
 from daemon.tuning.workload import Workload
 from ext.models.model import Model
-from scheduler.tuner import CacheChoice, Knob, OnlineTuner, choose_cache_split
+from scheduler.tuner import NOISE_PAIRS, CacheChoice, Knob, OnlineTuner, choose_cache_split
 from telemetry.logs import get_logger
 
 log = get_logger("tuning")
@@ -73,23 +73,32 @@ def check_candidates(model: Model, tuner: OnlineTuner, check_prompt: list[int],
 def tune(model: Model, knobs: list[Knob], workload: Workload, check_prompt: list[int], *,
          window_steps: int = WINDOW_STEPS, pairs: int = 4, min_gain: float = 0.03,
          max_rounds: int = 3, progress: Callable[[str], None] | None = None,
-         proposals: list[tuple[str, Any]] = ()) -> OnlineTuner:
-    """Run the A/B tuner to the end on `workload`; the model is left at the winners."""
+         proposals: list[tuple[str, Any]] = (), noise_pairs: int = NOISE_PAIRS) -> OnlineTuner:
+    """Run the A/B tuner to the end on `workload`; the model is left at the winners.
+
+    noise_pairs A-vs-A pairs of `window_steps`-step windows come first; the trials' windows
+    are then as many times longer as that noise needs (scheduler.tuner.window_multiplier)."""
     live = LiveKnobs(model)
     start = live.current()
     start = {k.name: snap_to(k, start[k.name]) for k in knobs}
     live.apply(start)
     reference = check_tokens(model, check_prompt)
     tuner = OnlineTuner(knobs, start, pairs=pairs, min_gain=min_gain, max_rounds=max_rounds,
-                        proposals=proposals)
+                        proposals=proposals, noise_pairs=noise_pairs)
     checked: set[tuple[str, Any]] = set()
     while True:
-        check_candidates(model, tuner, check_prompt, reference, checked)
+        if not tuner.calibrating:
+            check_candidates(model, tuner, check_prompt, reference, checked)
         if tuner.done:
             break
         trial = tuner.trial
         live.apply(tuner.settings())
-        tuner.observe(workload.window(window_steps), batch_size=1)
+        calibrating = tuner.calibrating
+        tuner.observe(workload.window(window_steps * tuner.window_multiplier), batch_size=1)
+        if progress and calibrating and not tuner.calibrating:
+            progress(f"A-vs-A noise {100 * tuner.noise:.1f} % per pair of {window_steps}-step "
+                     f"windows: windows of {window_steps * tuner.window_multiplier} steps "
+                     f"resolve a {100 * min_gain:.0f} % effect")
         if progress and trial is not None and trial.outcome is not None:
             progress(f"{trial.knob} {trial.a} -> {trial.b}: {trial.outcome} "
                      f"(gains {', '.join(f'{100 * g:+.1f} %' for g in trial.gains)})")

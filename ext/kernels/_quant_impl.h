@@ -219,18 +219,21 @@ typedef struct {
 #if defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2)
 #define MOED_Q_SIMD 1
 /* Rows a pass streams, by lane order (measured on Zen 5, one thread, 2048 x 7168 from
- * DRAM, 8 rows against 4: fp8 17 -> 23 GB/s and int8 18 -> 21 on AVX-512, but int4
- * and mxfp4 -10 to -17 % there (their tables take registers) and every quantised
- * format slower on AVX2 (16 registers)); and the rows a mat-mat tile accumulates at
- * once. */
+ * DRAM, 8 rows against 4: fp8 17 -> 23 GB/s and int8 18 -> 21 on AVX-512; every
+ * quantised format slower on AVX2 (16 registers)); and the rows a mat-mat tile
+ * accumulates at once. int4 and mxfp4 were -10 to -17 % at 8 rows while each group's
+ * table was built from the stored scale; with the scales widened 16 groups at a time
+ * (moed_qspan_nibbles) 8 rows are about 5 % faster than 4 (one thread, 768 x 2048 in
+ * cache, a shared machine: within its noise). */
 #ifdef MOED_V16_AVX512
 #define MOED_QPASS_NATURAL 8
+#define MOED_QPASS_PAIRED 8
 #define MOED_TILE_ACC_ROWS 8
 #else
 #define MOED_QPASS_NATURAL 4
+#define MOED_QPASS_PAIRED 4
 #define MOED_TILE_ACC_ROWS 4
 #endif
-#define MOED_QPASS_PAIRED 4
 /* Bytes of a row prefetched ahead: a bf16 row's 1024 bytes are 512 columns; a 4-bit
  * row streams a quarter as many bytes per column. */
 #ifndef MOED_Q_PREFETCH
@@ -266,7 +269,12 @@ moed_load_x32(const float *x, const int paired, moed_v16 *x0, moed_v16 *x1) {
 
 /* int4 / mxfp4: nibble-packed rows, one 16-entry table of exact values per group of
  * g columns and row (base[c] * scale (+ min): the reference path's arithmetic).
- * kind: MOED_MXFP4, MOED_INT4 (mins) or MOED_INT4 + 16 (symmetric). */
+ * kind: MOED_MXFP4, MOED_INT4 (mins) or MOED_INT4 + 16 (symmetric).
+ * The scales (and mins) of up to 16 groups per row are first widened to f32 into a
+ * buffer (binary16: one vector conversion per row), so a group's table costs one
+ * multiply (and one add) by a broadcast load: with 32-column groups a table is built
+ * every 16 bytes of a row, and building it from the stored scale each time (broadcast
+ * and convert scale and min) took about a quarter of the kernel's time. */
 static inline __attribute__((always_inline)) void
 moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0,
                    ptrdiff_t c1, const float *x, moed_v16 *a0, moed_v16 *a1, float *buf,
@@ -278,26 +286,44 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
     const moed_v16 base = moed_v16_load(kind == MOED_MXFP4 ? e2m1 : kind == MOED_INT4 ? codes : centred);
     const ptrdiff_t g = w->scale_cols;
     const uint8_t *row[MOED_ROWS];
+    float sf[MOED_ROWS][16] __attribute__((aligned(64))), mf[MOED_ROWS][16] __attribute__((aligned(64)));
     moed_v16 tab[MOED_ROWS], xe = moed_v16_zero(), xo = moed_v16_zero();
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
-    for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {   /* one group (or its part in the span) */
-        ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
+    const ptrdiff_t last = (c1 - 1) / g;   /* the span's last group */
+    for (ptrdiff_t j = c0, si = c0 / g; j < c1;) {
+        const int n = last - si + 1 < 16 ? (int)(last - si + 1) : 16;   /* groups this chunk */
+        /* The 16 scales read start at si, or earlier so as not to pass the row's end
+         * (then group si is entry `off`); a row of fewer than 16 groups goes one by one. */
+        const ptrdiff_t ws = si + 16 <= w->scale_ld ? si : w->scale_ld - 16;
+        const int off = ws < 0 ? 0 : (int)(si - ws);
         for (int q = 0; q < nrows; q++) {
-            ptrdiff_t i = (r0 + q) * w->scale_ld + si;
-            if (kind == MOED_MXFP4) {
-                tab[q] = moed_v16_mul(base, moed_v16_set1(moed_e8m0_to_f32(((const uint8_t *)w->scales)[i])));
+            const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws);
+            if (ws < 0) {
+                for (int k = 0; k < n; k++) {
+                    sf[q][k] = moed_scale_at(w, i + k);
+                    if (kind == MOED_INT4) mf[q][k] = moed_min_at(w, i + k);
+                }
+            } else if (kind == MOED_MXFP4) {
+                moed_v16_store(sf[q], moed_v16_load_e8m0((const uint8_t *)w->scales + i));
             } else {
-                tab[q] = moed_v16_mul(base, moed_v16_set1_f16((const uint16_t *)w->scales + i));
-                if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1_f16(w->mins + i));
+                moed_v16_store(sf[q], moed_v16_load_f16((const uint16_t *)w->scales + i));
+                if (kind == MOED_INT4) moed_v16_store(mf[q], moed_v16_load_f16(w->mins + i));
             }
         }
-        for (; j < end; j += 32) {
-            if (!store) moed_load_x32(x + j, 1, &xe, &xo);
+        for (int k = 0; k < n; k++, si++) {   /* one group (or its part in the span) */
+            ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + (j >> 1) + MOED_Q_PREFETCH);
-                moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1));
-                moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
-                          xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
+                tab[q] = moed_v16_mul(base, moed_v16_set1(sf[q][off + k]));
+                if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(mf[q][off + k]));
+            }
+            for (; j < end; j += 32) {
+                if (!store) moed_load_x32(x + j, 1, &xe, &xo);
+                for (int q = 0; q < nrows; q++) {
+                    __builtin_prefetch(row[q] + (j >> 1) + MOED_Q_PREFETCH);
+                    moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1));
+                    moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
+                              xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
+                }
             }
         }
     }

@@ -96,6 +96,17 @@ static inline moed_v16 moed_v16_load_i8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
+/* 16 E8M0 scales at p as f32: 2^(s - 127), s = 0 the subnormal 2^-127, 255 NaN. */
+static inline moed_v16 moed_v16_load_e8m0(const uint8_t *p) {
+    __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i u = _mm512_slli_epi32(s, 23);
+    u = _mm512_mask_mov_epi32(u, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
+                              _mm512_set1_epi32(0x00400000));
+    u = _mm512_mask_mov_epi32(u, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)),
+                              _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(u);
+}
+
 #elif defined(MOED_V16_AVX2)
 /* --------------------------------------------------------------------- AVX2 */
 typedef struct { __m256 lo, hi; } moed_v16;      /* lanes 0-7, 8-15 */
@@ -172,6 +183,18 @@ static inline moed_v16 moed_v16_load_i8(const uint8_t *p) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
     return (moed_v16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+
+static inline __m256 moed_v8_e8m0(__m256i s) {
+    __m256i u = _mm256_slli_epi32(s, 23);
+    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));
+    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(s, _mm256_set1_epi32(255)));
+    return _mm256_castsi256_ps(u);
+}
+static inline moed_v16 moed_v16_load_e8m0(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return (moed_v16){moed_v8_e8m0(_mm256_cvtepu8_epi32(b)),
+                      moed_v8_e8m0(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
 }
 
 #else

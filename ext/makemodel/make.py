@@ -209,8 +209,6 @@ def make_model(
                 V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim, rows_out=dtype == "mxfp4")
     dims["fields"] = family_fields(arch, dims, top_k, options)
     specs = list(tensor_specs(arch, dims))
-    if routing_skew and arch in ("deepseek_v3", "glm4_moe", "gpt_oss"):
-        raise ValueError(f"routing_skew is not built for {arch} yet")
     adjust = (skew_adjustments(arch, dims, top_k, seed, initializer_range, float(routing_skew))
               if routing_skew else None)             # None and 0: plain random weights
     write_shards(out, specs, encoding_of, shard_size, seed, initializer_range, progress, adjust)

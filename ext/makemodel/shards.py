@@ -126,7 +126,8 @@ def _write_tensor(f, spec: TensorSpec, encoding: Encoding, encoder: Encoder, see
     `adjust`, when given, is called as adjust(rows, first_row) on every chunk of the
     float32 values, viewed as whole rows [n, shape[-1]], before encoding; it edits them
     in place. Chunks are then cut at row boundaries, and at multiples of the encoding's
-    `row_multiple` rows when it has one (the random stream is the same).
+    `row_multiple` rows when it has one, and of the adjustment's when it has that
+    attribute (the random stream is the same).
     """
     if spec.fill == "ones":
         data = encoder.chunk(np.ones((1, spec.numel), dtype=np.float32))
@@ -141,8 +142,8 @@ def _write_tensor(f, spec: TensorSpec, encoding: Encoding, encoder: Encoder, see
     aligned = adjust is not None or encoding.row_multiple is not None
     if not aligned:
         step = scratch.size
-    else:
-        rows = row * (encoding.row_multiple or 1)
+    else:   # whole groups of rows: the encoding's, and the adjustment's (GPT-OSS: an expert)
+        rows = row * math.lcm(encoding.row_multiple or 1, getattr(adjust, "row_multiple", 1))
         step = max(rows, scratch.size // rows * rows)
     if step > scratch.size:
         scratch = np.empty(step, dtype=np.float32)

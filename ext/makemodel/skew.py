@@ -94,12 +94,53 @@ of 12/512/64/4); with C = 64 (8 tokens per topic at vocab 512) tokens repeated w
 topic and reuse overshot to 0.48-0.52. alpha 1: any value works (offsets are scaled by
 cos_l). Stay 0.8: a topic lasts ~5 tokens. A 24-layer 512/64/8 model keeps top 25 %
 0.68-0.73, exponent 1.02-1.24, reuse 0.41-0.44 in every layer.
+
+Frontier families (deepseek_v3, glm4_moe, gpt_oss), the same construction with:
+- What reads h: MLA's q_proj or q_a_proj and kv_a_proj_with_mqa (q_b and kv_b read
+  RMS-normed latents, not h), the dense MLPs of the first_k_dense_replace layers and the
+  shared experts; GPT-OSS's fused gate_up_proj, whose plain [E, H, 2I] layout reads h
+  along columns (projected per expert; its chunks hold whole experts) and MXFP4's
+  [E, 2I, H] along rows.
+- Residual growth per layer: attention + routed (or dense) + the ungated shared experts
+  of DeepSeek-V3 / GLM-4.5 (kappa_d each); MLA's o_proj is scaled against values
+  kv_b_proj(latent) of norm std sqrt(Nq v_head_dim kv_lora_rank); the dense MLP's and
+  shared experts' down_proj by kappa_d / (sqrt(width) a). a is GPT-OSS's clamped SwiGLU
+  rms where it applies ((clip(up) + 1) gate sigmoid(1.702 gate)).
+- Biases that add the same vector to every token's residual stream (GPT-OSS's o_proj and
+  experts' down_proj biases, the v_proj biases of GLM-4.5 and GPT-OSS, whose values
+  attention passes on whole) and GPT-OSS's router bias are zero: random ones of norm n0
+  per layer were left out of the growth above and made popularity drift (GPT-OSS
+  exponent 1.45-2.17, reuse up to 0.61, next-layer recall 0.59-0.78 with them).
+- Routing rule. GPT-OSS picks the top_k logits, as the softmax families do: the same
+  offsets. For DeepSeek-V3 / GLM-4.5 (sigmoid + correction bias + groups) the offsets
+  are solved by fixed-point iteration on simulated choices so the rule picks each rank
+  at its share, with an e_score_correction_bias leaning against popularity as the
+  trained one does (-0.5 x (sigmoid(offset) - its mean)): the hint must apply the bias
+  and the groups to predict well. m is simulated under each rule (routed_scaling_factor
+  included).
+Measured as above (moed's Model, 255 decode steps at T = 0.7, next = recall of the
+family's own prefetch hint; per-layer range [mean]):
+    shape (arch L H E k)          S  top 25 %          exponent          reuse             next
+    deepseek_v3 5 256 32 4        1  0.63-0.70 [0.66]  1.05-1.12 [1.10]  0.37-0.43 [0.40]  0.66-0.75
+    deepseek_v3 5 256 32 4    0.001  0.32-0.35 [0.33]  0.25-0.33 [0.28]  0.13-0.14 [0.13]  0.56-0.67
+    deepseek_v3 5 256 32 4        2  0.84-0.90 [0.87]  1.60-1.87 [1.74]  0.58-0.66 [0.62]  0.82-0.84
+    deepseek_v3 6 512 64 8        1  0.63-0.72 [0.67]  0.95-1.14 [1.06]  0.36-0.43 [0.39]  0.63-0.81
+    deepseek_v3 fp8, no q_lora    1  0.63-0.67 [0.65]  0.98-1.16 [1.05]  0.35-0.41 [0.37]  0.65-0.77
+    glm4_moe 5 256 32 4           1  0.64-0.73 [0.69]  1.03-1.31 [1.19]  0.38-0.44 [0.41]  0.67-0.78
+    glm4_moe 5 256 32 4       0.001  0.33 [0.33]       0.24-0.29 [0.27]  0.13-0.16 [0.14]  0.53-0.69
+    glm4_moe 6 512 64 8           1  0.69-0.73 [0.70]  1.00-1.23 [1.10]  0.39-0.43 [0.40]  0.68-0.80
+    gpt_oss 5 256 32 4            1  0.65-0.71 [0.68]  1.06-1.25 [1.15]  0.38-0.42 [0.40]  0.66-0.80
+    gpt_oss 5 256 32 4        0.001  0.33-0.36 [0.34]  0.24-0.35 [0.28]  0.15-0.18 [0.16]  0.56-0.69
+    gpt_oss 6 512 64 8            1  0.69-0.72 [0.71]  1.03-1.16 [1.12]  0.41-0.43 [0.42]  0.69-0.80
+    gpt_oss mxfp4 5 256 32 4      1  0.67-0.73 [0.69]  1.10-1.37 [1.21]  0.40-0.43 [0.42]  0.63-0.79
+(qwen3_moe 5 256 32 4 at S = 1 in the same run: 0.67-0.72, 1.03-1.36, 0.40-0.45, 0.70-0.80.)
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -246,10 +287,114 @@ def _mixing_norm(offsets: np.ndarray, noise: float, top_k: int, renormalize: boo
     return float(np.sqrt((w ** 2).sum(axis=1)).mean())
 
 
+def _zeroed(rows: np.ndarray, first_row: int) -> None:
+    """A bias the construction sets to zero (the module doc, "Frontier families")."""
+    rows[:] = 0.0
+
+
+def _clamped_swiglu_rms(s: float) -> float:
+    """rms of GPT-OSS's (clip(u, -7, 7) + 1) * g' sigmoid(1.702 g'), g' = min(g, 7), for
+    independent g, u ~ N(0, s^2) (a fixed-seed Monte Carlo estimate)."""
+    rng = np.random.Generator(np.random.PCG64(4))
+    g, u = s * rng.standard_normal(200_000), s * rng.standard_normal(200_000)
+    g = np.minimum(g, 7.0)
+    act = (np.clip(u, -7.0, 7.0) + 1.0) * g / (1.0 + np.exp(-1.702 * g))
+    return float(np.sqrt(np.mean(act ** 2)))
+
+
+def _sigmoid_choice(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int,
+                    topk_group: int) -> np.ndarray:
+    """[T, top_k] experts DeepSeek-V3's rule picks: sigmoid + bias, groups ranked by their
+    two best, top_k of the kept groups (ext.models.routing.SigmoidGroupedTopK)."""
+    T, E = logits.shape
+    choice = 1.0 / (1.0 + np.exp(-logits)) + bias
+    if topk_group < n_group:
+        grouped = choice.reshape(T, n_group, E // n_group)
+        top2 = -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)
+        dropped = np.argsort(-top2, axis=1, kind="stable")[:, topk_group:]
+        np.put_along_axis(grouped, dropped[:, :, None].repeat(E // n_group, 2), -np.inf, axis=1)
+    return np.argpartition(-choice, top_k - 1, axis=1)[:, :top_k]
+
+
+def _sigmoid_offsets(shares: np.ndarray, sigma: float, top_k: int, n_group: int, topk_group: int,
+                     balance: float, draws: int = 4000, rounds: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """(router-logit offsets [E], e_score_correction_bias [E]) under which DeepSeek-V3's
+    rule, with logits offset + N(0, sigma^2), picks expert e with probability
+    top_k x shares[e]. The bias leans against popularity as trained ones do (DeepSeek-V3
+    learns it to balance load): bias = -balance x (sigmoid(offset) - its mean); the
+    offsets are found by fixed-point iteration on simulated choices (fixed seed)."""
+    E = shares.size
+    rng = np.random.Generator(np.random.PCG64(5))
+    z = sigma * rng.standard_normal((draws, E))
+    want = np.clip(top_k * shares, 0.5 / draws, 1 - 0.5 / draws)
+    target = _norm_ppf(want)
+    offsets = sigma * target
+    bias = np.zeros(E)
+    for _ in range(rounds):
+        sig = 1.0 / (1.0 + np.exp(-offsets))
+        bias = -balance * (sig - sig.mean())
+        counts = np.bincount(_sigmoid_choice(offsets + z, bias, top_k, n_group, topk_group).ravel(),
+                             minlength=E)
+        got = np.clip(counts / draws, 0.5 / draws, 1 - 0.5 / draws)
+        offsets = offsets + 0.7 * sigma * (target - _norm_ppf(got))
+    return offsets, bias
+
+
+def _weights_norm(logits: np.ndarray, rule: str, top_k: int, renormalize: bool,
+                  scaling: float, bias: np.ndarray | None = None, groups: tuple[int, int] = (1, 1)) -> float:
+    """E|routing weights of one token|_2 under a family's rule for these sampled logits."""
+    if rule == "sigmoid":
+        ids = _sigmoid_choice(logits, bias, top_k, *groups)
+        w = np.take_along_axis(1.0 / (1.0 + np.exp(-logits)), ids, axis=1)
+        if renormalize:
+            w = w / w.sum(axis=1, keepdims=True)
+        w = w * scaling
+    else:                                                    # top_k of the logits, softmaxed
+        top = -np.sort(-logits, axis=1)[:, :top_k]
+        w = np.exp(top - top[:, :1])
+        w /= w.sum(axis=1, keepdims=True)
+    return float(np.sqrt((w ** 2).sum(axis=1)).mean())
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What the construction needs to know of an architecture's checkpoint."""
+
+    moe: str                     # the MoE block ("mlp", "block_sparse_moe")
+    router: str                  # the router module under it
+    experts: tuple[str, str, str] | None   # per-expert gate, up, down names; None: fused
+    rule: str                    # "softmax" | "sigmoid" | "topk_softmax"
+    attention: str               # "gqa" | "mla"
+    activation: str              # "swiglu" | "clamped_swiglu"
+
+
+_FAMILIES = {
+    "mixtral": _Family("block_sparse_moe", "gate", ("w1", "w3", "w2"), "softmax", "gqa", "swiglu"),
+    "qwen2_moe": _Family("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "softmax", "gqa", "swiglu"),
+    "qwen3_moe": _Family("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "softmax", "gqa", "swiglu"),
+    "olmoe": _Family("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "softmax", "gqa", "swiglu"),
+    "deepseek_v3": _Family("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "sigmoid", "mla", "swiglu"),
+    "glm4_moe": _Family("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "sigmoid", "gqa", "swiglu"),
+    "gpt_oss": _Family("mlp", "router", None, "topk_softmax", "gqa", "clamped_swiglu"),
+}
+_BALANCE = 0.5    # how far the correction bias leans against popularity (0: no bias)
+
+
 def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
                       skew: float) -> dict[str, RowAdjust]:
     """Per-tensor row edits of the routing-skew construction (the module doc),
-    keyed by tensor name; every other tensor keeps its plain random values."""
+    keyed by tensor name; every other tensor keeps its plain random values.
+
+    The families differ in what reads the normed hidden state (attention's input
+    projections, expert and shared-expert gate/up, dense MLPs, routers), in how large
+    attention's output is (GQA: values are projections of h; MLA: of an RMS-normed
+    latent), in the activation (GPT-OSS's clamped SwiGLU) and in the routing rule: for
+    DeepSeek-V3 / GLM-4.5 the logit offsets are solved so that sigmoid + correction bias
+    + groups picks experts with the Zipf shares, the bias leaning against popularity as
+    a trained one does (`_sigmoid_offsets`); GPT-OSS's top-k of the logits is the
+    softmax families' choice. d["fields"] holds the family's own config fields."""
+    fam = _FAMILIES[arch]
+    f = d.get("fields", {})
     H, E, I, L, V = d["H"], d["E"], d["I"], d["L"], d["V"]
     alpha, b = _SKEW_EMBED, _SKEW_TOPIC
     C = max(1, min(_SKEW_TOPICS, H // 4))
@@ -264,13 +409,18 @@ def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
 
     noise = std * math.sqrt(H)                               # n0 = |random part of a row|
     attn_out = _SKEW_ATTN_SPREAD * _SKEW_ATTN                # |attention output| / n0
-    n_ffn = 2 if arch == "qwen2_moe" else 1                  # qwen2_moe: + shared expert
-    growth = attn_out ** 2 + n_ffn * _SKEW_FFN ** 2          # per layer, in n0^2
+    first_dense = f.get("first_k_dense_replace", 0)
+    n_shared = f.get("n_shared_experts", 0)
+    # FFN outputs added per layer: routed (or dense) + qwen2_moe's / DeepSeek's shared expert
+    n_ffn = [1 + (arch == "qwen2_moe" or (n_shared > 0 and l >= first_dense)) for l in range(L)]
+    growth = [attn_out ** 2 + n * _SKEW_FFN ** 2 for n in n_ffn]   # per layer, in n0^2
 
     def rest2(layer: int) -> float:
         """E|x_rest|^2 / n0^2 of the residual stream entering `layer`, x_rest being x
         without its u and topic components."""
-        return 1.0 + growth * layer
+        if len(set(growth)) == 1:                            # as the first families always had
+            return 1.0 + growth[0] * layer
+        return 1.0 + sum(growth[:layer])
 
     basis64 = basis.astype(np.float64)
 
@@ -283,11 +433,19 @@ def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
     def reader(rows: np.ndarray, first_row: int) -> None:
         project(rows)
 
+    def column_reader(rows: np.ndarray, first_row: int) -> None:
+        """GPT-OSS's plain experts [E, H, 2I] read h along their rows: per expert, remove
+        the u and topic components of every column (the chunks hold whole experts)."""
+        w = rows.reshape(-1, H, rows.shape[1])
+        w -= np.einsum("hk,ekc->ehc", basis64, np.einsum("hk,ehc->ekc", basis64, w)).astype(np.float32)
+
+    column_reader.row_multiple = H
+
     def scaled(factor: float) -> RowAdjust:
-        f = np.float32(factor)
+        f32 = np.float32(factor)
 
         def adjust(rows: np.ndarray, first_row: int) -> None:
-            rows *= f
+            rows *= f32
         return adjust
 
     shared = np.float32(alpha * noise) * u
@@ -315,9 +473,9 @@ def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
     out: dict[str, RowAdjust] = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
     rho2 = _topic_correlation(E, top_k, C, max(1, (V - len(SPECIAL_TOKENS)) // C)) ** 2
     unit_offsets = _zipf_offsets(E, top_k, skew)             # by rank, in units of the noise
-    renormalize = arch in ("mixtral", "qwen3_moe")
-    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
-    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    shares = _zipf_shares(E, top_k, skew)
+    renormalize = arch in ("mixtral", "qwen3_moe") or (fam.rule == "sigmoid" and f["norm_topk_prob"])
+    moe = fam.moe
     for layer in range(L):
         p = f"model.layers.{layer}."
         r2a = rest2(layer)                                   # at this layer's attention
@@ -326,6 +484,31 @@ def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
         sin_attn = math.sqrt(r2a / (alpha ** 2 + b * b + r2a))   # |h_rest| / sqrt(H)
         sin = math.sqrt(r2 / z2)
         cos = alpha / math.sqrt(z2)                          # (h . u) / sqrt(H)
+        act = (_clamped_swiglu_rms if fam.activation == "clamped_swiglu" else _silu_product_rms)(
+            std * math.sqrt(H) * sin)
+        a = p + "self_attn."
+        if fam.attention == "mla":
+            out[a + ("q_proj" if f["q_lora_rank"] is None else "q_a_proj") + ".weight"] = reader
+            out[a + "kv_a_proj_with_mqa.weight"] = reader
+            # values: kv_b rows (std) against the RMS-normed latent (|latent| = sqrt(r))
+            out[a + "o_proj.weight"] = scaled(
+                _SKEW_ATTN / (std * math.sqrt(d["Nq"] * f["v_head_dim"] * f["kv_lora_rank"])))
+        else:
+            for proj in "qkv":
+                out[f"{a}{proj}_proj.weight"] = reader
+            if f.get("attention_bias"):                      # GLM-4.5, GPT-OSS (module doc)
+                out[a + "v_proj.bias"] = _zeroed
+            D = f.get("head_dim", d["D"])
+            out[a + "o_proj.weight"] = scaled(_SKEW_ATTN / (std * math.sqrt(d["Nq"] * D * H) * sin_attn))
+        if f.get("attention_bias") and arch != "glm4_moe":   # GLM-4.5 has no o_proj bias
+            out[a + "o_proj.bias"] = _zeroed
+        if layer < first_dense:                              # a dense MLP, no router
+            S = f["intermediate_size"]
+            out[p + "mlp.gate_proj.weight"] = reader
+            out[p + "mlp.up_proj.weight"] = reader
+            out[p + "mlp.down_proj.weight"] = scaled(_SKEW_FFN / (math.sqrt(S) * act))
+            continue
+
         # Router-logit variance, in units of std^2 H / z2: plain rows r.h_rest give r2; the
         # topic rows lam * std * y[e, c] * w_c give lam2 b^2 shared within the topic, and
         # lam2 C (r2 - 1) / H per token from x_rest's components along the topic directions.
@@ -334,25 +517,51 @@ def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
         lam2 = share * r2 / (b * b - share * (b * b + spill))
         sigma = std * math.sqrt(H / z2) * math.sqrt(r2 + lam2 * (b * b + spill))   # its sd
         rank = _skew_rng(seed, f"rank/{layer}").permutation(E)            # rank[e]: 0 = hottest
-        offsets = unit_offsets[rank] * sigma
-        act = _silu_product_rms(std * math.sqrt(H) * sin)
-        mix = _mixing_norm(offsets, sigma, top_k, renormalize)
+        if fam.rule == "softmax":
+            offsets = unit_offsets[rank] * sigma
+            mix = _mixing_norm(offsets, sigma, top_k, renormalize)
+        elif fam.rule == "topk_softmax":
+            offsets = unit_offsets[rank] * sigma
+            logits = offsets + sigma * np.random.Generator(np.random.PCG64(1)).standard_normal((256, E))
+            mix = _weights_norm(logits, "topk_softmax", top_k, True, 1.0)
+        else:
+            groups = (f["n_group"], f["topk_group"])
+            by_rank, bias_by_rank = _sigmoid_offsets(shares, sigma, top_k, *groups, _BALANCE)
+            offsets, bias = by_rank[rank], bias_by_rank[rank]
+            logits = offsets + sigma * np.random.Generator(np.random.PCG64(1)).standard_normal((256, E))
+            mix = _weights_norm(logits, "sigmoid", top_k, renormalize, f["routed_scaling_factor"],
+                                bias, groups)
+            bias32 = bias.astype(np.float32)
 
-        for proj in "qkv":
-            out[f"{p}self_attn.{proj}_proj.weight"] = reader
-        out[f"{p}self_attn.o_proj.weight"] = scaled(
-            _SKEW_ATTN / (std * math.sqrt(d["Nq"] * d["D"] * H) * sin_attn))
-        for e in range(E):
-            pe = f"{p}{moe}.experts.{e}."
-            out[pe + names[0] + ".weight"] = reader
-            out[pe + names[1] + ".weight"] = reader
-            out[pe + names[2] + ".weight"] = scaled(_SKEW_FFN / (math.sqrt(I) * act * mix))
+            def correction(rows: np.ndarray, first_row: int, bias32: np.ndarray = bias32) -> None:
+                rows[:] = bias32
+
+            out[f"{p}{moe}.{fam.router}.e_score_correction_bias"] = correction
+
+        down = scaled(_SKEW_FFN / (math.sqrt(I) * act * mix))
+        if fam.experts is None:                              # GPT-OSS: fused over experts
+            e = f"{p}{moe}.experts."
+            out[e + "gate_up_proj"] = reader if d.get("rows_out") else column_reader
+            out[e + "down_proj"] = down
+            out[e + "down_proj_bias"] = _zeroed
+            out[f"{p}{moe}.{fam.router}.bias"] = _zeroed
+        else:
+            for e in range(E):
+                pe = f"{p}{moe}.experts.{e}."
+                out[pe + fam.experts[0] + ".weight"] = reader
+                out[pe + fam.experts[1] + ".weight"] = reader
+                out[pe + fam.experts[2] + ".weight"] = down
         if arch == "qwen2_moe":                              # sigmoid(gate . h) ~ 0.5
             out[p + "mlp.shared_expert.gate_proj.weight"] = reader
             out[p + "mlp.shared_expert.up_proj.weight"] = reader
             out[p + "mlp.shared_expert.down_proj.weight"] = scaled(
                 _SKEW_FFN / (math.sqrt(d["S"]) * act * 0.5))
             out[p + "mlp.shared_expert_gate.weight"] = reader
+        elif n_shared:                                       # DeepSeek-V3 / GLM-4.5: ungated
+            out[p + "mlp.shared_experts.gate_proj.weight"] = reader
+            out[p + "mlp.shared_experts.up_proj.weight"] = reader
+            out[p + "mlp.shared_experts.down_proj.weight"] = scaled(
+                _SKEW_FFN / (math.sqrt(n_shared * I) * act))
 
         y = _skew_rng(seed, f"topic_router/{layer}").standard_normal((E, C))
         if C > 1:                                            # so each expert's mean over topics is
@@ -368,5 +577,5 @@ def skew_adjustments(arch: str, d: dict, top_k: int, seed: int, std: float,
             rows += (topic_w[span].astype(np.float64) @ topics64[:C]).astype(np.float32)
             rows += np.outer(u_w[span], u)
 
-        out[f"{p}{moe}.gate.weight"] = router
+        out[f"{p}{moe}.{fam.router}.weight"] = router
     return out

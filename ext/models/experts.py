@@ -98,8 +98,9 @@ class ExpertLayout:
     Raises:
         MissingTensorError: a projection (or a piece of it) of some (layer, expert) is
             absent.
-        TensorRangeError: a projection's shape disagrees with the config, or its format
-            or piece dtypes with its siblings' (every expert of a model shares one).
+        TensorRangeError: a projection's shape disagrees with the config, its format or
+            piece dtypes with its siblings' (every expert of a model shares one), or its
+            scales' block with the same projection's of the other experts.
         QuantizationError: pieces that disagree with each other or with the
             quantization config (ext/formats/quant.py).
     """
@@ -112,6 +113,7 @@ class ExpertLayout:
         names = family_of(config.model_type).tensors
         self.transposed = False        # plain fused experts stored [in, out] (GPT-OSS)
         kind = None
+        blocks: dict[str, tuple[int, int] | None] = {}   # proj -> the block of its scales
         for layer, is_moe in enumerate(config.moe_layers):
             if not is_moe:
                 continue
@@ -124,14 +126,20 @@ class ExpertLayout:
                         module = expert_module_name(config.model_type, layer, expert, proj)
                         weights[proj] = resolve_weight(checkpoint.tensors, module, expected[proj], EXPERT,
                                                        config.quantization, checkpoint.model_dir)
-                for w in filter(None, weights.values()):
-                    this = (w.format, tuple(p.dtype for p in w.pieces), w.block)
+                for proj, w in weights.items():
+                    if w is None:
+                        continue
+                    this = (w.format, tuple(p.dtype for p in w.pieces))
                     kind = kind or this
-                    if this != kind:
+                    # one format for every expert; the block each scale covers may differ
+                    # between projections (moed's repack groups g = min(group_size, C)
+                    # inputs, so down's differs when intermediate_size < group_size)
+                    block = blocks.setdefault(proj, w.block)
+                    if this != kind or w.block != block:
                         first = w.pieces[0]
                         raise TensorRangeError(
-                            f"stored as {_describe(this)}, unlike the other experts' {_describe(kind)}",
-                            path=first.path, tensor=first.name)
+                            f"stored as {_describe(this, w.block)}, unlike the other experts' "
+                            f"{_describe(kind, block)}", path=first.path, tensor=first.name)
                 self._locations[(layer, expert)] = ExpertLocation(layer, expert, **weights)
         self.format = kind[0] if kind else None
 
@@ -208,9 +216,10 @@ class ExpertLayout:
                     w.check_values({role: checkpoint.read(p) for role, p in pieces.items()})
 
 
-def _describe(kind: tuple) -> str:
-    fmt, dtypes, block = kind
-    return f"{fmt} ({', '.join(dtypes)})" if len(dtypes) > 1 else fmt
+def _describe(kind: tuple, block: tuple[int, int] | None) -> str:
+    fmt, dtypes = kind
+    text = f"{fmt} ({', '.join(dtypes)})" if len(dtypes) > 1 else fmt
+    return text if block is None else f"{text} in blocks of {block[0]}x{block[1]}"
 
 
 class ExpertProvider(ABC):
@@ -219,18 +228,37 @@ class ExpertProvider(ABC):
     Contract: `acquire(layer, experts)` returns, in the order asked, one
     `ExpertWeights` per expert id, valid until `release(layer, experts)` with
     the same arguments; the forward pass calls each pair exactly once per MoE
-    layer and step. When `wants_hints` is True, the forward pass also calls
-    `hint` after each layer's attention with each of the next `hint_depth` MoE
-    layers' routers applied to the current hidden state — a prefetch
-    opportunity; it must not block and never changes what `acquire` returns.
+    layer and step (or `acquire_in_order` in place of `acquire`). When
+    `wants_hints` is True, the forward pass also calls `hint` after each layer's
+    attention with each of the next `hint_depth` MoE layers' routers applied to the
+    current hidden state, and — when `early_hints` is True — before each MoE layer's
+    attention with that layer's own router applied to its input (ahead=0): prefetch
+    opportunities; they must not block and never change what `acquire` returns.
+    When `wants_routing` is True, `observe_routing` gets each MoE layer's top-k choice
+    of every row (for learning and recording; it must not keep the array).
     """
 
     wants_hints: bool = False
+    early_hints: bool = False
+    wants_routing: bool = False
     hint_depth: int = 1
 
     @abstractmethod
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         """Weights for `experts` of `layer`; raises KeyError for an unknown address."""
+
+    def acquire_in_order(self, layer: int, experts: Sequence[int]):
+        """Like `acquire`, as the weights become usable: yields (positions, weights) —
+        positions into `experts` and their `ExpertWeights` — until every expert was
+        yielded once; the caller then calls `release(layer, experts)` — unless the
+        iteration raised (a failed read), which leaves nothing to release. The default
+        yields them all at once; a provider that reads experts yields resident ones
+        first and the others as their reads complete, so compute overlaps the reads."""
+        yield list(range(len(experts))), self.acquire(layer, experts)
+
+    def observe_routing(self, layer: int, ids: np.ndarray) -> None:
+        """Layer `layer` routed its rows: ids [T, K] int32, each row's experts in rank
+        order (a view valid only during the call)."""
 
     def max_acquire(self, layer: int) -> int | None:
         """Most experts of `layer` one `acquire` may ask for (None: no limit). A prefill
@@ -249,8 +277,10 @@ class ExpertProvider(ABC):
         Args:
             layer: the MoE layer the prediction is for.
             router_logits: [T, E] float32, that layer's router applied to the
-                current hidden state (a view valid only during the call).
-            ahead: how many MoE layers after the current one `layer` is (1 = next).
+                current hidden state (a view valid only during the call), or a
+                callable returning it (computed only when the provider asks).
+            ahead: how many MoE layers after the current one `layer` is (1 = next;
+                0 = `layer` itself, before its attention).
         """
 
     def close(self) -> None:

@@ -91,6 +91,8 @@ class _Workspace:
         self.h = np.empty((chunk, H), F32)
         self.router_logits = np.empty((chunk, c.num_experts), F32)
         self.hint_logits = np.empty((chunk, c.num_experts), F32)
+        self.hint_h = np.empty((chunk, H), F32)
+        self.y_order = np.empty((K, H), F32)
         self.ids = np.empty((chunk, K), np.int32)
         self.weights = np.empty((chunk, K), F32)
         self.xg = np.empty((chunk * K, H), F32)
@@ -396,6 +398,8 @@ class Model:
             [np.arange(kv.length, kv.length + r1 - r0, dtype=F32) for kv, r0, r1 in segments]))
         for l, layer in enumerate(self.layers):
             h = ws.h[:T]
+            if layer.router is not None and self.experts.wants_hints and self.experts.early_hints:
+                self._hint_own_layer(l, layer, x)
             K_.rmsnorm(x, layer.input_norm, c.rms_norm_eps, h, nt)
             x += self.attention(l, layer.attention, segments, h)
             K_.rmsnorm(x, layer.post_norm, c.rms_norm_eps, h, nt)
@@ -412,10 +416,10 @@ class Model:
         return out
 
     def _hint_next_layer(self, l: int, h: np.ndarray) -> None:
-        """Apply the routers of the next `experts.hint_depth` MoE layers to the current
-        hidden state [T, H] and pass the provider their scores under the family's
-        routing rule, so their experts can be read while this layer computes. Output is
-        unaffected whatever the provider does."""
+        """Offer the provider the routers of the next `experts.hint_depth` MoE layers
+        applied to the current hidden state [T, H], scored under the family's routing
+        rule (computed only when the provider asks), so their experts can be read while
+        this layer computes. Output is unaffected whatever the provider does."""
         nxt = l
         logits = self.ws.hint_logits[:h.shape[0]]
         for ahead in range(1, self.experts.hint_depth + 1):
@@ -423,8 +427,25 @@ class Model:
             if nxt is None:
                 return
             router = self.layers[nxt].router
-            self.routing.logits(router, h, logits, self.n_threads)           # [T, E]
-            self.experts.hint(nxt, self.routing.hint_scores(router, logits), ahead)
+
+            def scores(router=router) -> np.ndarray:
+                self.routing.logits(router, h, logits, self.n_threads)       # [T, E]
+                return self.routing.hint_scores(router, logits)
+            self.experts.hint(nxt, scores, ahead)
+
+    def _hint_own_layer(self, l: int, layer: LayerWeights, x: np.ndarray) -> None:
+        """The sharper guess, before layer l's attention: its own router applied to its
+        input [T, H] through its post-attention norm (what the router will see, less the
+        attention's update), scored under the family's rule. The first MoE layer's only
+        guess."""
+        T = x.shape[0]
+
+        def scores() -> np.ndarray:
+            h, logits = self.ws.hint_h[:T], self.ws.hint_logits[:T]
+            K_.rmsnorm(x, layer.post_norm, self.config.rms_norm_eps, h, self.n_threads)
+            self.routing.logits(layer.router, h, logits, self.n_threads)     # [T, E]
+            return self.routing.hint_scores(layer.router, logits)
+        self.experts.hint(l, scores, 0)
 
     def _moe(self, l: int, layer: LayerWeights, h: np.ndarray) -> np.ndarray:
         """Routed experts (+ the shared expert, gated or not) for [T, H] input."""
@@ -437,12 +458,16 @@ class Model:
         except ValueError as e:
             raise ValueError(f"layer {l}: {e} (the weights of this layer's router or of the "
                              "layers before it hold NaN or inf)") from None
+        if self.experts.wants_routing:
+            self.experts.observe_routing(l, ids)
         experts, group_start, order = _group_by_expert(ids)
         N = T * K
+        limit = self.experts.max_acquire(l) or len(experts)
+        if T == 1 and limit >= len(experts):
+            return self._moe_decode(l, layer, h, experts, order, weights)
         xg = ws.xg[:N]
         np.take(h, order // K, axis=0, out=xg)                   # [N, H] grouped by expert
         y = ws.y[:N]
-        limit = self.experts.max_acquire(l) or len(experts)
         for g0 in range(0, len(experts), limit):                 # batches the cache can hold
             g1 = min(g0 + limit, len(experts))
             batch = experts[g0:g1]
@@ -458,8 +483,47 @@ class Model:
                 self.experts.release(l, batch)
         rows = np.empty(N, np.int64)
         rows[order] = np.arange(N)                               # row of y per (token, rank)
+        return self._combine(layer, h, y, rows.reshape(T, K), weights)
+
+    def _moe_decode(self, l: int, layer: LayerWeights, h: np.ndarray, experts: list[int],
+                    order: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """One token's K experts, each computed as soon as its weights are usable (cached
+        ones first, the others as their reads complete), then summed in rank order:
+        every expert's row depends only on its weights and the input, so the order of
+        computation changes nothing in the output."""
+        c, ws, nt = self.config, self.ws, self.n_threads
+        K = len(experts)
+        y, part = ws.y[:K], ws.y_order
+        xg = ws.xg[:K]
+        xg[:] = h                                                # [K, H], one row per expert
+        ready = iter(self.experts.acquire_in_order(l, experts))   # a failed read releases
+        for positions, weights_of in ready:
+            n = len(positions)
+            batch = [experts[i] for i in positions]
+            starts = np.arange(n + 1, dtype=np.int64)
+            try:
+                if self.moe_observer is not None:
+                    self.moe_observer(l, batch, weights_of, xg[:n], starts)
+                self.expert_ffn(layer.expert_resident, batch, weights_of, xg[:n], starts,
+                                ws.hbuf(n, c.moe_intermediate_size), part[:n], nt)
+            except BaseException:
+                ready.close()
+                self.experts.release(l, experts)
+                raise
+            y[positions] = part[:n]                              # row g = experts[g]
+        self.experts.release(l, experts)
+        rows = np.empty(K, np.int64)
+        rows[order] = np.arange(K)                               # row of y per rank
+        return self._combine(layer, h, y, rows.reshape(1, K), weights)
+
+    def _combine(self, layer: LayerWeights, h: np.ndarray, y: np.ndarray, rows: np.ndarray,
+                 weights: np.ndarray) -> np.ndarray:
+        """The weighted sum of the routed experts' rows in rank order, plus the shared
+        expert (gated or not): [T, H]."""
+        ws, nt = self.ws, self.n_threads
+        T = h.shape[0]
         out = ws.out[:T]
-        K_.combine_experts(y, rows.reshape(T, K), weights, out)  # [T, H], rank order
+        K_.combine_experts(y, rows, weights, out)                # [T, H], rank order
         if layer.shared_expert is not None:
             shared = self._dense_mlp(layer.shared_expert, h, ws.shared[:T])
             if layer.shared_expert_gate is not None:             # Qwen2-MoE: sigmoid gate

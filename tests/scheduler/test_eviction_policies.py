@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.eviction import (DEFAULT_POLICY, POLICIES, ARCPolicy, BeladyPolicy, LRFUPolicy,
-                                LRUPolicy, PredictivePolicy, SLRUPolicy, policy_factory)
+from scheduler.eviction import (DEFAULT_POLICY, POLICIES, ARCPolicy, BeladyPolicy, LFUPolicy,
+                                LRFUPolicy, LRUPolicy, PredictivePolicy, S3FIFOPolicy, SLRUPolicy,
+                                policy_factory)
 
 ANY = lambda e: True  # noqa: E731
 
@@ -49,6 +50,34 @@ def test_arc_moves_experts_seen_twice_to_t2_and_learns_from_ghosts():
     _use(p, 4, [1], res)                           # ghost hit in B1: p grows, 1 enters T2
     assert p._p == 1.0
     assert p.victim(5, ANY) == 0                   # T1 empty: LRU of T2
+
+
+def test_lfu_evicts_the_least_used_then_the_least_recent():
+    p, res = LFUPolicy(8, 3), set()
+    for t, e in enumerate([0, 0, 1, 2, 1]):
+        _use(p, t, [e], res)
+    assert p.victim(5, ANY) == 2                   # used once; 0 and 1 twice
+    assert p.victim(5, lambda e: e != 2) == 0      # tie 0/1 at two uses: 0 is older
+    p.admit(5, 6, demand=False)                    # an unused prefetch counts 0
+    assert p.victim(6, ANY) == 5
+
+
+def test_s3fifo_sends_one_hit_wonders_to_the_ghost_and_keeps_reused_experts():
+    p, res = S3FIFOPolicy(32, capacity=10), set()   # small FIFO: 1 slot
+    _use(p, 0, [0], res)
+    _use(p, 1, [0], res)                            # 0 used again while in S
+    _use(p, 2, [1], res)
+    # S holds 0 (used) and 1: 0 moves to M, 1 is the victim; victim() changes nothing
+    assert p.victim(3, ANY) == 1 and p.victim(3, ANY) == 1
+    assert list(p._small) == [0, 1]
+    p.evict(1, 3)
+    assert list(p._small) == [] and list(p._main) == [0] and 1 in p._ghost
+    res.discard(1)
+    _use(p, 4, [1], res)                            # back from the ghost: straight to M
+    assert list(p._main) == [0, 1]
+    assert p.victim(5, ANY) == 0                    # M's oldest, its use count spent
+    assert p.victim(5, lambda e: e != 0) == 1
+    assert p.victim(5, lambda e: False) is None
 
 
 def test_lrfu_keeps_a_frequent_expert_over_a_recent_one_off():

@@ -407,3 +407,141 @@ def test_invariants_under_random_traffic(policy, seed, staging):
     assert snap.lookups == 150 * 3 * top_k
     assert sum(snap.prefetches_used) + sum(snap.prefetches_wasted) + sum(snap.prefetches_unused) \
         == sum(snap.prefetches_issued)
+
+
+# -- re-dividing the tiers ---------------------------------------------------------------
+def _invariants(cache):
+    for s in range(cache.total_slots):
+        key = cache.held(s)
+        assert (key is None) == (cache.state(s) == SlotState.FREE)
+        if key is not None:
+            assert cache.slot_of(*key) == s
+    tiers = [cache.tier(s) for s in range(cache.total_slots)]
+    assert tiers.count(Tier.PINNED) == cache.pinned_slots
+    assert tiers.count(Tier.STAGING) == cache.staging_slots
+    for i, layer in enumerate(cache.moe_layers):
+        assert sum(t == Tier.DYNAMIC and cache._owner[s] == i for s, t in enumerate(tiers)) \
+            == cache.dynamic_slots(layer)
+
+
+def test_set_tiers_grows_the_pinned_tier_from_the_dynamic_one_keeping_residents():
+    cache = ExpertCache([0, 1], 16, 2, total_slots=12, pinned_slots=0, policy="lru")
+    for t, experts in enumerate([[0, 1], [2, 3], [4, 5]]):
+        _step(cache, 0, experts, t)
+        _step(cache, 1, experts, t)
+    slot_of_5 = cache.slot_of(0, 5)
+    cache.set_tiers(4, 0)
+    assert [cache.dynamic_slots(x) for x in (0, 1)] == [4, 4]
+    _invariants(cache)
+    assert _resident(cache, 0) == {2, 3, 4, 5}                   # 0 and 1 were the LRU victims
+    assert cache.slot_of(0, 5) == slot_of_5                      # no read, no copy
+    assert cache.snapshot().evictions_dynamic == (2, 2)
+    loads = cache.set_pins({(0, 5), (1, 9)})
+    assert [(l.layer, l.expert) for l in loads] == [(1, 9)]      # 5 moves without a read
+    _invariants(cache)
+
+
+def test_set_tiers_shrinks_pinned_and_staging_back_into_the_layers():
+    cache = ExpertCache([0, 1], 16, 2, total_slots=12, pinned_slots=2, staging_slots=2, policy="lru")
+    for load in cache.set_pins({(0, 7), (1, 8)}):
+        cache.loaded(load.slot)
+    guess = cache.prefetch(1, 3, 0, 0.9)
+    cache.loaded(guess)
+    cache.set_pins({(0, 7)})                          # (1, 8) goes to its layer's dynamic tier
+    cache.set_tiers(1, 1)
+    _invariants(cache)
+    assert cache.pins == {(0, 7)} and cache.tier(cache.slot_of(0, 7)) == Tier.PINNED
+    assert cache.tier(cache.slot_of(1, 8)) == Tier.DYNAMIC
+    assert cache.tier(cache.slot_of(1, 3)) == Tier.STAGING     # the fresh guess is kept
+    cache.set_pins([])
+    cache.set_tiers(0, 0, dynamic_slots=[7, 5])
+    _invariants(cache)
+    assert [cache.dynamic_slots(x) for x in (0, 1)] == [7, 5]
+    assert cache.tier(cache.slot_of(0, 7)) == Tier.DYNAMIC      # the old pin stays resident
+
+
+def test_set_tiers_refuses_a_busy_cache_and_bad_sizes():
+    cache = ExpertCache([0, 1], 16, 2, total_slots=8, pinned_slots=2, policy="lru")
+    cache.request(0, [1, 2], 0)
+    with pytest.raises(ValueError, match="released"):
+        cache.set_tiers(0, 0)
+    with pytest.raises(CacheBudgetError, match="top_k"):
+        ExpertCache([0, 1], 16, 2, total_slots=8).set_tiers(5, 0)
+    for load in (c := ExpertCache([0, 1], 16, 2, total_slots=8, pinned_slots=2)).set_pins({(0, 1), (1, 1)}):
+        c.loaded(load.slot)
+    with pytest.raises(ValueError, match="shrink the pin set"):
+        c.set_tiers(1, 0)
+    with pytest.raises(ValueError, match="dynamic_slots"):
+        c.set_tiers(2, 0, dynamic_slots=[3, 2])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_set_tiers_under_random_traffic_keeps_the_invariants(policy, seed):
+    rng = np.random.default_rng(seed)
+    layers, n_exp, top_k = [2, 5, 9], 12, 3
+    cache = ExpertCache(layers, n_exp, top_k, total_slots=24, pinned_slots=3, policy=policy,
+                        staging_slots=2)
+    for t in range(120):
+        for layer in layers:
+            if rng.random() < 0.3:
+                slot = cache.prefetch(layer, int(rng.integers(n_exp)), t, float(rng.random()))
+                if slot is not None:
+                    cache.loaded(slot)
+            _step(cache, layer, rng.choice(n_exp, size=top_k, replace=False).tolist(), t)
+        if t % 10 == 9:
+            pinned = int(rng.integers(0, 7))
+            staging = int(rng.integers(0, 24 - pinned - 9 * 1 - 6))
+            keep = sorted(cache.pins)[:pinned]
+            cache.set_pins(keep)
+            cache.set_tiers(pinned, staging)
+            wanted = {(layers[int(rng.integers(3))], int(rng.integers(n_exp))) for _ in range(pinned)}
+            for load in cache.set_pins(list(wanted)[:pinned]):
+                cache.loaded(load.slot)
+            _invariants(cache)
+    snap = cache.snapshot()
+    assert snap.lookups == 120 * 3 * top_k
+    assert sum(snap.prefetches_used) + sum(snap.prefetches_wasted) + sum(snap.prefetches_unused) \
+        == sum(snap.prefetches_issued)
+
+
+# -- warm start and a live policy switch -------------------------------------------------
+def test_a_warm_start_read_takes_only_free_slots_and_evicts_nothing():
+    cache = ExpertCache([0], 8, 2, total_slots=3, policy="lru")
+    s = cache.warm(0, 5, token=0)
+    assert s is not None and cache.state(s) == SlotState.LOADING
+    assert cache.warm(0, 5, token=0) is None              # in flight already
+    cache.loaded(s)
+    assert cache.warm(0, 5, token=0) is None              # resident
+    assert cache.warm(0, 6, token=0) is not None and cache.warm(0, 7, token=0) is not None
+    for e in (6, 7):
+        cache.loaded(cache.slot_of(0, e))
+    assert cache.warm(0, 1, token=0) is None              # no FREE slot: nothing is evicted
+    assert _resident(cache, 0) == {5, 6, 7}
+    assert _step(cache, 0, [5, 6], 1) == [OUTCOME_HIT, OUTCOME_HIT]
+    snap = cache.snapshot()                               # warm reads are not lookups
+    assert snap.lookups == 2 and snap.misses == (0,)
+
+
+@pytest.mark.parametrize("old", ["default", "lfu", "slru"])
+def test_set_policy_keeps_the_residents_and_lru_starts_from_the_old_policys_ranking(old):
+    cache = ExpertCache([0], 8, 2, total_slots=4, policy=old)
+    for t, experts in enumerate([[0, 1], [0, 1], [0, 1], [2, 3], [0, 2]]):
+        _step(cache, 0, experts, t)
+    assert _resident(cache, 0) == {0, 1, 2, 3}
+    policy = cache._policies[0]
+    values = {e: policy.value(e, 4) for e in (1, 3)}      # 0 and 2 are asked for below
+    cache.set_policy("lru")
+    assert cache.policy_name == "lru" and _resident(cache, 0) == {0, 1, 2, 3}
+    # the first victim is the old policy's least valuable resident, whatever LRU's
+    # own recency would say; from there on it is plain LRU
+    assert _step(cache, 0, [0, 2], 5) == [OUTCOME_HIT, OUTCOME_HIT]
+    _step(cache, 0, [5, 0], 6)
+    (gone,) = {1, 3} - _resident(cache, 0)
+    assert gone == min(values, key=lambda e: (values[e], e))
+    (kept,) = {1, 3} - {gone}
+    _step(cache, 0, [6, 0], 7)
+    assert kept not in _resident(cache, 0) and {0, 5, 6} <= _resident(cache, 0)
+    with pytest.raises(ValueError):
+        cache.set_policy("no-such-policy")
+    assert cache.policy_name == "lru"

@@ -1,13 +1,21 @@
 """scheduler.replay: the trace protocol on traces with known answers, and the Kimi trace.
 
 Kimi-Linear decode trace (26 MoE layers, 256 experts, top-8, 300 tokens; phase 1 = the
-first 150 tokens; moed policies get 25 % of the slots as pins learned in phase 1; LRU and
-Belady start empty). Hit rates in %, measured with this code:
+first 150 tokens, counted from there; moed's policies learn their pins while replaying,
+the others run without). Hit rates in %, measured with this code:
 
-    slots/layer        lru   slru    arc   lrfu  predictive(default)  belady
-    12 (1.5 x top_k)  37.54  41.58  41.66  42.14  42.65                50.11
-    16 (2 x top_k)    43.84  46.19  46.13  47.11  47.97                57.50
-    24 (3 x top_k)    51.27  52.77  53.20  53.88  54.93                65.72
+    warm start (every cache replayed phase 1 first)
+    slots/layer        lru    lfu   slru    arc  s3fifo   lrfu  default  belady
+    12 (1.5 x top_k)  37.98  41.87  40.96  40.73  41.57  42.54   43.46   50.79
+    16 (2 x top_k)    44.38  46.06  45.34  45.26  46.54  47.70   49.12   58.41
+    24 (3 x top_k)    52.08  52.30  52.50  52.25  53.38  54.79   56.50   67.27
+    cold start (every cache empty at token 150; moed's pins learned from phase 1)
+    12                37.54  40.60  40.47  40.27  41.00  41.90   42.56   50.11
+    16                43.84  45.15  44.73  44.64  45.72  47.05   47.92   57.50
+    24                51.27  51.52  51.78  51.58  52.33  53.22   54.21   65.72
+
+At 16 slots the default leads warm LRU by 4.7 points and closes 34 % of the LRU-to-Belady
+gap (cold: 4.1 points, 30 %).
 """
 from __future__ import annotations
 
@@ -52,17 +60,18 @@ def _random_trace(seed, n_tokens=120, n_layers=2, n_exp=16, top_k=3, reuse=0.4):
     return tokens
 
 
-def _reference_lru(tokens, slots):
+def _reference_lru(tokens, slots, count_from=0):
     """Per-layer LRU, all of a token's experts resident together: hits are reused first,
-    then misses are added in order, each evicting the least recent non-current expert."""
+    then misses are added in order, each evicting the least recent non-current expert.
+    Hits are counted from token `count_from` on."""
     hits = 0
     for layer in range(len(tokens[0])):
         order: OrderedDict[int, None] = OrderedDict()
-        for layers in tokens:
+        for t, layers in enumerate(tokens):
             ids = layers[layer]
             for e in ids:
                 if e in order:
-                    hits += 1
+                    hits += t >= count_from
                     order.move_to_end(e)
             for e in ids:
                 if e not in order:
@@ -72,8 +81,9 @@ def _reference_lru(tokens, slots):
     return hits
 
 
-def _reference_min(tokens, slots):
-    """Belady's MIN per layer: evict the non-current expert used again furthest ahead."""
+def _reference_min(tokens, slots, count_from=0):
+    """Belady's MIN per layer: evict the non-current expert used again furthest ahead.
+    Hits are counted from token `count_from` on."""
     hits = 0
     for layer in range(len(tokens[0])):
         seq = [layers[layer] for layers in tokens]
@@ -83,7 +93,7 @@ def _reference_min(tokens, slots):
                 return next((u for u in range(t + 1, len(seq)) if e in seq[u]), len(seq))
             for e in ids:
                 if e in cache:
-                    hits += 1
+                    hits += t >= count_from
                 else:
                     if len(cache) == slots:
                         cache.remove(max((x for x in cache if x not in ids), key=next_use))
@@ -95,7 +105,8 @@ def test_lru_and_belady_on_a_hand_made_trace(tmp_path):
     trace = _write(tmp_path / "t.jsonl", [[[0, 1]], [[2, 3]], [[0, 2]], [[1, 3]], [[0, 1]]])
     result = replay_trace(trace, slots_per_layer=3, policies=["lru", "belady"], warm_tokens=0)
     # LRU keeps {1,2,3} after token 1, {2,3,0} after 2, {0,3,1} after 3: hits 0+1+1+2.
-    assert result["policies"]["lru"] == {"hit_rate": 0.4, "hits": 4, "lookups": 10, "pinned_slots": 0}
+    assert result["policies"]["lru"] == {"hit_rate": 0.4, "hits": 4, "lookups": 10, "reads": 6,
+                                         "pinned_slots": 0}
     # MIN evicts 1 at token 1 (next use 3 > 2) and 2 at token 3 (never used again): 0+2+1+2.
     assert result["policies"]["belady"]["hits"] == 5
     assert (result["tokens"], result["trace_tokens"], result["layers"], result["top_k"]) == (5, 5, 1, 2)
@@ -103,13 +114,16 @@ def test_lru_and_belady_on_a_hand_made_trace(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("slots", [3, 5, 8])
-def test_lru_and_belady_match_independent_references(tmp_path, seed, slots):
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_lru_and_belady_match_independent_references(tmp_path, seed, slots, start):
+    """Cold: the references replay phase 2 only; warm: the whole trace, counting phase 2."""
     tokens = _random_trace(seed)
     trace = _write(tmp_path / "r.jsonl", tokens)
-    result = replay_trace(trace, slots, POLICIES, warm_tokens=40)
-    measured = tokens[40:]
-    assert result["policies"]["lru"]["hits"] == _reference_lru(measured, slots)
-    assert result["policies"]["belady"]["hits"] == _reference_min(measured, slots)
+    result = replay_trace(trace, slots, POLICIES, warm_tokens=40, start=start)
+    replayed, count_from = (tokens[40:], 0) if start == "cold" else (tokens, 40)
+    assert result["policies"]["lru"]["hits"] == _reference_lru(replayed, slots, count_from)
+    assert result["policies"]["belady"]["hits"] == _reference_min(replayed, slots, count_from)
+    assert result["start"] == start
     best = result["policies"]["belady"]["hit_rate"]
     for name in POLICIES:
         assert result["policies"][name]["lookups"] == 80 * 2 * 3
@@ -123,7 +137,8 @@ def test_learned_pins_keep_a_periodic_expert_that_lru_loses(tmp_path):
     one_off = iter(range(100, 100 + 400))
     tokens = [[[9]] if t % 3 == 0 else [[next(one_off)]] for t in range(120)]
     trace = _write(tmp_path / "p.jsonl", tokens)
-    result = replay_trace(trace, 2, ["lru", "default", "belady"], pin_fraction=0.5, top_k=1)
+    result = replay_trace(trace, 2, ["lru", "default", "belady"], pin_fraction=0.5, top_k=1,
+                          start="cold")
     returns = sum(1 for layers in tokens[60:] if layers == [[9]])
     assert result["warm_tokens"] == 60
     assert result["policies"]["lru"]["hits"] == 0
@@ -175,27 +190,30 @@ def test_the_command_lists_the_policies_and_exits_2_on_an_unknown_one(tmp_path, 
     assert "invalid choice: 'fifo'" in capsys.readouterr().err
     assert main(["replay-trace", str(trace), "--slots-per-layer", "4", "--policy", "belady",
                  "--policy", "predictive"]) == 0
-    assert set(json.loads(capsys.readouterr().out)["policies"]) == {"belady", "predictive"}
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["warm"]) == set(report["cold"]) == {"belady", "predictive"}
 
 
 @pytest.mark.skipif(not KIMI.exists(), reason="../shared/traces is not present")
-def test_kimi_trace_default_beats_lru_by_three_points_at_twice_top_k():
-    result = replay_trace(KIMI, 16, ["lru", "default", "belady"])
+@pytest.mark.parametrize("start, lru_hits, belady_hits", [("cold", 13677, 17939), ("warm", 13845, 18224)])
+def test_kimi_trace_default_beats_lru_by_three_points_at_twice_top_k(start, lru_hits, belady_hits):
+    result = replay_trace(KIMI, 16, ["lru", "default", "belady"], start=start)
     rates = {name: r["hit_rate"] for name, r in result["policies"].items()}
     assert (result["tokens"], result["layers"], result["top_k"], result["warm_tokens"]) == (150, 26, 8, 150)
-    assert result["policies"]["lru"]["hits"] == 13677        # 43.84 %
-    assert result["policies"]["belady"]["hits"] == 17939     # 57.50 %
+    assert result["policies"]["lru"]["hits"] == lru_hits         # 43.84 % cold, 44.38 % warm
+    assert result["policies"]["belady"]["hits"] == belady_hits   # 57.50 % cold, 58.41 % warm
     assert rates["default"] >= rates["lru"] + 0.03
     assert rates["default"] <= rates["belady"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not KIMI.exists(), reason="../shared/traces is not present")
 @pytest.mark.parametrize("slots, warm", [(12, 150), (24, 150), (16, 75), (16, 225)])
-def test_kimi_trace_default_beats_lru_at_other_sizes_and_warm_ups(slots, warm):
-    result = replay_trace(KIMI, slots, ["lru", "lrfu", "default"], warm_tokens=warm)
+def test_kimi_trace_default_beats_warm_lru_at_other_sizes_and_warm_ups(slots, warm):
+    result = replay_trace(KIMI, slots, ["lru", "lrfu", "s3fifo", "default"], warm_tokens=warm)
     rates = {name: r["hit_rate"] for name, r in result["policies"].items()}
     assert rates["default"] >= rates["lru"] + 0.02
-    assert rates["default"] >= rates["lrfu"]
+    assert rates["default"] >= max(rates["lrfu"], rates["s3fifo"])
 
 
 @pytest.mark.parametrize("line,message", [
@@ -219,14 +237,14 @@ def test_replay_tokens_in_memory_equals_replay_trace_of_the_file(tmp_path, slots
                              num_experts=16)
     assert replay_tokens(tokens, slots, POLICIES, warm_tokens=warm, pin_fraction=pin_fraction,
                          num_experts=16) == from_file
-    assert from_file["policies"]["lru"]["hits"] == _reference_lru(tokens[from_file["warm_tokens"]:],
-                                                                   slots)
+    assert from_file["policies"]["lru"]["hits"] == _reference_lru(tokens, slots,
+                                                                   from_file["warm_tokens"])
 
 
 def test_simulate_hit_rate_is_the_default_policys_phase_two_rate(tmp_path):
     tokens = _random_trace(2)
     want = replay_trace(_write(tmp_path / "r.jsonl", tokens), 5, ["default"], pin_fraction=0.25,
-                        num_experts=16)["policies"]["default"]["hit_rate"]
+                        num_experts=16, start="cold")["policies"]["default"]["hit_rate"]
     assert simulate_hit_rate(tokens, 16, 5, 0.25) == want
     assert 0.0 < want < 1.0
 

@@ -232,3 +232,24 @@ def test_the_cache_split_refuses_bad_input():
         choose_cache_split([[[0, 1]]] * 4, 4, 2, 1, (0.0,), 1, current_fraction=0.0)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         choose_cache_split([], 4, 2, 2, (0.0,), 1, current_fraction=0.0)
+
+
+def test_the_window_grows_until_a_three_percent_effect_is_resolvable():
+    from scheduler.tuner import window_multiplier
+    assert window_multiplier(0.0) == window_multiplier(0.015) == 1
+    assert window_multiplier(0.03) == 4             # noise halves with 4 x the steps
+    assert window_multiplier(0.045) == 9
+    assert window_multiplier(1.0) == 16             # capped
+
+
+def test_a_vs_a_pairs_come_first_and_set_the_window_multiplier():
+    knob = Knob("threads", (1, 2))
+    tuner = OnlineTuner([knob], {"threads": 1}, noise_pairs=2)
+    assert tuner.calibrating and tuner.candidate() is None
+    for cost in (1.0, 1.06, 1.0, 0.94):           # +-6 % between identical windows
+        assert tuner.settings() == {"threads": 1}
+        tuner.observe(cost, 1)
+    assert not tuner.calibrating and tuner.noise == pytest.approx(0.06, rel=1e-6)
+    assert tuner.window_multiplier == 16           # (0.06 / 0.015) ** 2
+    assert tuner.candidate() == ("threads", 2)     # the search starts
+    assert tuner.report()["window_multiplier"] == 16

@@ -261,7 +261,7 @@ def test_stats_and_pins_print_the_daemons_json(daemon, model_dir, capsys):
 
 
 HIT_RATE = re.compile(r"hit rate (\d+\.\d) %")
-PINNED = re.compile(r"^pinned experts: (\d+) of 256", re.M)
+PINNED = re.compile(r"^pinned experts: (\d+) of 256 now, (\d+) when this run started", re.M)
 SOCKET = re.compile(r"starting moed serve on (\S+) ")
 
 
@@ -278,7 +278,10 @@ def test_demo_runs_twice_and_the_second_run_starts_with_the_pins_it_learned(tmp_
     first = moed("demo", "--dir", str(tmp_path), "--max-tokens", "48")
     assert first.returncode == 0, first.stderr
     assert f"model: {default_model_dir()} (the embedded default model)" in first.stderr
-    assert int(PINNED.search(first.stdout).group(1)) == 0
+    pinned_at_end, pinned_at_start = map(int, PINNED.search(first.stdout).groups())
+    assert pinned_at_start == 0                                          # a fresh state
+    assert re.search(r"^pin learning: ", first.stdout, re.M)
+    assert re.search(r"^do no harm: the naive cache .* would have hit \d+\.\d %", first.stdout, re.M)
     rate1 = HIT_RATE.search(first.stdout).group(1)
     assert 0 < float(rate1) < 100
     assert demo_answer(first.stdout).startswith("def fibonacci(n):\n")
@@ -295,7 +298,8 @@ def test_demo_runs_twice_and_the_second_run_starts_with_the_pins_it_learned(tmp_
 
     second = moed("demo", "--dir", str(tmp_path), "--max-tokens", "48")
     assert second.returncode == 0, second.stderr
-    assert int(PINNED.search(second.stdout).group(1)) > 0               # learned in run 1
+    # the second run starts with what the first kept (pins form while a run serves)
+    assert int(PINNED.search(second.stdout).group(2)) == pinned_at_end
     rate2 = HIT_RATE.search(second.stdout).group(1)
     delta = re.search(rf"\(previous run: {re.escape(rate1)} %, ([+-]\d+\.\d) points\)",
                       second.stdout).group(1)

@@ -404,9 +404,13 @@ def test_totals_survive_a_cache_rebuild_and_state_saves_are_counted(model_dir, p
     second, document = reading()
     a, b = first.experts, second.experts
     assert b.lookups_where() == a.lookups_where() + LAYERS * TOP_K
-    # the new cache starts with the learned pins loaded, the rest of the step is misses
-    assert b.bytes_read["pin_load"] > a.bytes_read.get("pin_load", 0) == 0
-    assert a.lookups_where("miss") < b.lookups_where("miss") <= a.lookups_where("miss") + LAYERS * TOP_K
+    # the new cache pins nothing (20 prompt tokens taught no pin share); its warm start
+    # reads the most used experts into the empty dynamic tier, counted as pin loads
+    rebuilt = session.provider
+    assert rebuilt.cache.pinned_slots == 0 and rebuilt.warm_loads > 0
+    assert a.bytes_read.get("pin_load", 0) == 0
+    assert b.bytes_read["pin_load"] == rebuilt.bytes_submitted["pin_load"] > 0
+    assert a.lookups_where("miss") <= b.lookups_where("miss") <= a.lookups_where("miss") + LAYERS * TOP_K
     assert sum(b.bytes_read.values()) > sum(a.bytes_read.values()) > 0
     assert b.evictions["dynamic"] >= a.evictions["dynamic"] > 0
     assert (second.state_saves, second.state_save_errors) == (2, 0)

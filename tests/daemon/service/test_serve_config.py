@@ -54,6 +54,8 @@ LAYERS = {
     "prefetch": ("false", False, "yes", True, "no", False),
     "half_life_tokens": ("100", 100.0, "512.5", 512.5, "4096", 4096.0),
     "tuner": ('"off"', "off", "LIVE+idle", "live+idle", "live", "live"),
+    "record_trace": ('"/t/file.jsonl"', "/t/file.jsonl", "/t/env.jsonl", "/t/env.jsonl",
+                     "/t/flag.jsonl", "/t/flag.jsonl"),
 }
 
 # key: (bad TOML literal, bad env string, bad flag string); None where no string is bad.
@@ -63,6 +65,7 @@ BAD = {
     "socket_mode": ("660", "0999", "rw"),
     "socket_group": ("true", None, None),
     "state_dir": ("[]", None, None),
+    "record_trace": ("7", None, None),
     "expert_cache_bytes": ("0", "lots", "-1G"),
     "max_concurrent_sequences": ("0", "x", "1.5"),
     "max_queue": ("-1", "-1", "many"),

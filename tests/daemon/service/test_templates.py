@@ -72,3 +72,34 @@ def test_renders_run_side_by_side_and_a_closed_pool_refuses(pool):
     pool.close()
     with pytest.raises(ChatTemplateError, match="shutting down"):
         pool.render(CHATML, MESSAGES)
+
+
+def test_a_worker_slow_to_start_does_not_eat_the_renders_time_limit(tmp_path, monkeypatch):
+    """A new worker's interpreter start and imports (slow on a loaded machine) are waited
+    for apart: only the render itself counts against chat_template_timeout_s."""
+    import sys
+
+    from daemon.service import templates
+    slow = tmp_path / "slow-python"
+    startup = 0.2 + KILL_GRACE_S + 0.5       # longer than the render may be waited for
+    slow.write_text(f"#!/bin/sh\nsleep {startup}\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(templates, "WORKER_COMMAND", (str(slow), "-m", "daemon.service.template_worker"))
+    pool = TemplateWorkers(max_chars=10_000, timeout_s=0.2, workers=1)
+    try:
+        assert pool.render(CHATML, MESSAGES).endswith("assistant\n")
+        assert pool.killed == 0
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_never_says_ready_is_an_error_for_that_render(monkeypatch):
+    from daemon.service import templates
+    monkeypatch.setattr(templates, "STARTUP_S", 0.5)
+    monkeypatch.setattr(templates, "WORKER_COMMAND", ("cat",))     # reads stdin, says nothing
+    pool = TemplateWorkers(max_chars=10_000, timeout_s=0.2, workers=1)
+    try:
+        with pytest.raises(ChatTemplateError, match="did not start within 0.5 s"):
+            pool.render(CHATML, MESSAGES)
+    finally:
+        pool.close()

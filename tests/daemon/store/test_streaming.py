@@ -176,7 +176,8 @@ def test_pins_on_and_long_prefill_in_batches(model_dir, lowbit, dtype):
     slot = _slot_bytes(model_dir)
     long_prompt = list(range(1, 80))
     want = _run(Model.load(model_dir, n_threads=2), long_prompt, 4)
-    model = _streaming(model_dir, counts=counts, cache_bytes=10 * slot, pin_fraction=1.0)
+    model = _streaming(model_dir, counts=counts, cache_bytes=10 * slot, pin_fraction=1.0,
+                       learn_pins=False)
     assert (model.experts.cache.pinned_slots, model.experts.cache.staging_slots) == (4, 0)
     got = _run(model, long_prompt, 4)
     assert got[0] == want[0]
@@ -212,7 +213,7 @@ def test_usage_survives_a_restart_and_the_second_session_hits(model_dir, tmp_pat
     counts = load_usage_counts(store, moe_layers, config.num_experts, fingerprint, 2048.0)
     assert counts is not None and counts.sum() > 0
     second = _streaming(model_dir, counts=counts, cache_bytes=budget, prefetch=False,
-                        pin_fraction=1.0)
+                        pin_fraction=1.0, learn_pins=False)
     # pin loads are reads issued at start; the session's own lookups then hit them
     again, _ = _run(second)
     assert again == tokens
@@ -321,7 +322,8 @@ def _idle_prefetch_provider(model_dir: Path, idle_min: float, workers: int = 2, 
                                          prefetch_width=4, prefetch_min_precision=0.9,
                                          idle_prefetch_min_precision=idle_min,
                                          staging_slots=0 if depth == 1 else 5,
-                                         prefetch_depth=depth))
+                                         prefetch_depth=depth, referee=False, learn_pins=False,
+                                         early_hints=False))
     provider.io.close()
     provider.io = _HeldPrefetchPool(workers)
     return provider
@@ -359,7 +361,7 @@ def test_idle_prefetch_counts_our_busy_reads_and_respects_its_floor(model_dir):
     provider = _idle_prefetch_provider(model_dir, idle_min=0.4, workers=3)
     try:
         provider.begin_step(1)
-        provider._prefetch(2, 7, 0.95)                 # one read of ours keeps a worker busy
+        provider._prefetch(2, 7, 0.95, "likely")       # one read of ours keeps a worker busy
         provider.hint(1, _ranked_logits([6, 2, 5, 1]))
         provider.acquire(0, [0, 3])
         assert provider.io.prefetches(1) == [6, 2]
@@ -448,7 +450,8 @@ def test_a_failed_prefetch_of_a_needed_expert_is_read_again_on_demand(model_dir)
     provider = StreamingExpertProvider(
         layout, config, StreamingOptions(cache_bytes=24 * _slot_bytes(model_dir),
                                          prefetch_min_precision=0.0,
-                                         idle_prefetch_min_precision=1.0))
+                                         idle_prefetch_min_precision=1.0, referee=False,
+                                         learn_pins=False, early_hints=False))
     provider.io.close()
     provider.io = pool = _FailingPrefetchPool()
     try:
@@ -492,7 +495,7 @@ def test_a_demoted_pin_still_loading_is_waited_for_not_a_full_cache(model_dir, m
     monkeypatch.setattr(streaming, "IoPool", _SlowPinLoads)
     provider = StreamingExpertProvider(
         layout, config, StreamingOptions(cache_bytes=7 * _slot_bytes(model_dir), pin_fraction=1.0,
-                                         prefetch=False), usage_counts=counts)
+                                         prefetch=False, learn_pins=False), usage_counts=counts)
     try:
         assert provider.cache.pinned_slots == 1 and provider.cache.dynamic_slots(0) == 2
         provider._apply_pins({(1, 5)})            # re-evaluated: layer 0's expert 7 is demoted

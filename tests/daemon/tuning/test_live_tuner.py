@@ -63,7 +63,8 @@ def test_the_live_tuner_keeps_what_wins_and_saves_it(streamed, tmp_path):
 
 def test_windows_are_per_sequence_at_one_batch_size(streamed):
     model, _ = streamed
-    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=4)
+    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=4,
+                       noise_pairs=0)
     for seconds, batch in [(0.04, 4)] * 3 + [(0.01, 1)] * 4:      # the batch changed mid-window
         tuner.step_done(seconds, batch)
     trial = tuner.tuner.trial
@@ -83,7 +84,8 @@ def test_a_candidate_that_changes_output_is_rejected_loudly(streamed, monkeypatc
         return tokens[:-1] + [tokens[-1] + 1] if m.n_threads == 2 else tokens   # a "bug"
     monkeypatch.setattr(search, "check_tokens", check)
     records = log_records("moed.tuning")
-    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2)
+    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2,
+                       noise_pairs=0)
     assert tuner.finished and tuner.tuner.incumbent == {THREADS: 1}
     assert tuner.tuner.trials[0].outcome == "rejected: changed the tokens of the check prompt"
     [error] = [r for r in records if r["event"] == "tuner_candidate_changed_output"]
@@ -119,7 +121,10 @@ def run_daemon(model_dir, tuner: str) -> tuple[str, dict, list[str]]:
 def test_serve_with_the_live_tuner_gives_the_same_text(model_dir):
     text, stats, _ = run_daemon(model_dir, "live")
     assert stats["tuner"]["mode"] == "live"
-    assert stats["tuner"]["trials"] >= 1                   # 200 decode steps, 16-step windows
+    # 200 decode steps of 16-step windows: the A-vs-A pairs have measured the noise, which
+    # sets the trials' window length
+    assert not stats["tuner"]["calibrating"] and stats["tuner"]["noise"] >= 0.0
+    assert stats["tuner"]["window_steps"] >= 16 and stats["tuner"]["window_steps"] % 16 == 0
     assert set(stats["tuner"]["settings"]) == {THREADS, IO_WORKERS, PREFETCH_WIDTH}
     text_off, stats_off, _ = run_daemon(model_dir, "off")
     assert stats_off["tuner"] == {"mode": "off"}
@@ -183,6 +188,10 @@ def test_the_saved_storage_probe_gives_the_starting_io_workers(streamed, model_d
     assert probe_io_workers(tmp_path, model_dir) == 4          # 0.98 >= 95 % of 1.0
     tuner = start_live_tuning(model, session, "live", set(), tmp_path, model_dir)
     assert tuner.tuner.incumbent[IO_WORKERS] == 2                # the start is unchanged ...
+    assert tuner.tuner.calibrating and tuner.tuner.candidate() is None   # A-vs-A pairs first
+    for _ in range(2 * tuner.tuner.noise_pairs * tuner.window_steps):
+        tuner.step_done(0.01, 1)                                 # no noise: windows stay short
+    assert tuner.tuner.noise == 0.0 and tuner.tuner.window_multiplier == 1
     assert tuner.tuner.candidate() == (IO_WORKERS, 4)            # ... the probe's 4 is tried first
     assert tuner.tuner.trial.proposal
     hostile = rows + [{"mode": "direct", "queue_depth": q, "gb_per_s": 5.0}
@@ -236,7 +245,8 @@ def test_the_check_prompt_is_not_counted_as_usage_and_stop_applies_the_incumbent
     check_tokens(model, [1, 2, 3])
     assert (session.provider.usage.counts() == before).all()
     assert session.provider.observe_usage is True
-    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2)
+    tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2,
+                       noise_pairs=0)
     tuner.step_done(0.01, 1)
     tuner.step_done(0.01, 1)                              # A done: B (2 threads) is applied
     assert model.n_threads == 2
@@ -250,6 +260,7 @@ def test_the_live_tuner_picks_the_cache_split_by_replay_when_its_search_ends(str
     session.rebuild(cache_bytes=18 * session.provider.slot_bytes, pin_fraction=0.0)  # 6 per layer
     budget = session.options.cache_bytes
     tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2,
+                      noise_pairs=0,
                       session=session, budget_bytes=budget)
     assert session.provider.routing_recorder is tuner.recorder
     # recorded routing where the same two experts per layer serve every token: top_k slots
@@ -265,6 +276,7 @@ def test_too_little_recorded_routing_leaves_the_split_alone(streamed):
     model, session = streamed
     before = (session.options.cache_bytes, session.options.pin_fraction)
     tuner = LiveTuner(model, [Knob(THREADS, (1, 2))], {THREADS: 1}, [1, 2, 3], window_steps=2,
+                      noise_pairs=0,
                       session=session, budget_bytes=session.options.cache_bytes)
     feed(tuner, lambda s: 0.01)
     assert tuner.split == {} and (session.options.cache_bytes, session.options.pin_fraction) == before

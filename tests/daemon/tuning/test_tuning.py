@@ -272,13 +272,13 @@ def test_routing_recorder_on_the_provider_records_each_decode_step_per_moe_layer
                                 state_dir=tmp_path)
     provider = session.provider
     acquired: list[tuple[int, list[int]]] = []
-    real_acquire = provider.acquire
+    real_acquire = provider._acquire            # under acquire and acquire_in_order
 
-    def spy(layer, experts):
+    def spy(layer, experts, in_order):
         acquired.append((layer, [int(e) for e in experts]))
-        return real_acquire(layer, experts)
+        return real_acquire(layer, experts, in_order)
 
-    monkeypatch.setattr(provider, "acquire", spy)
+    monkeypatch.setattr(provider, "_acquire", spy)
     recorder = RoutingRecorder(LAYERS)
     provider.routing_recorder = recorder
     try:
@@ -367,9 +367,13 @@ def test_tune_rejects_a_candidate_that_changes_output_and_keeps_the_real_wins(
     wins = [(t.knob, t.a, t.b) for t in tuner.trials if t.outcome == "win"]
     assert wins == [(THREADS, 1, 2), (IO_WORKERS, 2, 8)]
     assert "threads 1 -> 2: win (gains +20.0 %, +20.0 %)" in progress
-    # Every measured window is window_steps steps of one arm's settings.
+    # The A-vs-A pairs first (no noise on this clock: windows stay 2 steps), then every
+    # measured window is window_steps steps of one arm's settings.
+    assert tuner.noise == 0.0 and tuner.window_multiplier == 1
+    calibration = 2 * tuner.noise_pairs * 2
+    assert all(s == {THREADS: 1, IO_WORKERS: 2, PREFETCH_WIDTH: 2} for s in clock.steps[:calibration])
     measured = [t for t in tuner.trials if not t.outcome.startswith("rejected")]
-    assert len(clock.steps) == 2 * 2 * 2 * len(measured)
+    assert len(clock.steps) == calibration + 2 * 2 * 2 * len(measured)
 
 
 # ------------------------------------------------------------------ moed tune
@@ -399,7 +403,23 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
     assert report["saved_to"] == str(state_dir / f"tuned-{fingerprint[:16]}.json")
     assert Path(report["saved_to"]).exists()
     assert (state_dir / f"usage-{fingerprint[:16]}.json").exists()    # its own file
-    assert TunedStore(state_dir, fingerprint, hardware_facts(model_dir)).load() == tuned
+    # what is saved is what the final comparison confirmed: the tuned settings, or else
+    # the defaults it started from (one pair here: it confirms only a win in that pair)
+    assert report["saved"] == (tuned if report["confirmed"] else report["default"])
+    assert report["confirmed"] == (tuned != report["default"] and speed["pair_ratios"][0] > 1.0)
+    assert TunedStore(state_dir, fingerprint, hardware_facts(model_dir)).load() == report["saved"]
+
+
+@pytest.mark.parametrize("default, tuned, same, want", [
+    ([10, 10, 10, 10, 10], [11, 11, 11, 11, 9.5], False, True),    # 4 of 5 pairs, median won
+    ([10, 10, 10, 10, 10], [11, 11, 9.9, 9.9, 11], False, False),  # two pairs lost: the noise
+    ([10, 10, 10], [9, 9.5, 12], False, False),                    # the median pair lost
+    ([10, 10, 10], [12, 12, 12], True, False),                     # the defaults themselves
+])
+def test_the_final_comparison_confirms_only_a_clear_win(default, tuned, same, want):
+    from daemon.commands.figures import compare
+    from daemon.commands.tune import confirms
+    assert confirms(compare(tuned, default, "tuned", "default")["pair_ratios"], same) is want
 
 
 @pytest.mark.parametrize("total, fraction", [(26, 0.5), (24, 0.375), (30, 0.125)])
@@ -416,7 +436,7 @@ def test_the_replay_pin_share_becomes_as_many_pinned_slots_in_the_streaming_cach
     slot = max(p.slot_bytes for p in plans_for(layout).values())
     counts = np.arange(30, dtype=float).reshape(3, 10)          # every expert has been used
     provider = StreamingExpertProvider(layout, config, StreamingOptions(
-        cache_bytes=total * slot, pin_fraction=share), usage_counts=counts)
+        cache_bytes=total * slot, pin_fraction=share, learn_pins=False), usage_counts=counts)
     try:
         assert provider.cache.pinned_slots == round(fraction * total)
     finally:

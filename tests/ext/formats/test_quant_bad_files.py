@@ -19,6 +19,8 @@ from ext.formats.quant import (BadScaleError, FormatMismatchError, MissingPieceE
 from ext.makemodel import make_model
 from ext.models.model import Model
 
+from checkpoint_files import edit_header
+
 ROOT = Path(__file__).resolve().parents[3]
 SIZES = dict(arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=64, intermediate=32,
              shard_size=20_000)
@@ -49,19 +51,6 @@ def _drop(d: Path, tensor: str) -> None:
     index = _index(d)
     del index["weight_map"][tensor]
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-def _edit_header(d: Path, tensor: str, **fields) -> Path:
-    """Rewrite one entry of the shard header holding `tensor` (data left as it is)."""
-    shard = d / _index(d)["weight_map"][tensor]
-    raw = shard.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    header[tensor].update(fields)
-    new = json.dumps(header, separators=(",", ":")).encode()
-    new += b" " * (-len(new) % 8)
-    shard.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
-    return shard
 
 
 def _poke(d: Path, tensor: str, values: np.ndarray) -> Path:
@@ -103,7 +92,7 @@ def test_missing_scale_tensor(copy, module):
 @pytest.mark.parametrize("module", [EXPERT, DENSE])
 def test_scale_grid_of_the_wrong_shape(copy, module):
     d = copy("fp8")
-    shard = _edit_header(d, f"{module}.weight_scale_inv", shape=[1, 1, 1])
+    shard = edit_header(d, f"{module}.weight_scale_inv", shape=[1, 1, 1])
     _fails(d, PieceShapeError, f"{module}.weight_scale_inv", shard.name, "needs [1, 1]")
 
 
@@ -126,7 +115,7 @@ def test_e8m0_255(copy, name, tensor):
 
 def test_blocks_and_scales_that_disagree(copy):
     d = copy("mxfp4")
-    shard = _edit_header(d, f"{EXPERT}.weight_scales", shape=[16, 4])   # same bytes, other shape
+    shard = edit_header(d, f"{EXPERT}.weight_scales", shape=[16, 4])   # same bytes, other shape
     _fails(d, PieceShapeError, f"{EXPERT}.weight_scales", shard.name, "needs [32, 2]")
 
 
@@ -187,7 +176,7 @@ def test_an_fp8_embedding_is_refused(copy):
     shard = Path(embed.path)
     n = struct.unpack("<Q", shard.read_bytes()[:8])[0]
     begin = embed.offset - 8 - n
-    _edit_header(d, embed.name, dtype="F8_E4M3", data_offsets=[begin, begin + embed.nbytes // 2])
+    edit_header(d, embed.name, dtype="F8_E4M3", data_offsets=[begin, begin + embed.nbytes // 2])
     _fails(d, CheckpointError, embed.name, shard.name, "dtype F8_E4M3")
 
 

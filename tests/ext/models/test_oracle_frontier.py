@@ -295,7 +295,8 @@ def test_expert_cache_sizes_prefetch_and_pins_do_not_change_a_bit(references, mo
         counts = np.zeros((moe, config.num_experts))
         counts[:, :3] = [30.0, 20.0, 10.0]
     model = _streaming(ref.model_dir, counts=counts, cache_bytes=n * slot, prefetch=prefetch,
-                       pin_fraction=0.5 if pins else 0.0, prefetch_min_precision=0.0)
+                       pin_fraction=0.5 if pins else 0.0, prefetch_min_precision=0.0,
+                       learn_pins=not pins)         # pins: a fixed share, loaded at once
     try:
         tokens, steps = moed_greedy(model, ref.prompt)
         assert model.experts.cache.snapshot().lookups > 0

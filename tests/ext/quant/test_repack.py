@@ -23,6 +23,8 @@ from ext.models.weights import float_values
 from ext.quant.importance import LayerwiseMoments, gather, moment_bytes
 from ext.quant.repack import RepackSpec, repack
 
+from checkpoint_files import edit_header
+
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
@@ -168,6 +170,34 @@ def test_every_architecture_repacks(arch, tmp_path):
     Model.load(out, n_threads=1).close()
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_projections_with_groups_of_different_sizes_load_and_decode(scheme, tmp_path):
+    """--group-size 64 with intermediate_size 32: gate/up in groups of 64, down (32
+    columns) in groups of 32 — one model, two group sizes, each decoded as stored."""
+    src = tmp_path / "src"
+    make_model(src, arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=128, intermediate=32)
+    out = tmp_path / "out"
+    assert main(["repack", "--model", str(src), "--scheme", scheme, "--group-size", "64",
+                 "--out", str(out)]) == 0
+    parts = _experts(out)
+    gate, down = (parts[expert_tensor_name("qwen3_moe", 1, 2, p)] for p in ("gate", "down"))
+    assert gate.block == (1, 64) and gate.pieces[1].shape == (32, 2)
+    assert down.block == (1, 32) and down.pieces[1].shape == (128, 1)
+    model = Model.load(out, n_threads=1)
+    try:
+        got = model.experts.acquire(1, [2])[0]
+        with Checkpoint(out) as ckpt:
+            for w, kernel in ((gate, got.gate), (down, got.down)):
+                codes, scale, *mins = (ckpt.read(p) for p in w.pieces)
+                want = _decode(QuantScheme(scheme, 64, scheme == "int4"), codes, scale,
+                               mins[0] if mins else None)
+                np.testing.assert_array_equal(float_values(kernel), want)
+        logits = model.forward(model.new_sequence(8), np.arange(8), all_logits=True)
+        assert logits.shape == (8, model.config.vocab_size) and np.isfinite(logits).all()
+    finally:
+        model.close()
+
+
 def test_an_existing_out_is_refused_without_force_and_replaced_with_it(source, repacked, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
@@ -271,6 +301,26 @@ def test_a_missing_or_non_finite_scale_is_refused(repacked, tmp_path):
     with pytest.raises(QuantizationError, match="missing") as e:
         Model.load(bad, n_threads=1)
     assert e.value.tensor == name
+
+
+@pytest.mark.parametrize("tensor,fields,message", [
+    # same bytes, other dtype: the scale must be F16
+    ("model.layers.1.mlp.experts.2.up_proj.weight_scale", {"dtype": "BF16"}, "scale must be F16"),
+    # same bytes, other shape: int4 codes of [R, C] are U8 [R, C/2]
+    ("model.layers.0.mlp.experts.3.down_proj.weight", {"shape": [32, 64]},
+     r"shape \[32, 64\], but int4 codes of a weight \[64, 64\] are \[64, 32\]"),
+    # int4 codes retyped as int8's: the config stores int4
+    ("model.layers.0.mlp.experts.1.gate_proj.weight", {"dtype": "I8"},
+     "stored as int8, but config.json's quantization_config .* stores this weight as int4"),
+])
+def test_pieces_whose_header_disagrees_with_the_config_are_refused(repacked, tmp_path, tensor,
+                                                                   fields, message):
+    bad = Path(shutil.copytree(repacked, tmp_path / "bad"))
+    edit_header(bad, tensor, **fields)
+    with pytest.raises(QuantizationError, match=message) as e:
+        Model.load(bad, n_threads=1)
+    assert e.value.path is not None and str(bad) in e.value.path
+    assert e.value.tensor is not None and e.value.tensor.startswith(tensor.rsplit(".", 1)[0])
 
 
 # ----------------------------------------------------------- calibration and threads

@@ -1,0 +1,91 @@
+"""Benchmark: the small mat-mat (T = 2..16 tokens, batched decode and short prefill)
+against T mat-vecs, for every weight format of bench/matvec.py.
+
+Prints one JSON object to stdout. For each format and each T of `--tokens`, on a weight
+of `--shape` (default 768 x 2048, a Qwen3-30B-A3B routed expert's gate): one `matmul`
+of x [T, C] ("matmat") and T `matmul` calls of one row each ("matvecs"), both on
+`--threads` threads, cold (caches flushed before every run, as bench/matvec.py does),
+interleaved round by round with the order rotated, median of `--repeats` rounds with
+the spread. Reported per (format, T): microseconds per token row of each, their ratio
+(speedup = matvecs / matmat; > 1 means the mat-mat is faster per row) and whether the
+mat-mat's rows are bit-equal to the mat-vecs' (they must be: the placement rule).
+
+"build" says which SIMD path the kernels were built with; the machine's load average
+is recorded before and after (a shared machine gives noisy figures).
+
+    python bench/matmat.py [--repeats 15] [--threads 2] [--tokens 2,4,8,16] [--shape 768x2048]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import numpy as np
+
+from ext.kernels import _kernels
+from matvec import Timer, make_weight, parse_timing_args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="2,4,8,16", help="comma-separated T (default 2,4,8,16)")
+    parser.add_argument("--shape", default="768x2048", help="RxC weight shape (default 768x2048)")
+    args, formats = parse_timing_args(parser, flush_mib=128, pause=0.1)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    R, C = (int(v) for v in args.shape.lower().split("x"))
+
+    rng = np.random.default_rng(0)
+    weights = {name: make_weight(name, R, C, args.group_size, rng) for name in formats}
+    x = rng.standard_normal((max(tokens), C), dtype=np.float32)
+    out = np.empty((max(tokens), R), np.float32)
+    bit_equal = {}
+    for name, w in weights.items():
+        for T in tokens:
+            together, alone = np.empty((T, R), np.float32), np.empty((T, R), np.float32)
+            _kernels.matmul(w, x[:T], together, args.threads)
+            for t in range(T):
+                _kernels.matmul(w, x[t:t + 1], alone[t:t + 1], args.threads)
+            bit_equal[name, T] = bool(np.array_equal(together.view(np.uint32), alone.view(np.uint32)))
+
+    def matvecs(w, T):
+        for t in range(T):
+            _kernels.matmul(w, x[t:t + 1], out[t:t + 1], args.threads)
+
+    runs = {}
+    for name, w in weights.items():
+        for T in tokens:
+            runs[name, T, "matmat"] = lambda w=w, T=T: _kernels.matmul(w, x[:T], out[:T], args.threads)
+            runs[name, T, "matvecs"] = lambda w=w, T=T: matvecs(w, T)
+    load_before = os.getloadavg()
+    times = Timer(args.flush_mib, args.pause).rounds(runs, args.repeats)
+    table = {}
+    for name in formats:
+        table[name] = {}
+        for T in tokens:
+            mm, mv = times[name, T, "matmat"], times[name, T, "matvecs"]
+            per_row = {k: round(statistics.median(v) / T * 1e6, 2) for k, v in (("matmat", mm), ("matvecs", mv))}
+            table[name][T] = {
+                "us_per_row_matmat": per_row["matmat"],
+                "us_per_row_matvecs": per_row["matvecs"],
+                "speedup": round(statistics.median(mv) / statistics.median(mm), 3),
+                "us_per_row_matmat_spread": [round(min(mm) / T * 1e6, 2), round(max(mm) / T * 1e6, 2)],
+                "us_per_row_matvecs_spread": [round(min(mv) / T * 1e6, 2), round(max(mv) / T * 1e6, 2)],
+                "bit_equal_to_matvecs": bit_equal[name, T],
+            }
+    print(json.dumps({
+        "build": _kernels.build_info(),
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": [round(v, 2) for v in load_before],
+                    "loadavg_after": [round(v, 2) for v in os.getloadavg()]},
+        "shape": [R, C], "repeats": args.repeats, "moed_threads": args.threads,
+        "group_size": args.group_size,
+        "all_bit_equal": all(bit_equal.values()),
+        "slower_per_row": sorted(f"{n} T={T}" for n in formats for T in tokens
+                                 if table[n][T]["speedup"] < 1),
+        "formats": table,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""The streaming provider's learning at work: pins learned while serving, the do-no-harm
+referee, and what they measure per window of decode steps.
+
+`Adaptation` is owned by one `StreamingExpertProvider` and called on its thread at the
+provider's own hook points (a step begins, a layer acquires, a guess is made, a read is
+issued). Decisions are made by scheduler/ (`PinLearner`, `Referee`); this module times
+the work (the provider's clock), keeps the two shadow caches (`ShadowLRU`: the naive
+mode's cache, and LRU over moed's own tiers) fed, and hands the provider the changes to
+apply between steps. Nothing here touches the slot buffers: every change is placement.
+
+`policy_step_costs` measures, once per process and cache shape, what one layer step of
+the cache's bookkeeping costs under each policy on this machine (the referee's prior;
+live windows refine the policy in force).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+import numpy as np
+
+from scheduler.cache import OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, ExpertCache
+from scheduler.pinlearn import PinDecision, PinLearner
+from scheduler.referee import MECHANISMS, Decision, Referee, Window
+from scheduler.shadow import ShadowLRU, even_split
+from telemetry.logs import get_logger
+
+log = get_logger("adaptive")
+
+WINDOW_STEPS = 16                 # decode steps per referee window
+CALIBRATION_STEPS = 24            # synthetic steps per policy in `policy_step_costs`
+_calibrated: dict[tuple, float] = {}
+GUESS_LIKELY, GUESS_IDLE, GUESS_EARLY = "likely", "idle", "early"
+
+
+def policy_step_costs(policies: Sequence[str], n_layers: int, num_experts: int, top_k: int,
+                      slots_per_layer: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """{policy: seconds of ExpertCache bookkeeping (request, loaded, release) per layer
+    step}, measured on seeded Zipf routing (memoized per process and shape)."""
+    out = {}
+    for policy in policies:
+        key = (policy, n_layers, num_experts, top_k, slots_per_layer)
+        if key not in _calibrated:
+            rng = np.random.default_rng(0)
+            p = 1.0 / np.arange(1, num_experts + 1)
+            p /= p.sum()
+            steps = [[rng.choice(num_experts, top_k, replace=False, p=p).tolist() for _ in range(n_layers)]
+                     for _ in range(CALIBRATION_STEPS)]
+            cache = ExpertCache(list(range(n_layers)), num_experts, top_k,
+                                max(slots_per_layer, top_k) * n_layers, policy=policy)
+            t0 = clock()
+            for t, step in enumerate(steps):
+                for li, ids in enumerate(step):
+                    for a in cache.request(li, ids, t):
+                        if a.outcome == OUTCOME_MISS:
+                            cache.loaded(a.slot)
+                    cache.release(li, ids)
+            _calibrated[key] = (clock() - t0) / (CALIBRATION_STEPS * n_layers)
+        out[policy] = _calibrated[key]
+    return out
+
+
+class _Tally:
+    """One window's sums (see scheduler.referee.Window)."""
+
+    def __init__(self) -> None:
+        self.steps = self.layer_steps = self.lookups = 0
+        self.wall_s = self.stall_s = self.hint_s = self.idle_hint_s = self.early_hint_s = 0.0
+        self.bookkeeping_s = self.learner_s = self.shadow_s = 0.0
+        self.misses = self.inflight_hits = self.reads = self.pin_loads = 0
+        self.prefetch_used = self.prefetch_wasted = self.idle_used = self.idle_wasted = 0
+        self.early_used = self.early_wasted = 0
+        self.naive_misses = self.lru_pins_misses = 0
+
+
+class Adaptation:
+    """Pins learned live and the referee, for one provider (see the module docstring).
+
+    n_layers, num_experts, top_k: the model. cache: the provider's ExpertCache (its tiers
+    are read, never changed here). learn_pins: the pin share is learned (else fixed by
+    the caller). max_pin_share: the most the learner may pin. referee: value the
+    mechanisms and turn off what does not pay. mechanisms: those the options turned on.
+    learned: what an earlier session saved ({"pin_share", "pin_source", "mechanisms"}).
+    """
+
+    def __init__(self, n_layers: int, num_experts: int, top_k: int, cache: ExpertCache, *,
+                 learn_pins: bool, max_pin_share: float, referee: bool, mechanisms: tuple[str, ...],
+                 policy: str, staging_slots: int, learned: dict | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.n_layers, self.num_experts, self.top_k = n_layers, num_experts, top_k
+        self.cache = cache
+        self.clock = clock
+        self.staging_default = staging_slots
+        learned = learned or {}
+        total = cache.total_slots
+        self.learner: PinLearner | None = None
+        if learn_pins and max_pin_share > 0 and total > top_k * n_layers + staging_slots:
+            # An earlier session's recent counts are gone: its share starts from the long
+            # ones (which hold them), until this session's first evaluation.
+            self.learner = PinLearner(n_layers, num_experts, top_k, total, staging_slots=staging_slots,
+                                      max_share=max_pin_share, start_share=learned.get("pin_share", 0.0),
+                                      start_source="long")
+        self.naive = ShadowLRU(even_split(total, n_layers))
+        self.lru_pins = ShadowLRU(even_split(total - cache.pinned_slots, n_layers))
+        self.referee: Referee | None = None
+        if referee:
+            slots = max(top_k, total // n_layers)
+            costs = policy_step_costs(sorted({"lru", policy}), n_layers, num_experts, top_k, slots, clock)
+            self.referee = Referee(costs, policy, enabled=mechanisms)
+            self.referee.set_states(learned.get("mechanisms") or {})
+        self._tally = _Tally()
+        self._rows: list[np.ndarray | None] = [None] * n_layers   # this step's routing
+        self._step_start: float | None = None
+        self._step_decode = False
+        self._guesses: dict[tuple[int, int], str] = {}
+        self._io_before: tuple[float, int] | None = None
+        self.windows = 0
+        # Decode totals since this provider started (the shadows' side of "do no harm").
+        self.totals = {"lookups": 0, "misses": 0, "naive_misses": 0, "lru_pins_misses": 0}
+        self.last_pin_decision: PinDecision | None = None
+        self.pin_changes = 0
+        self.decisions: list[dict] = []          # the latest mechanism decisions (most recent last)
+
+    # ------------------------------------------------------------- the provider's hooks
+    def step_begins(self, decode: bool, learn: bool,
+                    io_totals: Callable[[], tuple[float, int]]) -> tuple[Decision, ...]:
+        """A step is about to run (decode: one token per sequence). Closes the previous
+        step: its routing feeds the learner (when `learn`), its time the window; a full
+        window goes to the referee, whose changes are returned for the provider to apply
+        before this step. io_totals: () -> the io pool's (read CPU seconds, reads)."""
+        now = self.clock()
+        t = self._tally
+        mechanisms: tuple[Decision, ...] = ()
+        if self._step_start is not None and self._step_decode:
+            t.steps += 1
+            t.wall_s += now - self._step_start
+            for kind in self._guesses.values():
+                t.idle_wasted += kind == GUESS_IDLE
+                t.early_wasted += kind == GUESS_EARLY
+                t.prefetch_wasted += 1
+        if learn and self.learner is not None and all(x is not None for x in self._rows):
+            t0 = self.clock()                  # every row of the step, prompt ones too
+            for row in zip(*(rows.tolist() for rows in self._rows)):
+                self.learner.observe(row)
+            t.learner_s += self.clock() - t0
+        self._guesses.clear()
+        if self._io_before is None:
+            self._io_before = io_totals()
+        if t.steps >= WINDOW_STEPS:
+            mechanisms = self._close_window(io_totals())
+        self._rows = [None] * self.n_layers
+        self._step_decode = decode
+        self._step_start = self.clock()
+        return mechanisms
+
+    def pin_decision_due(self) -> bool:
+        return self.learner is not None and self.learner.due()
+
+    def decide_pins(self, long_counts: np.ndarray) -> PinDecision:
+        t0 = self.clock()
+        decision = self.learner.decide(long_counts)
+        self._tally.learner_s += self.clock() - t0
+        self.last_pin_decision = decision
+        if decision.changed:
+            self.pin_changes += 1
+            log.info("pins_learned", share=decision.share, source=decision.source,
+                     pinned_slots=decision.pinned_slots, **{
+                         f"{k}_hit_rate": v["hit_rate"] for k, v in decision.validation.items()
+                         if isinstance(v, dict)})
+        return decision
+
+    def acquired(self, layer_index: int, experts: Sequence[int], outcomes: Sequence[str],
+                 decode: bool, layer: int) -> None:
+        """A layer's acquire of `experts` (their cache outcomes) completed."""
+        if not decode:
+            self._shadows(layer_index, experts)
+            return
+        t = self._tally
+        t.layer_steps += 1
+        t.lookups += len(experts)
+        for e, outcome in zip(experts, outcomes):
+            if outcome == OUTCOME_MISS:
+                t.misses += 1
+            elif outcome == OUTCOME_INFLIGHT:
+                t.inflight_hits += 1
+            kind = self._guesses.pop((layer, int(e)), None)
+            if kind is not None and outcome in (OUTCOME_HIT, OUTCOME_INFLIGHT):
+                t.prefetch_used += 1
+                t.idle_used += kind == GUESS_IDLE
+                t.early_used += kind == GUESS_EARLY
+        naive, lru_pins = self._shadows(layer_index, experts)
+        t.naive_misses += naive
+        t.lru_pins_misses += lru_pins
+        totals = self.totals
+        totals["lookups"] += len(experts)
+        totals["misses"] += sum(o != OUTCOME_HIT for o in outcomes)
+        totals["naive_misses"] += naive
+        totals["lru_pins_misses"] += lru_pins
+
+    def routed(self, layer_index: int, ids: np.ndarray) -> None:
+        """A layer's routing this step: ids [T, K], a row per position (copied)."""
+        self._rows[layer_index] = np.array(ids, copy=True)
+
+    def _shadows(self, layer_index: int, experts: Sequence[int]) -> tuple[int, int]:
+        t0 = self.clock()
+        ids = [int(e) for e in experts]
+        out = self.naive.access(layer_index, ids), self.lru_pins.access(layer_index, ids)
+        self._tally.shadow_s += self.clock() - t0
+        return out
+
+    def guessed(self, layer: int, expert: int, kind: str) -> None:
+        """A prefetch read of (layer, expert) was issued (kind: likely or idle)."""
+        self._guesses[(layer, int(expert))] = kind
+
+    def add_time(self, what: str, seconds: float) -> None:
+        """Add measured seconds of this step to `what` (hint, idle_hint, early_hint,
+        bookkeeping, stall)."""
+        if self._step_decode:
+            setattr(self._tally, f"{what}_s", getattr(self._tally, f"{what}_s") + seconds)
+
+    def read_issued(self, reason: str) -> None:
+        if self._step_decode:
+            self._tally.reads += 1
+            self._tally.pin_loads += reason == "pin_load"
+
+    def pins_changed(self, pins_by_index, pinned_slots: int) -> None:
+        """The cache's pinned tier now holds `pins_by_index` in `pinned_slots` slots."""
+        self.lru_pins.set_pins(pins_by_index, even_split(self.cache.total_slots - pinned_slots,
+                                                         self.n_layers))
+
+    def staging_changed(self, staging_slots: int) -> None:
+        if self.learner is not None:
+            self.learner.staging_slots = staging_slots
+
+    # ----------------------------------------------------------------- windows
+    def _close_window(self, io_totals: tuple[float, int]) -> tuple[Decision, ...]:
+        t = self._tally
+        cpu_before, reads_before = self._io_before
+        reads = io_totals[1] - reads_before
+        read_cpu = (io_totals[0] - cpu_before) / reads if reads > 0 else 0.0
+        self._io_before = io_totals
+        self._tally = _Tally()
+        self.windows += 1
+        if self.referee is None:
+            return ()
+        window = Window(steps=t.steps, layer_steps=t.layer_steps, lookups=t.lookups, wall_s=t.wall_s,
+                        stall_s=t.stall_s, hint_s=t.hint_s, idle_hint_s=t.idle_hint_s,
+                        early_hint_s=t.early_hint_s, early_used=t.early_used,
+                        early_wasted=t.early_wasted,
+                        bookkeeping_s=t.bookkeeping_s, learner_s=t.learner_s, shadow_s=t.shadow_s,
+                        misses=t.misses, inflight_hits=t.inflight_hits, reads=t.reads,
+                        pin_loads=t.pin_loads, read_cpu_s=read_cpu, prefetch_used=t.prefetch_used,
+                        prefetch_wasted=t.prefetch_wasted, idle_used=t.idle_used,
+                        idle_wasted=t.idle_wasted, naive_misses=t.naive_misses,
+                        lru_pins_misses=t.lru_pins_misses, policy=self.cache.policy_name)
+        decisions = tuple(self.referee.close_window(window))
+        verdict = self.referee.verdict
+        for d in decisions:
+            record = {"window": self.windows, "mechanism": d.mechanism, "on": d.on, "reason": d.reason,
+                      "net_s_per_token": d.net_s_per_token}
+            self.decisions = (self.decisions + [record])[-16:]
+            log.info("mechanism_turned_on" if d.on else "mechanism_turned_off", mechanism=d.mechanism,
+                     reason=d.reason, net_s_per_token=d.net_s_per_token, window=self.windows,
+                     estimated_speedup=verdict.estimated_speedup)
+        return decisions
+
+    # ----------------------------------------------------------------- reporting
+    def learned(self) -> dict:
+        """What the next session starts from (saved with the usage counts)."""
+        out: dict = {}
+        if self.learner is not None:
+            out.update(pin_share=self.learner.share, pin_source=self.learner.source)
+        if self.referee is not None:
+            out["mechanisms"] = {m: self.referee.is_on(m) for m in MECHANISMS if m in self.referee.managed}
+        return out
+
+    def decision_counts(self) -> dict[str, int]:
+        """Mechanism -> times turned on or off; "pins" -> learned changes."""
+        out = {"pins": self.pin_changes}
+        if self.referee is not None:
+            out.update({m: st.decisions for m, st in self.referee.states.items()})
+        return out
+
+    def gauges(self) -> tuple[dict[str, int], dict[str, float], float]:
+        """(mechanism -> 1/0, mechanism -> smoothed net seconds per token, the latest
+        estimated speed-up over naive or 0.0) for the metrics."""
+        enabled: dict[str, int] = {}
+        net: dict[str, float] = {}
+        if self.learner is not None:
+            enabled["pins"] = int(self.learner.share > 0)
+        if self.referee is not None:
+            for m, st in self.referee.states.items():
+                enabled[m] = int(st.on)
+                if st.net is not None:
+                    net[m] = st.net
+            pins = self.referee.verdict.values.get("pins")
+            if pins is not None:
+                net["pins"] = pins["net"]
+        speedup = self.referee.verdict.estimated_speedup if self.referee is not None else None
+        return enabled, net, speedup or 0.0
+
+    def report(self) -> dict:
+        """JSON-ready state for /v1/moed/stats."""
+        pins = None
+        if self.learner is not None:
+            d = self.last_pin_decision
+            pins = {"share": self.learner.share, "source": self.learner.source,
+                    "evaluations": self.learner.evaluations,
+                    "last": None if d is None else {"changed": d.changed, "validation": d.validation}}
+        n = self.totals["lookups"]
+        shadows = {"decode_lookups": n,
+                   "hit_rate": None if not n else round(1 - self.totals["misses"] / n, 4),
+                   "naive_hit_rate": None if not n else round(1 - self.totals["naive_misses"] / n, 4),
+                   "lru_with_pins_hit_rate": None if not n else round(1 - self.totals["lru_pins_misses"] / n, 4)}
+        return {"windows": self.windows, "window_steps": WINDOW_STEPS, "pin_learning": pins,
+                "against_naive": shadows,
+                "referee": None if self.referee is None else {**self.referee.report(),
+                                                              "recent_decisions": self.decisions}}

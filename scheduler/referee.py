@@ -1,0 +1,278 @@
+"""Do no harm, measured live: what each adaptive mechanism costs and saves on this workload.
+
+Conventions (the whole module): seconds are measured by the caller (the streaming
+provider reads its clock; nothing here does) and passed in per window of decode steps;
+counts are experts (one per step, MoE layer and distinct expert). A miss is a needed
+expert that was not resident: it is read on demand and the step waits for it.
+
+The caller runs, beside the real cache, two `scheduler.shadow.ShadowLRU` replays of the
+same routing, which cost no IO: the naive mode's cache (LRU over every slot, no pins, no
+prefetch) and LRU over moed's own pinned and dynamic tiers. Per window the referee gets
+(`Window`) moed's measured figures and the shadows' misses, and values in seconds:
+
+  miss cost     the stall one miss costs here: this window's io wait over its misses
+                (and waits for reads still in flight), smoothed (half-life SMOOTHING
+                windows); a read also costs CPU (`read_cpu_s`, measured by the io
+                workers), which a 2-core machine takes from the compute threads.
+  prefetch      saves the stalls of the misses its used guesses replaced (a guess
+                still in flight when needed saves half); costs the time spent making
+                guesses (`hint_s`) and the CPU of its unused reads.
+  idle_prefetch the share of that made by the less likely guesses read into idle io
+                workers, valued alone.
+  early_hints   the share made by the second guess of each layer, from its own router
+                before its attention (its router and norm included in its time).
+  policy        the eviction policy against LRU over the same tiers: saves the misses
+                LRU would have had beyond moed's (less the prefetch's), at a miss's
+                stall plus a read's CPU; costs its bookkeeping beyond LRU's (both per
+                layer step, measured: `policy_step_s`).
+  pins          (reported, decided by scheduler.pinlearn): the naive cache's misses
+                beyond LRU-with-pins, less the pin loads, against the learner's time.
+  naive         the estimated time of the naive mode on this window: the measured time,
+                less moed's stall and overheads, plus the naive cache's misses at the
+                miss cost and their read CPU. `estimated_speedup` = naive / measured.
+
+Decisions: a mechanism whose smoothed net value (saved - cost) stays below
+-TOLERANCE of the window's time for PATIENCE windows in a row is turned off (prefetch
+off returns the staging tier to the layers; policy off is LRU). An off mechanism is
+turned back on for a probe after `backoff` windows (BACKOFF_START, doubling to
+BACKOFF_MAX while probes fail); it stays on when the probe's windows pay. Nothing here
+changes output: every mechanism is placement.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy")
+SMOOTHING = 2.0          # windows: half-life of the smoothed values
+TOLERANCE = 0.01         # of a window's time: a net value above -this is not a loss
+PATIENCE = 2             # windows in a row below it before a mechanism is turned off
+PROBE_WINDOWS = 2        # windows a re-enabled mechanism runs before it is judged
+BACKOFF_START = 4        # windows off before the first probe
+BACKOFF_MAX = 64
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window of decode steps as the provider measured it (seconds and counts).
+
+    steps: decode steps; layer_steps: MoE layer steps (steps x MoE layers); lookups:
+    experts needed. wall_s: time of the steps; stall_s: time waiting for reads;
+    hint_s: making guesses (routers' scores to reads), idle_hint_s / early_hint_s: its
+    idle-worker part and its second-guess part;
+    bookkeeping_s: the cache's request/release; learner_s: the pin learner; shadow_s:
+    the shadows. misses: demand reads; inflight_hits: needed experts still being read
+    (a prefetch or pin load); reads: every read issued (demand, prefetch, pin loads);
+    pin_loads; read_cpu_s: CPU seconds of one read (io workers, this window).
+    prefetch_used / prefetch_wasted: guesses used by the step they were made for /
+    not; idle_used / idle_wasted, early_used / early_wasted: those of the idle-worker
+    guesses and of the second guesses.
+    naive_misses / lru_pins_misses: the shadows' misses. policy: the policy in force.
+    """
+
+    steps: int
+    layer_steps: int
+    lookups: int
+    wall_s: float
+    stall_s: float
+    hint_s: float
+    idle_hint_s: float
+    early_hint_s: float
+    bookkeeping_s: float
+    learner_s: float
+    shadow_s: float
+    misses: int
+    inflight_hits: int
+    reads: int
+    pin_loads: int
+    read_cpu_s: float
+    prefetch_used: int
+    prefetch_wasted: int
+    idle_used: int
+    idle_wasted: int
+    early_used: int
+    early_wasted: int
+    naive_misses: int
+    lru_pins_misses: int
+    policy: str
+
+
+@dataclass
+class _State:
+    on: bool = True
+    below: int = 0                 # windows in a row below -TOLERANCE
+    off_for: int = 0               # windows since turned off
+    backoff: int = BACKOFF_START
+    probing: int = 0               # probe windows left
+    net: float | None = None       # smoothed net value per window, seconds
+    saved: float | None = None
+    cost: float | None = None
+    decisions: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A change the caller applies before the next window: `mechanism` turned on or off."""
+
+    mechanism: str
+    on: bool
+    reason: str
+    net_s_per_token: float | None
+
+
+@dataclass
+class Verdict:
+    """The latest window's valuation (JSON-ready via `to_dict`)."""
+
+    windows: int = 0
+    estimated_speedup: float | None = None
+    miss_cost_s: float | None = None
+    read_cpu_s: float | None = None
+    moed_hit_rate: float | None = None
+    naive_hit_rate: float | None = None
+    moed_reads_per_token: float | None = None
+    naive_reads_per_token: float | None = None
+    values: dict = field(default_factory=dict)     # mechanism -> {saved, cost, net} s/token
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Referee:
+    """Values moed's mechanisms per window and turns off those that do not pay.
+
+    policy_step_s: {policy name: seconds of the cache's bookkeeping per layer step},
+    measured by the caller (a calibration at start); updated from live windows.
+    default_policy: the policy the mechanism "policy" stands for when on.
+    enabled: mechanisms that start on (the others are off and never probed: the
+    operator turned them off).
+    """
+
+    def __init__(self, policy_step_s: dict[str, float], default_policy: str,
+                 enabled: tuple[str, ...] = MECHANISMS):
+        self.policy_step_s = dict(policy_step_s)
+        self.default_policy = default_policy
+        self.states = {m: _State(on=m in enabled) for m in MECHANISMS}
+        self.managed = set(enabled)
+        if default_policy == "lru":
+            self.managed.discard("policy")
+            self.states["policy"].on = False
+        self.verdict = Verdict()
+        self._miss_cost: float | None = None
+        self._read_cpu: float | None = None
+
+    def is_on(self, mechanism: str) -> bool:
+        return self.states[mechanism].on
+
+    @property
+    def policy(self) -> str:
+        return self.default_policy if self.states["policy"].on else "lru"
+
+    # ------------------------------------------------------------------ valuing
+    def _smooth(self, old: float | None, new: float) -> float:
+        if old is None:
+            return new
+        keep = 2.0 ** (-1.0 / SMOOTHING)
+        return keep * old + (1.0 - keep) * new
+
+    def value(self, w: Window) -> Verdict:
+        """This window's valuation (updates the smoothed miss and read costs)."""
+        waited_for = w.misses + w.inflight_hits
+        if waited_for:
+            self._miss_cost = self._smooth(self._miss_cost, w.stall_s / waited_for)
+        if w.read_cpu_s > 0:
+            self._read_cpu = self._smooth(self._read_cpu, w.read_cpu_s)
+        if w.layer_steps and w.bookkeeping_s > 0:
+            step = w.bookkeeping_s / w.layer_steps
+            self.policy_step_s[w.policy] = self._smooth(self.policy_step_s.get(w.policy), step)
+        miss = self._miss_cost or 0.0
+        cpu = self._read_cpu or 0.0
+        steps = max(1, w.steps)
+        values: dict[str, dict] = {}
+
+        def put(name: str, saved: float, cost: float) -> None:
+            values[name] = {"saved": saved / steps, "cost": cost / steps, "net": (saved - cost) / steps}
+
+        if self.states["prefetch"].on:
+            saved = (w.prefetch_used - 0.5 * w.inflight_hits) * miss
+            put("prefetch", max(0.0, saved), w.hint_s + w.prefetch_wasted * cpu)
+            if self.states["idle_prefetch"].on:
+                put("idle_prefetch", w.idle_used * miss, w.idle_hint_s + w.idle_wasted * cpu)
+            if self.states["early_hints"].on:
+                put("early_hints", w.early_used * miss, w.early_hint_s + w.early_wasted * cpu)
+        if w.policy != "lru":
+            avoided = w.lru_pins_misses - w.misses - w.prefetch_used
+            lru_step = self.policy_step_s.get("lru", 0.0)
+            put("policy", avoided * (miss + cpu), w.bookkeeping_s - lru_step * w.layer_steps)
+        put("pins", (w.naive_misses - w.lru_pins_misses - w.pin_loads) * (miss + cpu), w.learner_s)
+        lru_bookkeeping = self.policy_step_s.get("lru", 0.0) * w.layer_steps
+        naive_s = (w.wall_s - w.stall_s - w.hint_s - w.learner_s - w.shadow_s
+                   - max(0.0, w.bookkeeping_s - lru_bookkeeping)
+                   + w.naive_misses * miss + (w.naive_misses - w.reads) * cpu)
+        lookups = max(1, w.lookups)
+        self.verdict = Verdict(
+            windows=self.verdict.windows + 1,
+            estimated_speedup=naive_s / w.wall_s if w.wall_s > 0 else None,
+            miss_cost_s=self._miss_cost, read_cpu_s=self._read_cpu,
+            moed_hit_rate=1.0 - (w.misses + w.inflight_hits) / lookups,
+            naive_hit_rate=1.0 - w.naive_misses / lookups,
+            moed_reads_per_token=w.reads / steps, naive_reads_per_token=w.naive_misses / steps,
+            values=values)
+        return self.verdict
+
+    # ----------------------------------------------------------------- deciding
+    def close_window(self, w: Window) -> list[Decision]:
+        """Value the window and decide; returns the changes to apply (maybe none)."""
+        verdict = self.value(w)
+        tolerance = TOLERANCE * w.wall_s / max(1, w.steps)
+        decisions: list[Decision] = []
+        for name in MECHANISMS:
+            if name not in self.managed:
+                continue
+            if name in ("idle_prefetch", "early_hints") and not self.states["prefetch"].on:
+                continue                 # part of prefetch; judged only while prefetch runs
+            s = self.states[name]
+            v = verdict.values.get(name)
+            if s.on and v is not None:
+                s.net, s.saved, s.cost = (self._smooth(s.net, v["net"]), self._smooth(s.saved, v["saved"]),
+                                          self._smooth(s.cost, v["cost"]))
+                if s.probing:
+                    s.probing -= 1
+                    if s.probing == 0:
+                        if s.net >= -tolerance:
+                            s.backoff = BACKOFF_START
+                        else:
+                            decisions.append(self._turn(name, False, "probe did not pay"))
+                            s.backoff = min(BACKOFF_MAX, 2 * s.backoff)
+                    continue
+                s.below = s.below + 1 if s.net < -tolerance else 0
+                if s.below >= PATIENCE:
+                    decisions.append(self._turn(name, False, "costs more than it saves"))
+            elif not s.on:
+                s.off_for += 1
+                if s.off_for >= s.backoff:
+                    decisions.append(self._turn(name, True, "probe"))
+                    s.probing = PROBE_WINDOWS
+        return decisions
+
+    def _turn(self, name: str, on: bool, reason: str) -> Decision:
+        s = self.states[name]
+        s.on, s.below, s.off_for, s.decisions = on, 0, 0, s.decisions + 1
+        if on:
+            s.net = s.saved = s.cost = None          # judge the probe on its own windows
+        return Decision(name, on, reason, s.net)
+
+    def set_states(self, states: dict[str, bool]) -> None:
+        """Start from states learned in an earlier session (managed mechanisms only)."""
+        for name, on in states.items():
+            if name in self.managed:
+                self.states[name].on = bool(on)
+
+    def report(self) -> dict:
+        """JSON-ready: each mechanism's state and smoothed values, the latest verdict."""
+        return {"mechanisms": {name: {"on": s.on, "managed": name in self.managed,
+                                      "net_s_per_token": s.net, "saved_s_per_token": s.saved,
+                                      "cost_s_per_token": s.cost, "decisions": s.decisions,
+                                      "probing": s.probing > 0, "backoff_windows": s.backoff}
+                               for name, s in self.states.items()},
+                "policy": self.policy, "policy_step_s": dict(self.policy_step_s),
+                "latest": self.verdict.to_dict()}

@@ -1,0 +1,176 @@
+"""The streaming provider's learning at work: pins from the first session, the referee's
+decisions applied live (and undone), learned state kept across sessions, and output
+unchanged throughout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon.store import adaptive
+from daemon.store.plans import plans_for
+from daemon.store.state import StateStore
+from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, flush_usage,
+                                    load_usage_state)
+from ext.formats.checkpoint import Checkpoint
+from ext.makemodel import make_model
+from ext.models.config import load_config
+from ext.models.experts import ExpertLayout
+from ext.models.model import Model
+from scheduler import referee
+
+LAYERS, EXPERTS, TOP_K = 3, 16, 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("adapt") / "m", arch="qwen3_moe", layers=LAYERS,
+                      experts=EXPERTS, top_k=TOP_K, hidden=64, intermediate=32, dtype="bf16",
+                      seed=5, initializer_range=0.2)
+
+
+def _provider(model_dir, slots, counts=None, learned=None, **options):
+    config = load_config(model_dir)
+    layout = ExpertLayout(Checkpoint(model_dir), config)
+    slot = max(p.slot_bytes for p in plans_for(layout).values())
+    return StreamingExpertProvider(layout, config, StreamingOptions(cache_bytes=slots * slot, **options),
+                                   usage_counts=counts, learned=learned)
+
+
+def _decode_step(provider, routing, hint_for=None):
+    """One decode step driven as the model drives it: routing [layer] -> experts."""
+    provider.phase = "decode"
+    provider.begin_step(1)
+    for layer, experts in enumerate(routing):
+        if hint_for is not None and provider.wants_hints:
+            provider.hint(layer, hint_for(layer), 0)
+        provider.observe_routing(layer, np.asarray([experts], np.int32))
+        provider.acquire(layer, experts)
+        provider.release(layer, experts)
+
+
+def _periodic(rng, t, hot):
+    """Each layer: one expert of `hot` in turn, plus one from the cold rest."""
+    cold = [e for e in range(EXPERTS) if e not in hot]
+    return [[hot[t % len(hot)], int(rng.choice(cold))] for _ in range(LAYERS)]
+
+
+def test_a_first_session_pins_its_recurring_experts_within_a_few_hundred_tokens(model_dir):
+    """No saved usage: the pinned tier starts empty and fills as the learner validates it."""
+    rng = np.random.default_rng(0)
+    provider = _provider(model_dir, slots=12, prefetch=False)
+    try:
+        assert provider.cache.pinned_slots == 0
+        hot = [0, 1, 2, 3, 4]                        # each returns every 5 steps: LRU of 4 loses it
+        pinned_at = None
+        for t in range(320):
+            _decode_step(provider, _periodic(rng, t, hot))
+            if pinned_at is None and provider.cache.pins:
+                pinned_at = t
+        assert pinned_at is not None and pinned_at <= 200
+        assert provider.cache.pinned_slots >= 3
+        assert {e for _, e in provider.cache.pins} <= set(hot)
+        learned = provider.learned_state()
+        assert learned["pin_share"] > 0 and learned["pin_source"] in ("long", "recent")
+        report = provider.adaptation.report()
+        assert report["against_naive"]["hit_rate"] > report["against_naive"]["naive_hit_rate"]
+    finally:
+        provider.close()
+
+
+def test_the_learned_share_is_saved_with_the_usage_and_a_second_session_starts_pinned(model_dir, tmp_path):
+    fingerprint = Checkpoint(model_dir).fingerprint()
+    store = StateStore(tmp_path, fingerprint)
+    rng = np.random.default_rng(1)
+    first = _provider(model_dir, slots=12, prefetch=False)
+    for t in range(320):
+        _decode_step(first, _periodic(rng, t, [0, 1, 2, 3, 4]))
+    share = first.learned_state()["pin_share"]
+    flush_usage(store, first.usage, fingerprint, first.learned_state())
+    first.close()
+    counts, learned = load_usage_state(store, list(range(LAYERS)), EXPERTS, fingerprint, 2048.0)
+    assert learned["pin_share"] == share > 0
+    second = _provider(model_dir, slots=12, counts=counts, learned=learned, prefetch=False)
+    try:
+        assert second.cache.pinned_slots > 0 and len(second.cache.pins) == second.cache.pinned_slots
+    finally:
+        second.close()
+    # without usage counts a saved share is not used: there is nothing to pin from
+    third = _provider(model_dir, slots=12, learned=learned, prefetch=False)
+    assert third.cache.pinned_slots == 0
+    third.close()
+
+
+def test_the_referee_turns_off_guesses_that_never_pay_and_probes_them_again(model_dir, monkeypatch):
+    """Every guess names experts the step will not use: prefetch saves nothing and costs
+    its time, so it is turned off — its staging slots go back to the layers — and after
+    the back-off it is probed, with staging restored."""
+    monkeypatch.setattr(adaptive, "WINDOW_STEPS", 4)
+    rng = np.random.default_rng(2)
+    provider = _provider(model_dir, slots=14, idle_prefetch_min_precision=1.0,
+                         prefetch_min_precision=0.0)
+    try:
+        staging = provider.cache.staging_slots
+        assert staging == 1 and provider.wants_hints
+
+        def wrong_guess(layer):                       # high scores only for experts 12..15
+            logits = np.zeros((1, EXPERTS), np.float32)
+            logits[0, 12:] = 10.0
+            return logits
+        routing = lambda: [[int(e) for e in rng.choice(12, TOP_K, replace=False)] for _ in range(LAYERS)]
+        steps = 0
+        while provider.wants_hints and steps < 64:
+            _decode_step(provider, routing(), wrong_guess)
+            steps += 1
+        assert not provider.wants_hints and steps <= 4 * (referee.PATIENCE + 1)
+        assert provider.cache.staging_slots == 0
+        assert sum(provider.cache.dynamic_slots(l) for l in range(LAYERS)) == 14 - provider.cache.pinned_slots
+        decisions = provider.adaptation.report()["referee"]["recent_decisions"]
+        assert {"mechanism": "prefetch", "on": False} in [
+            {k: d[k] for k in ("mechanism", "on")} for d in decisions]
+        for _ in range(4 * (referee.BACKOFF_START + 1)):
+            _decode_step(provider, routing(), wrong_guess)
+            if provider.wants_hints:
+                break
+        assert provider.wants_hints and provider.cache.staging_slots == staging   # the probe
+    finally:
+        provider.close()
+
+
+def _run(model, prompt, steps):
+    seq = model.new_sequence()
+    logits = model.forward(seq, prompt)
+    out = [logits]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits = model.forward(seq, [tokens[-1]])
+        out.append(logits)
+    return tokens, out
+
+
+def test_tokens_and_logits_identical_while_mechanisms_switch_every_window(model_dir, monkeypatch):
+    """Windows of one step, no patience and no back-off: prefetch, staging, the second
+    guess and the policy flip on and off between steps, pins are learned and re-tiered —
+    and every logit equals the memory-mapped reference's."""
+    monkeypatch.setattr(adaptive, "WINDOW_STEPS", 1)
+    monkeypatch.setattr(referee, "PATIENCE", 1)
+    monkeypatch.setattr(referee, "BACKOFF_START", 1)
+    monkeypatch.setattr(referee, "PROBE_WINDOWS", 1)
+    monkeypatch.setattr(referee, "TOLERANCE", -1.0)     # every mechanism "pays" too little...
+    prompt = [3, 9, 27, 81, 243, 100, 7, 1, 2, 3] * 4
+    want = _run(Model.load(model_dir, n_threads=2), prompt, 40)
+    config = load_config(model_dir)
+    checkpoint = Checkpoint(model_dir)
+    layout = ExpertLayout(checkpoint, config)
+    slot = max(p.slot_bytes for p in plans_for(layout).values())
+    provider = StreamingExpertProvider(layout, config, StreamingOptions(cache_bytes=14 * slot,
+                                                                        prefetch_min_precision=0.0))
+    provider.adaptation.learner.window_tokens = 4
+    model = Model(config, checkpoint, layout, provider, 2)
+    got = _run(model, prompt, 40)
+    assert got[0] == want[0]
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1]))
+    assert sum(provider.adaptation.decision_counts().values()) >= 4
+    model.close()

@@ -1,0 +1,91 @@
+"""scheduler.referee.Referee: mechanisms valued in seconds per window, turned off when they
+do not pay, probed again with a growing back-off."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from scheduler.referee import BACKOFF_START, PATIENCE, PROBE_WINDOWS, Referee, Window
+
+BASE = Window(steps=16, layer_steps=128, lookups=512, wall_s=0.16, stall_s=0.032, hint_s=0.0,
+              idle_hint_s=0.0, early_hint_s=0.0, bookkeeping_s=0.0128, learner_s=0.0,
+              shadow_s=0.0, misses=160, inflight_hits=0, reads=160, pin_loads=0, read_cpu_s=5e-5,
+              prefetch_used=0, prefetch_wasted=0, idle_used=0, idle_wasted=0, early_used=0,
+              early_wasted=0, naive_misses=240, lru_pins_misses=240, policy="predictive")
+COSTS = {"lru": 1e-5, "predictive": 1e-4}
+
+
+def _window(**changes):
+    return dataclasses.replace(BASE, **changes)
+
+
+def test_the_valuation_in_seconds():
+    """miss cost = stall / misses = 0.2 ms; prefetch: 40 used guesses save 8 ms, 20 ms of
+    guessing and 40 unused reads cost 22 ms; policy: 40 misses fewer than LRU over the
+    same tiers (less the 40 prefetch saved... here 0) against its extra bookkeeping."""
+    referee = Referee(COSTS, "predictive")
+    w = _window(misses=120, stall_s=0.024, hint_s=0.02, prefetch_used=40, prefetch_wasted=40,
+                lru_pins_misses=200, naive_misses=220)
+    v = referee.value(w)
+    assert v.miss_cost_s == pytest.approx(0.0002)
+    prefetch = v.values["prefetch"]
+    assert prefetch["saved"] == pytest.approx(40 * 0.0002 / 16)
+    assert prefetch["cost"] == pytest.approx((0.02 + 40 * 5e-5) / 16)
+    policy = v.values["policy"]
+    assert policy["saved"] == pytest.approx((200 - 120 - 40) * (0.0002 + 5e-5) / 16)
+    assert policy["cost"] == pytest.approx((0.0128 - 1e-5 * 128) / 16)
+    assert v.values["pins"]["saved"] == pytest.approx(20 * (0.0002 + 5e-5) / 16)
+    naive = (0.16 - 0.024 - 0.02 - (0.0128 - 1e-5 * 128) + 220 * 0.0002 + (220 - 160) * 5e-5)
+    assert v.estimated_speedup == pytest.approx(naive / 0.16)
+    assert v.naive_hit_rate == pytest.approx(1 - 220 / 512)
+
+
+def test_a_mechanism_that_does_not_pay_is_turned_off_then_probed_with_growing_backoff():
+    referee = Referee(COSTS, "predictive")
+    losing = _window(hint_s=0.02, prefetch_used=2, prefetch_wasted=60)   # guesses that miss
+    decisions = []
+    for i in range(PATIENCE):
+        decisions += referee.close_window(losing)
+    assert [(d.mechanism, d.on) for d in decisions] == [("prefetch", False)]
+    assert not referee.is_on("prefetch")
+    off = _window(hint_s=0.0)
+    for _ in range(BACKOFF_START - 1):
+        assert referee.close_window(off) == []
+    probe = referee.close_window(off)
+    assert [(d.mechanism, d.on, d.reason) for d in probe] == [("prefetch", True, "probe")]
+    for _ in range(PROBE_WINDOWS - 1):
+        assert referee.close_window(losing) == []
+    assert [(d.mechanism, d.on) for d in referee.close_window(losing)] == [("prefetch", False)]
+    assert referee.states["prefetch"].backoff == 2 * BACKOFF_START
+
+
+def test_a_probe_that_pays_keeps_the_mechanism_on():
+    referee = Referee(COSTS, "predictive")
+    referee.set_states({"prefetch": False})
+    for _ in range(BACKOFF_START):
+        referee.close_window(_window())
+    assert referee.is_on("prefetch")
+    paying = _window(misses=80, stall_s=0.016, hint_s=0.002, prefetch_used=80, prefetch_wasted=4)
+    for _ in range(PROBE_WINDOWS + 3):
+        assert referee.close_window(paying) == []
+    assert referee.is_on("prefetch") and referee.states["prefetch"].net > 0
+
+
+def test_the_policy_is_dropped_for_lru_when_its_bookkeeping_costs_more_than_it_saves():
+    referee = Referee(COSTS, "predictive")
+    expensive = _window(bookkeeping_s=0.05, lru_pins_misses=161)
+    for _ in range(PATIENCE):
+        decisions = referee.close_window(expensive)
+    assert [(d.mechanism, d.on) for d in decisions] == [("policy", False)]
+    assert referee.policy == "lru"
+    assert referee.policy_step_s["predictive"] > COSTS["predictive"]    # measured live
+
+
+def test_mechanisms_the_operator_turned_off_are_never_probed():
+    referee = Referee(COSTS, "predictive", enabled=("policy",))
+    for _ in range(3 * BACKOFF_START):
+        assert referee.close_window(_window()) == []
+    assert not referee.is_on("prefetch")
+    assert referee.report()["mechanisms"]["prefetch"]["managed"] is False
+    assert Referee(COSTS, "lru").policy == "lru"
