@@ -965,7 +965,7 @@ cdef int _check_expert(const moed_weight *d, const moed_weight *first, str name,
 
 
 cdef enum:
-    FUSED_COLUMNS = 64    # output columns per unit of a transposed ([in, out]) projection
+    FUSED_COLUMNS = 256   # output columns per unit of a transposed ([in, out]) projection
 
 
 cdef void _fused_gate_up_rows(const moed_weight *w, const float *bias, Py_ssize_t g,

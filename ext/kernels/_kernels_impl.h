@@ -197,16 +197,10 @@ static inline void moed_dequant_row(int dtype, const void *w, float *out, ptrdif
  * transposed mat-vec is a sequence of these, its reduction order the row order. */
 static inline void moed_axpy_w(int dtype, float a, const void *w, float *y, ptrdiff_t n) {
     moed_v16 av = moed_v16_set1(a);
-    float wf[16];
     ptrdiff_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        moed_v16 wv;
-        if (dtype == MOED_BF16) {       /* moed_loadw reads f32 and f16 only */
-            for (int q = 0; q < 16; q++) wf[q] = moed_scalarw(dtype, w, j + q);
-            wv = moed_v16_load(wf);
-        } else {
-            wv = moed_loadw(dtype, w, j);
-        }
+        moed_v16 wv = dtype == MOED_BF16 ? moed_v16_load_bf16((const uint16_t *)w + j)
+                                         : moed_loadw(dtype, w, j);   /* f32, f16 */
         moed_v16_store(y + j, moed_v16_add(moed_v16_load(y + j), moed_v16_mul(av, wv)));
     }
     for (; j < n; j++) y[j] = y[j] + a * moed_scalarw(dtype, w, j);

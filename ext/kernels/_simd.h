@@ -65,6 +65,12 @@ static inline moed_v16 moed_v16_set1_f16(const void *p) {
     return _mm512_cvtph_ps(_mm256_set1_epi16(h));
 }
 
+/* 16 bf16 values at p, exactly (each the upper half of its f32). */
+static inline moed_v16 moed_v16_load_bf16(const uint16_t *p) {
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
 /* 32 bf16 values at p: the even-indexed ones and the odd-indexed ones, exactly. */
 static inline void moed_v16_load_bf16_pairs(const uint16_t *p, moed_v16 *even, moed_v16 *odd) {
     __m512i u = _mm512_loadu_si512(p);
@@ -131,6 +137,13 @@ static inline void moed_v16_store(float *p, moed_v16 a) {
 static inline moed_v16 moed_v16_load_f16(const uint16_t *p) {
     return (moed_v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+
+static inline moed_v16 moed_v16_load_bf16(const uint16_t *p) {
+    __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return (moed_v16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                      _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
 }
 
 static inline moed_v16 moed_v16_set1_f16(const void *p) {
@@ -217,6 +230,15 @@ static inline moed_v16 moed_v16_load_f16(const uint16_t *p) {
     moed_vh h;
     memcpy(&h, p, sizeof h);
     return __builtin_convertvector(h, moed_vf);
+}
+
+static inline moed_v16 moed_v16_load_bf16(const uint16_t *p) {
+    moed_vu16 h;
+    moed_v16 v;
+    memcpy(&h, p, sizeof h);
+    moed_vu32 u = __builtin_convertvector(h, moed_vu32) << 16;
+    memcpy(&v, &u, sizeof v);
+    return v;
 }
 
 static inline moed_v16 moed_v16_set1_f16(const void *p) {
