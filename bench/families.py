@@ -125,15 +125,21 @@ class HintRecorder:
         self.decoding = tokens == 1
         self.inner.begin_step(tokens)
 
-    def hint(self, layer: int, router_logits: np.ndarray, ahead: int = 1) -> None:
-        if self.decoding:
-            top = np.argsort(-router_logits[0], kind="stable")[:self.top_k]
+    def hint(self, layer: int, router_logits, ahead: int = 1) -> None:
+        if self.decoding and ahead == 1:        # the next layer's guess (0: a layer's own)
+            scores = router_logits() if callable(router_logits) else router_logits
+            top = np.argsort(-scores[0], kind="stable")[:self.top_k]
             self.hinted.setdefault(layer, []).append(set(top.tolist()))
 
     def acquire(self, layer: int, experts):
         if self.decoding:
             self.chosen.setdefault(layer, []).append(set(int(e) for e in experts))
         return self.inner.acquire(layer, experts)
+
+    def acquire_in_order(self, layer: int, experts):   # the decode path's acquire
+        if self.decoding:
+            self.chosen.setdefault(layer, []).append(set(int(e) for e in experts))
+        return self.inner.acquire_in_order(layer, experts)
 
     def __getattr__(self, name):            # release, max_acquire, close, usage, ...
         return getattr(self.inner, name)
