@@ -56,9 +56,12 @@ class Subject:
         self.prompt = bench_prompt(self.config)
         self.learned = None
 
-    def model(self, counts, options: dict) -> Model:
+    def model(self, learned, options: dict) -> Model:
+        """learned: daemon.commands.bench.Learned of an earlier session, or None."""
         opts = StreamingOptions(cache_bytes=self.bench.cache_bytes, direct=self.direct, **options)
-        provider = StreamingExpertProvider(self.layout, self.config, opts, usage_counts=counts)
+        provider = StreamingExpertProvider(self.layout, self.config, opts,
+                                           usage_counts=learned.counts if learned else None,
+                                           learned=learned.state if learned else None)
         return Model(self.config, self.checkpoint, self.layout, provider, self.bench.threads)
 
     def run(self, naive: bool) -> dict:

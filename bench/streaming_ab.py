@@ -80,10 +80,13 @@ def main(argv=None) -> int:
     direct = probe_direct_io(checkpoint.shards[0])
     prompt = bench_prompt(config)
 
-    def model(counts, options: dict) -> Model:
+    def model(learned, options: dict) -> Model:
+        """learned: daemon.commands.bench.Learned of an earlier session, or None."""
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, direct=direct, **options)
-        return Model(config, checkpoint, layout,
-                     StreamingExpertProvider(layout, config, opts, usage_counts=counts), bench.threads)
+        provider = StreamingExpertProvider(layout, config, opts,
+                                           usage_counts=learned.counts if learned else None,
+                                           learned=learned.state if learned else None)
+        return Model(config, checkpoint, layout, provider, bench.threads)
 
     learned = learned_usage(model(None, {}), prompt, bench)
 
