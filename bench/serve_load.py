@@ -17,20 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
 import aiohttp
-from served import percentile, sse_texts
+from served import percentile, serve, sse_texts
 
 
 async def _one(session: aiohttp.ClientSession, i: int, max_tokens: int) -> dict:
@@ -69,29 +63,6 @@ async def _load(socket_path: str, clients: int, requests: int, max_tokens: int) 
                                           "mean": statistics.fmean(tps) if tps else float("nan")}}
 
 
-def _start(args, workdir: str) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(workdir, "moed.sock")
-    cmd = [str(Path(sys.executable).with_name("moed")), "serve", "--model", args.model,
-           "--socket", sock, "--state-dir", os.path.join(workdir, "state"),
-           "--metrics-address", "127.0.0.1:0",
-           "--max-concurrent-sequences", str(args.max_concurrent_sequences),
-           "--max-queue", str(args.clients * args.requests)]
-    if args.expert_cache_bytes:
-        cmd += ["--expert-cache-bytes", args.expert_cache_bytes]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
-    env["MOED_CONFIG"] = os.path.join(workdir, "empty.toml")
-    Path(env["MOED_CONFIG"]).write_text("")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    for line in proc.stderr:
-        if '"event": "ready"' in line:
-            break
-    else:
-        raise RuntimeError(f"moed serve exited with {proc.wait()} before it was ready")
-    # Keep reading its log: a full pipe would block the daemon's next log line.
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    return proc, sock
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,12 +74,14 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-concurrent-sequences", type=int, default=4)
     args = p.parse_args()
-    workdir = tempfile.mkdtemp(prefix="moedload", dir="/tmp")
-    proc = None
-    try:
+    with contextlib.ExitStack() as stack:
         sock = args.socket
         if sock is None:
-            proc, sock = _start(args, workdir)
+            extra = ["--max-concurrent-sequences", str(args.max_concurrent_sequences),
+                     "--max-queue", str(args.clients * args.requests)]
+            if args.expert_cache_bytes:
+                extra += ["--expert-cache-bytes", args.expert_cache_bytes]
+            sock = stack.enter_context(serve(args.model, *extra, tuner=None))["socket"]
         asyncio.run(_load(sock, 1, 2, args.max_tokens))          # warm-up, not counted
         one = asyncio.run(_load(sock, 1, args.requests, args.max_tokens))
         many = asyncio.run(_load(sock, args.clients, args.requests, args.max_tokens))
@@ -117,11 +90,6 @@ def main() -> int:
                           / one["total_tokens_per_second"],
                           "max_concurrent_sequences": args.max_concurrent_sequences,
                           "max_tokens": args.max_tokens, "model": args.model}, indent=2))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -65,15 +65,17 @@ def ensure_model(directory: str, make_args: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def serve(model: str, *args: str) -> Iterator[dict]:
+def serve(model: str, *args: str, tuner: str | None = "off") -> Iterator[dict]:
     """A `moed serve` on a private Unix socket and a loopback TCP port with an API key;
-    yields {"socket", "url", "api_key", "workdir"}; SIGTERM and wait on exit."""
+    yields {"socket", "url", "api_key", "workdir"}; SIGTERM and wait on exit. `tuner`:
+    its MOED_TUNER (None: the configured default)."""
     workdir = tempfile.mkdtemp(prefix="moedbench", dir="/tmp")
     sock = os.path.join(workdir, "moed.sock")
     port, key = free_port(), "bench-key"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
     env["MOED_CONFIG"] = os.path.join(workdir, "empty.toml")
-    env.setdefault("MOED_TUNER", "off")
+    if tuner is not None:
+        env["MOED_TUNER"] = tuner
     Path(env["MOED_CONFIG"]).write_text("")
     cmd = [MOED, "serve", "--model", model, "--socket", sock, "--state-dir",
            os.path.join(workdir, "state"), "--metrics-address", "127.0.0.1:0",
