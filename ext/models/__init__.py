@@ -4,3 +4,7 @@ shared pieces the families are built from — attention kinds (attention.py), Ro
 (rope.py), routing rules (routing.py), the KV cache (kvcache.py) — where its routed
 experts are and how the MoE block gets them (experts.py), and the forward pass
 (model.py). Imports kernels/ and formats/."""
+
+# The family table registers each family's config reader with config.py (which imports
+# no family, so the families may import it).
+from ext.models import families  # noqa: E402,F401

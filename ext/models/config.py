@@ -11,14 +11,16 @@ field the architecture needs and has no default for raises
 
 What every family reads the same way is here (`ConfigReader` and the `read_*`
 helpers); what one family reads its own way is in its module of
-`ext/models/families/`, whose table `parse_config` consults by `model_type`.
+`ext/models/families/`, whose table gives `parse_config` each family's reader by
+`model_type` (`register_family`; the table registers itself when ext.models is imported,
+so this module imports no family and the families import it).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ext.formats.files import MetadataFileError, read_json
 from ext.formats.quant import QuantMethod, parse_quantization_config
@@ -402,6 +404,15 @@ def read_decoder(r: ConfigReader, *, default_theta: float | None, default_eps: f
     )
 
 
+# model_type -> the family's config reader (ext/models/families/__init__.py fills it).
+_READERS: dict[str, Callable[[ConfigReader], ModelConfig]] = {}
+
+
+def register_family(model_type: str, read_config: Callable[[ConfigReader], ModelConfig]) -> None:
+    """Make `parse_config` read configs of `model_type` with `read_config`."""
+    _READERS[model_type] = read_config
+
+
 def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> ModelConfig:
     """Build a ModelConfig from a parsed config.json, with its family's reader.
 
@@ -414,19 +425,17 @@ def parse_config(raw: dict[str, Any], path: str | Path = "config.json") -> Model
         ext.formats.quant.QuantizationConfigError: a `quantization_config` moed does
             not read (unknown quant_method, fmt, activation scheme, ...).
     """
-    from ext.models.families import FAMILIES  # the family modules import this one
-
     path = Path(path)
     if not isinstance(raw, dict):
         raise ConfigError(path, None, "expected a JSON object")
     model_type = raw.get("model_type")
     if model_type is None:
         raise MissingConfigFieldError(path, "model_type", "is required and missing")
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
+    read = _READERS.get(model_type) if isinstance(model_type, str) else None
+    if read is None:
         raise UnsupportedModelError(
-            path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    config = family.read_config(ConfigReader(path, raw))
+            path, "model_type", f"{model_type!r} is not supported (supported: {', '.join(_READERS)})")
+    config = read(ConfigReader(path, raw))
     return replace(config, quantization=parse_quantization_config(raw, path))
 
 

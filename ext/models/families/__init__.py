@@ -3,7 +3,7 @@
 Each family is one module here (its config reading, attention kind, routing rule and
 tensor names); adding a family is adding its module and its entry below.
 """
-from ext.models.config import ModelConfig
+from ext.models.config import ModelConfig, register_family
 from ext.models.family import Family
 from ext.models.families import (deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe,
                                  qwen3_moe)
@@ -18,6 +18,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     gpt_oss.FAMILY,
 )}
 FAMILIES["kimi_k2"] = deepseek_v3.FAMILY   # Kimi K2: DeepseekV3ForCausalLM under its own name
+for _name, _family in FAMILIES.items():
+    register_family(_name, _family.read_config)
 
 
 def family_of(model_type: str) -> Family:
