@@ -168,6 +168,27 @@ def scenario(group: Path, model_dir: str, budget: int, limit: int, scratch: Path
             "phases": phases}
 
 
+def fs_type(path: str) -> str:
+    """The filesystem type of the mount holding `path` (/proc/self/mountinfo)."""
+    path, best, kind = os.path.realpath(path), "", ""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields, _, tail = line.partition(" - ")
+        point = fields.split()[4].replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, tail.split()[0]
+    return kind
+
+
+def scratch_parent() -> str | None:
+    """Where the page-cache file may go: a writable directory whose file pages are page
+    cache (not tmpfs or ramfs, whose pages are memory the group cannot reclaim and would
+    be killed for); /var/tmp first, since /tmp is a tmpfs on many machines."""
+    for d in ("/var/tmp", tempfile.gettempdir()):
+        if os.path.isdir(d) and os.access(d, os.W_OK) and fs_type(d) not in ("tmpfs", "ramfs"):
+            return d
+    return None
+
+
 def main(argv=None) -> int:
     doc = __doc__.split("\n\n")
     parser = argparse.ArgumentParser(description=doc[0], epilog=doc[2],
@@ -183,9 +204,13 @@ def main(argv=None) -> int:
     if args.child:                                   # inside the group
         group = Path(args.child)
         (group / "cgroup.procs").write_text(str(os.getpid()))
-        with tempfile.TemporaryDirectory(prefix="moed-squeeze-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="moed-squeeze-", dir=scratch_parent()) as scratch:
             print(json.dumps(scenario(group, args.model, budget, limit, Path(scratch))))
         return 0
+    if scratch_parent() is None:
+        print("squeeze_cgroup: no writable directory outside tmpfs for the page-cache file "
+              "(/var/tmp and the temporary directory are tmpfs)", file=sys.stderr)
+        return EXIT_SKIP
     try:
         version, group = make_group(limit)
     except OSError as e:
