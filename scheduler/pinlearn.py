@@ -76,6 +76,10 @@ class PinLearner:
     staging_slots: its staging tier (left out of the replayed dynamic tiers).
     max_share: the largest share tried (the configured pin_fraction). start_share /
     start_source: the incumbent at construction (a share saved by an earlier session).
+    check_shadow: (capacities per layer, pins) -> a shadow with ShadowLRU's `access` and
+    `resident` (e.g. scheduler.shadow.ShadowPolicyCache of the cache's own policy) for
+    the check stage; None: ShadowLRU, which models the dynamic tier as LRU and so
+    overrates pins next to a policy that already keeps the frequent experts.
     Raises ValueError for shares outside [0, 1] or a window below 1 step.
     """
 
@@ -83,7 +87,7 @@ class PinLearner:
                  staging_slots: int = 0, max_share: float = 0.5, shares: Sequence[float] = PIN_SHARES,
                  window_tokens: int = WINDOW_TOKENS, history_windows: int = HISTORY_WINDOWS,
                  min_gain: float = MIN_GAIN, max_interval_windows: int = MAX_INTERVAL_WINDOWS,
-                 start_share: float = 0.0, start_source: str = "long"):
+                 start_share: float = 0.0, start_source: str = "long", check_shadow=None):
         if not 0.0 <= max_share <= 1.0 or not all(0.0 < s <= 1.0 for s in shares):
             raise ValueError(f"shares must be in (0, 1] and max_share in [0, 1], got {shares}, {max_share}")
         if window_tokens < 1 or history_windows < 2:
@@ -92,6 +96,7 @@ class PinLearner:
             raise ValueError(f"start_source must be one of {SOURCES}, got {start_source!r}")
         self.n_layers, self.num_experts, self.top_k = n_layers, num_experts, top_k
         self.total_slots, self.staging_slots = total_slots, staging_slots
+        self.check_shadow = check_shadow
         self.spare = max(0, total_slots - staging_slots - top_k * n_layers)
         self.shares = tuple(s for s in shares if s <= max_share + 1e-12)
         self.window_tokens, self.min_gain = window_tokens, min_gain
@@ -231,8 +236,16 @@ class PinLearner:
         return hits
 
     def _outcomes(self, pins: frozenset[Pin], pinned_slots: int, warm: list, counted: list) -> list[int]:
-        """As `_replay`, one 1 (hit) or 0 per lookup of `counted`, in order."""
-        shadow = self._shadow(pins, pinned_slots, warm)
+        """As `_replay`, one 1 (hit) or 0 per lookup of `counted`, in order — through
+        `check_shadow` (the policy that really runs) when the learner has one."""
+        if self.check_shadow is None:
+            shadow = self._shadow(pins, pinned_slots, warm)
+        else:
+            capacities = even_split(self.total_slots - self.staging_slots - pinned_slots, self.n_layers)
+            shadow = self.check_shadow(capacities, pins)
+            for step in warm:
+                for li, ids in enumerate(step):
+                    shadow.access(li, ids)
         out: list[int] = []
         for step in counted:
             for li, ids in enumerate(step):

@@ -106,3 +106,55 @@ def even_split(slots: int, layers: int) -> list[int]:
     layers take the remainder)."""
     per_layer, extra = divmod(slots, layers)
     return [per_layer + (1 if i < extra else 0) for i in range(layers)]
+
+
+class ShadowPolicyCache:
+    """The cache's own policy replayed on ids: an `ExpertCache` of `dynamic_slots` slots
+    per layer plus a pinned tier holding `pins`, served as the engine serves it (request,
+    loaded for every miss, release), nothing read. Same `access` / `resident` interface
+    as ShadowLRU, at the cost of the real policy's bookkeeping (tens of microseconds per
+    layer step for predictive, against a few for ShadowLRU).
+
+    transitions: per layer, the running policy's next-step statistics to start from
+    (ExpertCache.transitions), so a short replay is not judged by a policy that has
+    learned nothing yet. Raises ValueError for a capacity < 1.
+    """
+
+    def __init__(self, capacities: Sequence[int], num_experts: int, top_k: int, policy: str,
+                 pins: Iterable[tuple[int, int]] = (), transitions=None):
+        from scheduler.cache import OUTCOME_MISS, ExpertCache
+
+        if not capacities or min(capacities) < 1:
+            raise ValueError(f"capacities must be >= 1 per layer, got {list(capacities)}")
+        pins = list(pins)
+        layers = len(capacities)
+        # even_split gives the first layers the remainder, as ExpertCache does.
+        total = sum(max(int(c), top_k) for c in capacities) + len(pins)
+        self._miss = OUTCOME_MISS
+        self._cache = ExpertCache(list(range(layers)), num_experts, top_k, total,
+                                  pinned_slots=len(pins), policy=policy)
+        for load in self._cache.set_pins(pins):
+            self._cache.loaded(load.slot)
+        if transitions is not None:
+            self._cache.seed_transitions(transitions)
+        self._token = 0
+        self._last_layer = -1
+
+    def access(self, layer: int, experts: Sequence[int]) -> int:
+        """Serve one layer's experts; returns the misses. A layer index not above the
+        previous one starts a new step."""
+        if layer <= self._last_layer:
+            self._token += 1
+        self._last_layer = layer
+        ids = sorted({int(e) for e in experts})
+        misses = 0
+        for a in self._cache.request(layer, ids, self._token):
+            if a.outcome == self._miss:
+                misses += 1
+                self._cache.loaded(a.slot)
+        self._cache.release(layer, ids)
+        return misses
+
+    def resident(self, layer: int) -> set[int]:
+        """Experts of `layer` that would hit now (pinned or dynamic)."""
+        return {e for e in range(self._cache.num_experts) if self._cache.slot_of(layer, e) is not None}
