@@ -478,11 +478,14 @@ class ExpertCache:
         self.policy_name = policy
         self.seed_transitions(transitions)
 
-    def seed_transitions(self, transitions: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> bool:
+    def seed_transitions(self, transitions: Sequence[tuple[np.ndarray, np.ndarray] | None],
+                         as_counts: bool = False) -> bool:
         """Give each layer's policy an earlier session's next-step statistics (one (T [E, E],
         N [E]) or None per layer, as `transitions` returns them). Policies that do not
-        predict (all but predictive) keep them to hand on. Returns whether the current
-        policy uses them. Raises ValueError for a wrong layer count or shapes."""
+        predict (all but predictive) keep them to hand on. as_counts: the policy takes them
+        as its own counts, not as a prior to weigh (a shadow replaying the running cache).
+        Returns whether the current policy uses them. Raises ValueError for a wrong layer
+        count or shapes."""
         if len(transitions) != len(self._policies):
             raise ValueError(f"{len(transitions)} layers of transitions for {len(self._policies)} MoE layers")
         used = False
@@ -491,7 +494,7 @@ class ExpertCache:
                 continue
             policy = self._policies[li]
             if hasattr(policy, "seed_prior"):
-                policy.seed_prior(*prior)
+                (policy.seed_counts if as_counts else policy.seed_prior)(*prior)
                 used = True
             else:
                 self._held_transitions[li] = prior

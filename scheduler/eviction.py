@@ -482,6 +482,14 @@ class PredictivePolicy(LRFUPolicy):
         self._prior_weight = 1.0
         self._p_next = None
 
+    def seed_counts(self, transitions: np.ndarray, totals: np.ndarray) -> None:
+        """As `seed_prior`, but taken as this policy's own counts (no weighing): a replay
+        that continues another policy's state. Raises ValueError as seed_prior."""
+        self.seed_prior(transitions, totals)
+        if self._prior is not None:
+            (self._t, self._n), self._prior = self._prior, None
+            self._base = self._prev_token if self._prev is not None else 0
+
     def transitions(self) -> tuple[np.ndarray, np.ndarray]:
         """(T [E, E], N [E]) float64 as of the last step: this session's counts plus the
         prior decayed over the tokens since it was seeded (see the class docstring)."""

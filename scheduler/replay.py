@@ -181,8 +181,9 @@ def replay_tokens(trace: list[list[list[int]]], slots_per_layer: int, policies: 
             cache = ExpertCache(moe_layers, num_experts, k, total_slots, 0, policy=name)
             # The check replays this policy (from its statistics so far), as the daemon's does.
             learner = PinLearner(n_layers, num_experts, k, total_slots, max_share=max_pin_share,
-                                 check_shadow=lambda caps, pins, c=cache, n=name: ShadowPolicyCache(
-                                     caps, num_experts, k, n, pins, transitions=c.transitions()))
+                                 check_shadow=lambda layers, caps, pins, c=cache, n=name: ShadowPolicyCache(
+                                     layers, caps, num_experts, k, n, pins,
+                                     transitions=[t for li, t in enumerate(c.transitions()) if li in layers]))
         run = _Run(cache, learner, UsageStats(moe_layers, num_experts, usage_half_life_tokens))
         if start == "warm":
             run.drive(trace[:warm], counted=False)

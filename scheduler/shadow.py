@@ -109,51 +109,57 @@ def even_split(slots: int, layers: int) -> list[int]:
 
 
 class ShadowPolicyCache:
-    """The cache's own policy replayed on ids: an `ExpertCache` of `dynamic_slots` slots
-    per layer plus a pinned tier holding `pins`, served as the engine serves it (request,
-    loaded for every miss, release), nothing read. Same `access` / `resident` interface
-    as ShadowLRU, at the cost of the real policy's bookkeeping (tens of microseconds per
-    layer step for predictive, against a few for ShadowLRU).
+    """The cache's own policy replayed on ids: an `ExpertCache` over the layer indices
+    `layers` with `capacities[i]` dynamic slots for layers[i], plus a pinned tier holding
+    `pins` ((layer index, expert), of those layers), served as the engine serves it
+    (request, loaded for every miss, release), nothing read. Same `access` / `resident`
+    interface as ShadowLRU, at the cost of the real policy's bookkeeping (tens of
+    microseconds per layer step for predictive, against a few for ShadowLRU).
 
-    transitions: per layer, the running policy's next-step statistics to start from
-    (ExpertCache.transitions), so a short replay is not judged by a policy that has
-    learned nothing yet. Raises ValueError for a capacity < 1.
+    transitions: per layer of `layers`, next-step statistics (T, N) the policy starts
+    from as its own counts (ExpertCache.transitions of the running cache), so a short
+    replay is not judged by a policy that has learned nothing yet. Raises ValueError for
+    a capacity < 1 or lists of different lengths.
     """
 
-    def __init__(self, capacities: Sequence[int], num_experts: int, top_k: int, policy: str,
-                 pins: Iterable[tuple[int, int]] = (), transitions=None):
+    def __init__(self, layers: Sequence[int], capacities: Sequence[int], num_experts: int, top_k: int,
+                 policy: str, pins: Iterable[tuple[int, int]] = (), transitions=None):
         from scheduler.cache import OUTCOME_MISS, ExpertCache
 
-        if not capacities or min(capacities) < 1:
-            raise ValueError(f"capacities must be >= 1 per layer, got {list(capacities)}")
+        if not capacities or min(capacities) < 1 or len(capacities) != len(layers):
+            raise ValueError(f"capacities must be >= 1 for each of {list(layers)}, got {list(capacities)}")
         pins = list(pins)
-        layers = len(capacities)
-        # even_split gives the first layers the remainder, as ExpertCache does.
         total = sum(max(int(c), top_k) for c in capacities) + len(pins)
         self._miss = OUTCOME_MISS
-        self._cache = ExpertCache(list(range(layers)), num_experts, top_k, total,
+        self._cache = ExpertCache(list(layers), num_experts, top_k, total,
                                   pinned_slots=len(pins), policy=policy)
         for load in self._cache.set_pins(pins):
             self._cache.loaded(load.slot)
         if transitions is not None:
-            self._cache.seed_transitions(transitions)
+            self._cache.seed_transitions(transitions, as_counts=True)
         self._token = 0
         self._last_layer = -1
 
     def access(self, layer: int, experts: Sequence[int]) -> int:
         """Serve one layer's experts; returns the misses. A layer index not above the
         previous one starts a new step."""
+        return len(experts) - sum(self.access_hits(layer, experts))
+
+    def access_hits(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """As `access` (distinct `experts`); 1 (hit) or 0 per expert, in their order."""
         if layer <= self._last_layer:
             self._token += 1
         self._last_layer = layer
-        ids = sorted({int(e) for e in experts})
-        misses = 0
+        ids = [int(e) for e in experts]
+        out = []
         for a in self._cache.request(layer, ids, self._token):
             if a.outcome == self._miss:
-                misses += 1
                 self._cache.loaded(a.slot)
+                out.append(0)
+            else:
+                out.append(1)
         self._cache.release(layer, ids)
-        return misses
+        return out
 
     def resident(self, layer: int) -> set[int]:
         """Experts of `layer` that would hit now (pinned or dynamic)."""

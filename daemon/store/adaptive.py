@@ -121,13 +121,14 @@ class Adaptation:
         self.pin_changes = 0
         self.decisions: list[dict] = []          # the latest mechanism decisions (most recent last)
 
-    def _check_shadow(self, capacities: list[int], pins) -> ShadowPolicyCache:
+    def _check_shadow(self, layers: list[int], capacities: list[int], pins) -> ShadowPolicyCache:
         """The pin learner's check replays the cache's own policy (its next-step
         statistics as they are now), not LRU: against a policy that keeps frequent experts
         anyway, LRU overrates what pins add (measured: pins chosen that way cost 0.3-0.8
         points of hit rate on two trained models and on the Kimi trace)."""
-        return ShadowPolicyCache(capacities, self.num_experts, self.top_k, self.cache.policy_name,
-                                 pins, transitions=self.cache.transitions())
+        transitions = self.cache.transitions()
+        return ShadowPolicyCache(layers, capacities, self.num_experts, self.top_k, self.cache.policy_name,
+                                 pins, transitions=[transitions[li] for li in layers])
 
     # ------------------------------------------------------------- the provider's hooks
     def step_begins(self, decode: bool, learn: bool,

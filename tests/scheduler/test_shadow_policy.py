@@ -18,7 +18,7 @@ def random_steps(seed: int, n: int) -> list[list[list[int]]]:
 
 
 def test_with_lru_it_misses_exactly_as_shadow_lru():
-    a, b = ShadowPolicyCache([5, 5], E, K, "lru"), ShadowLRU([5, 5])
+    a, b = ShadowPolicyCache([0, 1], [5, 5], E, K, "lru"), ShadowLRU([5, 5])
     for step in random_steps(0, 200):
         for li, ids in enumerate(step):
             assert a.resident(li) == b.resident(li)
@@ -26,7 +26,7 @@ def test_with_lru_it_misses_exactly_as_shadow_lru():
 
 
 def test_pins_always_hit_and_take_no_dynamic_slot():
-    shadow = ShadowPolicyCache([2, 2], E, K, "predictive", pins=[(0, 7), (1, 3)])
+    shadow = ShadowPolicyCache([0, 1], [2, 2], E, K, "predictive", pins=[(0, 7), (1, 3)])
     assert 7 in shadow.resident(0) and 3 in shadow.resident(1)
     misses = 0
     for step in random_steps(1, 50):
@@ -46,7 +46,7 @@ def test_the_check_through_the_real_policy_declines_pins_lru_would_want():
         return PinLearner(L, E, K, total_slots=2 * 7, max_share=0.5, check_shadow=check_shadow)
 
     lru_judged = learner()
-    policy_judged = learner(lambda caps, pins: ShadowPolicyCache(caps, E, K, "lrfu", pins))
+    policy_judged = learner(lambda layers, caps, pins: ShadowPolicyCache(layers, caps, E, K, "lrfu", pins))
     steps = hot_and_scan(256)
     for t, step in enumerate(steps):
         for lrn in (lru_judged, policy_judged):
