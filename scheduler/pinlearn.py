@@ -48,7 +48,7 @@ WINDOW_TOKENS = 32
 HISTORY_WINDOWS = 8
 MIN_GAIN = 0.01           # of the newest window's lookups
 MAX_INTERVAL_WINDOWS = 16
-CHECK_LAYERS = 4          # layers the check replays through the running policy
+CHECK_LAYERS = 8          # layers the check replays through the running policy
 Z_WIN = 2.0               # standard errors of the paired sign test a challenger must clear
 SOURCES = ("long", "recent")
 
