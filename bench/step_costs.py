@@ -16,6 +16,16 @@ and the prompt's time to first token beside the streams is at least R / (R - 1) 
 its time alone, before the extra cost of small chunks (cost per token of c tokens over
 that of PREFILL_CHUNK). With R = 3 that bound is 1.5 already.
 
+"bound": the same made concrete for a --prompt-tokens prompt. The step times are fitted
+(least squares) as t(c, p) = m0 + m1 p + c (k0 + k1 (p + c / 2)) — a part per chunk
+that grows with the prompt's KV cache, and per token the rows' weights and their
+attention over the context — mixed steps and full chunks alone separately; then for
+each R the best any chunk-sizing rule could do with exact knowledge of those costs and
+no noise: every step takes the largest chunk that keeps it within R decode steps (one
+token when none does), and the prompt's time to first token is compared with its
+full-chunk prefill alone. The streams' own growth in context is left out, so the bound
+is optimistic.
+
     python bench/step_costs.py [--model DIR] [--threads 1]
 """
 from __future__ import annotations
@@ -49,6 +59,35 @@ def _interleaved(fns, repeats: int) -> list[list[float]]:
     return times
 
 
+def _fit(samples: list[tuple[int, int, float]]) -> list[float]:
+    """Least squares of t(c, p) = m0 + m1 p + c (k0 + k1 (p + c / 2)) over (c, p, t):
+    [m0, m1, k0, k1]."""
+    a = np.array([[1.0, p, c, c * (p + c / 2)] for c, p, _ in samples])
+    t = np.array([t for _, _, t in samples])
+    return np.linalg.lstsq(a, t, rcond=None)[0].tolist()
+
+
+def _cost(coef: list[float], c: int, p: int) -> float:
+    m0, m1, k0, k1 = coef
+    return m0 + m1 * p + c * (k0 + k1 * (p + c / 2))
+
+
+def _bound(ratio: float, decode_s: float, mixed: list[float], alone: list[float],
+           tokens: int) -> dict:
+    """The best chunk sizes under `ratio` with exactly known, noise-free step costs."""
+    p, total, steps, worst = 0, 0.0, 0, 0.0
+    while p < tokens:
+        c = 1
+        while c < min(PREFILL_CHUNK - 3, tokens - p) and _cost(mixed, c + 1, p) <= ratio * decode_s:
+            c += 1
+        step = _cost(mixed, c, p)
+        total, steps, worst, p = total + step, steps + 1, max(worst, step), p + c
+    alone_s = sum(_cost(alone, min(PREFILL_CHUNK, tokens - q), q)
+                  for q in range(0, tokens, PREFILL_CHUNK))
+    return {"ratio": ratio, "steps": steps, "ttft_mixed_over_alone": total / alone_s,
+            "worst_step_over_decode_step": worst / decode_s}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +99,7 @@ def main() -> int:
     p.add_argument("--positions", type=int, nargs="+", default=[0, 1000, 2000, 3400])
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--prompt-tokens", type=int, default=3500, help="the prompt of the bound")
     args = p.parse_args()
     model = Model.load(ensure_model(args.model, MAKE_MODEL), n_threads=args.threads)
     rng = np.random.default_rng(0)
@@ -114,13 +154,21 @@ def main() -> int:
                          "decode_rows_added_over_decode_step": statistics.median(
                              (mi - ai) / di for ai, mi, di in zip(a, m, d))})
     decode_s = statistics.median(decode_times)
+    mixed_cost = _fit([(r["chunk"], r["position"], r["mixed_s"]) for r in rows])
+    alone_cost = _fit([(r["chunk"], r["position"], r["alone_s"]) for r in rows] +
+                      [(PREFILL_CHUNK, r["position"], r["alone_s"] / r["chunk"] * PREFILL_CHUNK /
+                        r["cost_per_token_over_full_chunk"]) for r in rows])
     print(json.dumps({
         "model": args.model, "threads": args.threads, "streams": args.streams,
         "decode_context": args.decode_context, "decode_step_s": decode_s,
         "full_chunk": PREFILL_CHUNK,
         "steps": rows,
         "decode_rows_added_over_decode_step_median": statistics.median(
-            r["decode_rows_added_over_decode_step"] for r in rows)}, indent=2))
+            r["decode_rows_added_over_decode_step"] for r in rows),
+        "bound": {"prompt_tokens": args.prompt_tokens,
+                  "fit_mixed_s": mixed_cost, "fit_alone_s": alone_cost,
+                  "by_ratio": [_bound(r, decode_s, mixed_cost, alone_cost, args.prompt_tokens)
+                               for r in (2.0, 2.5, 3.0, 3.5, 4.0, 5.0)]}}, indent=2))
     return 0
 
 
