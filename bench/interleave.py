@@ -31,18 +31,35 @@ import time
 import aiohttp
 import numpy as np
 
-from served import ensure_model, percentile, serve, spread, sse_texts
+from served import ensure_model, percentile, serve, spread, sse_choices
 
 MAKE_MODEL = ["--arch", "qwen3_moe", "--layers", "8", "--experts", "16", "--top-k", "2",
               "--hidden", "256", "--intermediate", "256", "--seed", "3"]
 
 
-async def _stream(session, body: dict, arrivals: list[float], first: asyncio.Future | None = None):
+async def _stream(session, body: dict, arrivals: list[float], first: asyncio.Future | None = None,
+                  tokens: list[int] | None = None):
+    """Stream a completion; the arrival time of each event with text (and, for a body
+    asking for logprobs, into `tokens`, how many tokens it carries)."""
     async with session.post("http://localhost/v1/completions", json=body) as resp:
-        async for _ in sse_texts(resp):
+        async for choice in sse_choices(resp):
             arrivals.append(time.perf_counter())
+            if tokens is not None:
+                tokens.append(len(choice["logprobs"]["tokens"]))
             if first is not None and not first.done():
                 first.set_result(arrivals[-1])
+
+
+def _stream_body(rng, vocab: int, seed: int) -> dict:
+    return {"prompt": rng.integers(1, vocab, 8).tolist(), "max_tokens": 4000, "temperature": 0.8,
+            "seed": seed, "ignore_eos": True, "stream": True, "logprobs": 0}
+
+
+def _gaps(arrivals: list[float], tokens: list[int]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(event gaps, token gaps) of one stream, each as (end time, seconds): token gaps
+    are those ending in an event of one token."""
+    events = [(t1, t1 - t0) for t0, t1 in zip(arrivals, arrivals[1:])]
+    return events, [g for g, k in zip(events, tokens[1:]) if k == 1]
 
 
 def _long_body(rng, n: int, vocab: int) -> dict:
@@ -63,9 +80,9 @@ async def _mixed(socket_path: str, body: dict, streams: int, baseline_s: float, 
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=3600)) as s:
         arrivals = [[] for _ in range(streams)]
-        tasks = [asyncio.create_task(_stream(s, {
-            "prompt": rng.integers(1, vocab, 8).tolist(), "max_tokens": 4000, "temperature": 0.8,
-            "seed": i, "ignore_eos": True, "stream": True}, arrivals[i])) for i in range(streams)]
+        tokens = [[] for _ in range(streams)]
+        tasks = [asyncio.create_task(_stream(s, _stream_body(rng, vocab, i), arrivals[i],
+                                             tokens=tokens[i])) for i in range(streams)]
         while min(len(a) for a in arrivals) < 2:          # every stream is decoding
             await asyncio.sleep(0.01)
         await asyncio.sleep(baseline_s)
@@ -78,18 +95,23 @@ async def _mixed(socket_path: str, body: dict, streams: int, baseline_s: float, 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    before, during = [], []
-    for a in arrivals:
-        gaps = [(t1, t1 - t0) for t0, t1 in zip(a, a[1:])]
-        before += [g for t1, g in gaps if t1 < sent]
-        # a gap belongs to the prefill when it ends after the send and starts before the
-        # long prompt's first token
-        during += [g for t1, g in gaps if t1 > sent and t1 - g < ttft_at]
-    return {"ttft_s": ttft_at - sent, "gap_before_median_s": statistics.median(before),
-            "gap_before_p99_s": percentile(before, 0.99),
-            "gap_during_median_s": statistics.median(during),
-            "gap_during_p99_s": percentile(during, 0.99), "gap_during_max_s": max(during),
-            "gaps_before": len(before), "gaps_during": len(during)}
+    out = {"ttft_s": ttft_at - sent}
+    for kind, which in (("token", 1), ("event", 0)):
+        before, during = [], []
+        for a, k in zip(arrivals, tokens):
+            gaps = _gaps(a, k)[which]
+            before += [g for t1, g in gaps if t1 < sent]
+            # a gap belongs to the prefill when it ends after the send and starts before
+            # the long prompt's first token
+            during += [g for t1, g in gaps if t1 > sent and t1 - g < ttft_at]
+        out[kind] = {"gap_before_median_s": statistics.median(before),
+                     "gap_before_p99_s": percentile(before, 0.99),
+                     "gap_during_median_s": statistics.median(during),
+                     "gap_during_p99_s": percentile(during, 0.99), "gap_during_max_s": max(during),
+                     "gaps_before": len(before), "gaps_during": len(during),
+                     "gap_ratio_p99_over_median": percentile(during, 0.99) / statistics.median(before),
+                     "gap_ratio_p99_before_over_median": percentile(before, 0.99) / statistics.median(before)}
+    return out
 
 
 async def _rejected(socket_path: str, streams: int, nbytes: int, rng, vocab: int) -> dict:
@@ -98,9 +120,8 @@ async def _rejected(socket_path: str, streams: int, nbytes: int, rng, vocab: int
     connector = aiohttp.UnixConnector(path=socket_path, limit=streams + 1)
     async with aiohttp.ClientSession(connector=connector) as s:
         arrivals = [[] for _ in range(streams)]
-        tasks = [asyncio.create_task(_stream(s, {
-            "prompt": rng.integers(1, vocab, 8).tolist(), "max_tokens": 4000, "temperature": 0.8,
-            "seed": i, "ignore_eos": True, "stream": True}, arrivals[i])) for i in range(streams)]
+        tasks = [asyncio.create_task(_stream(s, _stream_body(rng, vocab, i), arrivals[i]))
+                 for i in range(streams)]
         while min(len(a) for a in arrivals) < 20:
             await asyncio.sleep(0.01)
         sent = time.perf_counter()
@@ -148,21 +169,25 @@ def main() -> int:
             mixed = asyncio.run(_mixed(d["socket"], _long_body(rng, args.prompt_tokens, vocab),
                                        args.streams, args.baseline_s, rng, vocab))
             mixed["ttft_alone_s"] = alone
-            mixed["gap_ratio_p99_over_median"] = mixed["gap_during_p99_s"] / mixed["gap_before_median_s"]
             mixed["ttft_ratio_mixed_over_alone"] = mixed["ttft_s"] / alone
             rounds.append(mixed)
         rejected = asyncio.run(_rejected(d["socket"], args.streams, 900_000, rng, vocab))
     print(json.dumps({
         "model": model, "make_model": MAKE_MODEL, "streams": args.streams,
-        "prompt_tokens": args.prompt_tokens, "rounds": rounds,
-        "gap_ratio_p99_over_median": spread([r["gap_ratio_p99_over_median"] for r in rounds]),
+        "prompt_tokens": args.prompt_tokens, "serve_args": extra, "rounds": rounds,
+        "gap_ratio_p99_over_median": spread([r["token"]["gap_ratio_p99_over_median"] for r in rounds]),
         "ttft_ratio_mixed_over_alone": spread([r["ttft_ratio_mixed_over_alone"] for r in rounds]),
-        "gap_before_median_s": spread([r["gap_before_median_s"] for r in rounds]),
-        # the machine's own noise: the same ratio with no long prompt at all
-        "gap_ratio_p99_before_over_median": spread([r["gap_before_p99_s"] / r["gap_before_median_s"]
-                                                    for r in rounds]),
-        "gap_during_median_s": spread([r["gap_during_median_s"] for r in rounds]),
         "ttft_alone_s": spread([r["ttft_alone_s"] for r in rounds]),
+        "ttft_mixed_s": spread([r["ttft_s"] for r in rounds]),
+        **{f"{kind}_gaps": {
+            "gap_ratio_p99_over_median": spread([r[kind]["gap_ratio_p99_over_median"] for r in rounds]),
+            # the same ratio with no long prompt at all: the streams' own jitter
+            "gap_ratio_p99_before_over_median": spread([r[kind]["gap_ratio_p99_before_over_median"]
+                                                        for r in rounds]),
+            "gap_before_median_s": spread([r[kind]["gap_before_median_s"] for r in rounds]),
+            "gap_during_median_s": spread([r[kind]["gap_during_median_s"] for r in rounds]),
+            "gap_during_p99_s": spread([r[kind]["gap_during_p99_s"] for r in rounds])}
+           for kind in ("token", "event")},
         "rejected_long_prompt": rejected,
         "targets": {"gap_ratio_p99_over_median": 3.0, "ttft_ratio_mixed_over_alone": 1.5}},
         indent=2))

@@ -32,8 +32,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def sse_texts(resp):
-    """The text of each choice chunk of a streamed completion (aiohttp response)."""
+async def sse_choices(resp):
+    """The first choice (a dict) of each chunk with text of a streamed completion
+    (aiohttp response)."""
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
     async for line in resp.content:
@@ -41,7 +42,13 @@ async def sse_texts(resp):
             continue
         event = json.loads(line[6:])
         if event["choices"] and event["choices"][0].get("text"):
-            yield event["choices"][0]["text"]
+            yield event["choices"][0]
+
+
+async def sse_texts(resp):
+    """The text of each choice chunk of a streamed completion (aiohttp response)."""
+    async for choice in sse_choices(resp):
+        yield choice["text"]
 
 
 def spread(values: list[float]) -> dict:

@@ -19,10 +19,13 @@ vLLM's chunked prefill and llama.cpp's n_ubatch do. While nothing decodes a step
 PREFILL_CHUNK prompt tokens; while sequences decode, the chunk is sized from measured
 step times so that a step takes about `prefill_step_ratio` times a decode step alone
 (the running streams keep their pace, the prompt still gets most of the machine). The
-ratio r trades one for the other: a prompt whose tokens cost b each beside decode steps
-of d gets (r - 1) d of each step, so its time to first token is about r / (r - 1) times
-its time alone (1.57 at the default 2.75), while the streams' tokens come r times
-slower during it.
+ratio r trades one for the other: the prompt gets (r - 1) d of each step of r d, so its
+time to first token is at least r / (r - 1) times its time alone, while the streams'
+tokens come r times slower during it. It is more than that bound: the decode rows cost
+a step they share about what they cost alone (on a model whose experts are cached the
+rows share nothing worth having), and a small chunk costs more per token than a full
+one (each chunk reads the prompt's KV cache once more); bench/step_costs.py measures
+both. Measured on a small checkpoint: about 2.2 times at the default 2.75.
 Chunking never changes output: a position's logits depend only on the tokens up to it.
 
 A row's logits do not depend on what else shares its step (the kernels are row-wise
