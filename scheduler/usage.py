@@ -246,17 +246,12 @@ class UsageStats:
         if num_experts is not None and n_exp != num_experts:
             raise UsageFormatError("num_experts", f"payload has {n_exp}, model has {num_experts}")
         hl = payload.get("half_life_tokens")
-        if not (isinstance(hl, (int, float)) and not isinstance(hl, bool) and math.isfinite(hl) and hl > 0):
+        if not (_is_finite_number(hl) and hl > 0):
             raise UsageFormatError("half_life_tokens", f"expected a positive number, got {hl!r}")
         seen = payload.get("tokens_observed", 0)
         if not (_is_int(seen) and seen >= 0):
             raise UsageFormatError("tokens_observed", f"expected an integer >= 0, got {seen!r}")
-        try:
-            counts = np.asarray(payload.get("counts"), dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise UsageFormatError("counts", f"not a numeric [layers][experts] array ({exc})") from None
-        if counts.shape != (len(layers), n_exp):
-            raise UsageFormatError("counts", f"shape {counts.shape}, expected {(len(layers), n_exp)}")
+        counts = _float_array(payload.get("counts"), "counts", (len(layers), n_exp))
         if not np.all(np.isfinite(counts)):
             raise UsageFormatError("counts", "contains NaN or infinite values")
         if np.any(counts < 0):
@@ -277,8 +272,7 @@ def _learned(value: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "pin_share" in value:
         share = value["pin_share"]
-        if not (isinstance(share, (int, float)) and not isinstance(share, bool)
-                and math.isfinite(share) and 0.0 <= share <= 1.0):
+        if not (_is_finite_number(share) and 0.0 <= share <= 1.0):
             raise UsageFormatError("learned.pin_share", f"expected a number in [0, 1], got {share!r}")
         out["pin_share"] = float(share)
     if "pin_source" in value:
@@ -299,6 +293,34 @@ def _learned(value: Any) -> dict[str, Any]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_number(x: Any) -> bool:
+    """A JSON number (not a bool) that is a finite float: an integer too large for a
+    float (JSON allows 1 followed by 400 zeros) is not."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _float_array(value: Any, field: str, shape: tuple[int, ...]) -> np.ndarray:
+    """`value`, nested lists of JSON numbers of `shape`, as float64 (NaN and infinities
+    kept for the caller to judge). Raises UsageFormatError(field) for another shape or an
+    element that is not a number (a string, a bool, null, an integer too large for a float)."""
+    def numbers(v: Any, depth: int) -> bool:
+        if depth == len(shape):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        return isinstance(v, list) and len(v) == shape[depth] and all(numbers(x, depth + 1) for x in v)
+
+    if not numbers(value, 0):
+        raise UsageFormatError(field, f"expected a {'x'.join(map(str, shape))} array of numbers")
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except OverflowError:
+        raise UsageFormatError(field, "holds an integer too large for a float") from None
 
 
 TRANSITIONS_ENCODING = "u8-rows-base64"
@@ -346,20 +368,25 @@ def decode_transitions(value: Any, n_layers: int, num_experts: int) -> list[tupl
             continue
         if not isinstance(layer, dict):
             raise UsageFormatError(f"{field}.layers[{i}]", "expected an object or null")
-        try:
-            n = np.asarray(layer.get("totals"), dtype=np.float64)
-        except (TypeError, ValueError):
-            raise UsageFormatError(f"{field}.layers[{i}].totals", "not a list of numbers") from None
-        if n.shape != (num_experts,) or not np.all(np.isfinite(n)) or np.any(n < 0):
+        n = _float_array(layer.get("totals"), f"{field}.layers[{i}].totals", (num_experts,))
+        if not np.all(np.isfinite(n)) or np.any(n < 0):
             raise UsageFormatError(f"{field}.layers[{i}].totals",
                                    f"expected {num_experts} finite numbers >= 0")
-        try:
-            raw = base64.b64decode(str(layer.get("next")), validate=True)
-        except (binascii.Error, ValueError):
-            raise UsageFormatError(f"{field}.layers[{i}].next", "not base64") from None
-        if len(raw) != num_experts * num_experts:
+        text = layer.get("next")
+        size = num_experts * num_experts
+        if not isinstance(text, str):
             raise UsageFormatError(f"{field}.layers[{i}].next",
-                                   f"{len(raw)} bytes, expected {num_experts * num_experts}")
+                                   f"expected a base64 string, got {type(text).__name__}")
+        if len(text) != 4 * -(-size // 3):       # checked before decoding: no 100 MB decode
+            raise UsageFormatError(f"{field}.layers[{i}].next", f"{len(text)} base64 characters, "
+                                   f"expected {4 * -(-size // 3)} ({size} bytes)")
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise UsageFormatError(f"{field}.layers[{i}].next",
+                                   "not base64 (no whitespace or line breaks allowed)") from None
+        if len(raw) != size:
+            raise UsageFormatError(f"{field}.layers[{i}].next", f"{len(raw)} bytes, expected {size}")
         p = np.frombuffer(raw, dtype=np.uint8).reshape(num_experts, num_experts) / 255.0
         out.append((p * n[:, None], n))
     return out

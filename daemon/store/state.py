@@ -13,8 +13,11 @@ counts instead of overwriting each other: ``save(merge)`` hands ``merge`` the pa
 currently on disk. A file that is corrupt (not JSON, truncated, wrong shape) is renamed to
 ``*.corrupt-<UTC timestamp>``; one of another version or another model to
 ``*.foreign-<UTC timestamp>``; a warning is logged on "moed.state" and learning starts
-fresh. Content is never trusted and never fatal; OSErrors of the directory itself
-(permissions, a full disk) are raised to the caller.
+fresh. The caller may hand ``load`` and ``save`` a ``check`` of the payload (the
+scheduler's validation): a payload it refuses (ValueError) is corrupt too, and set aside
+under the same lock, so a hand-edited or damaged file is kept for a look instead of being
+overwritten by the next save. Content is never trusted and never fatal; OSErrors of the
+directory itself (permissions, a full disk) are raised to the caller.
 
 A directory moed may read but not write (a read-only mount, another user's directory) is
 read and used: ``writable`` is False, ``load`` reads without the lock (a writer replaces
@@ -50,6 +53,7 @@ VERSION = 1
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 FAULT_STEPS = ("tmp_written", "fsynced", "renamed")  # where the _fault hook is called
+Check = Callable[[dict], object]    # validates a payload; raises ValueError naming the field
 
 
 def default_state_dir(env: Mapping[str, str]) -> Path:
@@ -121,27 +125,36 @@ class StateStore:
 
     # -- reading
 
-    def load(self) -> dict | None:
-        """The payload on disk, or None (no file, or a bad one that was set aside)."""
-        record = self.load_record()
+    def load(self, check: Check | None = None) -> dict | None:
+        """The payload on disk, or None (no file, or a bad one that was set aside).
+
+        check: called with the payload; a ValueError from it (its message names the
+        field) makes the file corrupt: set aside, None returned."""
+        record = self.load_record(check)
         return None if record is None else record.payload
 
-    def load_record(self) -> StateRecord | None:
+    def load_record(self, check: Check | None = None) -> StateRecord | None:
         """The whole validated file, or None (see ``load``). Takes the lock briefly
         (not in a read-only directory)."""
         if not self.writable:
-            return self._read_validated()
+            return self._read_validated(check)
         with self._locked():
-            return self._read_validated()
+            return self._read_validated(check)
 
-    def _read_validated(self) -> StateRecord | None:
+    def _read_validated(self, check: Check | None = None) -> StateRecord | None:
         """Read and check the file; set a bad one aside. Call with the lock held."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
         try:
-            return self._parse(raw)
+            record = self._parse(raw)
+            if check is not None:
+                try:
+                    check(record.payload)
+                except ValueError as e:
+                    raise _Invalid("corrupt", f"payload refused: {e}") from None
+            return record
         except _Invalid as bad:
             if self.writable:
                 self._set_aside(bad)
@@ -164,7 +177,7 @@ class StateStore:
                                       f"serving {self.fingerprint!r}")
         written, tokens, payload = (doc.get(k) for k in ("written_unix", "tokens", "payload"))
         if not (isinstance(written, (int, float)) and not isinstance(written, bool)
-                and math.isfinite(written)):
+                and _finite(written)):
             raise _Invalid("corrupt", f"written_unix {written!r} is not a number")
         if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
             raise _Invalid("corrupt", f"tokens {tokens!r} is not a count")
@@ -191,10 +204,12 @@ class StateStore:
 
     # -- writing
 
-    def save(self, merge: Callable[[dict | None], dict], *, tokens: int = 0) -> StateRecord:
+    def save(self, merge: Callable[[dict | None], dict], *, tokens: int = 0,
+             check: Check | None = None) -> StateRecord:
         """Read-merge-write the file under the lock; returns what was written.
 
-        ``merge(current)`` gets the payload now on disk (None if absent or set aside) and
+        ``merge(current)`` gets the payload now on disk (None if absent, or set aside
+        because it is corrupt or ``check`` refused it, as in ``load``) and
         returns the payload to write (a JSON-serialisable dict; NaN and infinities are
         refused). ``tokens``: tokens this writer served since its last save, added to the
         file's running total. Raises ValueError/TypeError for a payload JSON cannot hold
@@ -206,7 +221,7 @@ class StateStore:
             raise StateReadOnlyError(f"{self.state_dir} is read-only: {self.path.name} not saved")
         with self._locked():
             self._remove_stale_temps()
-            current = self._read_validated()
+            current = self._read_validated(check)
             payload = merge(None if current is None else current.payload)
             if not isinstance(payload, dict):
                 raise TypeError(f"merge returned {type(payload).__name__}, not a dict")
@@ -255,6 +270,14 @@ class StateStore:
 
     def _locked(self) -> _FileLock:
         return _FileLock(self.lock_path)
+
+
+def _finite(x: int | float) -> bool:
+    """math.isfinite, False for an integer too large for a float (JSON allows one)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _writable(state_dir: Path, lock_path: Path) -> bool:

@@ -685,7 +685,7 @@ class StreamingExpertProvider(ExpertProvider):
         (scheduler.usage.encode_transitions) when it has learned any."""
         out = {} if self.adaptation is None else self.adaptation.learned()
         transitions = self.cache.transitions()
-        if any(t is not None for t in transitions):
+        if any(t is not None and np.any(t[1] > 0) for t in transitions):   # not all zeros (a reset)
             out["transitions"] = encode_transitions(transitions)
         return out
 
@@ -699,19 +699,17 @@ def load_usage_state(store, moe_layers: Sequence[int], num_experts: int, fingerp
     aside, unusable). The state is what the pin learner and the referee settled on
     (StreamingExpertProvider's `learned=`).
 
-    store: a daemon.store.state.StateStore. A payload that does not fit this model is
-    ignored with a warning, never trusted.
+    store: a daemon.store.state.StateStore. A payload that does not fit this model
+    (UsageStats.from_dict refuses it, naming the field) is set aside as corrupt with a
+    warning (ignored, in a read-only directory), never trusted.
     """
-    from scheduler.usage import UsageFormatError
+    def parse(payload: dict) -> UsageStats:
+        return UsageStats.from_dict(payload, moe_layers, num_experts, fingerprint, half_life_tokens)
 
-    payload = store.load()
+    payload = store.load(check=parse)
     if payload is None:
         return None
-    try:
-        stats = UsageStats.from_dict(payload, moe_layers, num_experts, fingerprint, half_life_tokens)
-    except UsageFormatError as e:
-        log.warning("usage_state_ignored", error=str(e))
-        return None
+    stats = parse(payload)
     return stats.counts(), stats.learned
 
 
@@ -727,26 +725,26 @@ def flush_usage(store, usage: UsageStats, fingerprint: str, learned: dict | None
 
     Under the store's lock: file counts decayed by our tokens since the last flush,
     plus our delta (scheduler.usage.merge_counts), so two processes serving the same
-    model add up instead of overwriting each other. The merged counts become ours.
+    model add up instead of overwriting each other. The merged counts become ours. A file
+    whose payload does not fit is set aside (as by `load_usage_state`) and ours written.
     learned: this process's pin learner and referee state, written as the file's
     (the latest writer's word; None keeps what the file has).
     """
-    from scheduler.usage import UsageFormatError, merge_counts
+    from scheduler.usage import merge_counts
 
     delta, tokens = usage.take_delta()
     merged_counts: list[np.ndarray] = []
 
-    def merge(current: dict | None) -> dict:
+    def parse(payload: dict) -> UsageStats:
+        return UsageStats.from_dict(payload, usage.moe_layers, usage.num_experts, fingerprint)
+
+    def merge(current: dict | None) -> dict:     # current: None, or one `parse` accepted
         counts = usage.counts()
         kept_learned = {}
         if current is not None:
-            try:
-                on_disk = UsageStats.from_dict(current, usage.moe_layers, usage.num_experts,
-                                               fingerprint)
-                counts = merge_counts(on_disk.counts(), tokens, delta, usage.half_life_tokens)
-                kept_learned = on_disk.learned
-            except UsageFormatError as e:
-                log.warning("usage_state_replaced", error=str(e))
+            on_disk = parse(current)
+            counts = merge_counts(on_disk.counts(), tokens, delta, usage.half_life_tokens)
+            kept_learned = on_disk.learned
         merged_counts.append(counts)
         payload = usage.to_dict(fingerprint)
         payload["counts"] = counts.tolist()
@@ -755,7 +753,7 @@ def flush_usage(store, usage: UsageStats, fingerprint: str, learned: dict | None
             payload["learned"] = dict(state)
         return payload
 
-    store.save(merge, tokens=tokens)
+    store.save(merge, tokens=tokens, check=parse)
     usage.set_counts(merged_counts[-1])
 
 

@@ -190,9 +190,37 @@ def _good() -> dict:
     (lambda v: {**v, "layers": [{**v["layers"][0], "totals": [-1.0] * E}, None]}, r"totals"),
     (lambda v: {**v, "layers": [{**v["layers"][0], "next": "***"}, None]}, r"next.*base64"),
     (lambda v: {**v, "layers": [{**v["layers"][0], "next": base64.b64encode(b"ab").decode()}, None]},
-     r"next.*2 bytes"),
+     r"next.*4 base64 characters"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "totals": [10 ** 400] * E}, None]}, r"totals"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "totals": ["1"] * E}, None]}, r"totals"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "totals": [True] * E}, None]}, r"totals"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "totals": [None] * E}, None]}, r"totals"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "next": None}, None]}, r"next.*base64 string.*NoneType"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "next": 1234}, None]}, r"next.*base64 string.*int"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "next": "A" * 100_000_000}, None]},
+     r"next.*100000000 base64 characters"),
+    (lambda v: {**v, "layers": [{**v["layers"][0], "next": v["layers"][0]["next"][:-4] + "\nAA="}, None]},
+     r"next.*not base64"),
 ])
 def test_a_bad_transitions_field_is_refused_naming_it(mutate, match):
     with pytest.raises(UsageFormatError, match=match) as info:
         UsageStats.from_dict(_payload(mutate(_good())), [1, 3], E, "fp")
     assert info.value.field.startswith("learned.transitions")
+
+
+@pytest.mark.parametrize("totals", [1e300, 1.7e308, 5e-324])
+def test_a_prior_at_the_float_limits_keeps_every_value_finite(totals):
+    """A prior that validates but is extreme (every successor certain, totals near the
+    float limits): p_next, the prior's weight, the eviction values and the export stay
+    finite, and the weight in [0, 1]."""
+    p = PredictivePolicy(E, 6)
+    p.seed_prior(np.full((E, E), totals), np.full(E, totals))
+    for e in range(6):
+        p.admit(e, 0, demand=True)
+    for t, ids in enumerate(markov_routing(1, 80, shift=5)):
+        p.step(t, ids)
+        assert np.all(np.isfinite(p.p_next())) and 0.0 <= p.prior_weight() <= 1.0
+        assert all(np.isfinite(p.value(e, t)) for e in range(6))
+    t, n = p.transitions()
+    assert np.all(np.isfinite(t)) and np.all(np.isfinite(n))
+    json.dumps(encode_transitions([(t, n)]), allow_nan=False)

@@ -163,6 +163,10 @@ def _payload(**changes):
     (_payload(counts=[[0.0] * E, [math.nan] + [0.0] * (E - 1), [0.0] * E]), "counts"),
     (_payload(counts=[[0.0] * E, [-1.0] + [0.0] * (E - 1), [0.0] * E]), "counts"),
     (_payload(counts=[["a"] * E] * 3), "counts"),
+    (_payload(counts=[["1"] * E] * 3), "counts"),                  # numpy would parse these
+    (_payload(counts=[[10 ** 400] * E] * 3), "counts"),            # JSON integer beyond a float
+    (_payload(half_life_tokens=10 ** 400), "half_life_tokens"),
+    (_payload(learned={"pin_share": 10 ** 400}), "learned.pin_share"),
 ])
 def test_bad_payloads_name_the_field(payload, field):
     with pytest.raises(UsageFormatError) as info:
