@@ -359,6 +359,40 @@ def test_a_read_only_state_directory_is_read_and_used_and_warned_about_once(mode
     assert usage_files(d.state_dir) == [state_file]
 
 
+def test_a_state_file_whose_transitions_do_not_fit_is_set_aside_and_the_daemon_serves(
+        model_dir, workdir):
+    """Next-step statistics hand-edited out of range (totals an integer no float holds,
+    which JSON allows): the daemon starts, sets the file aside naming the field, serves,
+    and saves what it learns in a new file."""
+    from ext.formats.checkpoint import Checkpoint
+    from ext.models.config import load_config
+    from scheduler.usage import UsageStats
+
+    config = load_config(model_dir)
+    moe = [l for l, m in enumerate(config.moe_layers) if m]
+    fingerprint = Checkpoint(model_dir).fingerprint()
+    stats = UsageStats(moe, config.num_experts, 2048.0)
+    stats.observe(moe[0], [0, 1])
+    payload = stats.to_dict(fingerprint)
+    bad = {"totals": [10 ** 400] * config.num_experts, "next": "A" * (4 * -(-config.num_experts ** 2 // 3))}
+    payload["learned"] = {"transitions": {"encoding": "u8-rows-base64", "layers": [bad] + [None] * (len(moe) - 1)}}
+    state_dir = os.path.join(workdir, "state")
+    os.makedirs(state_dir, mode=0o700)
+    state_file = os.path.join(state_dir, f"usage-{fingerprint[:16]}.json")
+    Path(state_file).write_text(json.dumps({"version": 1, "fingerprint": fingerprint, "written_unix": 1.0,
+                                            "tokens": 2, "payload": payload}))
+    with serving(model_dir, workdir, "--expert-cache-bytes", str(CACHE_BYTES), "--no-prefetch") as d:
+        status, body = d.json("POST", "/v1/completions", completion_body(16, stream=False))
+        assert status == 200 and body["usage"]["completion_tokens"] == 16
+        assert d.stop() == 0
+    warnings = [e for e in d.events if e["level"] in ("warning", "error")]
+    assert [e["event"] for e in warnings] == ["state_file_set_aside"], warnings
+    assert "learned.transitions.layers[0].totals" in warnings[0]["reason"]
+    assert len(glob.glob(state_file + ".corrupt-*")) == 1
+    saved = json.loads(Path(state_file).read_text())["payload"]
+    assert saved["tokens_observed"] > 0 and saved["learned"]["transitions"]["layers"][0] is not None
+
+
 # ---------------------------------------------------------------------------- 2. no grace
 
 
