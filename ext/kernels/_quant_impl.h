@@ -20,8 +20,10 @@
  *     "paired" (mxfp4, int4, like bf16): a0 takes the even columns j+2l and a1 the
  *       odd columns j+2l+1 of each 32-column step (one byte holds columns 2i, 2i+1);
  *       hsum(a0 + a1); there is no tail (the column count is a multiple of 32).
- *   A product is a plain f32 multiply and the sums plain f32 adds (the build uses
- *   -ffp-contract=off), so every path below gives the same bits.
+ *   Each exact value v is accumulated as acc = fma(v, x, acc), one rounding, as the
+ *   dense kernels do (the scale multiply and the min add that make v are separate,
+ *   plain f32 operations; the build uses -ffp-contract=off so the compiler never
+ *   fuses them), so every path below gives the same bits.
  * - Paths: moed_qdot_rows_generic is the reference, written for clarity (dequantise
  *   32 columns into a buffer, then the dense lane arithmetic). It is what the
  *   portable build runs; the SIMD paths below decode in registers, streaming the
@@ -179,13 +181,13 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
                 moed_v16_deinterleave(v0, v1, &v0, &v1);
                 moed_v16_deinterleave(x0, x1, &x0, &x1);
             }
-            a0 = moed_v16_add(a0, moed_v16_mul(v0, x0));
-            a1 = moed_v16_add(a1, moed_v16_mul(v1, x1));
+            a0 = moed_v16_fma(v0, x0, a0);
+            a1 = moed_v16_fma(v1, x1, a1);
         }
         float s = moed_v16_hsum(moed_v16_add(a0, a1));
         if (j < n) {
             moed_w_dequant(w, r0 + q, j, n - j, v);
-            for (ptrdiff_t k = j; k < n; k++) s = s + v[k - j] * x[k];
+            for (ptrdiff_t k = j; k < n; k++) s = fmaf(v[k - j], x[k], s);
         }
         out[q] = s;
     }
@@ -199,8 +201,9 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
  *   "avx2":   fp8 decoded through binary16 bit placement (F16C), nibbles by two
  *             8-entry vpermps and a blend.
  *   "portable": moed_qdot_rows_generic.
- * Each lane is computed with the reference path's f32 multiplies and adds in the same
- * order, so all paths give the same bits (tests compare them). Several rows per pass
+ * Each lane is computed with the reference path's f32 operations (the exact value, then
+ * a fused multiply-add into the accumulator) in the same order, so all paths give the
+ * same bits (tests compare them). Several rows per pass
  * and a software prefetch per row, as the bf16 kernel does. */
 /* Per format: mat-vec of `pass` rows (4 or 8) or of one row, and the tile decoder of
  * `pass` rows or one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
@@ -254,8 +257,8 @@ moed_sink(const int store, moed_v16 v0, moed_v16 v1, moed_v16 x0, moed_v16 x1,
         moed_v16_store(buf + at, v0);
         moed_v16_store(buf + at + 16, v1);
     } else {
-        *a0 = moed_v16_add(*a0, moed_v16_mul(v0, x0));
-        *a1 = moed_v16_add(*a1, moed_v16_mul(v1, x1));
+        *a0 = moed_v16_fma(v0, x0, *a0);
+        *a1 = moed_v16_fma(v1, x1, *a1);
     }
 }
 
@@ -513,7 +516,7 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
     float v[32];
     if (j < C) {
         moed_w_dequant(w, r, j, C - j, v);
-        for (ptrdiff_t k = j; k < C; k++) s = s + v[k - j] * x[k];
+        for (ptrdiff_t k = j; k < C; k++) s = fmaf(v[k - j], x[k], s);
     }
     return s;
 }
