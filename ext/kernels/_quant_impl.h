@@ -242,6 +242,10 @@ typedef struct {
 #ifndef MOED_Q_PREFETCH
 #define MOED_Q_PREFETCH 512
 #endif
+/* Scales (and mins) prefetched ahead along each row, in groups. */
+#ifndef MOED_Q_SCALES_AHEAD
+#define MOED_Q_SCALES_AHEAD 32
+#endif
 
 /* The span kernels below decode columns [c0, c1) (multiples of 32) of rows r0 ..
  * r0+nrows-1, 32 columns per step, into two 16-lane vectors per row in the format's
@@ -301,6 +305,13 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
         const int off = ws < 0 ? 0 : (int)(si - ws);
         for (int q = 0; q < nrows; q++) {
             const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws);
+            /* Each row's scales (and mins) are a stream of their own: fetch two chunks ahead. */
+            if (kind == MOED_MXFP4) {
+                __builtin_prefetch((const uint8_t *)w->scales + i + MOED_Q_SCALES_AHEAD);
+            } else {
+                __builtin_prefetch((const uint16_t *)w->scales + i + MOED_Q_SCALES_AHEAD);
+                if (kind == MOED_INT4) __builtin_prefetch(w->mins + i + MOED_Q_SCALES_AHEAD);
+            }
             if (ws < 0) {
                 for (int k = 0; k < n; k++) {
                     sf[q][k] = moed_scale_at(w, i + k);
@@ -346,8 +357,11 @@ moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
     for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {
         ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
-        for (int q = 0; q < nrows; q++)
-            s[q] = moed_v16_set1_f16((const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si);
+        for (int q = 0; q < nrows; q++) {
+            const uint16_t *sp = (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si;
+            if (!(si & 15)) __builtin_prefetch(sp + MOED_Q_SCALES_AHEAD);   /* as for int4 */
+            s[q] = moed_v16_set1_f16(sp);
+        }
         for (; j < end; j += 32) {
             if (!store) moed_load_x32(x + j, 0, &x0, &x1);
             for (int q = 0; q < nrows; q++) {
