@@ -115,6 +115,14 @@ _Static_assert(MOED_ROWS >= 1 && MOED_ROWS <= 8, "_kernels.pyx's buffers hold 8 
 #define MOED_PREFETCH_BYTES 1024
 #endif
 
+/* Where to prefetch along a row, `at` elements (of a row `len` long) from its start: at
+ * itself, or past the row's end the same place in the row of the next pass, nrows rows
+ * on. Rows of a pass lie `len` apart, so the end of row q runs into row q + 1, which is
+ * already streaming; the next pass's rows would otherwise start cold. */
+static inline ptrdiff_t moed_prefetch_at(ptrdiff_t at, ptrdiff_t len, int nrows) {
+    return at < len ? at : at + (nrows - 1) * len;
+}
+
 static inline __attribute__((always_inline)) void
 moed_dot_rows_bf16(const char *w, size_t ldw, const int nrows, const float *x, ptrdiff_t n,
                    float *out) {

@@ -303,14 +303,15 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
          * (then group si is entry `off`); a row of fewer than 16 groups goes one by one. */
         const ptrdiff_t ws = si + 16 <= w->scale_ld ? si : w->scale_ld - 16;
         const int off = ws < 0 ? 0 : (int)(si - ws);
+        const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
         for (int q = 0; q < nrows; q++) {
-            const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws);
+            const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws), ia = (r0 + q) * w->scale_ld + sa;
             /* Each row's scales (and mins) are a stream of their own: fetch two chunks ahead. */
             if (kind == MOED_MXFP4) {
-                __builtin_prefetch((const uint8_t *)w->scales + i + MOED_Q_SCALES_AHEAD);
+                __builtin_prefetch((const uint8_t *)w->scales + ia);
             } else {
-                __builtin_prefetch((const uint16_t *)w->scales + i + MOED_Q_SCALES_AHEAD);
-                if (kind == MOED_INT4) __builtin_prefetch(w->mins + i + MOED_Q_SCALES_AHEAD);
+                __builtin_prefetch((const uint16_t *)w->scales + ia);
+                if (kind == MOED_INT4) __builtin_prefetch(w->mins + ia);
             }
             if (ws < 0) {
                 for (int k = 0; k < n; k++) {
@@ -331,9 +332,10 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
                 if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(mf[q][off + k]));
             }
             for (; j < end; j += 32) {
+                const ptrdiff_t pf = moed_prefetch_at((j >> 1) + MOED_Q_PREFETCH, w->row_bytes, nrows);
                 if (!store) moed_load_x32(x + j, 1, &xe, &xo);
                 for (int q = 0; q < nrows; q++) {
-                    __builtin_prefetch(row[q] + (j >> 1) + MOED_Q_PREFETCH);
+                    __builtin_prefetch(row[q] + pf);
                     moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1));
                     moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
                               xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
@@ -357,15 +359,17 @@ moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
     for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {
         ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
+        const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
         for (int q = 0; q < nrows; q++) {
             const uint16_t *sp = (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si;
-            if (!(si & 15)) __builtin_prefetch(sp + MOED_Q_SCALES_AHEAD);   /* as for int4 */
+            if (!(si & 15)) __builtin_prefetch(sp - si + sa);   /* as for int4 */
             s[q] = moed_v16_set1_f16(sp);
         }
         for (; j < end; j += 32) {
+            const ptrdiff_t pf = moed_prefetch_at(j + 2 * MOED_Q_PREFETCH, w->row_bytes, nrows);
             if (!store) moed_load_x32(x + j, 0, &x0, &x1);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
+                __builtin_prefetch(row[q] + pf);
                 moed_sink(store, moed_v16_mul(moed_v16_load_i8(row[q] + j), s[q]),
                           moed_v16_mul(moed_v16_load_i8(row[q] + j + 16), s[q]),
                           x0, x1, a0 + q, a1 + q, buf, q * ldb + (j - c0));
@@ -489,10 +493,11 @@ moed_qspan_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0
         for (int q = 0; q < nrows; q++)
             s[q] = moed_v16_set1(moed_scale_at(w, srow[q] + b) / MOED_E4M3_UNIT);
         for (; j + STEP <= end; j += STEP) {
+            const ptrdiff_t pf = moed_prefetch_at(j + 2 * MOED_Q_PREFETCH, w->row_bytes, nrows);
             if (!store)
                 for (int k = 0; k < NV; k++) xv[k] = moed_v16_load(x + j + 16 * k);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
+                __builtin_prefetch(row[q] + pf);
                 moed_e4m3_decode(&t, row[q] + j, STEP, f);
                 for (int k = 0; k < NV; k += 2)
                     moed_sink(store, moed_v16_mul(f[k], s[q]), moed_v16_mul(f[k + 1], s[q]),
