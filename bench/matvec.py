@@ -11,6 +11,9 @@ threads and the kernels' OpenMP threads each keep spinning for a while after a c
 and took each other's cores, which made the 2-thread figures unreliable. Nothing in
 the timing process calls BLAS (its error check sums in float64 without it), and the
 idle of `--pause` before every run (default 0.5 s) outlasts both pools' spinning.
+2-thread figures still need an otherwise idle machine: on 2 cores, any other busy
+process deschedules one of the two threads for a time slice (a 0.6 ms mat-vec then
+takes 10-60 ms), so compare "gb_per_s_spread" and the load average in the JSON.
 Formats: moed's dense f32/f16/bf16, fp8_e4m3 with 128 x 128 block scales in float32,
 bfloat16 and UE8M0, MXFP4, int8 and int4 (symmetric and with mins) in groups of
 `--group-size` ("int4-mins" and "int8" at 32 are what `moed repack` writes by default). Runs are interleaved round by round (numpy, then each format, the
