@@ -39,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
+
 from scheduler.eviction import EvictionPolicy, PolicyFactory, policy_factory
 
 OUTCOME_HIT = "hit"            # READY: use it
@@ -187,6 +189,7 @@ class ExpertCache:
             self.policy_name = getattr(policy, "name", "custom")
             factory = policy
         self._policies: list[EvictionPolicy] = [factory(i, n) for i, n in enumerate(self._dyn_count)]
+        self._held_transitions: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # for a policy without
 
         # Per-slot state. Initial layout: pinned tier, staging tier, each layer's dynamic slots.
         n = self.total_slots
@@ -470,8 +473,50 @@ class ExpertCache:
             ranked = sorted(residents, key=lambda e, o=old: (o.value(e, now), e))
             for e in ranked:
                 new[li].admit(e, now, demand=True)
+        transitions = self.transitions()
         self._policies = new
         self.policy_name = policy
+        self.seed_transitions(transitions)
+
+    def seed_transitions(self, transitions: Sequence[tuple[np.ndarray, np.ndarray] | None],
+                         as_counts: bool = False) -> bool:
+        """Give each layer's policy an earlier session's next-step statistics (one (T [E, E],
+        N [E]) or None per layer, as `transitions` returns them). Policies that do not
+        predict (all but predictive) keep them to hand on. as_counts: the policy takes them
+        as its own counts, not as a prior to weigh (a shadow replaying the running cache).
+        Returns whether the current policy uses them. Raises ValueError for a wrong layer
+        count or shapes."""
+        if len(transitions) != len(self._policies):
+            raise ValueError(f"{len(transitions)} layers of transitions for {len(self._policies)} MoE layers")
+        used = False
+        for li, prior in enumerate(transitions):
+            if prior is None:
+                continue
+            policy = self._policies[li]
+            if hasattr(policy, "seed_prior"):
+                (policy.seed_counts if as_counts else policy.seed_prior)(*prior)
+                used = True
+            else:
+                self._held_transitions[li] = prior
+        return used
+
+    def transitions(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Per layer, what its policy learned of which expert follows which (predictive's
+        `transitions`), or what was seeded and held, or None."""
+        return [p.transitions() if hasattr(p, "transitions") else self._held_transitions.get(li)
+                for li, p in enumerate(self._policies)]
+
+    def prior_weights(self) -> list[float | None]:
+        """Per layer, the weight its policy gives an earlier session's next-step
+        statistics now (0..1), or None (no prior, or a policy that does not predict)."""
+        return [p.prior_weight() if hasattr(p, "prior_weight") else None for p in self._policies]
+
+    def forget_transitions(self) -> None:
+        """Drop every layer's learned and seeded next-step statistics."""
+        self._held_transitions.clear()
+        for p in self._policies:
+            if hasattr(p, "forget_transitions"):
+                p.forget_transitions()
 
     # -- tiers -------------------------------------------------------------------------
     def set_tiers(self, pinned_slots: int, staging_slots: int,

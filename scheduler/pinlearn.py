@@ -48,6 +48,7 @@ WINDOW_TOKENS = 32
 HISTORY_WINDOWS = 8
 MIN_GAIN = 0.01           # of the newest window's lookups
 MAX_INTERVAL_WINDOWS = 16
+CHECK_LAYERS = 4          # layers the check replays through the running policy
 Z_WIN = 2.0               # standard errors of the paired sign test a challenger must clear
 SOURCES = ("long", "recent")
 
@@ -76,6 +77,12 @@ class PinLearner:
     staging_slots: its staging tier (left out of the replayed dynamic tiers).
     max_share: the largest share tried (the configured pin_fraction). start_share /
     start_source: the incumbent at construction (a share saved by an earlier session).
+    check_shadow: (layer indices, their dynamic capacities, pins of those layers) -> a
+    shadow with `access` and `access_hits` (scheduler.shadow.ShadowPolicyCache of the
+    cache's own policy) for the check stage, which then replays `check_layers` (at most
+    CHECK_LAYERS, spread over the model); None: ShadowLRU over every layer, which models
+    the dynamic tier as LRU and so overrates pins next to a policy that already keeps the
+    frequent experts.
     Raises ValueError for shares outside [0, 1] or a window below 1 step.
     """
 
@@ -83,7 +90,7 @@ class PinLearner:
                  staging_slots: int = 0, max_share: float = 0.5, shares: Sequence[float] = PIN_SHARES,
                  window_tokens: int = WINDOW_TOKENS, history_windows: int = HISTORY_WINDOWS,
                  min_gain: float = MIN_GAIN, max_interval_windows: int = MAX_INTERVAL_WINDOWS,
-                 start_share: float = 0.0, start_source: str = "long"):
+                 start_share: float = 0.0, start_source: str = "long", check_shadow=None):
         if not 0.0 <= max_share <= 1.0 or not all(0.0 < s <= 1.0 for s in shares):
             raise ValueError(f"shares must be in (0, 1] and max_share in [0, 1], got {shares}, {max_share}")
         if window_tokens < 1 or history_windows < 2:
@@ -92,6 +99,11 @@ class PinLearner:
             raise ValueError(f"start_source must be one of {SOURCES}, got {start_source!r}")
         self.n_layers, self.num_experts, self.top_k = n_layers, num_experts, top_k
         self.total_slots, self.staging_slots = total_slots, staging_slots
+        self.check_shadow = check_shadow
+        # The layers the check replays through check_shadow: at most CHECK_LAYERS, spread
+        # over the model (the real policy costs tens of microseconds per layer step).
+        n = min(n_layers, CHECK_LAYERS)
+        self.check_layers = sorted({round(i * (n_layers - 1) / max(1, n - 1)) for i in range(n)})
         self.spare = max(0, total_slots - staging_slots - top_k * n_layers)
         self.shares = tuple(s for s in shares if s <= max_share + 1e-12)
         self.window_tokens, self.min_gain = window_tokens, min_gain
@@ -175,11 +187,10 @@ class PinLearner:
             table.append((c[0], c[1], hits))
         best = max(table, key=lambda row: (row[2], -row[0], row[1] == incumbent[1]))
         challenger = (best[0], best[1])
-        lookups = sum(len(ids) for step in newest for ids in step) or 1
         warm = older[-1]
         outcomes = {c: self._outcomes(chosen[c], self.pinned_slots_for(c[0]), warm, newest)
                     for c in {challenger, incumbent}}
-        val = {c: sum(o) / lookups for c, o in outcomes.items()}
+        val = {c: sum(o) / max(1, len(o)) for c, o in outcomes.items()}   # (check_layers only)
         # A win by a margin: min_gain of the lookups, and a paired sign test (McNemar) on
         # the lookups only one of the two hit, at Z_WIN standard errors.
         only_c = sum(a > b for a, b in zip(outcomes[challenger], outcomes[incumbent]))
@@ -231,8 +242,19 @@ class PinLearner:
         return hits
 
     def _outcomes(self, pins: frozenset[Pin], pinned_slots: int, warm: list, counted: list) -> list[int]:
-        """As `_replay`, one 1 (hit) or 0 per lookup of `counted`, in order."""
-        shadow = self._shadow(pins, pinned_slots, warm)
+        """As `_replay`, one 1 (hit) or 0 per lookup of `counted`, in order — through
+        `check_shadow` (the policy that really runs) when the learner has one."""
+        if self.check_shadow is None:
+            shadow = self._shadow(pins, pinned_slots, warm)
+        else:
+            layers = self.check_layers
+            split = even_split(self.total_slots - self.staging_slots - pinned_slots, self.n_layers)
+            shadow = self.check_shadow(layers, [split[li] for li in layers],
+                                       {p for p in pins if p[0] in set(layers)})
+            for step in warm:
+                for li in layers:
+                    shadow.access(li, step[li])
+            return [hit for step in counted for li in layers for hit in shadow.access_hits(li, step[li])]
         out: list[int] = []
         for step in counted:
             for li, ids in enumerate(step):

@@ -13,7 +13,8 @@ for each miss, release — so a token's top_k experts are resident together. Two
   warm  every cache (LRU's and Belady's too) runs through phase 1 uncounted, so all start
         phase 2 with the same warm-up;
   cold  every cache starts phase 2 empty; phase 1 is only observed, as a previous
-        session would have been.
+        session would have been (moed's policies start from the next-step statistics a
+        cache of theirs learned over phase 1, as the daemon's saved ones).
 moed's own policies (`MOED_POLICIES`: default, predictive, lrfu) learn their pins as the
 daemon does (scheduler.pinlearn.PinLearner, from the first token it sees: share 0 at
 first, a share and set kept only when they win on the newest traffic); with `cold` the
@@ -41,6 +42,7 @@ from scheduler.cache import OUTCOME_HIT, ExpertCache
 from scheduler.eviction import BeladyPolicy
 from scheduler.pinlearn import PinLearner
 from scheduler.pins import pins_to_layer_ids, select_pins
+from scheduler.shadow import ShadowPolicyCache
 from scheduler.usage import UsageStats
 
 # The largest share of the slots above the minimum that the pin learner may pin (as the
@@ -177,12 +179,22 @@ def replay_tokens(trace: list[list[list[int]]], slots_per_layer: int, policies: 
             cache = ExpertCache(moe_layers, num_experts, k, total_slots, fixed_slots, policy=name)
         else:
             cache = ExpertCache(moe_layers, num_experts, k, total_slots, 0, policy=name)
-            learner = PinLearner(n_layers, num_experts, k, total_slots, max_share=max_pin_share)
+            # The check replays this policy (from its statistics so far), as the daemon's does.
+            learner = PinLearner(n_layers, num_experts, k, total_slots, max_share=max_pin_share,
+                                 check_shadow=lambda layers, caps, pins, c=cache, n=name: ShadowPolicyCache(
+                                     layers, caps, num_experts, k, n, pins,
+                                     transitions=[t for li, t in enumerate(c.transitions()) if li in layers]))
         run = _Run(cache, learner, UsageStats(moe_layers, num_experts, usage_half_life_tokens))
         if start == "warm":
             run.drive(trace[:warm], counted=False)
         elif learner is not None:
             run.observe_only(trace[:warm])
+            # ... and the policy starts from the next-step statistics phase 1 taught it,
+            # as a daemon's next session starts from the saved ones.
+            previous = ExpertCache(moe_layers, num_experts, k, total_slots, 0, policy=name)
+            _Run(previous, None, UsageStats(moe_layers, num_experts, usage_half_life_tokens)).drive(
+                trace[:warm], counted=False)
+            cache.seed_transitions(previous.transitions())
         if pin_fraction is not None and name in MOED_POLICIES:
             for load in cache.set_pins(fixed_pins):
                 cache.loaded(load.slot)

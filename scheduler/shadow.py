@@ -106,3 +106,61 @@ def even_split(slots: int, layers: int) -> list[int]:
     layers take the remainder)."""
     per_layer, extra = divmod(slots, layers)
     return [per_layer + (1 if i < extra else 0) for i in range(layers)]
+
+
+class ShadowPolicyCache:
+    """The cache's own policy replayed on ids: an `ExpertCache` over the layer indices
+    `layers` with `capacities[i]` dynamic slots for layers[i], plus a pinned tier holding
+    `pins` ((layer index, expert), of those layers), served as the engine serves it
+    (request, loaded for every miss, release), nothing read. Same `access` / `resident`
+    interface as ShadowLRU, at the cost of the real policy's bookkeeping (tens of
+    microseconds per layer step for predictive, against a few for ShadowLRU).
+
+    transitions: per layer of `layers`, next-step statistics (T, N) the policy starts
+    from as its own counts (ExpertCache.transitions of the running cache), so a short
+    replay is not judged by a policy that has learned nothing yet. Raises ValueError for
+    a capacity < 1 or lists of different lengths.
+    """
+
+    def __init__(self, layers: Sequence[int], capacities: Sequence[int], num_experts: int, top_k: int,
+                 policy: str, pins: Iterable[tuple[int, int]] = (), transitions=None):
+        from scheduler.cache import OUTCOME_MISS, ExpertCache
+
+        if not capacities or min(capacities) < 1 or len(capacities) != len(layers):
+            raise ValueError(f"capacities must be >= 1 for each of {list(layers)}, got {list(capacities)}")
+        pins = list(pins)
+        total = sum(max(int(c), top_k) for c in capacities) + len(pins)
+        self._miss = OUTCOME_MISS
+        self._cache = ExpertCache(list(layers), num_experts, top_k, total,
+                                  pinned_slots=len(pins), policy=policy)
+        for load in self._cache.set_pins(pins):
+            self._cache.loaded(load.slot)
+        if transitions is not None:
+            self._cache.seed_transitions(transitions, as_counts=True)
+        self._token = 0
+        self._last_layer = -1
+
+    def access(self, layer: int, experts: Sequence[int]) -> int:
+        """Serve one layer's experts; returns the misses. A layer index not above the
+        previous one starts a new step."""
+        return len(experts) - sum(self.access_hits(layer, experts))
+
+    def access_hits(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """As `access` (distinct `experts`); 1 (hit) or 0 per expert, in their order."""
+        if layer <= self._last_layer:
+            self._token += 1
+        self._last_layer = layer
+        ids = [int(e) for e in experts]
+        out = []
+        for a in self._cache.request(layer, ids, self._token):
+            if a.outcome == self._miss:
+                self._cache.loaded(a.slot)
+                out.append(0)
+            else:
+                out.append(1)
+        self._cache.release(layer, ids)
+        return out
+
+    def resident(self, layer: int) -> set[int]:
+        """Experts of `layer` that would hit now (pinned or dynamic)."""
+        return {e for e in range(self._cache.num_experts) if self._cache.slot_of(layer, e) is not None}

@@ -27,6 +27,8 @@ defines the payload (`to_dict` / `from_dict`) and validates it.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -215,8 +217,8 @@ class UsageStats:
         version, another model's fingerprint, unknown or missing layers, wrong
         num_experts, counts of the wrong shape or with NaN / inf / negative values, a
         `learned` that is not an object or holds a bad pin_share (a number in [0, 1]),
-        pin_source ("long" or "recent") or mechanisms (names to booleans); other keys
-        of `learned` are dropped.
+        pin_source ("long" or "recent"), mechanisms (names to booleans) or transitions
+        (see `encode_transitions`); other keys of `learned` are dropped.
         """
         if not isinstance(payload, dict):
             raise UsageFormatError("<root>", f"expected an object, got {type(payload).__name__}")
@@ -263,6 +265,8 @@ class UsageStats:
         stats.set_counts(counts)
         stats.tokens_observed = int(seen)
         stats.learned = _learned(payload.get("learned", {}))
+        if "transitions" in stats.learned:
+            decode_transitions(stats.learned["transitions"], len(layers), n_exp)   # raises if bad
         return stats
 
 
@@ -282,6 +286,8 @@ def _learned(value: Any) -> dict[str, Any]:
             raise UsageFormatError("learned.pin_source", f"expected 'long' or 'recent', got "
                                    f"{str(value['pin_source'])[:40]!r}")
         out["pin_source"] = value["pin_source"]
+    if "transitions" in value:
+        out["transitions"] = value["transitions"]          # checked by from_dict (needs L, E)
     if "mechanisms" in value:
         mech = value["mechanisms"]
         if not (isinstance(mech, dict) and all(isinstance(k, str) and len(k) < 64 and isinstance(v, bool)
@@ -293,3 +299,67 @@ def _learned(value: Any) -> dict[str, Any]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+TRANSITIONS_ENCODING = "u8-rows-base64"
+
+
+def encode_transitions(per_layer: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> dict[str, Any]:
+    """The JSON form of the eviction policy's next-step statistics (one (T [E, E], N [E])
+    per MoE layer, scheduler.eviction.PredictivePolicy.transitions; None: nothing learned).
+
+    Per layer: "totals" N as floats, and "next": T[a, e] / N[a] (the probability that e
+    follows a, in [0, 1]) rounded to 1/255 and stored as E * E bytes, row-major, base64
+    — a quarter of the size of float32, and finer than the prediction needs (it ranks
+    experts). A layer with nothing learned is null. Raises ValueError on inconsistent shapes.
+    """
+    layers = []
+    for prior in per_layer:
+        if prior is None or not np.any(prior[1] > 0):
+            layers.append(None)
+            continue
+        t, n = (np.asarray(a, dtype=np.float64) for a in prior)
+        if t.ndim != 2 or t.shape != (n.size, n.size):
+            raise ValueError(f"transitions of shape {t.shape} with totals of {n.size} experts")
+        p = np.clip(t / np.where(n > 0, n, 1.0)[:, None], 0.0, 1.0)
+        layers.append({"totals": [round(float(x), 4) for x in n],
+                       "next": base64.b64encode(np.rint(p * 255).astype(np.uint8).tobytes()).decode("ascii")})
+    return {"encoding": TRANSITIONS_ENCODING, "layers": layers}
+
+
+def decode_transitions(value: Any, n_layers: int, num_experts: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """The per-layer (T [E, E], N [E]) float64 of `encode_transitions`' output (None for a
+    null layer). Raises UsageFormatError("learned.transitions") naming what is wrong:
+    not an object, another encoding, a layer count or shape that does not fit the model,
+    totals that are not finite numbers >= 0, or "next" that is not base64 of E * E bytes."""
+    field = "learned.transitions"
+    if not isinstance(value, dict) or value.get("encoding") != TRANSITIONS_ENCODING:
+        raise UsageFormatError(field, f"expected an object with encoding {TRANSITIONS_ENCODING!r}")
+    layers = value.get("layers")
+    if not isinstance(layers, list) or len(layers) != n_layers:
+        raise UsageFormatError(field, f"expected {n_layers} layers, got "
+                               f"{len(layers) if isinstance(layers, list) else type(layers).__name__}")
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for i, layer in enumerate(layers):
+        if layer is None:
+            out.append(None)
+            continue
+        if not isinstance(layer, dict):
+            raise UsageFormatError(f"{field}.layers[{i}]", "expected an object or null")
+        try:
+            n = np.asarray(layer.get("totals"), dtype=np.float64)
+        except (TypeError, ValueError):
+            raise UsageFormatError(f"{field}.layers[{i}].totals", "not a list of numbers") from None
+        if n.shape != (num_experts,) or not np.all(np.isfinite(n)) or np.any(n < 0):
+            raise UsageFormatError(f"{field}.layers[{i}].totals",
+                                   f"expected {num_experts} finite numbers >= 0")
+        try:
+            raw = base64.b64decode(str(layer.get("next")), validate=True)
+        except (binascii.Error, ValueError):
+            raise UsageFormatError(f"{field}.layers[{i}].next", "not base64") from None
+        if len(raw) != num_experts * num_experts:
+            raise UsageFormatError(f"{field}.layers[{i}].next",
+                                   f"{len(raw)} bytes, expected {num_experts * num_experts}")
+        p = np.frombuffer(raw, dtype=np.uint8).reshape(num_experts, num_experts) / 255.0
+        out.append((p * n[:, None], n))
+    return out

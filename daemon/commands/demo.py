@@ -323,6 +323,15 @@ def _learning_lines(adaptation: dict) -> list[str]:
                        f"{_percent(won['hit_rate'])} against {_percent(v['incumbent']['hit_rate'])} "
                        f"for the set in use (share {v['incumbent']['share']:.3g}); pins change only "
                        "when they win by a margin")
+    prior = adaptation.get("next_expert_prior") or {}
+    if prior.get("from_earlier_session"):
+        if prior.get("weighted_layers"):
+            out.append(f"next-expert statistics from earlier runs: {prior['weighted_layers']} layers, "
+                       f"weighted {prior['mean_weight']:.2f} now (0..1: how well they have predicted "
+                       "this run's routing)")
+        else:
+            out.append("next-expert statistics from earlier runs: kept for the predictive policy, "
+                       "which is turned off now")
     naive = adaptation.get("against_naive") or {}
     referee = adaptation.get("referee") or {}
     if naive.get("naive_hit_rate") is not None:

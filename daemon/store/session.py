@@ -105,6 +105,7 @@ class ExpertSession:
             provider.io.set_workers(old.io.n_workers)
         if prefetch is None:
             provider.set_prefetch(old.prefetch_width)
+        provider.cache.seed_transitions(old.cache.transitions())   # unrounded, not the saved form
         provider.routing_recorder = old.routing_recorder
         provider.trace_writer, old.trace_writer = old.trace_writer, None
         self.model.experts = provider

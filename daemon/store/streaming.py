@@ -45,7 +45,7 @@ from scheduler.cache import (OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_
 from scheduler.pinlearn import PinDecision
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
-from scheduler.usage import UsageStats
+from scheduler.usage import UsageStats, decode_transitions, encode_transitions
 from telemetry.logs import get_logger
 from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters
 
@@ -273,6 +273,9 @@ class StreamingExpertProvider(ExpertProvider):
         if pinned_slots and usage_counts is not None:
             self._apply_pins(select_pins(self._pin_counts(), self.slot_bytes,
                                          pinned_slots * self.slot_bytes))
+        if "transitions" in learned:                     # checked when the file was read
+            self.cache.seed_transitions(decode_transitions(learned["transitions"], len(self.moe_layers),
+                                                           config.num_experts))
         self.warm_loads = 0
         if options.warm_start and usage_counts is not None:
             self._warm_start()
@@ -539,6 +542,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.usage.set_counts(np.zeros_like(self.usage.counts()))
         self.usage.take_delta()
         self.cache.set_pins([])
+        self.cache.forget_transitions()
         if self.adaptation is not None:
             if self.adaptation.learner is not None:
                 self.adaptation.learner.share, self.adaptation.learner.pins = 0.0, frozenset()
@@ -676,8 +680,14 @@ class StreamingExpertProvider(ExpertProvider):
         return stats.read_cpu_seconds_total, sum(stats.reads_completed.values()) + stats.read_errors
 
     def learned_state(self) -> dict:
-        """What the next session should start from (saved beside the usage counts)."""
-        return {} if self.adaptation is None else self.adaptation.learned()
+        """What the next session should start from (saved beside the usage counts): the
+        pin learner's and referee's state, and the eviction policy's next-step statistics
+        (scheduler.usage.encode_transitions) when it has learned any."""
+        out = {} if self.adaptation is None else self.adaptation.learned()
+        transitions = self.cache.transitions()
+        if any(t is not None for t in transitions):
+            out["transitions"] = encode_transitions(transitions)
+        return out
 
 
 # ---------------------------------------------------------------- persistence

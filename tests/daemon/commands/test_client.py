@@ -295,11 +295,16 @@ def test_demo_runs_twice_and_the_second_run_starts_with_the_pins_it_learned(tmp_
     assert not os.path.exists(SOCKET.search(first.stderr).group(1))   # the daemon is gone
     assert '"event"' not in first.stderr                                # its log stayed quiet
     assert "previous run" not in first.stdout
+    assert "next-expert statistics" not in first.stdout                 # nothing learned before
 
     second = moed("demo", "--dir", str(tmp_path), "--max-tokens", "48")
     assert second.returncode == 0, second.stderr
     # the second run starts with what the first kept (pins form while a run serves)
     assert int(PINNED.search(second.stdout).group(2)) == pinned_at_end
+    # ... and from the eviction policy's statistics of which expert follows which
+    # (the referee may have switched the policy off for the tiny model: then they wait)
+    assert re.search(r"^next-expert statistics from earlier runs: (8 layers, weighted [01]\.\d\d now|"
+                     r"kept for the predictive policy)", second.stdout, re.M)
     rate2 = HIT_RATE.search(second.stdout).group(1)
     delta = re.search(rf"\(previous run: {re.escape(rate1)} %, ([+-]\d+\.\d) points\)",
                       second.stdout).group(1)

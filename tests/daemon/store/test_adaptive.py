@@ -79,13 +79,19 @@ def test_a_first_session_pins_its_recurring_experts_within_a_few_hundred_tokens(
         provider.close()
 
 
-def test_the_learned_share_is_saved_with_the_usage_and_a_second_session_starts_pinned(model_dir, tmp_path):
+def _first_session(model_dir, tmp_path, seed: int, steps: int):
+    """(state store, fingerprint, provider) after `steps` periodic decode steps."""
     fingerprint = Checkpoint(model_dir).fingerprint()
     store = StateStore(tmp_path, fingerprint)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     first = _provider(model_dir, slots=12, prefetch=False)
-    for t in range(320):
+    for t in range(steps):
         _decode_step(first, _periodic(rng, t, [0, 1, 2, 3, 4]))
+    return store, fingerprint, first
+
+
+def test_the_learned_share_is_saved_with_the_usage_and_a_second_session_starts_pinned(model_dir, tmp_path):
+    store, fingerprint, first = _first_session(model_dir, tmp_path, 1, 320)
     share = first.learned_state()["pin_share"]
     flush_usage(store, first.usage, fingerprint, first.learned_state())
     first.close()
@@ -174,3 +180,26 @@ def test_tokens_and_logits_identical_while_mechanisms_switch_every_window(model_
     assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1]))
     assert sum(provider.adaptation.decision_counts().values()) >= 4
     model.close()
+
+
+def test_the_policy_s_next_step_statistics_are_saved_and_seed_the_next_session(model_dir, tmp_path):
+    """What the predictive policy learned of which expert follows which goes into the
+    state file with the usage counts, and the next session's policies start from it;
+    a reset forgets it."""
+    store, fingerprint, first = _first_session(model_dir, tmp_path, 3, 64)
+    exported = first.cache.transitions()
+    assert all(n.sum() > 0 for _, n in exported)
+    flush_usage(store, first.usage, fingerprint, first.learned_state())
+    first.close()
+    counts, learned = load_usage_state(store, list(range(LAYERS)), EXPERTS, fingerprint, 2048.0)
+    assert learned["transitions"]["encoding"] == "u8-rows-base64"
+    second = _provider(model_dir, slots=12, counts=counts, learned=learned, prefetch=False)
+    try:
+        for (t1, n1), (t2, n2) in zip(exported, second.cache.transitions()):
+            np.testing.assert_allclose(n2, n1, atol=1e-3)
+            p1, p2 = (t / np.where(n > 0, n, 1)[:, None] for t, n in ((t1, n1), (t2, n2)))
+            np.testing.assert_allclose(p2, p1, atol=0.5 / 255 + 1e-6)
+        second.reset_learning()
+        assert "transitions" not in second.learned_state()
+    finally:
+        second.close()
