@@ -66,6 +66,7 @@ import numpy as np
 cimport numpy as cnp
 
 import ml_dtypes
+import os
 
 cnp.import_array()
 
@@ -146,13 +147,46 @@ cdef inline void _need_threads(int n_threads) except *:
 
 
 # Below this many multiply-adds a call runs on one thread: waking OpenMP workers
-# costs more than it saves. Results do not depend on the thread count.
+# costs more than it saves. Results do not depend on the thread count. Workers that
+# spin while they wait (libgomp's default) wake in about a microsecond: 64 Ki
+# multiply-adds pay. Workers that sleep (OMP_WAIT_POLICY=PASSIVE, which the `moed`
+# command sets so that idle compute threads leave the CPU to the io workers and to
+# other processes) take a futex wake each region, ~60 us on the 2-core machines this
+# was measured on: a bf16 mat-vec on 2 threads beat 1 thread from 8 Mi multiply-adds
+# (276 against 325 us) and lost at 4 Mi (155 against 117 us), so below 6 Mi one thread
+# runs it. The embedded default model decoded 636-646 tokens/s on 2 passive threads
+# against 2344-2354 on 1 before this threshold.
 cdef enum:
-    MIN_PARALLEL_WORK = 65536
+    SPIN_MIN_PARALLEL_WORK = 65536
+    PASSIVE_MIN_PARALLEL_WORK = 6291456      # 6 Mi
+cdef Py_ssize_t _min_parallel_work = SPIN_MIN_PARALLEL_WORK
+
+
+def _wait_policy_threshold(environ) -> int:
+    """The threshold for the OpenMP wait policy `environ` gives (see above)."""
+    passive = environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return PASSIVE_MIN_PARALLEL_WORK if passive and "GOMP_SPINCOUNT" not in environ else SPIN_MIN_PARALLEL_WORK
+
+
+def parallel_threshold() -> int:
+    """Multiply-adds below which a call runs on one thread whatever n_threads says."""
+    return _min_parallel_work
+
+
+def set_parallel_threshold(Py_ssize_t work) -> None:
+    """Set `parallel_threshold` (>= 1). Placement only: results do not depend on it.
+    Raises ValueError for work < 1."""
+    global _min_parallel_work
+    if work < 1:
+        raise ValueError(f"parallel threshold must be >= 1, got {work}")
+    _min_parallel_work = work
 
 
 cdef inline int _threads_for(Py_ssize_t work, int n_threads) noexcept nogil:
-    return n_threads if work >= MIN_PARALLEL_WORK else 1
+    return n_threads if work >= _min_parallel_work else 1
+
+
+set_parallel_threshold(_wait_policy_threshold(os.environ))   # libgomp reads the same variables
 
 
 include "_weights.pxi"
