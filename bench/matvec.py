@@ -5,6 +5,15 @@ Prints one JSON object to stdout. For each shape (default 768 x 2048 and 2048 x 
 Qwen3-30B-A3B routed expert's gate/up and down, and 4096 x 4096, a dense attention
 projection) every format runs `matmul` of one token on 2 threads (`--threads`); numpy's
 BLAS uses its own thread pool (as many threads as it is allowed) on the float32 weights.
+numpy is timed in a child process of its own (spawned once, driven round by round over
+a pipe), so the two thread pools never live in one process: in one process, OpenBLAS's
+threads and the kernels' OpenMP threads each keep spinning for a while after a call
+and took each other's cores, which made the 2-thread figures unreliable. Nothing in
+the timing process calls BLAS (its error check sums in float64 without it), and the
+idle of `--pause` before every run (default 0.5 s) outlasts both pools' spinning.
+2-thread figures still need an otherwise idle machine: on 2 cores, any other busy
+process deschedules one of the two threads for a time slice (a 0.6 ms mat-vec then
+takes 10-60 ms), so compare "gb_per_s_spread" and the load average in the JSON.
 Formats: moed's dense f32/f16/bf16, fp8_e4m3 with 128 x 128 block scales in float32,
 bfloat16 and UE8M0, MXFP4, int8 and int4 (symmetric and with mins) in groups of
 `--group-size` ("int4-mins" and "int8" at 32 are what `moed repack` writes by default). Runs are interleaved round by round (numpy, then each format, the
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -89,14 +99,20 @@ class Timer:
         np.add(self.flush, 1.0, out=self.flush)
         time.sleep(self.pause)
 
-    def rounds(self, runs: dict, repeats: int) -> dict[str, list[float]]:
+    def rounds(self, runs: dict, repeats: int, timed_elsewhere: dict | None = None) -> dict[str, list[float]]:
         """Seconds of each callable in `runs`, `repeats` interleaved rounds, rotating
-        the order every round so that no entry always follows the same neighbour."""
-        names = list(runs)
+        the order every round so that no entry always follows the same neighbour.
+        `timed_elsewhere`: callables that go cold and time themselves (in another
+        process) and return their seconds; they join the same rotation."""
+        timed_elsewhere = timed_elsewhere or {}
+        names = list(timed_elsewhere) + list(runs)
         times: dict[str, list[float]] = {n: [] for n in names}
         for i in range(repeats):
             k = i % len(names)
             for name in names[k:] + names[:k]:
+                if name in timed_elsewhere:
+                    times[name].append(timed_elsewhere[name]())
+                    continue
                 self.cold()
                 t0 = time.perf_counter()
                 runs[name]()
@@ -104,38 +120,99 @@ class Timer:
         return times
 
 
+def _numpy_work(kind: str, a: int, b: int):
+    """numpy's f32 work for one token: "matvec" of an [a, b] weight, or "ffn", one
+    expert of hidden a and intermediate b (gate, up [b, a], down [a, b], SiLU)."""
+    rng = np.random.default_rng(1)
+    if kind == "matvec":
+        w = rng.standard_normal((a, b), dtype=np.float32)
+        x = rng.standard_normal(b, dtype=np.float32)
+        return lambda: np.dot(w, x)
+    gate, up = (rng.standard_normal((b, a), dtype=np.float32) * np.float32(0.02) for _ in range(2))
+    down = rng.standard_normal((a, b), dtype=np.float32) * np.float32(0.02)
+    x = rng.standard_normal(a, dtype=np.float32)
+
+    def ffn():
+        g, u = gate @ x, up @ x
+        return down @ (g / (1 + np.exp(-g)) * u)
+    return ffn
+
+
+def _numpy_child(conn, kind: str, a: int, b: int, flush_mib: int, pause: float) -> None:
+    """The numpy side, in a process of its own: each message asks for one cold run of
+    `_numpy_work(kind, a, b)` and is answered with its seconds."""
+    work = _numpy_work(kind, a, b)
+    work()
+    timer = Timer(flush_mib, pause)
+    while conn.recv():
+        timer.cold()
+        t0 = time.perf_counter()
+        work()
+        conn.send(time.perf_counter() - t0)
+    conn.close()
+
+
+class NumpyProcess:
+    """numpy's f32 BLAS work (`_numpy_work`) in a spawned child process; `run()` times
+    one cold call there (the caller is idle, waiting) and returns its seconds."""
+
+    def __init__(self, kind: str, a: int, b: int, flush_mib: int, pause: float):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_numpy_child, args=(child, kind, a, b, flush_mib, pause),
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+
+    def run(self) -> float:
+        self._conn.send(True)
+        return self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(False)
+        self._proc.join()
+
+
 def _gb(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
+def _rounds_with_numpy(timer: Timer, runs: dict, args, kind: str, a: int, b: int) -> dict:
+    """timer.rounds over `runs` and, as "numpy_f32", numpy's `kind` work in its child."""
+    numpy_proc = NumpyProcess(kind, a, b, args.flush_mib, args.pause)
+    try:
+        return timer.rounds(runs, args.repeats, {"numpy_f32": numpy_proc.run})
+    finally:
+        numpy_proc.close()
+
+
 def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
     weights = {name: make_weight(name, R, C, args.group_size, rng) for name in formats}
-    w32 = _values(weights["f32"]) if "f32" in weights else rng.standard_normal((R, C), dtype=np.float32)
+    w32_bytes = R * C * 4
     x = rng.standard_normal((1, C), dtype=np.float32)
     out = np.empty((1, R), np.float32)
     errors = {}
-    for name, w in weights.items():  # warm up, and check each result against f32 numpy
+    for name, w in weights.items():  # warm up, and check each result (float64, no BLAS call)
         _kernels.matmul(w, x, out, args.threads)
-        ref = _values(w).astype(np.float64) @ x[0].astype(np.float64)
+        ref = (_values(w).astype(np.float64) * x[0].astype(np.float64)).sum(axis=1)
         errors[name] = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
-    runs = {"numpy_f32": lambda: np.dot(w32, x[0])}
-    for name, w in weights.items():
-        runs[name] = lambda w=w: _kernels.matmul(w, x, out, args.threads)
-    times = timer.rounds(runs, args.repeats)
+    runs = {name: (lambda w=w: _kernels.matmul(w, x, out, args.threads)) for name, w in weights.items()}
+    times = _rounds_with_numpy(timer, runs, args, "matvec", R, C)
     numpy_s = statistics.median(times["numpy_f32"])
     report = {"shape": [R, C],
-              "numpy_f32": {"gb_per_s": _gb(w32.nbytes, numpy_s), "median_ms": round(numpy_s * 1e3, 3),
-                            "gb_per_s_spread": [_gb(w32.nbytes, max(times["numpy_f32"])),
-                                                _gb(w32.nbytes, min(times["numpy_f32"]))]},
+              "numpy_f32": {"gb_per_s": _gb(w32_bytes, numpy_s), "median_ms": round(numpy_s * 1e3, 3),
+                            "gb_per_s_spread": [_gb(w32_bytes, max(times["numpy_f32"])),
+                                                _gb(w32_bytes, min(times["numpy_f32"]))],
+                            "process": "child"},
               "formats": {}}
     for name, w in weights.items():
         s = statistics.median(times[name])
         report["formats"][name] = {
             "bits_per_weight": round(8 * w.nbytes / (R * C), 4),
             "gb_per_s": _gb(w.nbytes, s),
-            "ratio_to_numpy": round((w.nbytes / s) / (w32.nbytes / numpy_s), 3),
-            "ratio_of_best": round((w.nbytes / min(times[name])) / (w32.nbytes / min(times["numpy_f32"])), 3),
-            "goal_met": bool((w.nbytes / s) / (w32.nbytes / numpy_s) >= args.goal),
+            "ratio_to_numpy": round((w.nbytes / s) / (w32_bytes / numpy_s), 3),
+            "ratio_of_best": round((w.nbytes / min(times[name])) / (w32_bytes / min(times["numpy_f32"])), 3),
+            "goal_met": bool((w.nbytes / s) / (w32_bytes / numpy_s) >= args.goal),
             "median_ms": round(s * 1e3, 3),
             "gb_per_s_spread": [_gb(w.nbytes, max(times[name])), _gb(w.nbytes, min(times[name]))],
             "max_rel_err": errors[name],
@@ -146,23 +223,17 @@ def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
 def bench_expert(H: int, I: int, formats, args, timer: Timer, rng) -> dict:
     experts = {name: [make_weight(name, r, c, args.group_size, rng) for r, c in ((I, H), (I, H), (H, I))]
                for name in formats}
-    dense = [_values(w) for w in experts[formats[0]]]
     x = rng.standard_normal((1, H), dtype=np.float32)
     gs = np.array([0, 1], np.int64)
     hbuf, out = np.empty((1, I), np.float32), np.empty((1, H), np.float32)
-
-    def numpy_ffn():
-        g, u = dense[0] @ x[0], dense[1] @ x[0]
-        return dense[2] @ (g / (1 + np.exp(-g)) * u)
-
-    runs = {"numpy_f32": numpy_ffn}
+    runs = {}
     for name, (g, u, d) in experts.items():
         runs[name] = lambda g=g, u=u, d=d: _kernels.expert_ffn([g], [u], [d], x, gs, hbuf, out, args.threads)
         runs[name]()
-    times = timer.rounds(runs, args.repeats)
+    times = _rounds_with_numpy(timer, runs, args, "ffn", H, I)
     report = {"hidden_size": H, "intermediate_size": I, "formats": {}}
-    for name in runs:
-        nbytes = sum(w.nbytes for w in (dense if name == "numpy_f32" else experts[name]))
+    for name in times:
+        nbytes = 3 * H * I * 4 if name == "numpy_f32" else sum(w.nbytes for w in experts[name])
         s = statistics.median(times[name])
         report["formats"][name] = {"expert_bytes": nbytes, "median_ms": round(s * 1e3, 3),
                                    "gb_per_s": _gb(nbytes, s),

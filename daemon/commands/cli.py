@@ -20,7 +20,9 @@ from collections.abc import Sequence
 # the CPU they need; on a busy 2-core machine decode with 2 compute threads and streamed
 # experts fell from ~150 to ~5 tokens/s (moed generate, demo model, 4.7 MiB cache, a
 # second process loading the CPU), and passive waiting kept it at 137-156. Set before
-# libgomp loads (the kernels import it lazily); OMP_WAIT_POLICY=ACTIVE overrides.
+# libgomp loads (the kernels import it lazily); OMP_WAIT_POLICY=ACTIVE overrides. A
+# passive worker takes ~60 us to wake, so the kernels then run calls of fewer than 6 Mi
+# multiply-adds on one thread (ext/kernels/_kernels.pyx, parallel_threshold).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from daemon.commands import (bench, chat, demo, evaluate, generate, install_service,  # noqa: E402

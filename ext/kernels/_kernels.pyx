@@ -10,8 +10,8 @@ Design:
   placement may change speed, never output.
 - Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) arrays or block-quantised
   (`QuantizedWeight`, below) and stay in that format; they are dequantised on the
-  fly and accumulated in f32. Activations, the KV cache and routing are f32 (never
-  quantised).
+  fly and accumulated in f32, one fused multiply-add per product. Activations, the
+  KV cache and routing are f32 (never quantised).
 - Outputs are allocated by the caller and written in full. The thin Python
   wrappers validate shape, dtype and C-contiguity and raise `ValueError`;
   nothing inside `nogil` raises or allocates (`expert_ffn` fills its table of
@@ -66,6 +66,7 @@ import numpy as np
 cimport numpy as cnp
 
 import ml_dtypes
+import os
 
 cnp.import_array()
 
@@ -146,13 +147,46 @@ cdef inline void _need_threads(int n_threads) except *:
 
 
 # Below this many multiply-adds a call runs on one thread: waking OpenMP workers
-# costs more than it saves. Results do not depend on the thread count.
+# costs more than it saves. Results do not depend on the thread count. Workers that
+# spin while they wait (libgomp's default) wake in about a microsecond: 64 Ki
+# multiply-adds pay. Workers that sleep (OMP_WAIT_POLICY=PASSIVE, which the `moed`
+# command sets so that idle compute threads leave the CPU to the io workers and to
+# other processes) take a futex wake each region, ~60 us on the 2-core machines this
+# was measured on: a bf16 mat-vec on 2 threads beat 1 thread from 8 Mi multiply-adds
+# (276 against 325 us) and lost at 4 Mi (155 against 117 us), so below 6 Mi one thread
+# runs it. The embedded default model decoded 636-646 tokens/s on 2 passive threads
+# against 2344-2354 on 1 before this threshold.
 cdef enum:
-    MIN_PARALLEL_WORK = 65536
+    SPIN_MIN_PARALLEL_WORK = 65536
+    PASSIVE_MIN_PARALLEL_WORK = 6291456      # 6 Mi
+cdef Py_ssize_t _min_parallel_work = SPIN_MIN_PARALLEL_WORK
+
+
+def _wait_policy_threshold(environ) -> int:
+    """The threshold for the OpenMP wait policy `environ` gives (see above)."""
+    passive = environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return PASSIVE_MIN_PARALLEL_WORK if passive and "GOMP_SPINCOUNT" not in environ else SPIN_MIN_PARALLEL_WORK
+
+
+def parallel_threshold() -> int:
+    """Multiply-adds below which a call runs on one thread whatever n_threads says."""
+    return _min_parallel_work
+
+
+def set_parallel_threshold(Py_ssize_t work) -> None:
+    """Set `parallel_threshold` (>= 1). Placement only: results do not depend on it.
+    Raises ValueError for work < 1."""
+    global _min_parallel_work
+    if work < 1:
+        raise ValueError(f"parallel threshold must be >= 1, got {work}")
+    _min_parallel_work = work
 
 
 cdef inline int _threads_for(Py_ssize_t work, int n_threads) noexcept nogil:
-    return n_threads if work >= MIN_PARALLEL_WORK else 1
+    return n_threads if work >= _min_parallel_work else 1
+
+
+set_parallel_threshold(_wait_policy_threshold(os.environ))   # libgomp reads the same variables
 
 
 include "_weights.pxi"
@@ -268,8 +302,8 @@ cdef enum:
 
 cdef void _head_rows_t(const moed_weight *w, Py_ssize_t r0, Py_ssize_t rows, const float *x,
                        float *out) noexcept nogil:
-    """out[j] = sum over r < rows, in order, of x[r] * w[r0 + r, j] (one f32 add per
-    row and output; dense rows are read in place, quantised ones dequantised first —
+    """out[j] = sum over r < rows, in order, of x[r] * w[r0 + r, j] (one fused
+    multiply-add per row and output; dense rows are read in place, quantised ones dequantised first —
     exactly, so the sum is the same)."""
     cdef Py_ssize_t C = w.cols, r, j, n
     cdef float buf[AXPY_CHUNK]
@@ -283,7 +317,7 @@ cdef void _head_rows_t(const moed_weight *w, Py_ssize_t r0, Py_ssize_t rows, con
             while j < C:
                 n = C - j if C - j < AXPY_CHUNK else AXPY_CHUNK
                 moed_w_dequant(w, r0 + r, j, n, buf)
-                moed_axpy(x[r], buf, out + j, n)
+                moed_axpy_w(MOED_F32, x[r], buf, out + j, n)
                 j = j + n
 
 
@@ -296,7 +330,7 @@ def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
         transpose False: out[t, h] = W_h @ x[t, h]      (x [T, nH, C], out [T, nH, rows])
         transpose True:  out[t, h] = W_h.T @ x[t, h]    (x [T, nH, rows], out [T, nH, C])
     The first reduces each output as `matmul` does; the second sums the block's rows
-    in order (r = 0, 1, ..., rows-1, one f32 add per row). Used by MLA to fold
+    in order (r = 0, 1, ..., rows-1, one fused multiply-add per row). Used by MLA to fold
     kv_b_proj's key rows into the query and its value rows into the output.
 
     Args:
@@ -987,7 +1021,7 @@ cdef void _fused_gate_up_rows(const moed_weight *w, const float *bias, Py_ssize_
 cdef void _columns_t(const moed_weight *w, Py_ssize_t c0, Py_ssize_t nc, const float *x,
                      float *acc) noexcept nogil:
     """acc[c] = sum over rows r, in order, of x[r] * w[r, c0 + c] for c < nc, w a plain
-    [in, out] weight (one f32 add per row and output)."""
+    [in, out] weight (one fused multiply-add per row and output)."""
     cdef Py_ssize_t r, c
     cdef size_t item = w.row_bytes // w.cols
     for c in range(nc):
@@ -1051,7 +1085,7 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
     or plain arrays); `transposed` True — plain f32/f16/bf16 arrays [in, out] as
     transformers stores them: gate_up [H, 2I] (gate i in column 2i) and down [I, H].
     A row-major output is reduced as `matmul` reduces a row; a transposed one sums
-    its inputs in order, one f32 add each. Each (expert, block of outputs) is one unit
+    its inputs in order, one fused multiply-add each. Each (expert, block of outputs) is one unit
     of parallel work; results do not depend on the thread count or on which tokens
     share a call.
 

@@ -11,9 +11,14 @@
  *   no alignment peeling.
  * - The 16-lane vectors of _simd.h give the lane semantics explicitly (one zmm,
  *   two ymm, or a GCC vector extension value, as the target allows; every path
- *   gives the same bits). The build uses -ffp-contract=off so a multiply and an add
- *   are never fused differently in two code paths (mat-vec and mat-mat rows are
- *   bit-equal).
+ *   gives the same bits).
+ * - Every product is accumulated with a fused multiply-add, acc = fma(w, x, acc): one
+ *   rounding per term (more accurate than a multiply then an add, and one instruction
+ *   instead of two). It is written out explicitly (moed_v16_fma, fmaf in the scalar
+ *   tails) and the build uses -ffp-contract=off, so the compiler never fuses or splits
+ *   anything on its own and every path (vector lanes, tails, mat-vec, mat-mat tiles,
+ *   the portable build) rounds at the same places: mat-vec and mat-mat rows are
+ *   bit-equal. Other arithmetic (hsum's tree, scales, norms) stays plain f32.
  * - Weights are dequantised on the fly to f32 and accumulated in f32. Formats:
  *   f32, f16 (IEEE binary16), bf16 (upper half of an f32). The block-quantised
  *   formats (fp8 e4m3, MXFP4, int8, int4) live in _quant_impl.h and reuse the
@@ -74,15 +79,15 @@ static inline float moed_dot(int dtype, const void *w, const float *x, ptrdiff_t
     moed_v16 a0 = moed_v16_zero(), a1 = moed_v16_zero();
     ptrdiff_t j = 0;
     for (; j + 32 <= n; j += 32) {
-        a0 = moed_v16_add(a0, moed_v16_mul(moed_loadw(dtype, w, j), moed_v16_load(x + j)));
-        a1 = moed_v16_add(a1, moed_v16_mul(moed_loadw(dtype, w, j + 16), moed_v16_load(x + j + 16)));
+        a0 = moed_v16_fma(moed_loadw(dtype, w, j), moed_v16_load(x + j), a0);
+        a1 = moed_v16_fma(moed_loadw(dtype, w, j + 16), moed_v16_load(x + j + 16), a1);
     }
     if (j + 16 <= n) {
-        a0 = moed_v16_add(a0, moed_v16_mul(moed_loadw(dtype, w, j), moed_v16_load(x + j)));
+        a0 = moed_v16_fma(moed_loadw(dtype, w, j), moed_v16_load(x + j), a0);
         j += 16;
     }
     float s = moed_v16_hsum(moed_v16_add(a0, a1));
-    for (; j < n; j++) s = s + moed_scalarw(dtype, w, j) * x[j];
+    for (; j < n; j++) s = fmaf(moed_scalarw(dtype, w, j), x[j], s);
     return s;
 }
 
@@ -110,6 +115,14 @@ _Static_assert(MOED_ROWS >= 1 && MOED_ROWS <= 8, "_kernels.pyx's buffers hold 8 
 #define MOED_PREFETCH_BYTES 1024
 #endif
 
+/* Where to prefetch along a row, `at` elements (of a row `len` long) from its start: at
+ * itself, or past the row's end the same place in the row of the next pass, nrows rows
+ * on. Rows of a pass lie `len` apart, so the end of row q runs into row q + 1, which is
+ * already streaming; the next pass's rows would otherwise start cold. */
+static inline ptrdiff_t moed_prefetch_at(ptrdiff_t at, ptrdiff_t len, int nrows) {
+    return at < len ? at : at + (nrows - 1) * len;
+}
+
 static inline __attribute__((always_inline)) void
 moed_dot_rows_bf16(const char *w, size_t ldw, const int nrows, const float *x, ptrdiff_t n,
                    float *out) {
@@ -123,14 +136,14 @@ moed_dot_rows_bf16(const char *w, size_t ldw, const int nrows, const float *x, p
             moed_v16 e, o;
             __builtin_prefetch(w + r * ldw + 2 * j + MOED_PREFETCH_BYTES);
             moed_v16_load_bf16_pairs((const uint16_t *)(w + r * ldw) + j, &e, &o);
-            a0[r] = moed_v16_add(a0[r], moed_v16_mul(e, xe));
-            a1[r] = moed_v16_add(a1[r], moed_v16_mul(o, xo));
+            a0[r] = moed_v16_fma(e, xe, a0[r]);
+            a1[r] = moed_v16_fma(o, xo, a1[r]);
         }
     }
     for (int r = 0; r < nrows; r++) {
         const void *wr = w + r * ldw;
         float s = moed_v16_hsum(moed_v16_add(a0[r], a1[r]));
-        for (ptrdiff_t k = j; k < n; k++) s = s + moed_scalarw(MOED_BF16, wr, k) * x[k];
+        for (ptrdiff_t k = j; k < n; k++) s = fmaf(moed_scalarw(MOED_BF16, wr, k), x[k], s);
         out[r] = s;
     }
 }
@@ -148,14 +161,14 @@ moed_dot_rows_natural(int dtype, const char *w, size_t ldw, const int nrows, con
             const size_t at = (size_t)j * moed_dtype_size(dtype) + MOED_PREFETCH_BYTES;
             __builtin_prefetch(wr + at);
             if (dtype == MOED_F32) __builtin_prefetch(wr + at + 64);   /* 128 bytes a step */
-            a0[r] = moed_v16_add(a0[r], moed_v16_mul(moed_loadw(dtype, wr, j), x0));
-            a1[r] = moed_v16_add(a1[r], moed_v16_mul(moed_loadw(dtype, wr, j + 16), x1));
+            a0[r] = moed_v16_fma(moed_loadw(dtype, wr, j), x0, a0[r]);
+            a1[r] = moed_v16_fma(moed_loadw(dtype, wr, j + 16), x1, a1[r]);
         }
     }
     for (int r = 0; r < nrows; r++) {
         const void *wr = w + r * ldw;
         float s = moed_v16_hsum(moed_v16_add(a0[r], a1[r]));
-        for (ptrdiff_t k = j; k < n; k++) s = s + moed_scalarw(dtype, wr, k) * x[k];
+        for (ptrdiff_t k = j; k < n; k++) s = fmaf(moed_scalarw(dtype, wr, k), x[k], s);
         out[r] = s;
     }
 }
@@ -191,9 +204,9 @@ static inline void moed_dequant_row(int dtype, const void *w, float *out, ptrdif
     for (ptrdiff_t j = 0; j < n; j++) out[j] = moed_scalarw(dtype, w, j);
 }
 
-/* y[j] += a * dequantised w[j], elementwise: 16 lanes at a time, then one by one (the
- * same multiply and add either way, so the result does not depend on which path an
- * element takes). One row of a weight stored [in, out] added into an f32 output; a
+/* y[j] = fma(a, dequantised w[j], y[j]), elementwise: 16 lanes at a time, then one by
+ * one (the same fused multiply-add either way, so the result does not depend on which
+ * path an element takes). One row of a weight stored [in, out] added into an f32 output; a
  * transposed mat-vec is a sequence of these, its reduction order the row order. */
 static inline void moed_axpy_w(int dtype, float a, const void *w, float *y, ptrdiff_t n) {
     moed_v16 av = moed_v16_set1(a);
@@ -201,9 +214,9 @@ static inline void moed_axpy_w(int dtype, float a, const void *w, float *y, ptrd
     for (; j + 16 <= n; j += 16) {
         moed_v16 wv = dtype == MOED_BF16 ? moed_v16_load_bf16((const uint16_t *)w + j)
                                          : moed_loadw(dtype, w, j);   /* f32, f16 */
-        moed_v16_store(y + j, moed_v16_add(moed_v16_load(y + j), moed_v16_mul(av, wv)));
+        moed_v16_store(y + j, moed_v16_fma(av, wv, moed_v16_load(y + j)));
     }
-    for (; j < n; j++) y[j] = y[j] + a * moed_scalarw(dtype, w, j);
+    for (; j < n; j++) y[j] = fmaf(a, moed_scalarw(dtype, w, j), y[j]);
 }
 
 /* y[j] += a * x[j], elementwise (no reduction: order is irrelevant). */

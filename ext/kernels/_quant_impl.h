@@ -20,8 +20,10 @@
  *     "paired" (mxfp4, int4, like bf16): a0 takes the even columns j+2l and a1 the
  *       odd columns j+2l+1 of each 32-column step (one byte holds columns 2i, 2i+1);
  *       hsum(a0 + a1); there is no tail (the column count is a multiple of 32).
- *   A product is a plain f32 multiply and the sums plain f32 adds (the build uses
- *   -ffp-contract=off), so every path below gives the same bits.
+ *   Each exact value v is accumulated as acc = fma(v, x, acc), one rounding, as the
+ *   dense kernels do (the scale multiply and the min add that make v are separate,
+ *   plain f32 operations; the build uses -ffp-contract=off so the compiler never
+ *   fuses them), so every path below gives the same bits.
  * - Paths: moed_qdot_rows_generic is the reference, written for clarity (dequantise
  *   32 columns into a buffer, then the dense lane arithmetic). It is what the
  *   portable build runs; the SIMD paths below decode in registers, streaming the
@@ -179,13 +181,13 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
                 moed_v16_deinterleave(v0, v1, &v0, &v1);
                 moed_v16_deinterleave(x0, x1, &x0, &x1);
             }
-            a0 = moed_v16_add(a0, moed_v16_mul(v0, x0));
-            a1 = moed_v16_add(a1, moed_v16_mul(v1, x1));
+            a0 = moed_v16_fma(v0, x0, a0);
+            a1 = moed_v16_fma(v1, x1, a1);
         }
         float s = moed_v16_hsum(moed_v16_add(a0, a1));
         if (j < n) {
             moed_w_dequant(w, r0 + q, j, n - j, v);
-            for (ptrdiff_t k = j; k < n; k++) s = s + v[k - j] * x[k];
+            for (ptrdiff_t k = j; k < n; k++) s = fmaf(v[k - j], x[k], s);
         }
         out[q] = s;
     }
@@ -199,8 +201,9 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
  *   "avx2":   fp8 decoded through binary16 bit placement (F16C), nibbles by two
  *             8-entry vpermps and a blend.
  *   "portable": moed_qdot_rows_generic.
- * Each lane is computed with the reference path's f32 multiplies and adds in the same
- * order, so all paths give the same bits (tests compare them). Several rows per pass
+ * Each lane is computed with the reference path's f32 operations (the exact value, then
+ * a fused multiply-add into the accumulator) in the same order, so all paths give the
+ * same bits (tests compare them). Several rows per pass
  * and a software prefetch per row, as the bf16 kernel does. */
 /* Per format: mat-vec of `pass` rows (4 or 8) or of one row, and the tile decoder of
  * `pass` rows or one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
@@ -239,6 +242,10 @@ typedef struct {
 #ifndef MOED_Q_PREFETCH
 #define MOED_Q_PREFETCH 512
 #endif
+/* Scales (and mins) prefetched ahead along each row, in groups. */
+#ifndef MOED_Q_SCALES_AHEAD
+#define MOED_Q_SCALES_AHEAD 32
+#endif
 
 /* The span kernels below decode columns [c0, c1) (multiples of 32) of rows r0 ..
  * r0+nrows-1, 32 columns per step, into two 16-lane vectors per row in the format's
@@ -254,8 +261,8 @@ moed_sink(const int store, moed_v16 v0, moed_v16 v1, moed_v16 x0, moed_v16 x1,
         moed_v16_store(buf + at, v0);
         moed_v16_store(buf + at + 16, v1);
     } else {
-        *a0 = moed_v16_add(*a0, moed_v16_mul(v0, x0));
-        *a1 = moed_v16_add(*a1, moed_v16_mul(v1, x1));
+        *a0 = moed_v16_fma(v0, x0, *a0);
+        *a1 = moed_v16_fma(v1, x1, *a1);
     }
 }
 
@@ -296,8 +303,16 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
          * (then group si is entry `off`); a row of fewer than 16 groups goes one by one. */
         const ptrdiff_t ws = si + 16 <= w->scale_ld ? si : w->scale_ld - 16;
         const int off = ws < 0 ? 0 : (int)(si - ws);
+        const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
         for (int q = 0; q < nrows; q++) {
-            const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws);
+            const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws), ia = (r0 + q) * w->scale_ld + sa;
+            /* Each row's scales (and mins) are a stream of their own: fetch two chunks ahead. */
+            if (kind == MOED_MXFP4) {
+                __builtin_prefetch((const uint8_t *)w->scales + ia);
+            } else {
+                __builtin_prefetch((const uint16_t *)w->scales + ia);
+                if (kind == MOED_INT4) __builtin_prefetch(w->mins + ia);
+            }
             if (ws < 0) {
                 for (int k = 0; k < n; k++) {
                     sf[q][k] = moed_scale_at(w, i + k);
@@ -317,9 +332,10 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
                 if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(mf[q][off + k]));
             }
             for (; j < end; j += 32) {
+                const ptrdiff_t pf = moed_prefetch_at((j >> 1) + MOED_Q_PREFETCH, w->row_bytes, nrows);
                 if (!store) moed_load_x32(x + j, 1, &xe, &xo);
                 for (int q = 0; q < nrows; q++) {
-                    __builtin_prefetch(row[q] + (j >> 1) + MOED_Q_PREFETCH);
+                    __builtin_prefetch(row[q] + pf);
                     moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1));
                     moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
                               xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
@@ -343,12 +359,17 @@ moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
     for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {
         ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
-        for (int q = 0; q < nrows; q++)
-            s[q] = moed_v16_set1_f16((const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si);
+        const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
+        for (int q = 0; q < nrows; q++) {
+            const uint16_t *sp = (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si;
+            if (!(si & 15)) __builtin_prefetch(sp - si + sa);   /* as for int4 */
+            s[q] = moed_v16_set1_f16(sp);
+        }
         for (; j < end; j += 32) {
+            const ptrdiff_t pf = moed_prefetch_at(j + 2 * MOED_Q_PREFETCH, w->row_bytes, nrows);
             if (!store) moed_load_x32(x + j, 0, &x0, &x1);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
+                __builtin_prefetch(row[q] + pf);
                 moed_sink(store, moed_v16_mul(moed_v16_load_i8(row[q] + j), s[q]),
                           moed_v16_mul(moed_v16_load_i8(row[q] + j + 16), s[q]),
                           x0, x1, a0 + q, a1 + q, buf, q * ldb + (j - c0));
@@ -472,10 +493,11 @@ moed_qspan_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0
         for (int q = 0; q < nrows; q++)
             s[q] = moed_v16_set1(moed_scale_at(w, srow[q] + b) / MOED_E4M3_UNIT);
         for (; j + STEP <= end; j += STEP) {
+            const ptrdiff_t pf = moed_prefetch_at(j + 2 * MOED_Q_PREFETCH, w->row_bytes, nrows);
             if (!store)
                 for (int k = 0; k < NV; k++) xv[k] = moed_v16_load(x + j + 16 * k);
             for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + j + 2 * MOED_Q_PREFETCH);
+                __builtin_prefetch(row[q] + pf);
                 moed_e4m3_decode(&t, row[q] + j, STEP, f);
                 for (int k = 0; k < NV; k += 2)
                     moed_sink(store, moed_v16_mul(f[k], s[q]), moed_v16_mul(f[k + 1], s[q]),
@@ -513,7 +535,7 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
     float v[32];
     if (j < C) {
         moed_w_dequant(w, r, j, C - j, v);
-        for (ptrdiff_t k = j; k < C; k++) s = s + v[k - j] * x[k];
+        for (ptrdiff_t k = j; k < C; k++) s = fmaf(v[k - j], x[k], s);
     }
     return s;
 }

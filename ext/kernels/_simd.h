@@ -6,6 +6,9 @@
  *   .hi), or a GCC vector extension value (portable builds, any architecture). Each
  *   operation below computes every lane with the same single f32 operation on every
  *   path, so a kernel written with them gives the same bits on all three.
+ *   moed_v16_fma(a, b, c) is a * b + c with one rounding (vfmadd on AVX-512 and on
+ *   AVX2, which is therefore built only with FMA; fmaf per lane in the portable
+ *   build, correctly rounded on any machine).
  * - Why not GCC vector extensions everywhere: GCC 12 keeps a 64-byte vector on a
  *   256-bit target partly in memory (spills and element moves in the inner loops)
  *   and converts byte and _Float16 vectors one element at a time.
@@ -14,6 +17,7 @@
 #ifndef MOED_SIMD_H
 #define MOED_SIMD_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +37,7 @@ static inline float moed_hsum16(float l[16]) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define MOED_V16_AVX512 1
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define MOED_V16_AVX2 1
 #endif
 
@@ -51,6 +55,7 @@ static inline moed_v16 moed_v16_set1(float s) { return _mm512_set1_ps(s); }
 static inline moed_v16 moed_v16_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline moed_v16 moed_v16_add(moed_v16 a, moed_v16 b) { return _mm512_add_ps(a, b); }
 static inline moed_v16 moed_v16_mul(moed_v16 a, moed_v16 b) { return _mm512_mul_ps(a, b); }
+static inline moed_v16 moed_v16_fma(moed_v16 a, moed_v16 b, moed_v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline void moed_v16_store(float *p, moed_v16 a) { _mm512_storeu_ps(p, a); }
 
 /* 16 binary16 values at p, exactly. */
@@ -128,6 +133,9 @@ static inline moed_v16 moed_v16_add(moed_v16 a, moed_v16 b) {
 }
 static inline moed_v16 moed_v16_mul(moed_v16 a, moed_v16 b) {
     return (moed_v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+static inline moed_v16 moed_v16_fma(moed_v16 a, moed_v16 b, moed_v16 c) {
+    return (moed_v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 static inline void moed_v16_store(float *p, moed_v16 a) {
     _mm256_storeu_ps(p, a.lo);
@@ -224,6 +232,12 @@ static inline moed_v16 moed_v16_load(const float *p) {
 }
 static inline moed_v16 moed_v16_add(moed_v16 a, moed_v16 b) { return a + b; }
 static inline moed_v16 moed_v16_mul(moed_v16 a, moed_v16 b) { return a * b; }
+/* fmaf is correctly rounded wherever it runs (an instruction, or libm's exact
+ * emulation on a CPU without one), so this gives the bits of the SIMD paths. */
+static inline moed_v16 moed_v16_fma(moed_v16 a, moed_v16 b, moed_v16 c) {
+    for (int l = 0; l < 16; l++) c[l] = fmaf(a[l], b[l], c[l]);
+    return c;
+}
 static inline void moed_v16_store(float *p, moed_v16 a) { memcpy(p, &a, sizeof a); }
 
 static inline moed_v16 moed_v16_load_f16(const uint16_t *p) {

@@ -259,6 +259,7 @@ def build_info():
     bool, "features": [...]}. "simd" names the path the kernels run (chosen at compile
     time: the build targets the machine it is installed on unless MOED_PORTABLE=1);
     "features" lists the instruction-set extensions compiled in (with "avx512vbmi",
-    fp8 is decoded by byte tables, else through binary16)."""
+    fp8 is decoded by byte tables, else through binary16); "parallel_threshold" the
+    multiply-adds below which a call runs on one thread (`parallel_threshold()`)."""
     return {"simd": moed_simd_path().decode(), "openmp": bool(moed_openmp_flag()),
-            "features": moed_simd_features().decode().split()}
+            "features": moed_simd_features().decode().split(), "parallel_threshold": _min_parallel_work}

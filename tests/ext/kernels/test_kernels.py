@@ -159,6 +159,39 @@ def test_matmul_bit_equal_at_every_alignment(wdtype, n_threads):
         assert np.array_equal(got_x, expected), f"x at offset {offset}"
 
 
+# Two products on one accumulator (one lane, or the scalar tail): -1, then a product with
+# a bit below half an ulp of 1 that a separately rounded product loses (a tie, to even)
+# and a fused multiply-add keeps. Per dtype: (w1, x1) exact in that dtype and f32.
+FMA_CASES = {"f32": (1 + 2.0 ** -12, 1 + 2.0 ** -12), "f16": (1 + 2.0 ** -10, 1 + 2.0 ** -14),
+             "bf16": (1 + 2.0 ** -7, 1 + 2.0 ** -17)}
+
+
+@wdtypes
+@pytest.mark.parametrize("C, first, second", [(2, 0, 1), (64, 0, 32), (33, 0, 32)],
+                         ids=["tail", "lane", "lane-then-tail"])
+def test_matmul_accumulates_with_one_rounding_per_product(wdtype, C, first, second):
+    # bf16 rows pair even columns in a0's lanes, so columns 0 and 32 share lane 0 in
+    # every dtype; with C = 33 the second product is the scalar tail added to the sum.
+    w1, x1 = FMA_CASES[WDTYPE_IDS[WDTYPES.index(wdtype)]]
+    fused = np.float32(w1 * x1 - 1)   # exact in float64, and representable in f32
+    unfused = np.float32(np.float32(w1 * x1) - np.float32(1))
+    assert fused != unfused
+    w = np.zeros((3, C), wdtype)
+    x = np.zeros((2, C), np.float32)
+    w[:, first], w[:, second] = 1, w1
+    x[:, first], x[:, second] = -1, x1
+    assert w.astype(np.float64)[0, second] == w1 and x.astype(np.float64)[0, second] == x1
+    assert np.all(_matmul(w, x) == fused)
+    assert np.all(_matmul(w, x[:1]) == fused)
+    # The transposed product (a sum of rows x[r] * w[r]) in its lanes and its tail.
+    wt = np.zeros((2, 17), wdtype)
+    wt[0], wt[1] = 1, w1
+    xt = np.array([[[-1, x1]]], np.float32)
+    out = np.zeros((1, 1, 17), np.float32)
+    kern.matmul_heads(wt, 0, 2, xt, out, True, 1)
+    assert np.all(out == fused)
+
+
 def _matmul_error(w, x, out, match, n_threads=1):
     sentinel = out.copy() if out.flags.writeable else None
     with pytest.raises(ValueError, match=match):

@@ -458,7 +458,7 @@ def test_kernels_refuse_non_weights():
 
 def test_build_info_names_the_simd_path():
     info = kern.build_info()
-    assert set(info) == {"simd", "openmp", "features"}
+    assert set(info) == {"simd", "openmp", "features", "parallel_threshold"}
     assert info["simd"] in ("avx512", "avx2", "portable")
     assert info["openmp"] is kern.openmp_enabled()
     needs = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "f16c"}, "portable": set()}
