@@ -215,7 +215,8 @@ class UsageStats:
         from now on (default: the payload's). The delta starts empty.
         Raises UsageFormatError (naming the field) for: not a dict, wrong format or
         version, another model's fingerprint, unknown or missing layers, wrong
-        num_experts, counts of the wrong shape or with NaN / inf / negative values, a
+        num_experts, counts of the wrong shape, of other than JSON numbers (an integer
+        too large for a float included) or with NaN / inf / negative values, a
         `learned` that is not an object or holds a bad pin_share (a number in [0, 1]),
         pin_source ("long" or "recent"), mechanisms (names to booleans) or transitions
         (see `encode_transitions`); other keys of `learned` are dropped.
@@ -353,7 +354,9 @@ def decode_transitions(value: Any, n_layers: int, num_experts: int) -> list[tupl
     """The per-layer (T [E, E], N [E]) float64 of `encode_transitions`' output (None for a
     null layer). Raises UsageFormatError("learned.transitions") naming what is wrong:
     not an object, another encoding, a layer count or shape that does not fit the model,
-    totals that are not finite numbers >= 0, or "next" that is not base64 of E * E bytes."""
+    totals that are not finite JSON numbers >= 0 (strings, booleans and integers too large
+    for a float are refused), or "next" that is not a base64 string of E * E bytes (no
+    whitespace; its length is checked before it is decoded)."""
     field = "learned.transitions"
     if not isinstance(value, dict) or value.get("encoding") != TRANSITIONS_ENCODING:
         raise UsageFormatError(field, f"expected an object with encoding {TRANSITIONS_ENCODING!r}")
