@@ -329,3 +329,16 @@ def test_two_writers_one_with_transitions_one_without_take_turns_without_crashin
         learner.close()
         plain.close()
     assert list(tmp_path.glob("*.corrupt-*")) == []
+
+
+def test_in_a_read_only_directory_a_hostile_file_is_ignored_naming_the_field_and_left_alone(
+        fingerprint, tmp_path, log_records):
+    store = StateStore(tmp_path, fingerprint)
+    _write(store, fingerprint, _layers(None, {**_good_layer(), "totals": [10 ** 400] * EXPERTS}, None))
+    written = store.path.read_bytes()
+    store.writable = False                   # as a read-only mount leaves it (root ignores modes)
+    records = log_records("moed.state")
+    assert load_usage_state(store, list(range(LAYERS)), EXPERTS, fingerprint, HALF_LIFE) is None
+    [warning] = records
+    assert warning["event"] == "state_file_ignored" and "layers[1].totals" in warning["reason"]
+    assert store.path.read_bytes() == written and list(tmp_path.glob("*.corrupt-*")) == []
