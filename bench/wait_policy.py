@@ -6,7 +6,8 @@
 OpenMP reads OMP_WAIT_POLICY when it loads, so every configuration runs in a fresh
 process: "t1" (1 compute thread), "t2-passive" (2 threads, OMP_WAIT_POLICY=PASSIVE, what
 the `moed` command sets), "t2-spin" (2 threads, libgomp's default of spinning a while
-before sleeping), and "-threshold=N" appended to any of them sets the kernels'
+before sleeping), "t2-spin3000" (2 threads spinning 3000 rounds, then sleeping:
+GOMP_SPINCOUNT=3000), and "-threshold=N" appended to any of them sets the kernels'
 parallel_threshold (multiply-adds below which a call runs on one thread). Each run
 decodes --tokens tokens greedily with every expert in RAM after a 4-token prompt; rounds
 visit every configuration once (order rotated), and each configuration's median and
@@ -48,7 +49,8 @@ def parse_config(name: str) -> tuple[int, dict, int]:
     """(threads, environment changes, threshold or 0) of a configuration name."""
     base, _, threshold = name.partition("-threshold=")
     table = {"t1": (1, {}), "t2-passive": (2, {"OMP_WAIT_POLICY": "PASSIVE"}),
-             "t2-spin": (2, {"OMP_WAIT_POLICY": ""})}
+             "t2-spin": (2, {"OMP_WAIT_POLICY": ""}),
+             "t2-spin3000": (2, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"})}
     if base not in table:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(table)} (+ -threshold=N)")
     threads, env = table[base]
@@ -59,6 +61,7 @@ def run(model: str, name: str, tokens: int) -> dict:
     threads, changes, threshold = parse_config(name)
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
+    env.pop("GOMP_SPINCOUNT", None)
     env.update({k: v for k, v in changes.items() if v})
     out = subprocess.run([sys.executable, "-c", CHILD, model, str(threads), str(tokens), str(threshold)],
                          env=env, capture_output=True, text=True, check=True)
