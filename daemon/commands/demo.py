@@ -434,7 +434,7 @@ async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str
                                    "pinned_experts": len(pins.get("pins") or ()),
                                    "completion_tokens": result.completion_tokens})
         note("done" if previous is not None else
-             "done; run it again to see the pins it learned at work")
+             "done; run it again to start from what this run learned")
         return 0
     except BaseException:
         if daemon.running:
