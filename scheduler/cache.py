@@ -500,11 +500,13 @@ class ExpertCache:
                 self._held_transitions[li] = prior
         return used
 
-    def transitions(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        """Per layer, what its policy learned of which expert follows which (predictive's
-        `transitions`), or what was seeded and held, or None."""
-        return [p.transitions() if hasattr(p, "transitions") else self._held_transitions.get(li)
-                for li, p in enumerate(self._policies)]
+    def transitions(self, layers: Iterable[int] | None = None) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Per layer (of the layer indices `layers`, default all), what its policy learned of
+        which expert follows which (predictive's `transitions`), or what was seeded and
+        held, or None."""
+        chosen = range(len(self._policies)) if layers is None else layers
+        return [self._policies[li].transitions() if hasattr(self._policies[li], "transitions")
+                else self._held_transitions.get(li) for li in chosen]
 
     def prior_weights(self) -> list[float | None]:
         """Per layer, the weight its policy gives an earlier session's next-step

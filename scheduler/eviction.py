@@ -460,6 +460,7 @@ class PredictivePolicy(LRFUPolicy):
         self._prev: np.ndarray | None = None             # experts of the last step
         self._prev_token = -1
         self._p_next: np.ndarray | None = None           # [E], cached per step
+        self._parts: tuple[np.ndarray, np.ndarray] | None = None   # (p_prior, p_live), cached per step
         self._prior: tuple[np.ndarray, np.ndarray] | None = None   # (T, N) seeded
         self._prior_token: int | None = None             # token of the first step after seeding
         self._score_prior = self._score_live = 0.0
@@ -480,7 +481,7 @@ class PredictivePolicy(LRFUPolicy):
         self._prior_token = None
         self._score_prior = self._score_live = 0.0
         self._prior_weight = 1.0
-        self._p_next = None
+        self._p_next = self._parts = None
 
     def seed_counts(self, transitions: np.ndarray, totals: np.ndarray) -> None:
         """As `seed_prior`, but taken as this policy's own counts (no weighing): a replay
@@ -513,7 +514,7 @@ class PredictivePolicy(LRFUPolicy):
         self._prior = None
         self._t[:] = 0.0
         self._n[:] = 0.0
-        self._p_next = None
+        self._p_next = self._parts = None
 
     def step(self, token, experts):
         if self._prior is not None and self._prev is not None and token > self._prev_token and len(experts):
@@ -538,7 +539,7 @@ class PredictivePolicy(LRFUPolicy):
             self._n[self._prev] += weight
         if token != self._prev_token or self._prev is None:
             self._prev, self._prev_token = ids, token
-        self._p_next = None
+        self._p_next = self._parts = None
 
     def p_next(self) -> np.ndarray:
         """[E] float64: estimated probability of each expert at the step after the last one."""
@@ -549,8 +550,16 @@ class PredictivePolicy(LRFUPolicy):
                 self._p_next = self._predict(self._t, self._n)
             else:
                 w = self._prior_weight
-                self._p_next = w * self._predict(*self._prior) + (1.0 - w) * self._predict(self._t, self._n)
+                p_prior, p_live = self._prior_and_live()
+                self._p_next = w * p_prior + (1.0 - w) * p_live
         return self._p_next
+
+    def _prior_and_live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the prior's prediction, this session's) for the step after the last one, computed
+        once per step: p_next mixes them and the next step scores them."""
+        if self._parts is None:
+            self._parts = (self._predict(*self._prior), self._predict(self._t, self._n))
+        return self._parts
 
     def _predict(self, t: np.ndarray, n: np.ndarray) -> np.ndarray:
         """mean over a in the last step's experts of t[a] / n[a] (0 where n[a] is 0)."""
@@ -561,8 +570,9 @@ class PredictivePolicy(LRFUPolicy):
     def _score_predictors(self, ids: list[int]) -> None:
         """Score the prior's and the live prediction made before this step on `ids`."""
         decay = 2.0 ** (-1.0 / PRIOR_SCORE_HALF_LIFE)
-        prior = np.log(np.maximum(self._predict(*self._prior)[ids], PRIOR_SCORE_FLOOR)).sum()
-        live = np.log(np.maximum(self._predict(self._t, self._n)[ids], PRIOR_SCORE_FLOOR)).sum()
+        p_prior, p_live = self._prior_and_live()
+        prior = np.log(np.maximum(p_prior[ids], PRIOR_SCORE_FLOOR)).sum()
+        live = np.log(np.maximum(p_live[ids], PRIOR_SCORE_FLOOR)).sum()
         self._score_prior = self._score_prior * decay + float(prior)
         self._score_live = self._score_live * decay + float(live)
         x = min(50.0, max(-50.0, self._score_live - self._score_prior))

@@ -183,7 +183,7 @@ def replay_tokens(trace: list[list[list[int]]], slots_per_layer: int, policies: 
             learner = PinLearner(n_layers, num_experts, k, total_slots, max_share=max_pin_share,
                                  check_shadow=lambda layers, caps, pins, c=cache, n=name: ShadowPolicyCache(
                                      layers, caps, num_experts, k, n, pins,
-                                     transitions=[t for li, t in enumerate(c.transitions()) if li in layers]))
+                                     transitions=c.transitions(layers)))
         run = _Run(cache, learner, UsageStats(moe_layers, num_experts, usage_half_life_tokens))
         if start == "warm":
             run.drive(trace[:warm], counted=False)

@@ -126,9 +126,8 @@ class Adaptation:
         statistics as they are now), not LRU: against a policy that keeps frequent experts
         anyway, LRU overrates what pins add (measured: pins chosen that way cost 0.3-0.8
         points of hit rate on two trained models and on the Kimi trace)."""
-        transitions = self.cache.transitions()
         return ShadowPolicyCache(layers, capacities, self.num_experts, self.top_k, self.cache.policy_name,
-                                 pins, transitions=[transitions[li] for li in layers])
+                                 pins, transitions=self.cache.transitions(layers))
 
     # ------------------------------------------------------------- the provider's hooks
     def step_begins(self, decode: bool, learn: bool,
