@@ -18,7 +18,8 @@ What `PinLearner` does (DESIGN.md "Usage statistics and pin set", issue 17):
   - Choose: each candidate replays the older windows (all but the newest) through a
     `ShadowLRU` of the cache's own tiers (pinned slots, staging left out, the rest split
     over the layers) from cold, counting hits. The best is the challenger.
-  - Check: challenger and incumbent replay the window before the newest (warm-up) and
+  - Check (skipped when the challenger is the incumbent: nothing changes, and the check
+    is most of an evaluation's cost): challenger and incumbent replay the window before the newest (warm-up) and
     the newest (counted), with pin sets chosen from counts that exclude the newest
     window. The challenger replaces the incumbent only when it wins there by a margin:
     `min_gain` of the lookups, and a paired sign test — of the lookups only one of the two
@@ -70,6 +71,10 @@ class PinDecision:
     table: tuple = ()
 
 
+def _rounded(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, 4)
+
+
 class PinLearner:
     """Chooses the pin share and set from the routing it observes (see the module doc).
 
@@ -115,7 +120,6 @@ class PinLearner:
         self._windows: deque[list[list[list[int]]]] = deque(maxlen=history_windows)
         self._window_counts: deque[np.ndarray] = deque(maxlen=history_windows)
         self._current: list[list[list[int]]] = []
-        self._current_counts = np.zeros((n_layers, num_experts))
         self.windows_seen = 0
         self._next_eval = 2
         self._interval = 1
@@ -125,14 +129,16 @@ class PinLearner:
     # -- feeding ------------------------------------------------------------------------
     def observe(self, step: Sequence[Sequence[int]]) -> None:
         """One decode step's routing: for each layer, the expert ids it needed."""
-        ids = [list(map(int, experts)) for experts in step]
-        self._current.append(ids)
-        for li, experts in enumerate(ids):
-            self._current_counts[li, experts] += 1.0
+        self._current.append([[int(e) for e in experts] for experts in step])
         if len(self._current) >= self.window_tokens:
+            # A window's counts at once (one bincount, not one update per layer and step).
+            E = self.num_experts
+            flat = [li * E + e for ids in self._current for li, experts in enumerate(ids)
+                    for e in set(experts)]
+            counts = np.bincount(np.asarray(flat, dtype=np.int64), minlength=self.n_layers * E)
             self._windows.append(self._current)
-            self._window_counts.append(self._current_counts)
-            self._current, self._current_counts = [], np.zeros_like(self._current_counts)
+            self._window_counts.append(counts.reshape(self.n_layers, E).astype(np.float64))
+            self._current = []
             self.windows_seen += 1
 
     def due(self) -> bool:
@@ -188,14 +194,21 @@ class PinLearner:
         best = max(table, key=lambda row: (row[2], -row[0], row[1] == incumbent[1]))
         challenger = (best[0], best[1])
         warm = older[-1]
-        outcomes = {c: self._outcomes(chosen[c], self.pinned_slots_for(c[0]), warm, newest)
-                    for c in {challenger, incumbent}}
-        val = {c: sum(o) / max(1, len(o)) for c, o in outcomes.items()}   # (check_layers only)
-        # A win by a margin: min_gain of the lookups, and a paired sign test (McNemar) on
-        # the lookups only one of the two hit, at Z_WIN standard errors.
-        only_c = sum(a > b for a, b in zip(outcomes[challenger], outcomes[incumbent]))
-        only_i = sum(b > a for a, b in zip(outcomes[challenger], outcomes[incumbent]))
-        if self.evaluations == 0 and self.prior:
+        if challenger == incumbent:
+            # Nothing to check: the incumbent stays (the check is most of the cost).
+            outcomes, val = {}, {incumbent: None}
+            only_c = only_i = 0
+        else:
+            outcomes = {c: self._outcomes(chosen[c], self.pinned_slots_for(c[0]), warm, newest)
+                        for c in (challenger, incumbent)}
+            val = {c: sum(o) / max(1, len(o)) for c, o in outcomes.items()}   # (check_layers only)
+            # A win by a margin: min_gain of the lookups, and a paired sign test (McNemar)
+            # on the lookups only one of the two hit, at Z_WIN standard errors.
+            only_c = sum(a > b for a, b in zip(outcomes[challenger], outcomes[incumbent]))
+            only_i = sum(b > a for a, b in zip(outcomes[challenger], outcomes[incumbent]))
+        if challenger == incumbent:
+            changed = False
+        elif self.evaluations == 0 and self.prior:
             # The incumbent is an earlier session's choice, never checked on this traffic:
             # the better of the two on the newest window wins, without a margin.
             changed = challenger != incumbent and val[challenger] > val[incumbent]
@@ -217,9 +230,9 @@ class PinLearner:
         self.last = PinDecision(
             pinned_slots=slots, pins=self.pins, share=self.share, source=self.source, changed=changed,
             validation={"incumbent": {"share": incumbent[0], "source": incumbent[1],
-                                      "hit_rate": round(val[incumbent], 4)},
+                                      "hit_rate": _rounded(val[incumbent])},
                         "challenger": {"share": challenger[0], "source": challenger[1],
-                                       "hit_rate": round(val[challenger], 4)},
+                                       "hit_rate": _rounded(val[challenger])},
                         "window_tokens": len(newest)},
             table=tuple((s, src, round(h / lookups_older, 4)) for s, src, h in table))
         return self.last

@@ -96,6 +96,15 @@ class ShadowLRU:
             else:
                 self.pin_loads += 1
 
+    def copy(self) -> ShadowLRU:
+        """An independent shadow in the same state (residents in the same order, pins)."""
+        other = ShadowLRU(self.capacities)
+        other._lru = [OrderedDict(lru) for lru in self._lru]
+        other._pins = [set(p) for p in self._pins]
+        other._pin_slot = dict(self._pin_slot)
+        other.pin_loads = self.pin_loads
+        return other
+
     def resident(self, layer: int) -> set[int]:
         """The experts `layer` holds now (dynamic residents and pins)."""
         return set(self._lru[layer]) | self._pins[layer]

@@ -107,7 +107,8 @@ class UsageStats:
         self._tokens_since_take = 0
         self.tokens_observed = 0              # tokens advanced over this object's life
         # What the pin learner and the referee settled on (scheduler.pinlearn,
-        # scheduler.referee), saved with the counts: {"pin_share", "pin_source", "mechanisms"}.
+        # scheduler.referee), saved with the counts: {"pin_share", "pin_source", "mechanisms",
+        # "mechanism_backoff"}.
         self.learned: dict[str, Any] = {}
 
     # -- recording ---------------------------------------------------------------------
@@ -218,7 +219,8 @@ class UsageStats:
         num_experts, counts of the wrong shape, of other than JSON numbers (an integer
         too large for a float included) or with NaN / inf / negative values, a
         `learned` that is not an object or holds a bad pin_share (a number in [0, 1]),
-        pin_source ("long" or "recent"), mechanisms (names to booleans) or transitions
+        pin_source ("long" or "recent"), mechanisms (names to booleans),
+        mechanism_backoff (names to integers in [1, MAX_BACKOFF_WINDOWS]) or transitions
         (see `encode_transitions`); other keys of `learned` are dropped.
         """
         if not isinstance(payload, dict):
@@ -266,6 +268,9 @@ class UsageStats:
         return stats
 
 
+MAX_BACKOFF_WINDOWS = 1024      # learned.mechanism_backoff: windows before a probe, at most
+
+
 def _learned(value: Any) -> dict[str, Any]:
     """The checked `learned` field of a payload (see `UsageStats.from_dict`)."""
     if not isinstance(value, dict):
@@ -289,6 +294,14 @@ def _learned(value: Any) -> dict[str, Any]:
                                                for k, v in mech.items())):
             raise UsageFormatError("learned.mechanisms", "expected an object of names to booleans")
         out["mechanisms"] = dict(mech)
+    if "mechanism_backoff" in value:
+        backoff = value["mechanism_backoff"]
+        if not (isinstance(backoff, dict) and all(
+                isinstance(k, str) and len(k) < 64 and _is_int(v) and 1 <= v <= MAX_BACKOFF_WINDOWS
+                for k, v in backoff.items())):
+            raise UsageFormatError("learned.mechanism_backoff",
+                                   f"expected an object of names to integers in [1, {MAX_BACKOFF_WINDOWS}]")
+        out["mechanism_backoff"] = dict(backoff)
     return out
 
 

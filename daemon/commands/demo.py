@@ -313,7 +313,12 @@ def _learning_lines(adaptation: dict) -> list[str]:
     if learning:
         if last is None:
             out.append("pin learning: no decision yet (the first needs 64 tokens of routing, "
-                       "prompt included)")
+                       "prompt included, and learning may take only a small share of the time)")
+        elif last["validation"]["challenger"]["hit_rate"] is None:
+            v = last["validation"]
+            kept = "kept" if learning.get("share") else "no pins kept"
+            out.append(f"pin learning: {kept} — on the older tokens the set in use (share "
+                       f"{v['incumbent']['share']:.3g}) was still the best candidate")
         else:
             v = last["validation"]
             won = v["challenger"]

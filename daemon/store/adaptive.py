@@ -27,6 +27,16 @@ from telemetry.logs import get_logger
 log = get_logger("adaptive")
 
 WINDOW_STEPS = 16                 # decode steps per referee window
+# The first window is shorter: a mechanism that loses much (prefetch of small experts
+# whose reads cost less than its guesses) is judged after a quarter of the steps.
+FIRST_WINDOW_STEPS = 4
+# The pin learner may spend at most a share of the decode time so far
+# (StreamingOptions.learner_time_share: its routing bookkeeping and its evaluations; an
+# evaluation waits until the budget holds its last cost, estimated before the first).
+# Measured on the embedded default model at 25 % cache, 256 tokens, one thread:
+# unbudgeted evaluations took 0.28-0.40 ms per token (12-16 % of the time) and pinned
+# nothing; on a disk-bound model a token takes tens of milliseconds, so the budget lets
+# the first evaluation run as soon as it is due.
 CALIBRATION_STEPS = 24            # synthetic steps per policy in `policy_step_costs`
 _calibrated: dict[tuple, float] = {}
 GUESS_LIKELY, GUESS_IDLE, GUESS_EARLY = "likely", "idle", "early"
@@ -39,7 +49,7 @@ def policy_step_costs(policies: Sequence[str], n_layers: int, num_experts: int, 
     out = {}
     for policy in policies:
         key = (policy, n_layers, num_experts, top_k, slots_per_layer)
-        if key not in _calibrated:
+        if key not in _calibrated or clock is not time.perf_counter:
             rng = np.random.default_rng(0)
             p = 1.0 / np.arange(1, num_experts + 1)
             p /= p.sum()
@@ -54,9 +64,16 @@ def policy_step_costs(policies: Sequence[str], n_layers: int, num_experts: int, 
                         if a.outcome == OUTCOME_MISS:
                             cache.loaded(a.slot)
                     cache.release(li, ids)
-            _calibrated[key] = (clock() - t0) / (CALIBRATION_STEPS * n_layers)
+            seconds = (clock() - t0) / (CALIBRATION_STEPS * n_layers)
+            if clock is not time.perf_counter:
+                out[policy] = seconds            # another clock: not this machine's figure
+                continue
+            _calibrated[key] = seconds
         out[policy] = _calibrated[key]
     return out
+
+
+_TIME_FIELDS = {what: f"{what}_s" for what in ("hint", "idle_hint", "early_hint", "bookkeeping", "stall")}
 
 
 class _Tally:
@@ -69,7 +86,7 @@ class _Tally:
         self.misses = self.inflight_hits = self.reads = self.pin_loads = 0
         self.prefetch_used = self.prefetch_wasted = self.idle_used = self.idle_wasted = 0
         self.early_used = self.early_wasted = 0
-        self.naive_misses = self.lru_pins_misses = 0
+        self.naive_misses = self.lru_pins_misses = self.lru_dynamic_misses = 0
 
 
 class Adaptation:
@@ -79,14 +96,17 @@ class Adaptation:
     are read, never changed here). learn_pins: the pin share is learned (else fixed by
     the caller). max_pin_share: the most the learner may pin. referee: value the
     mechanisms and turn off what does not pay. mechanisms: those the options turned on.
-    learned: what an earlier session saved ({"pin_share", "pin_source", "mechanisms"}).
+    learned: what an earlier session saved ({"pin_share", "pin_source", "mechanisms",
+    "mechanism_backoff"}).
+    learner_time_share: the most of the decode time the pin learner may take.
     """
 
     def __init__(self, n_layers: int, num_experts: int, top_k: int, cache: ExpertCache, *,
                  learn_pins: bool, max_pin_share: float, referee: bool, mechanisms: tuple[str, ...],
                  policy: str, staging_slots: int, learned: dict | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, learner_time_share: float = 0.03):
         self.n_layers, self.num_experts, self.top_k = n_layers, num_experts, top_k
+        self.learner_time_share = learner_time_share
         self.cache = cache
         self.clock = clock
         self.staging_default = staging_slots
@@ -100,14 +120,22 @@ class Adaptation:
             self.learner = PinLearner(n_layers, num_experts, top_k, total, staging_slots=staging_slots,
                                       max_share=max_pin_share, start_share=learned.get("pin_share", 0.0),
                                       start_source="long", check_shadow=self._check_shadow)
+        # The shadows: the naive cache; LRU over moed's pinned tier and every other slot
+        # (None while nothing is pinned: it is then the naive cache); LRU over the tiers
+        # the layers really have, the staging tier left out (None without staging: it is
+        # then lru_pins) — the policy is compared with it, and what it misses beyond
+        # lru_pins is staging's cost. Each is replayed only while it differs.
         self.naive = ShadowLRU(even_split(total, n_layers))
-        self.lru_pins = ShadowLRU(even_split(total - cache.pinned_slots, n_layers))
+        self.lru_pins: ShadowLRU | None = None
+        self.lru_dynamic: ShadowLRU | None = None
+        self._shadow_pins: set = set()
+        self._retier(cache.pinned_slots, cache.staging_slots)
         self.referee: Referee | None = None
         if referee:
             slots = max(top_k, total // n_layers)
             costs = policy_step_costs(sorted({"lru", policy}), n_layers, num_experts, top_k, slots, clock)
             self.referee = Referee(costs, policy, enabled=mechanisms)
-            self.referee.set_states(learned.get("mechanisms") or {})
+            self.referee.set_states(learned.get("mechanisms") or {}, learned.get("mechanism_backoff"))
         self._tally = _Tally()
         self._rows: list[np.ndarray | None] = [None] * n_layers   # this step's routing
         self._step_start: float | None = None
@@ -118,6 +146,16 @@ class Adaptation:
         # Decode totals since this provider started (the shadows' side of "do no harm").
         self.totals = {"lookups": 0, "misses": 0, "naive_misses": 0, "lru_pins_misses": 0}
         self.last_pin_decision: PinDecision | None = None
+        self.decode_wall_s = 0.0                 # decode steps' time since start
+        self.learner_spent_s = 0.0               # the pin learner's time since start
+        self._decide_cost_s = 0.0                # the last evaluation's time (estimated first)
+        if self.learner is not None:
+            # Before the first evaluation its cost is estimated: the check replays two
+            # windows twice (challenger and incumbent) through the real policy.
+            step = policy_step_costs([policy], n_layers, num_experts, top_k,
+                                     max(top_k, total // n_layers), clock)[policy]
+            self._decide_cost_s = 4 * self.learner.window_tokens * len(self.learner.check_layers) * step
+        self.deferred_evaluations = 0            # steps an evaluation was due but over budget
         self.pin_changes = 0
         self.decisions: list[dict] = []          # the latest mechanism decisions (most recent last)
 
@@ -142,6 +180,7 @@ class Adaptation:
         if self._step_start is not None and self._step_decode:
             t.steps += 1
             t.wall_s += now - self._step_start
+            self.decode_wall_s += now - self._step_start
             for kind in self._guesses.values():
                 t.idle_wasted += kind == GUESS_IDLE
                 t.early_wasted += kind == GUESS_EARLY
@@ -150,11 +189,13 @@ class Adaptation:
             t0 = self.clock()                  # every row of the step, prompt ones too
             for row in zip(*(rows.tolist() for rows in self._rows)):
                 self.learner.observe(row)
-            t.learner_s += self.clock() - t0
+            spent = self.clock() - t0
+            t.learner_s += spent
+            self.learner_spent_s += spent
         self._guesses.clear()
         if self._io_before is None:
             self._io_before = io_totals()
-        if t.steps >= WINDOW_STEPS:
+        if t.steps >= (WINDOW_STEPS if self.windows else min(WINDOW_STEPS, FIRST_WINDOW_STEPS)):
             mechanisms = self._close_window(io_totals())
         self._rows = [None] * self.n_layers
         self._step_decode = decode
@@ -162,12 +203,22 @@ class Adaptation:
         return mechanisms
 
     def pin_decision_due(self) -> bool:
-        return self.learner is not None and self.learner.due()
+        """An evaluation is due and the learner's time budget (`learner_time_share` of
+        the decode time so far) holds one more at the last one's cost."""
+        if self.learner is None or not self.learner.due():
+            return False
+        if self.learner_spent_s + self._decide_cost_s > self.learner_time_share * self.decode_wall_s:
+            self.deferred_evaluations += 1
+            return False
+        return True
 
     def decide_pins(self, long_counts: np.ndarray) -> PinDecision:
         t0 = self.clock()
         decision = self.learner.decide(long_counts)
-        self._tally.learner_s += self.clock() - t0
+        spent = self.clock() - t0
+        self._tally.learner_s += spent
+        self.learner_spent_s += spent
+        self._decide_cost_s = spent
         self.last_pin_decision = decision
         if decision.changed:
             self.pin_changes += 1
@@ -186,22 +237,24 @@ class Adaptation:
         t = self._tally
         t.layer_steps += 1
         t.lookups += len(experts)
-        for e, outcome in zip(experts, outcomes):
-            if outcome == OUTCOME_MISS:
-                t.misses += 1
-            elif outcome == OUTCOME_INFLIGHT:
-                t.inflight_hits += 1
-            kind = self._guesses.pop((layer, int(e)), None)
-            if kind is not None and outcome in (OUTCOME_HIT, OUTCOME_INFLIGHT):
-                t.prefetch_used += 1
-                t.idle_used += kind == GUESS_IDLE
-                t.early_used += kind == GUESS_EARLY
-        naive, lru_pins = self._shadows(layer_index, experts)
+        misses = outcomes.count(OUTCOME_MISS)
+        inflight = outcomes.count(OUTCOME_INFLIGHT)
+        t.misses += misses
+        t.inflight_hits += inflight
+        if self._guesses:                  # (prefetch on: guesses of this step to match)
+            for e, outcome in zip(experts, outcomes):
+                kind = self._guesses.pop((layer, int(e)), None)
+                if kind is not None and outcome in (OUTCOME_HIT, OUTCOME_INFLIGHT):
+                    t.prefetch_used += 1
+                    t.idle_used += kind == GUESS_IDLE
+                    t.early_used += kind == GUESS_EARLY
+        naive, lru_pins, lru_dynamic = self._shadows(layer_index, experts)
         t.naive_misses += naive
         t.lru_pins_misses += lru_pins
+        t.lru_dynamic_misses += lru_dynamic
         totals = self.totals
         totals["lookups"] += len(experts)
-        totals["misses"] += sum(o != OUTCOME_HIT for o in outcomes)
+        totals["misses"] += misses + inflight
         totals["naive_misses"] += naive
         totals["lru_pins_misses"] += lru_pins
 
@@ -209,12 +262,14 @@ class Adaptation:
         """A layer's routing this step: ids [T, K], a row per position (copied)."""
         self._rows[layer_index] = np.array(ids, copy=True)
 
-    def _shadows(self, layer_index: int, experts: Sequence[int]) -> tuple[int, int]:
+    def _shadows(self, layer_index: int, experts: Sequence[int]) -> tuple[int, int, int]:
         t0 = self.clock()
         ids = [int(e) for e in experts]
-        out = self.naive.access(layer_index, ids), self.lru_pins.access(layer_index, ids)
+        naive = self.naive.access(layer_index, ids)
+        lru_pins = naive if self.lru_pins is None else self.lru_pins.access(layer_index, ids)
+        lru_dynamic = lru_pins if self.lru_dynamic is None else self.lru_dynamic.access(layer_index, ids)
         self._tally.shadow_s += self.clock() - t0
-        return out
+        return naive, lru_pins, lru_dynamic
 
     def guessed(self, layer: int, expert: int, kind: str) -> None:
         """A prefetch read of (layer, expert) was issued (kind: likely or idle)."""
@@ -224,7 +279,7 @@ class Adaptation:
         """Add measured seconds of this step to `what` (hint, idle_hint, early_hint,
         bookkeeping, stall)."""
         if self._step_decode:
-            setattr(self._tally, f"{what}_s", getattr(self._tally, f"{what}_s") + seconds)
+            self._tally.__dict__[_TIME_FIELDS[what]] += seconds
 
     def read_issued(self, reason: str) -> None:
         if self._step_decode:
@@ -233,10 +288,29 @@ class Adaptation:
 
     def pins_changed(self, pins_by_index, pinned_slots: int) -> None:
         """The cache's pinned tier now holds `pins_by_index` in `pinned_slots` slots."""
-        self.lru_pins.set_pins(pins_by_index, even_split(self.cache.total_slots - pinned_slots,
-                                                         self.n_layers))
+        self._shadow_pins = set(pins_by_index)
+        self._retier(pinned_slots, self.cache.staging_slots)
+
+    def _retier(self, pinned_slots: int, staging_slots: int) -> None:
+        """Give lru_pins and lru_dynamic the tiers the cache has now (a shadow that comes
+        to differ from the one it stood for starts as a copy of it)."""
+        pins, total = self._shadow_pins, self.cache.total_slots
+        if pinned_slots == 0 and not pins:
+            self.lru_pins = None
+        else:
+            if self.lru_pins is None:
+                self.lru_pins = self.naive.copy()
+            self.lru_pins.set_pins(pins, even_split(total - pinned_slots, self.n_layers))
+        if staging_slots == 0:
+            self.lru_dynamic = None
+        else:
+            if self.lru_dynamic is None:
+                self.lru_dynamic = (self.lru_pins or self.naive).copy()
+            self.lru_dynamic.set_pins(pins, even_split(max(self.n_layers, total - pinned_slots - staging_slots),
+                                                       self.n_layers))
 
     def staging_changed(self, staging_slots: int) -> None:
+        self._retier(self.cache.pinned_slots, staging_slots)
         if self.learner is not None:
             self.learner.staging_slots = staging_slots
 
@@ -260,7 +334,8 @@ class Adaptation:
                         pin_loads=t.pin_loads, read_cpu_s=read_cpu, prefetch_used=t.prefetch_used,
                         prefetch_wasted=t.prefetch_wasted, idle_used=t.idle_used,
                         idle_wasted=t.idle_wasted, naive_misses=t.naive_misses,
-                        lru_pins_misses=t.lru_pins_misses, policy=self.cache.policy_name)
+                        lru_pins_misses=t.lru_pins_misses, policy=self.cache.policy_name,
+                        lru_dynamic_misses=t.lru_dynamic_misses)
         decisions = tuple(self.referee.close_window(window))
         verdict = self.referee.verdict
         for d in decisions:
@@ -280,6 +355,7 @@ class Adaptation:
             out.update(pin_share=self.learner.share, pin_source=self.learner.source)
         if self.referee is not None:
             out["mechanisms"] = {m: self.referee.is_on(m) for m in MECHANISMS if m in self.referee.managed}
+            out["mechanism_backoff"] = self.referee.backoffs()
         return out
 
     def decision_counts(self) -> dict[str, int]:
@@ -314,6 +390,10 @@ class Adaptation:
             d = self.last_pin_decision
             pins = {"share": self.learner.share, "source": self.learner.source,
                     "evaluations": self.learner.evaluations,
+                    "time_share": (round(self.learner_spent_s / self.decode_wall_s, 4)
+                                   if self.decode_wall_s > 0 else None),
+                    "time_budget": self.learner_time_share,
+                    "over_budget_steps": self.deferred_evaluations,
                     "last": None if d is None else {"changed": d.changed, "validation": d.validation}}
         n = self.totals["lookups"]
         shadows = {"decode_lookups": n,

@@ -3,10 +3,12 @@ do not pay, probed again with a growing back-off."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
-from scheduler.referee import BACKOFF_START, PATIENCE, PROBE_WINDOWS, Referee, Window
+from scheduler.referee import (BACKOFF_MAX, BACKOFF_START, FAST_LOSS, PATIENCE, PROBE_BUDGET, PROBE_WINDOWS,
+                               WARMUP_WINDOWS, Referee, Window)
 
 BASE = Window(steps=16, layer_steps=128, lookups=512, wall_s=0.16, stall_s=0.032, hint_s=0.0,
               idle_hint_s=0.0, early_hint_s=0.0, bookkeeping_s=0.0128, learner_s=0.0,
@@ -41,14 +43,16 @@ def test_the_valuation_in_seconds():
     assert v.naive_hit_rate == pytest.approx(1 - 220 / 512)
 
 
-def test_a_mechanism_that_does_not_pay_is_turned_off_then_probed_with_growing_backoff():
+def test_a_small_loss_is_turned_off_then_probed_with_growing_backoff():
+    """Windows of 10 ms per token: guessing costs 3.2 ms a window and saves nothing, a loss
+    of 2 % of the time: above TOLERANCE, below FAST_LOSS. The first window a mechanism is
+    judged in decides alone."""
     referee = Referee(COSTS, "predictive")
-    losing = _window(hint_s=0.02, prefetch_used=2, prefetch_wasted=60)   # guesses that miss
-    decisions = []
-    for i in range(PATIENCE):
-        decisions += referee.close_window(losing)
+    losing = _window(hint_s=0.0032)
+    decisions = referee.close_window(losing)
     assert [(d.mechanism, d.on) for d in decisions] == [("prefetch", False)]
     assert not referee.is_on("prefetch")
+    assert referee.states["prefetch"].backoff == BACKOFF_START   # 2 x 2 % / PROBE_BUDGET = 2 < 4
     off = _window(hint_s=0.0)
     for _ in range(BACKOFF_START - 1):
         assert referee.close_window(off) == []
@@ -58,6 +62,78 @@ def test_a_mechanism_that_does_not_pay_is_turned_off_then_probed_with_growing_ba
         assert referee.close_window(losing) == []
     assert [(d.mechanism, d.on) for d in referee.close_window(losing)] == [("prefetch", False)]
     assert referee.states["prefetch"].backoff == 2 * BACKOFF_START
+
+
+def test_after_its_first_window_a_small_loss_must_last_patience_windows():
+    referee = Referee(COSTS, "predictive")
+    paying = _window(misses=80, stall_s=0.016, hint_s=0.002, prefetch_used=80, prefetch_wasted=4)
+    assert referee.close_window(paying) == []
+    losing = _window(hint_s=0.0032)
+    decisions = []
+    for _ in range(8):
+        decisions = referee.close_window(losing)
+        if decisions:
+            break
+    assert [(d.mechanism, d.on) for d in decisions] == [("prefetch", False)]
+    assert referee.states["prefetch"].judged > PATIENCE      # smoothing, then patience
+
+
+def test_a_large_loss_is_turned_off_at_once_and_probed_no_more_than_the_budget_allows():
+    """A loss of 14 % of the window's time (20 ms of guesses, 60 unused reads, 2 used):
+    off after one window; the next probe waits PROBE_WINDOWS x 0.14 / PROBE_BUDGET windows."""
+    referee = Referee(COSTS, "predictive")
+    losing = _window(hint_s=0.02, prefetch_used=2, prefetch_wasted=60)
+    decisions = referee.close_window(losing)
+    assert [(d.mechanism, d.on) for d in decisions] == [("prefetch", False)]
+    loss = -referee.states["prefetch"].net / (BASE.wall_s / BASE.steps)
+    assert loss > FAST_LOSS
+    backoff = referee.states["prefetch"].backoff
+    assert backoff == math.ceil(PROBE_WINDOWS * loss / PROBE_BUDGET) > 2 * BACKOFF_START
+    off = _window(hint_s=0.0)
+    for _ in range(backoff - 1):
+        assert referee.close_window(off) == []
+    assert [d.reason for d in referee.close_window(off)] == ["probe"]
+    # The probe's first window loses as much again: it ends there, not after PROBE_WINDOWS.
+    assert [(d.mechanism, d.on, d.reason) for d in referee.close_window(losing)] == [
+        ("prefetch", False, "probe did not pay")]
+    assert referee.states["prefetch"].backoff >= backoff
+
+
+def test_one_mechanism_is_probed_at_a_time():
+    referee = Referee(COSTS, "predictive")
+    referee.set_states({"prefetch": False, "policy": False})
+    reasons = []
+    for _ in range(BACKOFF_START + PROBE_WINDOWS + 1):
+        reasons.append([(d.mechanism, d.reason) for d in referee.close_window(_window())])
+    probes = [r for r in reasons if r]
+    assert probes[0] == [("prefetch", "probe")]
+    assert probes[1] == [("policy", "probe")]
+    first, second = (reasons.index(p) for p in probes[:2])
+    assert second - first == PROBE_WINDOWS + 1        # the window after the first was judged
+
+
+def test_the_policy_is_not_judged_while_the_cache_warms():
+    referee = Referee(COSTS, "predictive")
+    worse = _window(lru_pins_misses=100)              # LRU would have missed 60 fewer
+    for _ in range(WARMUP_WINDOWS):
+        assert referee.close_window(worse) == []
+    assert referee.is_on("policy")
+    decisions = []
+    for _ in range(PATIENCE):
+        decisions += referee.close_window(worse)
+    assert [(d.mechanism, d.on) for d in decisions] == [("policy", False)]
+
+
+def test_staging_misses_are_charged_to_prefetch_not_to_the_policy():
+    """LRU over the tiers without the staging slots misses 30 more than over all of them:
+    the policy is compared with the former, prefetch pays for the difference."""
+    referee = Referee(COSTS, "predictive")
+    w = _window(misses=120, stall_s=0.024, lru_pins_misses=170, lru_dynamic_misses=200,
+                naive_misses=220, prefetch_used=40, hint_s=0.01)
+    v = referee.value(w)
+    cost = 0.0002 + 5e-5
+    assert v.values["policy"]["saved"] == pytest.approx((200 - 120 - 40) * cost / 16)
+    assert v.values["prefetch"]["cost"] == pytest.approx((0.01 + 30 * cost) / 16)
 
 
 def test_a_probe_that_pays_keeps_the_mechanism_on():
@@ -75,8 +151,9 @@ def test_a_probe_that_pays_keeps_the_mechanism_on():
 def test_the_policy_is_dropped_for_lru_when_its_bookkeeping_costs_more_than_it_saves():
     referee = Referee(COSTS, "predictive")
     expensive = _window(bookkeeping_s=0.05, lru_pins_misses=161)
-    for _ in range(PATIENCE):
-        decisions = referee.close_window(expensive)
+    for _ in range(WARMUP_WINDOWS):
+        assert referee.close_window(expensive) == []
+    decisions = referee.close_window(expensive)       # a loss of 30 %: off at once
     assert [(d.mechanism, d.on) for d in decisions] == [("policy", False)]
     assert referee.policy == "lru"
     assert referee.policy_step_s["predictive"] > COSTS["predictive"]    # measured live
@@ -89,3 +166,22 @@ def test_mechanisms_the_operator_turned_off_are_never_probed():
     assert not referee.is_on("prefetch")
     assert referee.report()["mechanisms"]["prefetch"]["managed"] is False
     assert Referee(COSTS, "lru").policy == "lru"
+
+
+def test_a_back_off_learned_earlier_delays_the_first_probe():
+    """A mechanism an earlier session turned off, with the back-off it had reached, is
+    not probed before that many windows (clipped to [BACKOFF_START, BACKOFF_MAX])."""
+    first = Referee(COSTS, "predictive")
+    first.close_window(_window(hint_s=0.02, prefetch_used=2, prefetch_wasted=60))
+    saved = first.backoffs()
+    assert not first.is_on("prefetch") and saved["prefetch"] > BACKOFF_START
+    second = Referee(COSTS, "predictive")
+    second.set_states({"prefetch": False}, saved)
+    windows = 0
+    while not second.is_on("prefetch"):
+        second.close_window(_window())
+        windows += 1
+    assert windows == saved["prefetch"]
+    third = Referee(COSTS, "predictive")
+    third.set_states({"prefetch": False}, {"prefetch": 10 ** 6, "unknown": 3})
+    assert third.states["prefetch"].backoff == BACKOFF_MAX

@@ -61,3 +61,26 @@ def test_even_split_matches_the_cache_and_bad_capacities_are_refused():
     assert even_split(11, 3) == [4, 4, 3]
     with pytest.raises(ValueError, match="capacities"):
         ShadowLRU([2, 0])
+
+
+def test_a_copy_replays_as_the_original_would_and_independently():
+    """Adaptation replays a second shadow only once it differs from the first: it starts
+    as a copy, which must then miss exactly as the original would have."""
+    rng = np.random.default_rng(4)
+    steps = [[rng.choice(12, 3, replace=False).tolist() for _ in range(2)] for _ in range(60)]
+    a = ShadowLRU([5, 5], pins=[(0, 1)])
+    for step in steps[:30]:
+        for li, ids in enumerate(step):
+            a.access(li, ids)
+    b = a.copy()
+    reference = ShadowLRU([5, 5], pins=[(0, 1)])
+    for step in steps[:30]:
+        for li, ids in enumerate(step):
+            reference.access(li, ids)
+    b.set_pins([(1, 2)], [4, 4])
+    reference.set_pins([(1, 2)], [4, 4])
+    for step in steps[30:]:
+        for li, ids in enumerate(step):
+            assert b.access(li, ids) == reference.access(li, ids)
+    assert b.resident(0) == reference.resident(0) and b.resident(1) == reference.resident(1)
+    assert a.capacities == [5, 5] and 1 in a.resident(0)          # the original is untouched

@@ -167,6 +167,10 @@ def _payload(**changes):
     (_payload(counts=[[10 ** 400] * E] * 3), "counts"),            # JSON integer beyond a float
     (_payload(half_life_tokens=10 ** 400), "half_life_tokens"),
     (_payload(learned={"pin_share": 10 ** 400}), "learned.pin_share"),
+    (_payload(learned={"mechanism_backoff": {"prefetch": 0}}), "learned.mechanism_backoff"),
+    (_payload(learned={"mechanism_backoff": {"prefetch": 10 ** 9}}), "learned.mechanism_backoff"),
+    (_payload(learned={"mechanism_backoff": {"prefetch": True}}), "learned.mechanism_backoff"),
+    (_payload(learned={"mechanism_backoff": [4]}), "learned.mechanism_backoff"),
 ])
 def test_bad_payloads_name_the_field(payload, field):
     with pytest.raises(UsageFormatError) as info:

@@ -59,7 +59,8 @@ def _periodic(rng, t, hot):
 def test_a_first_session_pins_its_recurring_experts_within_a_few_hundred_tokens(model_dir):
     """No saved usage: the pinned tier starts empty and fills as the learner validates it."""
     rng = np.random.default_rng(0)
-    provider = _provider(model_dir, slots=12, prefetch=False)
+    # Steps here cost no compute, so any learning exceeds a share of their time: no budget.
+    provider = _provider(model_dir, slots=12, prefetch=False, learner_time_share=float("inf"))
     try:
         assert provider.cache.pinned_slots == 0
         hot = [0, 1, 2, 3, 4]                        # each returns every 5 steps: LRU of 4 loses it
@@ -79,12 +80,52 @@ def test_a_first_session_pins_its_recurring_experts_within_a_few_hundred_tokens(
         provider.close()
 
 
+class _SteppedClock:
+    """A clock that moves 1 us at every read, and `step_s` more at each `step()` (called
+    before each decode step): steps that look like real compute."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def step(self) -> None:
+        self.now += self.step_s
+
+
+@pytest.mark.parametrize("step_s, evaluates", [(0.0, False), (0.05, True)])
+def test_the_pin_learner_keeps_to_its_share_of_the_decode_time(model_dir, step_s, evaluates):
+    """Its evaluation (estimated before the first) waits until it fits in
+    learner_time_share of the decode time so far: with steps of no compute it never
+    runs; with 50 ms steps it runs when due (64 tokens of routing)."""
+    clock = _SteppedClock(step_s)
+    config = load_config(model_dir)
+    layout = ExpertLayout(Checkpoint(model_dir), config)
+    slot = max(p.slot_bytes for p in plans_for(layout).values())
+    provider = StreamingExpertProvider(layout, config, StreamingOptions(cache_bytes=12 * slot, prefetch=False),
+                                       clock=clock)
+    rng = np.random.default_rng(0)
+    try:
+        for t in range(160):
+            clock.step()
+            _decode_step(provider, _periodic(rng, t, [0, 1, 2, 3, 4]))
+        pins = provider.adaptation.report()["pin_learning"]
+        assert pins["time_budget"] == StreamingOptions.learner_time_share
+        assert (pins["evaluations"] > 0) == evaluates
+        assert (pins["over_budget_steps"] > 0) != evaluates
+        assert pins["time_share"] <= StreamingOptions.learner_time_share or not evaluates
+    finally:
+        provider.close()
+
+
 def _first_session(model_dir, tmp_path, seed: int, steps: int):
     """(state store, fingerprint, provider) after `steps` periodic decode steps."""
     fingerprint = Checkpoint(model_dir).fingerprint()
     store = StateStore(tmp_path, fingerprint)
     rng = np.random.default_rng(seed)
-    first = _provider(model_dir, slots=12, prefetch=False)
+    first = _provider(model_dir, slots=12, prefetch=False, learner_time_share=float("inf"))
     for t in range(steps):
         _decode_step(first, _periodic(rng, t, [0, 1, 2, 3, 4]))
     return store, fingerprint, first
@@ -135,7 +176,9 @@ def test_the_referee_turns_off_guesses_that_never_pay_and_probes_them_again(mode
         decisions = provider.adaptation.report()["referee"]["recent_decisions"]
         assert {"mechanism": "prefetch", "on": False} in [
             {k: d[k] for k in ("mechanism", "on")} for d in decisions]
-        for _ in range(4 * (referee.BACKOFF_START + 1)):
+        backoff = provider.adaptation.referee.states["prefetch"].backoff   # windows, loss-scaled
+        assert referee.BACKOFF_START <= backoff <= referee.BACKOFF_MAX
+        for _ in range(4 * (backoff + 1)):
             _decode_step(provider, routing(), wrong_guess)
             if provider.wants_hints:
                 break
@@ -164,6 +207,8 @@ def test_tokens_and_logits_identical_while_mechanisms_switch_every_window(model_
     monkeypatch.setattr(referee, "PATIENCE", 1)
     monkeypatch.setattr(referee, "BACKOFF_START", 1)
     monkeypatch.setattr(referee, "PROBE_WINDOWS", 1)
+    monkeypatch.setattr(referee, "PROBE_BUDGET", float("inf"))     # no loss-scaled back-off
+    monkeypatch.setattr(referee, "WARMUP_WINDOWS", 0)
     monkeypatch.setattr(referee, "TOLERANCE", -1.0)     # every mechanism "pays" too little...
     prompt = [3, 9, 27, 81, 243, 100, 7, 1, 2, 3] * 4
     want = _run(Model.load(model_dir, n_threads=2), prompt, 40)

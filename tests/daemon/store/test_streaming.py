@@ -72,13 +72,15 @@ def _slot_bytes(model_dir: Path) -> int:
 
 # A floor of 0 makes every candidate a prefetch, read at once ("eager") or only into idle
 # io workers after the layer before has its experts ("idle"): the riskiest placements.
-# "staged": every candidate of the next two layers, into a staging tier of 3 slots.
+# "staged": every candidate of the next two layers, into a staging tier of 3 slots. The
+# referee is off so that they run every step (it would soon turn such guesses off; the
+# referee's own switching is checked in test_adaptive).
 PREFETCH_MODES = {"off": dict(prefetch=False),
-                  "eager": dict(prefetch=True, prefetch_min_precision=0.0),
+                  "eager": dict(prefetch=True, prefetch_min_precision=0.0, referee=False),
                   "idle": dict(prefetch=True, prefetch_min_precision=1.0,
-                               idle_prefetch_min_precision=0.0),
+                               idle_prefetch_min_precision=0.0, referee=False),
                   "staged": dict(prefetch=True, prefetch_min_precision=0.0, staging_slots=3,
-                                 prefetch_depth=2)}
+                                 prefetch_depth=2, referee=False)}
 
 
 @pytest.mark.parametrize("slots", ["min", "quarter", "half", "all"])
@@ -266,7 +268,8 @@ def test_prefetch_is_gated_by_the_predictors_measured_precision(model_dir, refer
     """Every decode step scores the next-layer prediction; a precision floor of 1 is never
     reached (the Beta prior keeps estimates below 1), so nothing is prefetched."""
     model = _streaming(model_dir, cache_bytes=2 * minimum_cache_bytes(*_layout_config(model_dir)),
-                       prefetch_min_precision=min_precision, idle_prefetch_min_precision=1.0)
+                       prefetch_min_precision=min_precision, idle_prefetch_min_precision=1.0,
+                       referee=False)
     try:
         tokens, _ = _run(model)
         provider = model.experts
