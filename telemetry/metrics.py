@@ -48,7 +48,7 @@ REASONS = ("demand", "prefetch", "pin_load")
 TIERS = ("pinned", "dynamic")                       # tiers that evict
 # The adaptive mechanisms the do-no-harm referee values (scheduler.referee.MECHANISMS) and
 # the learned pins (scheduler.pinlearn).
-MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "pins")
+MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "lrfu", "pins")
 CACHE_TIERS = ("pinned", "dynamic", "staging")      # tiers that hold slots (staging: guesses)
 
 # ------------------------------------------------------------------ buckets (seconds)

@@ -53,7 +53,7 @@ TYPES = {
     "process_virtual_memory_bytes": "gauge", "process_start_time_seconds": "gauge",
     "process_open_fds": "gauge", "process_max_fds": "gauge",
 }
-MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "pins")
+MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "lrfu", "pins")
 ENDPOINTS = ("health", "models", "completions", "chat_completions", "metrics", "stats", "pins",
              "pins_reset", "other")
 STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",

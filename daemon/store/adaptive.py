@@ -20,7 +20,7 @@ import numpy as np
 
 from scheduler.cache import OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, ExpertCache
 from scheduler.pinlearn import PinDecision, PinLearner
-from scheduler.referee import MECHANISMS, Decision, Referee, Window
+from scheduler.referee import FALLBACK_POLICY, MECHANISMS, Decision, Referee, Window
 from scheduler.shadow import ShadowLRU, ShadowPolicyCache, even_split
 from telemetry.logs import get_logger
 
@@ -133,7 +133,8 @@ class Adaptation:
         self.referee: Referee | None = None
         if referee:
             slots = max(top_k, total // n_layers)
-            costs = policy_step_costs(sorted({"lru", policy}), n_layers, num_experts, top_k, slots, clock)
+            costs = policy_step_costs(sorted({"lru", FALLBACK_POLICY, policy}), n_layers, num_experts, top_k,
+                                      slots, clock)
             self.referee = Referee(costs, policy, enabled=mechanisms)
             self.referee.set_states(learned.get("mechanisms") or {}, learned.get("mechanism_backoff"))
         self._tally = _Tally()
@@ -354,7 +355,9 @@ class Adaptation:
         if self.learner is not None:
             out.update(pin_share=self.learner.share, pin_source=self.learner.source)
         if self.referee is not None:
-            out["mechanisms"] = {m: self.referee.is_on(m) for m in MECHANISMS if m in self.referee.managed}
+            # A mechanism on only for a probe not yet judged is saved as it was before it.
+            out["mechanisms"] = {m: self.referee.is_on(m) and not self.referee.states[m].probing
+                                 for m in MECHANISMS if m in self.referee.managed}
             out["mechanism_backoff"] = self.referee.backoffs()
         return out
 

@@ -45,6 +45,7 @@ from scheduler.cache import (OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_
 from scheduler.pinlearn import PinDecision
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
+from scheduler.referee import FALLBACK_POLICY, POLICY_MECHANISMS
 from scheduler.usage import UsageStats, decode_transitions, encode_transitions
 from telemetry.logs import get_logger
 from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters
@@ -264,7 +265,10 @@ class StreamingExpertProvider(ExpertProvider):
             ("prefetch", options.prefetch),
             ("idle_prefetch", options.prefetch and options.idle_prefetch_min_precision < 1.0),
             ("early_hints", options.prefetch and options.early_hints),
-            ("policy", options.policy != "lru")) if on)
+            ("policy", options.policy != "lru"),
+            ("lrfu", options.policy not in ("lru", FALLBACK_POLICY))) if on)
+        # "policy" and "lrfu" (its fallback) as the referee last set them.
+        self._policy_states = {"policy": options.policy != "lru", "lrfu": "lrfu" in mechanisms}
         self.adaptation: Adaptation | None = None
         if options.referee or options.learn_pins:
             self.adaptation = Adaptation(
@@ -666,7 +670,7 @@ class StreamingExpertProvider(ExpertProvider):
 
     def _set_mechanism(self, name: str, on: bool) -> None:
         """Apply a referee decision (between steps): prefetch on/off with its staging
-        tier, idle-worker prefetch on/off, the eviction policy or LRU."""
+        tier, idle-worker prefetch on/off, the eviction policy, lrfu or LRU."""
         if name == "prefetch":
             self._prefetch_allowed = on
             self._predicted.clear()
@@ -682,8 +686,15 @@ class StreamingExpertProvider(ExpertProvider):
             self._idle_candidates = []
         elif name == "early_hints":
             self._early_allowed = on
-        elif name == "policy":
-            self.cache.set_policy(self.options.policy if on else "lru")
+        elif name in POLICY_MECHANISMS:
+            # The ladder: the configured policy, else lrfu while "lrfu" is on, else LRU.
+            self._policy_states[name] = on
+            if self._policy_states["policy"]:
+                policy = self.options.policy
+            else:
+                policy = FALLBACK_POLICY if self._policy_states["lrfu"] else "lru"
+            if policy != self.cache.policy_name:
+                self.cache.set_policy(policy)
 
     def _io_totals(self) -> tuple[float, int]:
         stats = self.io.stats()

@@ -148,15 +148,36 @@ def test_a_probe_that_pays_keeps_the_mechanism_on():
     assert referee.is_on("prefetch") and referee.states["prefetch"].net > 0
 
 
-def test_the_policy_is_dropped_for_lru_when_its_bookkeeping_costs_more_than_it_saves():
-    referee = Referee(COSTS, "predictive")
+def test_a_policy_that_costs_more_than_it_saves_steps_down_the_ladder_to_lrfu_then_lru():
+    """The configured policy, then lrfu, then LRU: each judged against LRU over the same
+    tiers once it has been in force WARMUP_WINDOWS windows."""
+    costs = {**COSTS, "lrfu": 3e-5}
+    referee = Referee(costs, "predictive")
     expensive = _window(bookkeeping_s=0.05, lru_pins_misses=161)
     for _ in range(WARMUP_WINDOWS):
         assert referee.close_window(expensive) == []
     decisions = referee.close_window(expensive)       # a loss of 30 %: off at once
     assert [(d.mechanism, d.on) for d in decisions] == [("policy", False)]
-    assert referee.policy == "lru"
+    assert referee.policy == "lrfu"
     assert referee.policy_step_s["predictive"] > COSTS["predictive"]    # measured live
+    fallback = _window(policy="lrfu", bookkeeping_s=0.03, lru_pins_misses=161)
+    for _ in range(WARMUP_WINDOWS):                   # lrfu just came into force
+        assert referee.close_window(fallback) == []
+    decisions = referee.close_window(fallback)
+    assert [(d.mechanism, d.on) for d in decisions] == [("lrfu", False)]
+    assert referee.policy == "lru" and referee.verdict.values["lrfu"]["net"] < 0
+
+
+def test_lrfu_that_pays_stays_in_force():
+    referee = Referee({**COSTS, "lrfu": 3e-5}, "predictive")
+    referee.set_states({"policy": False}, {"policy": BACKOFF_MAX})      # no probe of it here
+    assert referee.policy == "lrfu"
+    paying = _window(policy="lrfu", bookkeeping_s=0.004, lru_pins_misses=200)   # 40 misses fewer
+    for _ in range(WARMUP_WINDOWS + 4):
+        decisions = referee.close_window(paying)
+        assert all(d.mechanism != "lrfu" for d in decisions)
+    assert referee.policy == "lrfu" and referee.states["lrfu"].net > 0
+    assert Referee(COSTS, "lrfu").managed.isdisjoint({"lrfu"})          # lrfu configured: no fallback
 
 
 def test_mechanisms_the_operator_turned_off_are_never_probed():

@@ -44,7 +44,7 @@ def test_report_has_every_figure_for_both_modes(model_dir):
     assert report["cache_slots"] == {"pinned_slots": 0, "staging_slots": staging,
                                      "dynamic_slots": total - staging}
     assert end["policy"] == "default" and end["pin_share"] == 0.0
-    assert set(end["mechanisms"]) == {"prefetch", "idle_prefetch", "early_hints", "policy"}
+    assert set(end["mechanisms"]) == {"prefetch", "idle_prefetch", "early_hints", "policy", "lrfu"}
     assert naive["at_end_of_last_run"] == {"pinned_slots": 0, "staging_slots": 0,
                                            "pinned_experts": 0, "policy": "lru"}
 

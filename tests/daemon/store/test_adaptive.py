@@ -248,3 +248,18 @@ def test_the_policy_s_next_step_statistics_are_saved_and_seed_the_next_session(m
         assert "transitions" not in second.learned_state()
     finally:
         second.close()
+
+
+def test_a_probe_not_yet_judged_is_saved_as_the_state_before_it(model_dir):
+    provider = _provider(model_dir, slots=14, prefetch=False)
+    try:
+        referee_ = provider.adaptation.referee
+        referee_.set_states({"policy": False})
+        referee_._turn("policy", True, "probe")
+        referee_.states["policy"].probing = referee.PROBE_WINDOWS
+        assert referee_.is_on("policy")
+        assert provider.learned_state()["mechanisms"]["policy"] is False
+        referee_.states["policy"].probing = 0                    # judged, and it paid
+        assert provider.learned_state()["mechanisms"]["policy"] is True
+    finally:
+        provider.close()

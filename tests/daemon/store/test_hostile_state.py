@@ -243,18 +243,22 @@ def _learned_mass(provider) -> float:
 
 
 def test_the_policy_switched_off_and_on_keeps_its_next_step_statistics(model_dir):
-    """The referee's "policy" off (LRU) and on again, many times: LRU holds the statistics
-    to hand on, the predictive policy takes them back as a prior, nothing is lost beyond
-    the decay and the weights stay in [0, 1]."""
-    provider = _provider(model_dir, prefetch=False)
+    """The referee's "policy" off (its fallback: lrfu, or LRU with "lrfu" off too) and on
+    again, many times: the fallback holds the statistics to hand on, the predictive policy
+    takes them back as a prior, nothing is lost beyond the decay and the weights stay in
+    [0, 1]."""
+    provider = _provider(model_dir, prefetch=False, referee=False)
     try:
         _drive(provider, 60)
         learned = _learned_mass(provider)
         assert learned > 0
         for i in range(12):
+            if i % 4 == 0:                                # the fallback itself on and off
+                provider._set_mechanism("lrfu", i % 8 == 0)
             provider._set_mechanism("policy", i % 2 == 1)
             _drive(provider, 3, seed=i)
-            assert provider.cache.policy_name == ("lru" if i % 2 == 0 else provider.options.policy)
+            off = "lrfu" if i % 8 < 4 else "lru"
+            assert provider.cache.policy_name == (off if i % 2 == 0 else provider.options.policy)
             assert _learned_mass(provider) >= learned * 0.5
             assert "transitions" in provider.learned_state()
             assert all(w is None or 0.0 <= w <= 1.0 for w in provider.cache.prior_weights())
