@@ -14,9 +14,14 @@ prefetch) and LRU over moed's own pinned and dynamic tiers. Per window the refer
                 (and waits for reads still in flight), smoothed (half-life SMOOTHING
                 windows); a read also costs CPU (`read_cpu_s`, measured by the io
                 workers), which a 2-core machine takes from the compute threads.
+  device time   a read occupies an io worker for `read_s` (its service time); while
+                the workers are busy a share `io_busy` of the time (smoothed), a read
+                nobody needed delays the demand reads queued behind it by that share of
+                its service time. On a disk that is the bottleneck, wasted guesses cost
+                nearly a miss each; on a fast or page-cached one, almost nothing.
   prefetch      saves the stalls of the misses its used guesses replaced (a guess
                 still in flight when needed saves half); costs the time spent making
-                guesses (`hint_s`) and the CPU of its unused reads.
+                guesses (`hint_s`) and, per unused read, its CPU and device time.
   idle_prefetch the share of that made by the less likely guesses read into idle io
                 workers, valued alone.
   early_hints   the share made by the second guess of each layer, from its own router
@@ -94,7 +99,9 @@ class Window:
     bookkeeping_s: the cache's request/release; learner_s: the pin learner; shadow_s:
     the shadows. misses: demand reads; inflight_hits: needed experts still being read
     (a prefetch or pin load); reads: every read issued (demand, prefetch, pin loads);
-    pin_loads; read_cpu_s: CPU seconds of one read (io workers, this window).
+    pin_loads; read_cpu_s: CPU seconds of one read (io workers, this window); read_s:
+    service seconds of one read (first byte requested to last received, queue wait
+    excluded); io_busy: the io workers' time spent reading over their time (0..1).
     prefetch_used / prefetch_wasted: guesses used by the step they were made for /
     not; idle_used / idle_wasted, early_used / early_wasted: those of the idle-worker
     guesses and of the second guesses.
@@ -129,6 +136,8 @@ class Window:
     lru_pins_misses: int
     policy: str
     lru_dynamic_misses: int | None = None     # None: no staging tier (= lru_pins_misses)
+    read_s: float = 0.0
+    io_busy: float = 0.0
 
 
 @dataclass
@@ -163,6 +172,8 @@ class Verdict:
     estimated_speedup: float | None = None
     miss_cost_s: float | None = None
     read_cpu_s: float | None = None
+    read_s: float | None = None
+    io_busy: float | None = None
     moed_hit_rate: float | None = None
     naive_hit_rate: float | None = None
     moed_reads_per_token: float | None = None
@@ -200,6 +211,8 @@ class Referee:
         self.verdict = Verdict()
         self._miss_cost: float | None = None
         self._read_cpu: float | None = None
+        self._read_s: float | None = None
+        self._io_busy: float | None = None
 
     def is_on(self, mechanism: str) -> bool:
         return self.states[mechanism].on
@@ -225,11 +238,15 @@ class Referee:
             self._miss_cost = self._smooth(self._miss_cost, w.stall_s / waited_for)
         if w.read_cpu_s > 0:
             self._read_cpu = self._smooth(self._read_cpu, w.read_cpu_s)
+        if w.read_s > 0:
+            self._read_s = self._smooth(self._read_s, w.read_s)
+            self._io_busy = self._smooth(self._io_busy, min(1.0, max(0.0, w.io_busy)))
         if w.layer_steps and w.bookkeeping_s > 0:
             step = w.bookkeeping_s / w.layer_steps
             self.policy_step_s[w.policy] = self._smooth(self.policy_step_s.get(w.policy), step)
         miss = self._miss_cost or 0.0
         cpu = self._read_cpu or 0.0
+        wasted = cpu + (self._io_busy or 0.0) * (self._read_s or 0.0)   # one unused read
         steps = max(1, w.steps)
         values: dict[str, dict] = {}
 
@@ -241,11 +258,11 @@ class Referee:
         if self.states["prefetch"].on:
             saved = (w.prefetch_used - 0.5 * w.inflight_hits) * miss
             put("prefetch", max(0.0, saved),
-                w.hint_s + w.prefetch_wasted * cpu + staging_misses * (miss + cpu))
+                w.hint_s + w.prefetch_wasted * wasted + staging_misses * (miss + cpu))
             if self.states["idle_prefetch"].on:
-                put("idle_prefetch", w.idle_used * miss, w.idle_hint_s + w.idle_wasted * cpu)
+                put("idle_prefetch", w.idle_used * miss, w.idle_hint_s + w.idle_wasted * wasted)
             if self.states["early_hints"].on:
-                put("early_hints", w.early_used * miss, w.early_hint_s + w.early_wasted * cpu)
+                put("early_hints", w.early_used * miss, w.early_hint_s + w.early_wasted * wasted)
         if w.policy != "lru":
             avoided = lru_dynamic - w.misses - w.prefetch_used
             lru_step = self.policy_step_s.get("lru", 0.0)
@@ -260,7 +277,8 @@ class Referee:
         self.verdict = Verdict(
             windows=self.verdict.windows + 1,
             estimated_speedup=naive_s / w.wall_s if w.wall_s > 0 else None,
-            miss_cost_s=self._miss_cost, read_cpu_s=self._read_cpu,
+            miss_cost_s=self._miss_cost, read_cpu_s=self._read_cpu, read_s=self._read_s,
+            io_busy=self._io_busy,
             moed_hit_rate=1.0 - (w.misses + w.inflight_hits) / lookups,
             naive_hit_rate=1.0 - w.naive_misses / lookups,
             moed_reads_per_token=w.reads / steps, naive_reads_per_token=w.naive_misses / steps,

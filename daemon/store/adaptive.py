@@ -142,7 +142,7 @@ class Adaptation:
         self._step_start: float | None = None
         self._step_decode = False
         self._guesses: dict[tuple[int, int], str] = {}
-        self._io_before: tuple[float, int] | None = None
+        self._io_before: tuple[float, ...] | None = None
         self.windows = 0
         # Decode totals since this provider started (the shadows' side of "do no harm").
         self.totals = {"lookups": 0, "misses": 0, "naive_misses": 0, "lru_pins_misses": 0}
@@ -170,11 +170,12 @@ class Adaptation:
 
     # ------------------------------------------------------------- the provider's hooks
     def step_begins(self, decode: bool, learn: bool,
-                    io_totals: Callable[[], tuple[float, int]]) -> tuple[Decision, ...]:
+                    io_totals: Callable[[], tuple[float, int, float, int]]) -> tuple[Decision, ...]:
         """A step is about to run (decode: one token per sequence). Closes the previous
         step: its routing feeds the learner (when `learn`), its time the window; a full
         window goes to the referee, whose changes are returned for the provider to apply
-        before this step. io_totals: () -> the io pool's (read CPU seconds, reads)."""
+        before this step. io_totals: () -> the io pool's totals (read CPU seconds, reads,
+        read service seconds, workers)."""
         now = self.clock()
         t = self._tally
         mechanisms: tuple[Decision, ...] = ()
@@ -195,9 +196,9 @@ class Adaptation:
             self.learner_spent_s += spent
         self._guesses.clear()
         if self._io_before is None:
-            self._io_before = io_totals()
+            self._io_before = (*io_totals(), now)
         if t.steps >= (WINDOW_STEPS if self.windows else min(WINDOW_STEPS, FIRST_WINDOW_STEPS)):
-            mechanisms = self._close_window(io_totals())
+            mechanisms = self._close_window((*io_totals(), now))
         self._rows = [None] * self.n_layers
         self._step_decode = decode
         self._step_start = self.clock()
@@ -316,11 +317,16 @@ class Adaptation:
             self.learner.staging_slots = staging_slots
 
     # ----------------------------------------------------------------- windows
-    def _close_window(self, io_totals: tuple[float, int]) -> tuple[Decision, ...]:
+    def _close_window(self, io_totals: tuple[float, int, float, int, float]) -> tuple[Decision, ...]:
+        """io_totals: the io pool's totals (see step_begins) and the clock now."""
         t = self._tally
-        cpu_before, reads_before = self._io_before
-        reads = io_totals[1] - reads_before
-        read_cpu = (io_totals[0] - cpu_before) / reads if reads > 0 else 0.0
+        cpu_before, reads_before, read_s_before, _, at_before = self._io_before
+        cpu_now, reads_now, read_s_now, workers, at_now = io_totals
+        reads = reads_now - reads_before
+        read_cpu = (cpu_now - cpu_before) / reads if reads > 0 else 0.0
+        read_s = (read_s_now - read_s_before) / reads if reads > 0 else 0.0
+        elapsed = (at_now - at_before) * max(1, workers)
+        io_busy = min(1.0, (read_s_now - read_s_before) / elapsed) if elapsed > 0 else 0.0
         self._io_before = io_totals
         self._tally = _Tally()
         self.windows += 1
@@ -336,7 +342,7 @@ class Adaptation:
                         prefetch_wasted=t.prefetch_wasted, idle_used=t.idle_used,
                         idle_wasted=t.idle_wasted, naive_misses=t.naive_misses,
                         lru_pins_misses=t.lru_pins_misses, policy=self.cache.policy_name,
-                        lru_dynamic_misses=t.lru_dynamic_misses)
+                        lru_dynamic_misses=t.lru_dynamic_misses, read_s=read_s, io_busy=io_busy)
         decisions = tuple(self.referee.close_window(window))
         verdict = self.referee.verdict
         for d in decisions:

@@ -696,9 +696,11 @@ class StreamingExpertProvider(ExpertProvider):
             if policy != self.cache.policy_name:
                 self.cache.set_policy(policy)
 
-    def _io_totals(self) -> tuple[float, int]:
+    def _io_totals(self) -> tuple[float, int, float, int]:
+        """(read CPU seconds, reads, read service seconds, io workers): the pool's totals."""
         stats = self.io.stats()
-        return stats.read_cpu_seconds_total, sum(stats.reads_completed.values()) + stats.read_errors
+        return (stats.read_cpu_seconds_total, sum(stats.reads_completed.values()) + stats.read_errors,
+                stats.read_seconds_total, stats.n_workers)
 
     def learned_state(self) -> dict:
         """What the next session should start from (saved beside the usage counts): the

@@ -43,6 +43,27 @@ def test_the_valuation_in_seconds():
     assert v.naive_hit_rate == pytest.approx(1 - 220 / 512)
 
 
+def test_an_unused_read_costs_device_time_in_proportion_to_how_busy_the_io_workers_are():
+    """The same guesses (40 used, 40 unused, 3 ms reads) on an idle disk pay — an unused
+    read costs its CPU only — and on a disk the workers keep busy 90 % of the time they
+    cost 0.9 x 3 ms more per unused read: the referee turns prefetch off there."""
+    guesses = dict(misses=120, stall_s=0.024, prefetch_used=40, prefetch_wasted=40, read_s=0.003)
+    idle, busy = Referee(COSTS, "predictive"), Referee(COSTS, "predictive")
+    v = idle.value(_window(io_busy=0.0, **guesses))
+    assert v.values["prefetch"]["cost"] == pytest.approx(40 * 5e-5 / 16)
+    assert v.values["prefetch"]["net"] > 0 and v.io_busy == 0.0
+    v = busy.value(_window(io_busy=0.9, **guesses))
+    assert v.values["prefetch"]["cost"] == pytest.approx(40 * (5e-5 + 0.9 * 0.003) / 16)
+    assert v.values["prefetch"]["net"] < 0 and v.read_s == pytest.approx(0.003)
+    assert [d.mechanism for d in Referee(COSTS, "predictive").close_window(
+        _window(io_busy=0.9, **guesses))] == ["prefetch"]
+    assert Referee(COSTS, "predictive").close_window(_window(io_busy=0.0, **guesses)) == []
+    # Out-of-range shares are clipped; no measured reads leave the cost at CPU only.
+    assert Referee(COSTS, "predictive").value(_window(io_busy=7.0, **guesses)).io_busy == 1.0
+    v = Referee(COSTS, "predictive").value(_window(**{**guesses, "read_s": 0.0}, io_busy=0.9))
+    assert v.values["prefetch"]["cost"] == pytest.approx(40 * 5e-5 / 16)
+
+
 def test_a_small_loss_is_turned_off_then_probed_with_growing_backoff():
     """Windows of 10 ms per token: guessing costs 3.2 ms a window and saves nothing, a loss
     of 2 % of the time: above TOLERANCE, below FAST_LOSS. The first window a mechanism is

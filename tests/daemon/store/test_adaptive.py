@@ -152,11 +152,12 @@ def test_the_learned_share_is_saved_with_the_usage_and_a_second_session_starts_p
 def test_the_referee_turns_off_guesses_that_never_pay_and_probes_them_again(model_dir, monkeypatch):
     """Every guess names experts the step will not use: prefetch saves nothing and costs
     its time, so it is turned off — its staging slots go back to the layers — and after
-    the back-off it is probed, with staging restored."""
+    the back-off it is probed, with staging restored. (Policy LRU: no policy probe
+    takes the probing turn meanwhile.)"""
     monkeypatch.setattr(adaptive, "WINDOW_STEPS", 4)
     rng = np.random.default_rng(2)
     provider = _provider(model_dir, slots=14, idle_prefetch_min_precision=1.0,
-                         prefetch_min_precision=0.0)
+                         prefetch_min_precision=0.0, policy="lru")
     try:
         staging = provider.cache.staging_slots
         assert staging == 1 and provider.wants_hints
@@ -261,5 +262,25 @@ def test_a_probe_not_yet_judged_is_saved_as_the_state_before_it(model_dir):
         assert provider.learned_state()["mechanisms"]["policy"] is False
         referee_.states["policy"].probing = 0                    # judged, and it paid
         assert provider.learned_state()["mechanisms"]["policy"] is True
+    finally:
+        provider.close()
+
+
+def test_a_window_carries_a_reads_service_time_and_the_io_workers_busy_share(model_dir, monkeypatch):
+    """The referee prices an unused read's device time from the io pool's own totals: the
+    mean service time of this window's reads and the share of the workers' time spent
+    reading (scheduler.referee)."""
+    monkeypatch.setattr(adaptive, "WINDOW_STEPS", 4)
+    rng = np.random.default_rng(3)
+    provider = _provider(model_dir, slots=14, prefetch=False)
+    try:
+        for _ in range(12):
+            _decode_step(provider, [[int(e) for e in rng.choice(EXPERTS, TOP_K, replace=False)]
+                                    for _ in range(LAYERS)])
+        verdict = provider.adaptation.referee.verdict
+        stats = provider.io.stats()
+        assert verdict.windows >= 2
+        assert verdict.read_s is not None and 0.0 < verdict.read_s <= stats.read_seconds_total
+        assert verdict.io_busy is not None and 0.0 < verdict.io_busy <= 1.0
     finally:
         provider.close()
