@@ -16,8 +16,8 @@ from pathlib import Path
 
 from daemon.store.state import StateStore, default_state_dir
 from daemon.store.trace import RecordingProvider, TraceWriter
-from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, expert_counters,
-                                    flush_usage, load_usage_state)
+from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, check_cache_budget,
+                                    expert_counters, flush_usage, load_usage_state)
 from ext.models.model import Model
 from telemetry.logs import get_logger
 from telemetry.metrics import ExpertCounters
@@ -89,31 +89,53 @@ class ExpertSession:
         the dynamic one gives way). The io worker count and (unless `prefetch` is given)
         the prefetch width of the old provider carry over too: the live tuner may have
         changed them.
-        Raises CacheBudgetError (a ValueError) for a budget below the minimum; the old
-        provider then stays in place.
+        The old provider is closed (its slot memory freed) before the new one allocates
+        its own, so a rebuild never needs both budgets at once: a shrink under memory
+        pressure must not be what pushes the process over its limit. Should the new
+        provider fail to start (OSError from its memory), one with the old options takes
+        its place and the error is raised.
+        Raises CacheBudgetError (a ValueError) for a budget below the minimum, before
+        anything is closed; the old provider then stays in place.
         """
         changes = {k: v for k, v in (("cache_bytes", cache_bytes), ("pin_fraction", pin_fraction),
                                      ("prefetch", prefetch)) if v is not None}
         options = replace(self.options, **changes)
         old = self.provider
-        provider = StreamingExpertProvider(self.model.layout, self.model.config, options,
-                                           usage_counts=old.usage.counts(),
-                                           learned=old.learned_state(), pinned_slots=pinned_slots)
-        # What the live tuner set on the old provider carries over (a new budget is not a
-        # reason to forget the io workers or prefetch width it found).
-        if provider.io.n_workers != old.io.n_workers:
-            provider.io.set_workers(old.io.n_workers)
-        if prefetch is None:
-            provider.set_prefetch(old.prefetch_width)
-        provider.cache.seed_transitions(old.cache.transitions())   # unrounded, not the saved form
-        provider.routing_recorder = old.routing_recorder
-        provider.trace_writer, old.trace_writer = old.trace_writer, None
-        self.model.experts = provider
-        self.provider, self.options = provider, options
+        check_cache_budget(options.cache_bytes, self.model.layout, self.model.config)
+        # Everything the new provider starts from, taken before the old one is closed.
+        carried = dict(usage_counts=old.usage.counts(), learned=old.learned_state())
+        transitions = old.cache.transitions()           # unrounded, not the saved form
+        workers, width = old.io.n_workers, old.prefetch_width
+        recorder, writer = old.routing_recorder, old.trace_writer
+        old.trace_writer = None                          # moves to the new provider, open
         old.close()
         self.retired = self.retired + expert_counters(old)
+        try:
+            provider = StreamingExpertProvider(self.model.layout, self.model.config, options,
+                                               pinned_slots=pinned_slots, **carried)
+        except OSError:
+            options = self.options
+            provider = StreamingExpertProvider(self.model.layout, self.model.config, options, **carried)
+            self._install(provider, options, workers, width, transitions, recorder, writer)
+            raise
+        self._install(provider, options, workers, None if prefetch is not None else width,
+                      transitions, recorder, writer)
         log.info("expert_cache_rebuilt", cache_bytes=options.cache_bytes,
                  pin_fraction=round(options.pin_fraction, 3), prefetch=options.prefetch)
+
+    def _install(self, provider: StreamingExpertProvider, options: StreamingOptions, workers: int,
+                 width: int | None, transitions, recorder, writer) -> None:
+        """Make `provider` the session's: what the live tuner set on the old one (io
+        workers, prefetch width unless None) and what it learned carry over."""
+        if provider.io.n_workers != workers:
+            provider.io.set_workers(workers)
+        if width is not None:
+            provider.set_prefetch(width)
+        provider.cache.seed_transitions(transitions)
+        provider.routing_recorder = recorder
+        provider.trace_writer = writer
+        self.model.experts = provider
+        self.provider, self.options = provider, options
 
     def summary(self) -> dict:
         snap = self.provider.cache.snapshot()
