@@ -125,6 +125,9 @@ class HintRecorder:
         self.decoding = tokens == 1
         self.inner.begin_step(tokens)
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+
     def hint(self, layer: int, router_logits, ahead: int = 1) -> None:
         if self.decoding and ahead == 1:        # the next layer's guess (0: a layer's own)
             scores = router_logits() if callable(router_logits) else router_logits

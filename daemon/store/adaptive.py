@@ -83,6 +83,8 @@ class _Tally:
         self.steps = self.layer_steps = self.lookups = 0
         self.wall_s = self.stall_s = self.hint_s = self.idle_hint_s = self.early_hint_s = 0.0
         self.bookkeeping_s = self.learner_s = self.shadow_s = 0.0
+        self.io_cpu_s = self.io_read_s = 0.0    # the io pool's, during decode steps only
+        self.io_reads = 0
         self.misses = self.inflight_hits = self.reads = self.pin_loads = 0
         self.prefetch_used = self.prefetch_wasted = self.idle_used = self.idle_wasted = 0
         self.early_used = self.early_wasted = 0
@@ -142,7 +144,9 @@ class Adaptation:
         self._step_start: float | None = None
         self._step_decode = False
         self._guesses: dict[tuple[int, int], str] = {}
-        self._io_before: tuple[float, ...] | None = None
+        self._io_at_step: tuple[float, int, float, int] | None = None   # io totals at step start
+        self._io_workers = 1
+        self._step_ended = False
         self.windows = 0
         # Decode totals since this provider started (the shadows' side of "do no harm").
         self.totals = {"lookups": 0, "misses": 0, "naive_misses": 0, "lru_pins_misses": 0}
@@ -177,12 +181,13 @@ class Adaptation:
         before this step. io_totals: () -> the io pool's totals (read CPU seconds, reads,
         read service seconds, workers)."""
         now = self.clock()
+        io = io_totals()
         t = self._tally
         mechanisms: tuple[Decision, ...] = ()
         if self._step_start is not None and self._step_decode:
             t.steps += 1
-            t.wall_s += now - self._step_start
-            self.decode_wall_s += now - self._step_start
+            if not self._step_ended:             # (no step_ends: timed up to this step)
+                self._time_step(now, io)
             for kind in self._guesses.values():
                 t.idle_wasted += kind == GUESS_IDLE
                 t.early_wasted += kind == GUESS_EARLY
@@ -195,14 +200,32 @@ class Adaptation:
             t.learner_s += spent
             self.learner_spent_s += spent
         self._guesses.clear()
-        if self._io_before is None:
-            self._io_before = (*io_totals(), now)
         if t.steps >= (WINDOW_STEPS if self.windows else min(WINDOW_STEPS, FIRST_WINDOW_STEPS)):
-            mechanisms = self._close_window((*io_totals(), now))
+            mechanisms = self._close_window()
+        self._io_at_step = io
+        self._step_ended = False
         self._rows = [None] * self.n_layers
         self._step_decode = decode
         self._step_start = self.clock()
         return mechanisms
+
+    def step_ends(self, io_totals: Callable[[], tuple[float, int, float, int]]) -> None:
+        """The step begun last has run its layers: its time (and the io pool's reads that
+        finished in it) ends here, not at the next step, so that time between steps — the
+        daemon idle between requests — counts in no window."""
+        if self._step_start is not None and self._step_decode and not self._step_ended:
+            self._time_step(self.clock(), io_totals())
+
+    def _time_step(self, now: float, io: tuple[float, int, float, int]) -> None:
+        t = self._tally
+        t.wall_s += now - self._step_start
+        self.decode_wall_s += now - self._step_start
+        if self._io_at_step is not None:         # the reads that finished during the step
+            t.io_cpu_s += io[0] - self._io_at_step[0]
+            t.io_reads += io[1] - self._io_at_step[1]
+            t.io_read_s += io[2] - self._io_at_step[2]
+            self._io_workers = io[3]
+        self._step_ended = True
 
     def pin_decision_due(self) -> bool:
         """An evaluation is due and the learner's time budget (`learner_time_share` of
@@ -317,17 +340,14 @@ class Adaptation:
             self.learner.staging_slots = staging_slots
 
     # ----------------------------------------------------------------- windows
-    def _close_window(self, io_totals: tuple[float, int, float, int, float]) -> tuple[Decision, ...]:
-        """io_totals: the io pool's totals (see step_begins) and the clock now."""
+    def _close_window(self) -> tuple[Decision, ...]:
         t = self._tally
-        cpu_before, reads_before, read_s_before, _, at_before = self._io_before
-        cpu_now, reads_now, read_s_now, workers, at_now = io_totals
-        reads = reads_now - reads_before
-        read_cpu = (cpu_now - cpu_before) / reads if reads > 0 else 0.0
-        read_s = (read_s_now - read_s_before) / reads if reads > 0 else 0.0
-        elapsed = (at_now - at_before) * max(1, workers)
-        io_busy = min(1.0, (read_s_now - read_s_before) / elapsed) if elapsed > 0 else 0.0
-        self._io_before = io_totals
+        # Per read and busy share from the reads that finished during the window's decode
+        # steps: time between steps (idle, prompts) would dilute the share.
+        read_cpu = t.io_cpu_s / t.io_reads if t.io_reads > 0 else 0.0
+        read_s = t.io_read_s / t.io_reads if t.io_reads > 0 else 0.0
+        capacity = t.wall_s * max(1, self._io_workers)
+        io_busy = min(1.0, t.io_read_s / capacity) if capacity > 0 else 0.0
         self._tally = _Tally()
         self.windows += 1
         if self.referee is None:

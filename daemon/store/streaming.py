@@ -169,6 +169,22 @@ def minimum_cache_bytes(layout: ExpertLayout, config: ModelConfig) -> int:
     return config.top_k * sum(config.moe_layers) * slot
 
 
+def check_cache_budget(cache_bytes: int, layout: ExpertLayout, config: ModelConfig) -> None:
+    """Raise CacheBudgetError (naming the minimum in bytes) when `cache_bytes` holds fewer
+    than top_k slots per MoE layer — what StreamingExpertProvider refuses."""
+    slot = max(p.slot_bytes for p in plans_for(layout).values())
+    _check_budget(cache_bytes, slot, config.top_k, sum(config.moe_layers))
+
+
+def _check_budget(cache_bytes: int, slot_bytes: int, top_k: int, moe_layers: int) -> None:
+    total_slots, minimum = cache_bytes // slot_bytes, top_k * moe_layers
+    if total_slots < minimum:
+        raise CacheBudgetError(
+            f"expert cache of {cache_bytes} bytes holds {total_slots} experts; the "
+            f"minimum is top_k {top_k} x {moe_layers} MoE layers = {minimum} "
+            f"slots of {slot_bytes} bytes = {minimum * slot_bytes} bytes")
+
+
 class StreamingExpertProvider(ExpertProvider):
     """Experts streamed from disk into a byte-budget slot cache with pins and prefetch.
 
@@ -192,13 +208,9 @@ class StreamingExpertProvider(ExpertProvider):
         self._row = {layer: i for i, layer in enumerate(self.moe_layers)}  # layer -> usage row
         self.plans: dict[tuple[int, int], ReadPlan] = plans_for(layout)
         self.slot_bytes = max(p.slot_bytes for p in self.plans.values())
+        _check_budget(options.cache_bytes, self.slot_bytes, config.top_k, len(self.moe_layers))
         total_slots = options.cache_bytes // self.slot_bytes
         minimum = config.top_k * len(self.moe_layers)
-        if total_slots < minimum:
-            raise CacheBudgetError(
-                f"expert cache of {options.cache_bytes} bytes holds {total_slots} experts; the "
-                f"minimum is top_k {config.top_k} x {len(self.moe_layers)} MoE layers = {minimum} "
-                f"slots of {self.slot_bytes} bytes = {minimum * self.slot_bytes} bytes")
         total_slots = min(total_slots, len(self.plans))  # more slots than experts is waste
         spare = max(0, total_slots - minimum)
         learned = dict(learned or {})
@@ -315,6 +327,11 @@ class StreamingExpertProvider(ExpertProvider):
             return self.cache.dynamic_slots(layer)
         loading = sum(1 for s in self._prefetch_layer.values() if s == layer)
         return max(self.config.top_k, self.cache.dynamic_slots(layer) - loading)
+
+    def end_step(self) -> None:
+        """The step's layers have run: its time ends here for the referee's windows."""
+        if self.adaptation is not None:
+            self.adaptation.step_ends(self._io_totals)
 
     def begin_step(self, tokens: int) -> None:
         """`tokens` new positions are about to run through the model."""
@@ -698,9 +715,7 @@ class StreamingExpertProvider(ExpertProvider):
 
     def _io_totals(self) -> tuple[float, int, float, int]:
         """(read CPU seconds, reads, read service seconds, io workers): the pool's totals."""
-        stats = self.io.stats()
-        return (stats.read_cpu_seconds_total, sum(stats.reads_completed.values()) + stats.read_errors,
-                stats.read_seconds_total, stats.n_workers)
+        return self.io.totals()
 
     def learned_state(self) -> dict:
         """What the next session should start from (saved beside the usage counts): the

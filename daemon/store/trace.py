@@ -90,6 +90,9 @@ class RecordingProvider(ExpertProvider):
         self.trace_writer.end_step()
         self.inner.begin_step(tokens)
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+
     def observe_routing(self, layer: int, ids: np.ndarray) -> None:
         if self.phase == "decode":
             self.trace_writer.routed(self._index[layer], ids)

@@ -268,6 +268,9 @@ class ExpertProvider(ABC):
     def begin_step(self, tokens: int) -> None:
         """`tokens` new positions are about to run through the model (time, in tokens)."""
 
+    def end_step(self) -> None:
+        """The step of the last `begin_step` has run every layer (not called when it failed)."""
+
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """The arrays of the matching `acquire` are no longer used."""
 

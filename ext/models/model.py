@@ -413,6 +413,7 @@ class Model:
             kv.length += r1 - r0
         out = np.empty_like(x)
         K_.rmsnorm(x, self.final_norm, c.rms_norm_eps, out, nt)
+        self.experts.end_step()
         return out
 
     def _hint_next_layer(self, l: int, h: np.ndarray) -> None:

@@ -249,12 +249,18 @@ def test_stats_and_pins_print_the_daemons_json(daemon, model_dir, capsys):
     assert stats["experts"] == direct["experts"] and stats["experts"]["misses"] > 0
     assert stats["memory"]["budget_bytes"] == 2 * 2**20
 
+    # Whether the pin learner has pinned anything yet depends on its time budget (a share
+    # of the decode time): the command prints what the daemon holds, whatever that is.
+    _, held = daemon.json("GET", "/v1/moed/pins")
     assert main(["pins", "--socket", daemon.socket]) == 0
     pins = json.loads(capsys.readouterr().out)
     with Checkpoint(model_dir) as checkpoint:
-        assert pins == {"model_fingerprint": checkpoint.fingerprint(), "pins": []}
+        assert pins == held and pins["model_fingerprint"] == checkpoint.fingerprint()
+    assert isinstance(pins["pins"], list)
     assert main(["pins", "--socket", daemon.socket, "--reset"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"reset": True, "pins_dropped": 0}
+    assert json.loads(capsys.readouterr().out) == {"reset": True, "pins_dropped": len(held["pins"])}
+    _, after = daemon.json("GET", "/v1/moed/pins")
+    assert after["pins"] == []
 
 
 # ---------------------------------------------------------------------- demo

@@ -284,3 +284,33 @@ def test_a_window_carries_a_reads_service_time_and_the_io_workers_busy_share(mod
         assert verdict.io_busy is not None and 0.0 < verdict.io_busy <= 1.0
     finally:
         provider.close()
+
+
+def test_time_between_steps_counts_in_no_window(model_dir, monkeypatch):
+    """With step_ends (what the model calls once a step's layers ran), a pause between
+    steps — a daemon idle between requests — adds neither to a window's time nor to the
+    io workers' capacity the busy share is taken over."""
+    monkeypatch.setattr(adaptive, "WINDOW_STEPS", 4)
+    rng = np.random.default_rng(4)
+    now = [0.0]
+    provider = _provider(model_dir, slots=14, prefetch=False)
+    try:
+        provider.adaptation.clock = lambda: now[0]
+        windows = []
+        real_close = provider.adaptation._close_window
+
+        def close():
+            windows.append(provider.adaptation._tally.wall_s)
+            return real_close()
+        provider.adaptation._close_window = close
+        for _ in range(12):
+            _decode_step(provider, [[int(e) for e in rng.choice(EXPERTS, TOP_K, replace=False)]
+                                    for _ in range(LAYERS)])
+            now[0] += 0.01                        # the step's own time
+            provider.end_step()
+            now[0] += 5.0                         # idle until the next request
+        assert windows and all(w == pytest.approx(0.01 * 4) for w in windows[1:])
+        assert windows[0] == pytest.approx(0.01 * min(4, adaptive.FIRST_WINDOW_STEPS))
+        assert provider.adaptation.decode_wall_s == pytest.approx(0.01 * 12)
+    finally:
+        provider.close()
