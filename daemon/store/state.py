@@ -40,6 +40,7 @@ import json
 import math
 import os
 import pwd
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -144,10 +145,20 @@ class StateStore:
     def _read_validated(self, check: Check | None = None) -> StateRecord | None:
         """Read and check the file; set a bad one aside. Call with the lock held."""
         try:
-            raw = self.path.read_bytes()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not block us
         except FileNotFoundError:
             return None
         try:
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISDIR(mode):
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(self.path))
+                if not stat.S_ISREG(mode):
+                    raise _Invalid("corrupt", f"not a regular file ({stat.filemode(mode)})")
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    raw = f.read()
+            finally:
+                os.close(fd)
             record = self._parse(raw)
             if check is not None:
                 try:

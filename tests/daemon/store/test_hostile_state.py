@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -346,3 +349,18 @@ def test_in_a_read_only_directory_a_hostile_file_is_ignored_naming_the_field_and
     [warning] = records
     assert warning["event"] == "state_file_ignored" and "layers[1].totals" in warning["reason"]
     assert store.path.read_bytes() == written and list(tmp_path.glob("*.corrupt-*")) == []
+
+
+def test_a_state_file_that_is_a_fifo_is_set_aside_without_blocking(fingerprint, tmp_path, caplog):
+    """A FIFO (or socket, device) where the state file belongs: opening it for reading
+    would block until a writer came; it is set aside as corrupt and learning starts fresh."""
+    store = StateStore(tmp_path, fingerprint)
+    os.mkfifo(store.path)
+    with caplog.at_level(logging.WARNING):
+        assert store.load() is None
+    assert not store.path.exists()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(store.path.name + ".corrupt-")]
+    assert len(aside) == 1 and stat.S_ISFIFO(aside[0].lstat().st_mode)
+    assert "not a regular file" in caplog.text
+    store.save(lambda old: {"written_after": old is None}, tokens=1)   # a regular file again
+    assert store.load() == {"written_after": True}
