@@ -139,6 +139,12 @@ class Adaptation:
                                       slots, clock)
             self.referee = Referee(costs, policy, enabled=mechanisms)
             self.referee.set_states(learned.get("mechanisms") or {}, learned.get("mechanism_backoff"))
+        # What an earlier session saved of mechanisms this one does not manage (turned off
+        # by the operator here, or no referee): kept as it was for the sessions that do.
+        managed = self.referee.managed if self.referee is not None else set()
+        self._carried = {key: {m: v for m, v in (learned.get(key) or {}).items()
+                               if m in MECHANISMS and m not in managed}
+                         for key in ("mechanisms", "mechanism_backoff")}
         self._tally = _Tally()
         self._rows: list[np.ndarray | None] = [None] * n_layers   # this step's routing
         self._step_start: float | None = None
@@ -380,11 +386,16 @@ class Adaptation:
         out: dict = {}
         if self.learner is not None:
             out.update(pin_share=self.learner.share, pin_source=self.learner.source)
+        states, backoffs = dict(self._carried["mechanisms"]), dict(self._carried["mechanism_backoff"])
         if self.referee is not None:
             # A mechanism on only for a probe not yet judged is saved as it was before it.
-            out["mechanisms"] = {m: self.referee.is_on(m) and not self.referee.states[m].probing
-                                 for m in MECHANISMS if m in self.referee.managed}
-            out["mechanism_backoff"] = self.referee.backoffs()
+            states.update({m: self.referee.is_on(m) and not self.referee.states[m].probing
+                           for m in MECHANISMS if m in self.referee.managed})
+            backoffs.update(self.referee.backoffs())
+        if states:
+            out["mechanisms"] = states
+        if backoffs:
+            out["mechanism_backoff"] = backoffs
         return out
 
     def decision_counts(self) -> dict[str, int]:

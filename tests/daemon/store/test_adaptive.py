@@ -314,3 +314,30 @@ def test_time_between_steps_counts_in_no_window(model_dir, monkeypatch):
         assert provider.adaptation.decode_wall_s == pytest.approx(0.01 * 12)
     finally:
         provider.close()
+
+
+def test_a_session_that_does_not_manage_a_mechanism_keeps_what_an_earlier_one_saved(model_dir):
+    """A --no-prefetch session (prefetch not managed) saves the earlier session's prefetch
+    state and back-off as they were, so the next session with prefetch does not start over."""
+    learned = {"mechanisms": {"prefetch": False, "idle_prefetch": False, "policy": True},
+               "mechanism_backoff": {"prefetch": 64, "idle_prefetch": 32, "policy": 4}}
+    provider = _provider(model_dir, slots=14, prefetch=False, learned=learned)
+    try:
+        saved = provider.learned_state()
+        assert saved["mechanisms"]["prefetch"] is False and saved["mechanism_backoff"]["prefetch"] == 64
+        assert saved["mechanisms"]["idle_prefetch"] is False and saved["mechanism_backoff"]["idle_prefetch"] == 32
+        assert saved["mechanisms"]["policy"] is True      # managed here: this session's
+    finally:
+        provider.close()
+    again = _provider(model_dir, slots=14, learned=saved)
+    try:
+        states = again.adaptation.referee.states
+        assert not states["prefetch"].on and states["prefetch"].backoff == 64
+    finally:
+        again.close()
+    # Without a referee nothing is managed: everything saved carries over.
+    plain = _provider(model_dir, slots=14, referee=False, learned=learned)
+    try:
+        assert plain.learned_state()["mechanism_backoff"] == learned["mechanism_backoff"]
+    finally:
+        plain.close()
