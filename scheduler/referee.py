@@ -77,6 +77,14 @@ MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "lrfu")
 # own gain is what it learns across sessions (next-expert statistics).
 FALLBACK_POLICY = "lrfu"
 POLICY_MECHANISMS = ("policy", "lrfu")
+
+
+def ladder_policy(configured: str, policy_on: bool, lrfu_on: bool) -> str:
+    """The eviction policy in force: the configured one while "policy" is on, else lrfu
+    while "lrfu" is on, else LRU."""
+    if policy_on:
+        return configured
+    return FALLBACK_POLICY if lrfu_on else "lru"
 SMOOTHING = 2.0          # windows: half-life of the smoothed values
 TOLERANCE = 0.01         # of a window's time: a net value above -this is not a loss
 PATIENCE = 2             # windows in a row below it before a mechanism is turned off
@@ -220,9 +228,8 @@ class Referee:
     @property
     def policy(self) -> str:
         """The eviction policy the states call for: the configured one, lrfu, or LRU."""
-        if self.states["policy"].on:
-            return self.default_policy
-        return FALLBACK_POLICY if "lrfu" in self.managed and self.states["lrfu"].on else "lru"
+        return ladder_policy(self.default_policy, self.states["policy"].on,
+                             "lrfu" in self.managed and self.states["lrfu"].on)
 
     # ------------------------------------------------------------------ valuing
     def _smooth(self, old: float | None, new: float) -> float:

@@ -45,7 +45,7 @@ from scheduler.cache import (OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_
 from scheduler.pinlearn import PinDecision
 from scheduler.pins import PinPolicy, pins_to_layer_ids, select_pins
 from scheduler.prefetch import RankCalibration
-from scheduler.referee import FALLBACK_POLICY, POLICY_MECHANISMS
+from scheduler.referee import FALLBACK_POLICY, POLICY_MECHANISMS, ladder_policy
 from scheduler.usage import UsageStats, decode_transitions, encode_transitions
 from telemetry.logs import get_logger
 from telemetry.metrics import OUTCOMES, PHASES, ExpertCounters
@@ -704,12 +704,9 @@ class StreamingExpertProvider(ExpertProvider):
         elif name == "early_hints":
             self._early_allowed = on
         elif name in POLICY_MECHANISMS:
-            # The ladder: the configured policy, else lrfu while "lrfu" is on, else LRU.
             self._policy_states[name] = on
-            if self._policy_states["policy"]:
-                policy = self.options.policy
-            else:
-                policy = FALLBACK_POLICY if self._policy_states["lrfu"] else "lru"
+            policy = ladder_policy(self.options.policy, self._policy_states["policy"],
+                                   self._policy_states["lrfu"])
             if policy != self.cache.policy_name:
                 self.cache.set_policy(policy)
 
