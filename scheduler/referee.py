@@ -101,7 +101,8 @@ class Window:
     """One window of decode steps as the provider measured it (seconds and counts).
 
     steps: decode steps; layer_steps: MoE layer steps (steps x MoE layers); lookups:
-    experts needed. wall_s: time of the steps; stall_s: time waiting for reads;
+    experts needed. wall_s: time of the steps (the pin learner's included, part of it
+    spent after a step's layers ran); stall_s: time waiting for reads;
     hint_s: making guesses (routers' scores to reads), idle_hint_s / early_hint_s: its
     idle-worker part and its second-guess part;
     bookkeeping_s: the cache's request/release; learner_s: the pin learner; shadow_s:

@@ -203,8 +203,13 @@ class Adaptation:
             for row in zip(*(rows.tolist() for rows in self._rows)):
                 self.learner.observe(row)
             spent = self.clock() - t0
-            t.learner_s += spent
             self.learner_spent_s += spent
+            if self._step_start is not None and self._step_decode:
+                # Time the decode step cost after its layers ran: moed's time (the
+                # window's), and an overhead the naive estimate takes out again.
+                t.learner_s += spent
+                t.wall_s += spent
+                self.decode_wall_s += spent
         self._guesses.clear()
         if t.steps >= (WINDOW_STEPS if self.windows else min(WINDOW_STEPS, FIRST_WINDOW_STEPS)):
             mechanisms = self._close_window()
@@ -247,7 +252,8 @@ class Adaptation:
         t0 = self.clock()
         decision = self.learner.decide(long_counts)
         spent = self.clock() - t0
-        self._tally.learner_s += spent
+        if self._step_decode:                    # inside this decode step's time already
+            self._tally.learner_s += spent
         self.learner_spent_s += spent
         self._decide_cost_s = spent
         self.last_pin_decision = decision

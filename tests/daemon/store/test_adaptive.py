@@ -316,6 +316,60 @@ def test_time_between_steps_counts_in_no_window(model_dir, monkeypatch):
         provider.close()
 
 
+def test_the_pin_learner_time_after_a_decode_step_counts_in_its_window(model_dir, monkeypatch):
+    """The learner observes a step's routing once its layers ran (at the next step's
+    begin): that time is moed's, so it counts in the window's time as well as in
+    learner_s (which the naive estimate takes out again); after a prefill step it counts
+    in neither, as the step itself does not."""
+    monkeypatch.setattr(adaptive, "WINDOW_STEPS", 4)
+    rng = np.random.default_rng(5)
+    now = [0.0]
+    provider = _provider(model_dir, slots=14, prefetch=False)
+    try:
+        a = provider.adaptation
+        assert a.learner is not None
+        a.clock = lambda: now[0]
+        real_observe = a.learner.observe
+
+        def observe(row):
+            now[0] += 0.002                       # the learner's time per row
+            return real_observe(row)
+        a.learner.observe = observe
+        monkeypatch.setattr(a, "pin_decision_due", lambda: False)
+        tallies = []
+        real_close = a._close_window
+
+        def close():
+            tallies.append((a._tally.steps, a._tally.wall_s, a._tally.learner_s))
+            return real_close()
+        a._close_window = close
+
+        def routing():
+            return [[int(e) for e in rng.choice(EXPERTS, TOP_K, replace=False)] for _ in range(LAYERS)]
+        provider.phase = "prefill"                # a 3-row prefill step first
+        provider.begin_step(3)
+        for layer in range(LAYERS):
+            ids = np.asarray([rng.choice(EXPERTS, TOP_K, replace=False)] * 3, np.int32)   # 3 rows, one set
+            provider.observe_routing(layer, ids)
+            experts = sorted({int(e) for e in ids.ravel()})
+            provider.acquire(layer, experts)
+            provider.release(layer, experts)
+        now[0] += 0.05
+        provider.end_step()
+        for _ in range(13):
+            _decode_step(provider, routing())
+            now[0] += 0.01                        # the step's own time
+            provider.end_step()
+        assert len(tallies) >= 2
+        for steps, wall, learner in tallies:
+            assert learner == pytest.approx(0.002 * steps)
+            assert wall == pytest.approx(0.012 * steps)
+        assert a.decode_wall_s == pytest.approx(0.01 * 13 + 0.002 * 12)   # the 13th step's is to come
+        assert a.learner_spent_s == pytest.approx(0.002 * (3 + 12))
+    finally:
+        provider.close()
+
+
 def test_a_session_that_does_not_manage_a_mechanism_keeps_what_an_earlier_one_saved(model_dir):
     """A --no-prefetch session (prefetch not managed) saves the earlier session's prefetch
     state and back-off as they were, so the next session with prefetch does not start over."""
