@@ -35,6 +35,15 @@ the CPU and the load average around the run (a shared machine gives noisy figure
 
 For one core against one core: OPENBLAS_NUM_THREADS=1 python bench/matvec.py --threads 1
 (the JSON records OPENBLAS_NUM_THREADS / OMP_NUM_THREADS as set).
+
+`--stream-mib M` times a stream of mat-vecs instead of one: each side holds a ring of
+copies of its weight, at least M MiB in all (and at least 3), and a run — after the same
+flush and idle — calls it on every copy in turn; the first call (which wakes the thread
+pool) is not timed, the others are, each over a weight no cache holds (the ring is
+larger than the last-level cache), so a figure is the steady bytes/s of a decode step's
+run of different weights with the threads awake. On machines whose idle cores are slow
+to wake (a virtual machine's halted vCPU takes milliseconds), a single cold 2-thread call
+mostly measures that wake-up; the stream does not.
 """
 from __future__ import annotations
 
@@ -86,12 +95,35 @@ def _values(w) -> np.ndarray:
     return _kernels.dequantize(w)
 
 
+def ring_size(nbytes: int, stream_mib: int) -> int:
+    """Copies of an `nbytes` weight in a ring of at least `stream_mib` MiB (at least 3)."""
+    return max(3, -(-(stream_mib << 20) // nbytes))
+
+
+def copy_weight(w):
+    """A copy of a weight (an ndarray or QuantizedWeight) in its own memory."""
+    if isinstance(w, np.ndarray):
+        return w.copy()
+    extra = () if w.mins is None else (w.mins.copy(),)
+    return _kernels.QuantizedWeight(w.fmt, w.codes.copy(), w.scales.copy(), *extra)
+
+
+def stream_seconds(calls) -> float:
+    """Seconds per call of calls[1:], run back to back after calls[0] (not timed)."""
+    calls[0]()
+    t0 = time.perf_counter()
+    for call in calls[1:]:
+        call()
+    return (time.perf_counter() - t0) / (len(calls) - 1)
+
+
 class Timer:
     """Cold, interleaved timings: flush the caches and idle before every run."""
 
-    def __init__(self, flush_mib: int, pause: float):
+    def __init__(self, flush_mib: int, pause: float, self_timed: bool = False):
         self.flush = np.zeros(flush_mib << 17)  # float64: MiB * 2**20 / 8
         self.pause = pause
+        self.self_timed = self_timed   # each run returns its own seconds (stream_seconds)
 
     def cold(self) -> None:
         """Evict the weights from the caches and let both thread pools go idle
@@ -115,18 +147,24 @@ class Timer:
                     continue
                 self.cold()
                 t0 = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - t0)
+                seconds = runs[name]()
+                elapsed = time.perf_counter() - t0
+                times[name].append(seconds if self.self_timed else elapsed)
         return times
 
 
-def _numpy_work(kind: str, a: int, b: int):
+def _numpy_work(kind: str, a: int, b: int, stream_mib: int = 0):
     """numpy's f32 work for one token: "matvec" of an [a, b] weight, or "ffn", one
-    expert of hidden a and intermediate b (gate, up [b, a], down [a, b], SiLU)."""
+    expert of hidden a and intermediate b (gate, up [b, a], down [a, b], SiLU).
+    With stream_mib, "matvec" runs over a ring of copies (see `ring_size`) and returns
+    the seconds of one mat-vec (the first call, waking the pool, left out)."""
     rng = np.random.default_rng(1)
     if kind == "matvec":
         w = rng.standard_normal((a, b), dtype=np.float32)
         x = rng.standard_normal(b, dtype=np.float32)
+        if stream_mib:
+            ring = [w] + [w.copy() for _ in range(ring_size(w.nbytes, stream_mib) - 1)]
+            return lambda: stream_seconds([lambda w=w: np.dot(w, x) for w in ring])
         return lambda: np.dot(w, x)
     gate, up = (rng.standard_normal((b, a), dtype=np.float32) * np.float32(0.02) for _ in range(2))
     down = rng.standard_normal((a, b), dtype=np.float32) * np.float32(0.02)
@@ -138,17 +176,19 @@ def _numpy_work(kind: str, a: int, b: int):
     return ffn
 
 
-def _numpy_child(conn, kind: str, a: int, b: int, flush_mib: int, pause: float) -> None:
+def _numpy_child(conn, kind: str, a: int, b: int, flush_mib: int, pause: float,
+                 stream_mib: int = 0) -> None:
     """The numpy side, in a process of its own: each message asks for one cold run of
-    `_numpy_work(kind, a, b)` and is answered with its seconds."""
-    work = _numpy_work(kind, a, b)
+    `_numpy_work(kind, a, b, stream_mib)` and is answered with its seconds."""
+    work = _numpy_work(kind, a, b, stream_mib)
     work()
     timer = Timer(flush_mib, pause)
     while conn.recv():
         timer.cold()
         t0 = time.perf_counter()
-        work()
-        conn.send(time.perf_counter() - t0)
+        seconds = work()
+        elapsed = time.perf_counter() - t0
+        conn.send(seconds if stream_mib and kind == "matvec" else elapsed)
     conn.close()
 
 
@@ -156,11 +196,11 @@ class NumpyProcess:
     """numpy's f32 BLAS work (`_numpy_work`) in a spawned child process; `run()` times
     one cold call there (the caller is idle, waiting) and returns its seconds."""
 
-    def __init__(self, kind: str, a: int, b: int, flush_mib: int, pause: float):
+    def __init__(self, kind: str, a: int, b: int, flush_mib: int, pause: float, stream_mib: int = 0):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_numpy_child, args=(child, kind, a, b, flush_mib, pause),
-                                 daemon=True)
+        self._proc = ctx.Process(target=_numpy_child,
+                                 args=(child, kind, a, b, flush_mib, pause, stream_mib), daemon=True)
         self._proc.start()
         child.close()
 
@@ -179,7 +219,8 @@ def _gb(nbytes: int, seconds: float) -> float:
 
 def _rounds_with_numpy(timer: Timer, runs: dict, args, kind: str, a: int, b: int) -> dict:
     """timer.rounds over `runs` and, as "numpy_f32", numpy's `kind` work in its child."""
-    numpy_proc = NumpyProcess(kind, a, b, args.flush_mib, args.pause)
+    numpy_proc = NumpyProcess(kind, a, b, args.flush_mib, args.pause,
+                              args.stream_mib if kind == "matvec" else 0)
     try:
         return timer.rounds(runs, args.repeats, {"numpy_f32": numpy_proc.run})
     finally:
@@ -196,8 +237,17 @@ def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
         _kernels.matmul(w, x, out, args.threads)
         ref = (_values(w).astype(np.float64) * x[0].astype(np.float64)).sum(axis=1)
         errors[name] = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
-    runs = {name: (lambda w=w: _kernels.matmul(w, x, out, args.threads)) for name, w in weights.items()}
+    if args.stream_mib:
+        rings = {name: [w] + [copy_weight(w) for _ in range(ring_size(w.nbytes, args.stream_mib) - 1)]
+                 for name, w in weights.items()}
+        runs = {name: (lambda ring=ring: stream_seconds(
+                    [lambda v=v: _kernels.matmul(v, x, out, args.threads) for v in ring]))
+                for name, ring in rings.items()}
+    else:
+        runs = {name: (lambda w=w: _kernels.matmul(w, x, out, args.threads)) for name, w in weights.items()}
+    timer.self_timed = bool(args.stream_mib)
     times = _rounds_with_numpy(timer, runs, args, "matvec", R, C)
+    timer.self_timed = False
     numpy_s = statistics.median(times["numpy_f32"])
     report = {"shape": [R, C],
               "numpy_f32": {"gb_per_s": _gb(w32_bytes, numpy_s), "median_ms": round(numpy_s * 1e3, 3),
@@ -281,6 +331,9 @@ def main() -> None:
                         help="H,I of the expert FFN timing, or 'none' (default 2048,768)")
     parser.add_argument("--goal", type=float, default=0.8,
                         help="bytes/s ratio to numpy each format should reach (default 0.8)")
+    parser.add_argument("--stream-mib", type=int, default=0,
+                        help="time a stream of mat-vecs over a ring of at least this many MiB of "
+                             "copies of each weight, threads awake (default 0: one cold call)")
     args, formats = parse_timing_args(parser, flush_mib=512, pause=0.5)
 
     rng = np.random.default_rng(0)
@@ -302,6 +355,7 @@ def main() -> None:
                     "loadavg_before": [round(v, 2) for v in load_before],
                     "loadavg_after": [round(v, 2) for v in os.getloadavg()]},
         "repeats": args.repeats,
+        "mode": f"stream of {args.stream_mib} MiB rings" if args.stream_mib else "one cold call",
         "moed_threads": args.threads,
         "group_size": args.group_size,
         "matvec": shapes,
