@@ -108,6 +108,12 @@ def copy_weight(w):
     return _kernels.QuantizedWeight(w.fmt, w.codes.copy(), w.scales.copy(), *extra)
 
 
+def _own_seconds(result, elapsed: float) -> float:
+    """A run's seconds: what it returned when it timed itself (`stream_seconds`, a float),
+    else the `elapsed` time around it."""
+    return result if isinstance(result, float) else elapsed
+
+
 def stream_seconds(calls) -> float:
     """Seconds per call of calls[1:], run back to back after calls[0] (not timed)."""
     calls[0]()
@@ -120,10 +126,9 @@ def stream_seconds(calls) -> float:
 class Timer:
     """Cold, interleaved timings: flush the caches and idle before every run."""
 
-    def __init__(self, flush_mib: int, pause: float, self_timed: bool = False):
+    def __init__(self, flush_mib: int, pause: float):
         self.flush = np.zeros(flush_mib << 17)  # float64: MiB * 2**20 / 8
         self.pause = pause
-        self.self_timed = self_timed   # each run returns its own seconds (stream_seconds)
 
     def cold(self) -> None:
         """Evict the weights from the caches and let both thread pools go idle
@@ -149,7 +154,7 @@ class Timer:
                 t0 = time.perf_counter()
                 seconds = runs[name]()
                 elapsed = time.perf_counter() - t0
-                times[name].append(seconds if self.self_timed else elapsed)
+                times[name].append(_own_seconds(seconds, elapsed))
         return times
 
 
@@ -187,8 +192,7 @@ def _numpy_child(conn, kind: str, a: int, b: int, flush_mib: int, pause: float,
         timer.cold()
         t0 = time.perf_counter()
         seconds = work()
-        elapsed = time.perf_counter() - t0
-        conn.send(seconds if stream_mib and kind == "matvec" else elapsed)
+        conn.send(_own_seconds(seconds, time.perf_counter() - t0))
     conn.close()
 
 
@@ -245,9 +249,7 @@ def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
                 for name, ring in rings.items()}
     else:
         runs = {name: (lambda w=w: _kernels.matmul(w, x, out, args.threads)) for name, w in weights.items()}
-    timer.self_timed = bool(args.stream_mib)
     times = _rounds_with_numpy(timer, runs, args, "matvec", R, C)
-    timer.self_timed = False
     numpy_s = statistics.median(times["numpy_f32"])
     report = {"shape": [R, C],
               "numpy_f32": {"gb_per_s": _gb(w32_bytes, numpy_s), "median_ms": round(numpy_s * 1e3, 3),

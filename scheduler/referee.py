@@ -78,13 +78,6 @@ MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "lrfu")
 FALLBACK_POLICY = "lrfu"
 POLICY_MECHANISMS = ("policy", "lrfu")
 
-
-def ladder_policy(configured: str, policy_on: bool, lrfu_on: bool) -> str:
-    """The eviction policy in force: the configured one while "policy" is on, else lrfu
-    while "lrfu" is on, else LRU."""
-    if policy_on:
-        return configured
-    return FALLBACK_POLICY if lrfu_on else "lru"
 SMOOTHING = 2.0          # windows: half-life of the smoothed values
 TOLERANCE = 0.01         # of a window's time: a net value above -this is not a loss
 PATIENCE = 2             # windows in a row below it before a mechanism is turned off
@@ -94,6 +87,14 @@ BACKOFF_MAX = 64
 FAST_LOSS = 0.10         # of a window's time: a loss this large turns a mechanism off at once
 PROBE_BUDGET = 0.02      # of the time: what probing a losing mechanism may cost, expected
 WARMUP_WINDOWS = 2       # windows before the policy is judged
+
+
+def ladder_policy(configured: str, policy_on: bool, lrfu_on: bool) -> str:
+    """The eviction policy in force: the configured one while "policy" is on, else lrfu
+    while "lrfu" is on, else LRU."""
+    if policy_on:
+        return configured
+    return FALLBACK_POLICY if lrfu_on else "lru"
 
 
 @dataclass(frozen=True)

@@ -112,11 +112,11 @@ _Static_assert(MOED_ROWS >= 1 && MOED_ROWS <= 8, "_kernels.pyx's buffers hold 8 
 /* Software prefetch distance along each weight row (prefetches never fault). 1024
  * bytes were measured +10 % on a DRAM-bound 14336 x 4096 bf16 mat-vec on Zen 5. On Zen 4
  * (one thread, bench/matvec.py --stream-mib 96, two rounds of 7-9 each) 512 moved more
- * bytes/s than 1024 on every shape tried: bf16 14.9-15.3 -> 17.2-17.3 GB/s at
- * 14336 x 4096, 14.0-15.2 -> 16.2-16.4 at 4096 x 4096, 11.2-11.4 -> 12.0-12.8 at
- * 768 x 2048, f16 likewise (+5-17 %); f32 within its noise (-14 to +18 % by run);
- * 2048 bytes were no better than 1024. Eight rows a pass at 512 bytes each keep 64 lines in flight, within the
- * miss queues of the AVX2 and AVX-512 cores this runs on; 1024 asks for 128. */
+ * bf16 and f16 bytes/s than 1024 on every shape tried: bf16 14.9-15.3 -> 17.2-17.3 GB/s
+ * at 14336 x 4096, 14.0-15.2 -> 16.2-16.4 at 4096 x 4096, 11.2-11.4 -> 12.0-12.8 at
+ * 768 x 2048, f16 +5-17 %; f32 within its noise (-14 to +18 % by run); 2048 bytes were
+ * no better than 1024. Eight rows a pass at 512 bytes each keep 64 lines in flight;
+ * 1024 asks for 128. */
 #ifndef MOED_PREFETCH_BYTES
 #define MOED_PREFETCH_BYTES 512
 #endif
