@@ -33,7 +33,9 @@ prefetch) and LRU over moed's own pinned and dynamic tiers. Per window the refer
   lrfu          the same, for lrfu in force in the configured policy's place (see
                 FALLBACK_POLICY).
   pins          (reported, decided by scheduler.pinlearn): the naive cache's misses
-                beyond LRU-with-pins, less the pin loads, against the learner's time.
+                beyond LRU-with-pins (which starts from the cache's warm start, as the
+                LRU shadows do: what an earlier session's usage brings), less the pin
+                loads (warm-start reads included), against the learner's time.
   naive         the estimated time of the naive mode on this window: the measured time,
                 less moed's stall and overheads, plus the naive cache's misses at the
                 miss cost and their read CPU. `estimated_speedup` = naive / measured.
@@ -48,8 +50,9 @@ the layers; policy off is LRU). An off mechanism is turned back on for a probe a
 windows; it stays on when the probe's windows pay. The back-off starts at BACKOFF_START,
 doubles while probes fail (to BACKOFF_MAX), and is never shorter than what keeps the
 expected cost of probing at PROBE_BUDGET of the time: a mechanism that lost a share f of
-each window's time is probed again after PROBE_WINDOWS * f / PROBE_BUDGET windows at the
-soonest. One mechanism is probed at a time (two probes in the same windows would be
+each window's time is probed again after W * f / PROBE_BUDGET windows at the soonest, W
+the windows a probe runs (`probe_windows`: PROBE_WINDOWS, plus a policy's
+WARMUP_WINDOWS). One mechanism is probed at a time (two probes in the same windows would be
 judged on each other's effects). A policy is not judged in its first WARMUP_WINDOWS
 windows in force: the cache is still filling or its statistics are empty (measured on the
 embedded default model: the predictive policy lost 0.1-0.6 ms per token against LRU in
@@ -87,6 +90,12 @@ BACKOFF_MAX = 64
 FAST_LOSS = 0.10         # of a window's time: a loss this large turns a mechanism off at once
 PROBE_BUDGET = 0.02      # of the time: what probing a losing mechanism may cost, expected
 WARMUP_WINDOWS = 2       # windows before the policy is judged
+
+
+def probe_windows(mechanism: str) -> int:
+    """Windows a probe of `mechanism` runs at its cost: PROBE_WINDOWS, after the
+    WARMUP_WINDOWS a policy runs unjudged (its statistics fill) first."""
+    return PROBE_WINDOWS + (WARMUP_WINDOWS if mechanism in POLICY_MECHANISMS else 0)
 
 
 def ladder_policy(configured: str, policy_on: bool, lrfu_on: bool) -> str:
@@ -349,10 +358,12 @@ class Referee:
         if on:
             s.net = s.saved = s.cost = None          # judge the probe on its own windows
         elif s.net is not None and per_token > 0:
-            # Probing again costs PROBE_WINDOWS windows at this loss: keep that expected
+            # Probing again costs its windows at this loss — PROBE_WINDOWS, and for a
+            # policy the WARMUP_WINDOWS before it is judged as well: keep that expected
             # cost at PROBE_BUDGET of the time.
             loss = max(0.0, -s.net) / per_token
-            s.backoff = min(BACKOFF_MAX, max(s.backoff, math.ceil(PROBE_WINDOWS * loss / PROBE_BUDGET)))
+            windows = probe_windows(name)
+            s.backoff = min(BACKOFF_MAX, max(s.backoff, math.ceil(windows * loss / PROBE_BUDGET)))
         return Decision(name, on, reason, s.net)
 
     def set_states(self, states: dict[str, bool], backoffs: dict[str, int] | None = None) -> None:

@@ -124,6 +124,19 @@ class UsageStats:
         length mismatch or a negative / non-finite count.
         """
         row = self._layer_row(layer)
+        if type(tokens) is int and type(experts) is list and all(type(e) is int for e in experts):
+            # A decode step's few ids as Python ints (what the provider passes): the same
+            # checks and sums without building arrays (a layer step's cost, every token).
+            if experts and (min(experts) < 0 or max(experts) >= self.num_experts):
+                raise ValueError(f"expert ids must be in [0, {self.num_experts}), got {experts}")
+            if tokens < 0:
+                raise ValueError(f"token counts must be finite and >= 0, got {[tokens] * len(experts)}")
+            add = tokens / self._scale
+            stored, delta = self._stored[row], self._delta_stored[row]
+            for e in experts:
+                stored[e] += add
+                delta[e] += add
+            return
         ids = np.asarray(experts, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise ValueError(f"expert ids must be in [0, {self.num_experts}), got {ids.tolist()}")
@@ -153,6 +166,11 @@ class UsageStats:
     def counts(self) -> np.ndarray:
         """Current decayed counts, a new [L, E] float64 array (rows = layer indices)."""
         return self._stored * self._scale
+
+    def layer_counts(self, layer: int) -> np.ndarray:
+        """Current decayed counts of one MoE layer (its id), a new [E] float64 array.
+        Raises KeyError for an unknown layer."""
+        return self._stored[self._layer_row(layer)] * self._scale
 
     def take_delta(self) -> tuple[np.ndarray, int]:
         """(delta [L, E] float64, tokens) gathered since the previous take; resets both.

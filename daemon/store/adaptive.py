@@ -122,8 +122,9 @@ class Adaptation:
             self.learner = PinLearner(n_layers, num_experts, top_k, total, staging_slots=staging_slots,
                                       max_share=max_pin_share, start_share=learned.get("pin_share", 0.0),
                                       start_source="long", check_shadow=self._check_shadow)
-        # The shadows: the naive cache; LRU over moed's pinned tier and every other slot
-        # (None while nothing is pinned: it is then the naive cache); LRU over the tiers
+        # The shadows: the naive cache; LRU over moed's pinned tier and every other slot,
+        # from the cache's warm start (None while nothing is pinned and the cache was not
+        # warm-started: it is then the naive cache); LRU over the tiers
         # the layers really have, the staging tier left out (None without staging: it is
         # then lru_pins) — the policy is compared with it, and what it misses beyond
         # lru_pins is staging's cost. Each is replayed only while it differs.
@@ -131,6 +132,7 @@ class Adaptation:
         self.lru_pins: ShadowLRU | None = None
         self.lru_dynamic: ShadowLRU | None = None
         self._shadow_pins: set = set()
+        self._warm = False                       # the cache was warm-started (warm_started)
         self._retier(cache.pinned_slots, cache.staging_slots)
         self.referee: Referee | None = None
         if referee:
@@ -332,7 +334,7 @@ class Adaptation:
         """Give lru_pins and lru_dynamic the tiers the cache has now (a shadow that comes
         to differ from the one it stood for starts as a copy of it)."""
         pins, total = self._shadow_pins, self.cache.total_slots
-        if pinned_slots == 0 and not pins:
+        if pinned_slots == 0 and not pins and not self._warm:
             self.lru_pins = None
         else:
             if self.lru_pins is None:
@@ -345,6 +347,20 @@ class Adaptation:
                 self.lru_dynamic = (self.lru_pins or self.naive).copy()
             self.lru_dynamic.set_pins(pins, even_split(max(self.n_layers, total - pinned_slots - staging_slots),
                                                        self.n_layers))
+
+    def warm_started(self, layer_index: int, experts: Sequence[int]) -> None:
+        """The cache's warm start read `experts` into the layer's empty dynamic tier, the
+        last the most recent. LRU over moed's tiers (the eviction policy's yardstick)
+        starts from the same contents, so the misses the warm start avoids are not
+        credited to the policy; the naive cache starts cold, as the naive mode does (they
+        are moed's, against naive). Counts no access."""
+        if not self._warm:
+            self._warm = True
+            self._retier(self.cache.pinned_slots, self.cache.staging_slots)
+        for shadow in (self.lru_pins, self.lru_dynamic):
+            if shadow is not None:
+                for e in experts:
+                    shadow.access(layer_index, [int(e)])
 
     def staging_changed(self, staging_slots: int) -> None:
         self._retier(self.cache.pinned_slots, staging_slots)

@@ -15,6 +15,7 @@ cache; "buffered" reads go through it and then drop what they read with
 from __future__ import annotations
 
 import collections
+import ctypes
 import heapq
 import itertools
 import mmap
@@ -296,7 +297,7 @@ class IoPool:
             raise ValueError(f"buffer of {mv.nbytes} bytes is smaller than the "
                              f"{plan.slot_bytes}-byte slot of expert ({plan.layer}, {plan.expert})")
         if self.direct:
-            address = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+            address = ctypes.addressof(ctypes.c_char.from_buffer(mv))   # (writable, non-empty)
             if plan.align % ALIGN or address % ALIGN:
                 raise ValueError(f"O_DIRECT needs a {ALIGN}-aligned plan and buffer "
                                  f"(plan align {plan.align}, buffer address {address:#x})")

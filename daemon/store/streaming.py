@@ -503,11 +503,14 @@ class StreamingExpertProvider(ExpertProvider):
 
     def _hint(self, layer: int, router_logits: np.ndarray, ahead: int) -> None:
         self._reap()
-        z = router_logits - router_logits.max(axis=1, keepdims=True)
-        probs = np.exp(z)
-        probs /= probs.sum(axis=1, keepdims=True)
-        score = probs.max(axis=0)                                  # [E] best over the tokens
-        prior = self.usage.counts()[self._row[layer]]
+        if router_logits.shape[0] == 1:
+            score = router_logits[0]            # one token: softmax keeps the order
+        else:
+            z = router_logits - router_logits.max(axis=1, keepdims=True)
+            probs = np.exp(z)
+            probs /= probs.sum(axis=1, keepdims=True)
+            score = probs.max(axis=0)                              # [E] best over the tokens
+        prior = self.usage.layer_counts(layer)
         ranked = np.lexsort((np.arange(score.size), -prior, -score))[: self.width].tolist()
         decode = router_logits.shape[0] == 1
         self._predicted[(layer, ahead)] = [ranked, decode, None]
@@ -646,11 +649,15 @@ class StreamingExpertProvider(ExpertProvider):
             row = counts[self._row[layer]]
             room = self.cache.dynamic_slots(layer)
             chosen = [int(e) for e in np.argsort(-row, kind="stable")[:room] if row[e] > 0]
+            warmed = []
             for e in reversed(chosen):                  # the most used last: the most recent
                 slot = self.cache.warm(layer, e, self.token)
                 if slot is not None:
                     self._submit(layer, e, slot, PIN_LOAD)
                     self.warm_loads += 1
+                    warmed.append(e)
+            if self.adaptation is not None and warmed:
+                self.adaptation.warm_started(self._row[layer], warmed)
 
     def _pin_counts(self) -> np.ndarray:
         """The counts pins follow: the learner's chosen source, else the usage counts."""

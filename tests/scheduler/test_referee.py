@@ -227,3 +227,17 @@ def test_a_back_off_learned_earlier_delays_the_first_probe():
     third = Referee(COSTS, "predictive")
     third.set_states({"prefetch": False}, {"prefetch": 10 ** 6, "unknown": 3})
     assert third.states["prefetch"].backoff == BACKOFF_MAX
+
+
+def test_a_policy_s_probe_budget_counts_the_windows_it_runs_unjudged():
+    """A policy probed again runs WARMUP_WINDOWS windows before it is judged, then
+    PROBE_WINDOWS: its back-off keeps the cost of all of them at PROBE_BUDGET."""
+    referee = Referee(COSTS, "predictive")
+    expensive = _window(bookkeeping_s=0.05, lru_pins_misses=161)
+    for _ in range(WARMUP_WINDOWS):
+        referee.close_window(expensive)
+    assert [(d.mechanism, d.on) for d in referee.close_window(expensive)] == [("policy", False)]
+    loss = -referee.states["policy"].net / (BASE.wall_s / BASE.steps)
+    windows = PROBE_WINDOWS + WARMUP_WINDOWS
+    assert referee.states["policy"].backoff == min(BACKOFF_MAX, math.ceil(windows * loss / PROBE_BUDGET))
+    assert referee.states["policy"].backoff > math.ceil(PROBE_WINDOWS * loss / PROBE_BUDGET)

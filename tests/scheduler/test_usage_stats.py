@@ -49,6 +49,7 @@ def test_observe_counts_tokens_per_expert_and_repeats():
     (lambda s: s.observe(1, [-1]), ValueError),
     (lambda s: s.observe(1, [0, 1], tokens=[1]), ValueError),
     (lambda s: s.observe(1, [0], tokens=[-1]), ValueError),
+    (lambda s: s.observe(1, [0], tokens=-1), ValueError),
     (lambda s: s.observe(1, [0], tokens=[math.nan]), ValueError),
     (lambda s: s.advance(-1), ValueError),
 ])
@@ -57,6 +58,22 @@ def test_bad_observations_raise(call, error):
     with pytest.raises(error):
         call(stats)
     assert stats.counts().sum() == 0.0
+
+
+def test_a_list_of_ints_counts_exactly_as_an_array_does():
+    # The decode path passes Python ints; any other form takes the array path.
+    rng = np.random.default_rng(0)
+    fast, general = UsageStats(LAYERS, E, half_life_tokens=9), UsageStats(LAYERS, E, half_life_tokens=9)
+    for step in range(200):
+        layer = LAYERS[step % 3]
+        ids = rng.integers(0, E, size=rng.integers(1, 4)).tolist()     # repeats too
+        fast.observe(layer, ids)
+        general.observe(layer, np.array(ids), tokens=np.ones(len(ids)))
+        fast.advance(1)
+        general.advance(1)
+    assert np.array_equal(fast.counts(), general.counts())
+    assert np.array_equal(fast.take_delta()[0], general.take_delta()[0])
+    assert np.array_equal(fast.layer_counts(3), fast.counts()[1])
 
 
 def test_renormalisation_keeps_values_exact_over_many_half_lives():

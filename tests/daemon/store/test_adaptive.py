@@ -395,3 +395,28 @@ def test_a_session_that_does_not_manage_a_mechanism_keeps_what_an_earlier_one_sa
         assert plain.learned_state()["mechanism_backoff"] == learned["mechanism_backoff"]
     finally:
         plain.close()
+
+
+def test_the_policy_s_lru_yardstick_starts_from_the_warm_start_and_naive_starts_cold(model_dir):
+    """A warm-started cache holds the experts an earlier session used most before its
+    first step: LRU over moed's tiers (what the eviction policy is credited against)
+    holds them too, so the policy is not credited with the misses the warm start
+    avoided; the naive cache, like the naive mode, starts empty."""
+    counts = np.zeros((LAYERS, EXPERTS))
+    counts[:, [3, 7]] = [5.0, 9.0]
+    p = _provider(model_dir, slots=4 * LAYERS, counts=counts, prefetch=False, learn_pins=False,
+                  pin_fraction=0.0)
+    try:
+        a = p.adaptation
+        assert p.warm_loads == 2 * LAYERS and a.lru_pins is not None
+        _decode_step(p, [[3, 7]] * LAYERS)
+        assert a.totals["naive_misses"] == 2 * LAYERS          # cold: every expert a miss
+        assert a.totals["lru_pins_misses"] == 0                # warm, as the real cache was
+    finally:
+        p.close()
+    cold = _provider(model_dir, slots=4 * LAYERS, counts=None, prefetch=False, learn_pins=False,
+                     pin_fraction=0.0)
+    try:
+        assert cold.warm_loads == 0 and cold.adaptation.lru_pins is None   # nothing to differ
+    finally:
+        cold.close()
