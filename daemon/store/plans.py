@@ -16,6 +16,7 @@ is then addressed inside its span, and ``ReadPlan.views`` returns the kernels' w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -124,6 +125,18 @@ class ReadPlan:
         return cls(layer=location.layer, expert=location.expert, align=align,
                    spans=tuple(spans), placements=tuple(placements), slot_bytes=slot_offset,
                    weights=location.projections())
+
+    @cached_property
+    def view_signature(self) -> tuple:
+        """What `views` makes of a buffer besides its bytes: each projection's format,
+        shape and block, and each of its pieces' dtype, shape, length and slot offset.
+        Two plans with equal signatures give views of one buffer that differ in nothing
+        but which expert's bytes it holds (names and file positions only say where the
+        bytes came from)."""
+        at = {p.info: p.slot_offset for p in self.placements}
+        return tuple(None if w is None else
+                     (w.format, w.shape, w.block, tuple((i.dtype, i.shape, i.nbytes, at[i]) for i in w.pieces))
+                     for w in self.weights)
 
     def views(self, buffer) -> ExpertWeights:
         """The expert's projections as read-only kernel weights over ``buffer`` (no copy).

@@ -268,7 +268,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.pin_swaps = 0                               # experts pinned by re-evaluation
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
         self._prefetch_layer: dict[int, int] = {}        # slot -> layer, prefetches in flight
-        self._views: dict[int, tuple[tuple[int, int], ExpertWeights]] = {}
+        self._views: dict[int, tuple[tuple[int, int], ExpertWeights, tuple]] = {}   # slot -> (key, views, signature)
         self.io_wait_s = 0.0
         self.bytes_submitted = {DEMAND: 0, PREFETCH: 0, PIN_LOAD: 0}  # aligned lengths
         self.read_failures = 0
@@ -607,10 +607,18 @@ class StreamingExpertProvider(ExpertProvider):
             self.adaptation.read_issued(reason)
 
     def _weights(self, layer: int, expert: int, slot: int) -> ExpertWeights:
+        """The kernels' weights of the expert the slot holds: views over the slot, built
+        once per slot and layout — a slot read anew with an expert laid out as the one
+        before (`ReadPlan.view_signature`) keeps its views, which see the new bytes (on
+        small experts building them cost more CPU than the read)."""
         key = (layer, expert)
         cached = self._views.get(slot)
         if cached is None or cached[0] != key:
-            cached = (key, self.plans[key].views(self.arena.buffer(slot)))
+            plan = self.plans[key]
+            if cached is not None and cached[2] == plan.view_signature:
+                cached = (key, cached[1], cached[2])
+            else:
+                cached = (key, plan.views(self.arena.buffer(slot)), plan.view_signature)
             self._views[slot] = cached
         return cached[1]
 

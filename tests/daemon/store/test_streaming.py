@@ -510,3 +510,40 @@ def test_a_demoted_pin_still_loading_is_waited_for_not_a_full_cache(model_dir, m
         assert {provider.cache.held(s) for s in range(7) if provider.cache.held(s)} >= {(0, 0), (0, 1)}
     finally:
         provider.close()
+
+
+def test_a_slot_read_anew_keeps_its_views_and_they_hold_the_new_expert(model_dir):
+    """Views over a slot are built once per layout: after a slot is read again with
+    another expert of the same layout, the weights handed out are the same arrays,
+    holding that expert's values (as read straight from the checkpoint)."""
+    from ext.models.experts import expert_weights
+    from ext.models.weights import read_weight
+    config = load_config(model_dir)
+    checkpoint = Checkpoint(model_dir)
+    layout = ExpertLayout(checkpoint, config)
+    slots = config.top_k * len(config.moe_layers)            # the minimum: every miss evicts
+    provider = StreamingExpertProvider(layout, config, StreamingOptions(
+        cache_bytes=slots * _slot_bytes(model_dir), prefetch=False, referee=False,
+        learn_pins=False, pin_fraction=0.0))
+    locations = {(loc.layer, loc.expert): loc for loc in layout}
+    layer = config.moe_layers[0]
+    seen: dict[int, list] = {}
+    kept = []
+    try:
+        provider.phase = "decode"
+        for experts in ([0, 1], [2, 3], [4, 5], [1, 6]):
+            provider.begin_step(1)
+            weights = provider.acquire(layer, experts)
+            for e, w in zip(experts, weights):
+                truth = expert_weights(locations[(layer, e)].projections(),
+                                       lambda sw: read_weight(checkpoint, sw))
+                for got, want in zip(w, truth):
+                    if want is not None:
+                        assert np.array_equal(np.asarray(got), np.asarray(want))
+                kept.append(w)                 # alive: ids are not recycled
+                seen.setdefault(id(w.gate), []).append(e)
+            provider.release(layer, experts)
+            provider.end_step()
+        assert any(len(set(es)) > 1 for es in seen.values())    # views reused across experts
+    finally:
+        provider.close()
