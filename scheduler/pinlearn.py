@@ -129,7 +129,7 @@ class PinLearner:
     # -- feeding ------------------------------------------------------------------------
     def observe(self, step: Sequence[Sequence[int]]) -> None:
         """One decode step's routing: for each layer, the expert ids it needed."""
-        self._current.append([[int(e) for e in experts] for experts in step])
+        self._current.append([list(map(int, experts)) for experts in step])
         if len(self._current) >= self.window_tokens:
             # A window's counts at once (one bincount, not one update per layer and step).
             E = self.num_experts

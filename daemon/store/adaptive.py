@@ -148,7 +148,7 @@ class Adaptation:
                                if m in MECHANISMS and m not in managed}
                          for key in ("mechanisms", "mechanism_backoff")}
         self._tally = _Tally()
-        self._rows: list[np.ndarray | None] = [None] * n_layers   # this step's routing
+        self._rows: list[list | None] = [None] * n_layers   # this step's routing, [T][K] ints
         self._step_start: float | None = None
         self._step_decode = False
         self._guesses: dict[tuple[int, int], str] = {}
@@ -202,7 +202,7 @@ class Adaptation:
                 t.prefetch_wasted += 1
         if learn and self.learner is not None and all(x is not None for x in self._rows):
             t0 = self.clock()                  # every row of the step, prompt ones too
-            for row in zip(*(rows.tolist() for rows in self._rows)):
+            for row in zip(*self._rows):
                 self.learner.observe(row)
             spent = self.clock() - t0
             self.learner_spent_s += spent
@@ -298,8 +298,8 @@ class Adaptation:
         totals["lru_pins_misses"] += lru_pins
 
     def routed(self, layer_index: int, ids: np.ndarray) -> None:
-        """A layer's routing this step: ids [T, K], a row per position (copied)."""
-        self._rows[layer_index] = np.array(ids, copy=True)
+        """A layer's routing this step: ids [T, K], a row per position (copied, as lists)."""
+        self._rows[layer_index] = np.asarray(ids).tolist()
 
     def _shadows(self, layer_index: int, experts: Sequence[int]) -> tuple[int, int, int]:
         t0 = self.clock()
