@@ -109,6 +109,12 @@ class ShadowLRU:
         """The experts `layer` holds now (dynamic residents and pins)."""
         return set(self._lru[layer]) | self._pins[layer]
 
+    def same_state(self, other: ShadowLRU) -> bool:
+        """Whether `other` holds what this one holds, in the same recency order, with the
+        same capacities and pins: from here on both miss alike on any routing."""
+        return (self.capacities == other.capacities and self._pins == other._pins
+                and all(list(a) == list(b) for a, b in zip(self._lru, other._lru)))
+
 
 def even_split(slots: int, layers: int) -> list[int]:
     """`slots` dynamic slots over `layers` layers as ExpertCache splits them (the first

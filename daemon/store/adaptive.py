@@ -26,6 +26,7 @@ from telemetry.logs import get_logger
 
 log = get_logger("adaptive")
 
+MERGE_CHECK_LAYER_STEPS = 64      # how often a warm-started lru_pins is compared with naive
 WINDOW_STEPS = 16                 # decode steps per referee window
 # The first window is shorter: a mechanism that loses much (prefetch of small experts
 # whose reads cost less than its guesses) is judged after a quarter of the steps.
@@ -133,6 +134,7 @@ class Adaptation:
         self.lru_dynamic: ShadowLRU | None = None
         self._shadow_pins: set = set()
         self._warm = False                       # the cache was warm-started (warm_started)
+        self._merge_countdown = MERGE_CHECK_LAYER_STEPS
         self._retier(cache.pinned_slots, cache.staging_slots)
         self.referee: Referee | None = None
         if referee:
@@ -288,6 +290,11 @@ class Adaptation:
                     t.idle_used += kind == GUESS_IDLE
                     t.early_used += kind == GUESS_EARLY
         naive, lru_pins, lru_dynamic = self._shadows(layer_index, experts)
+        if self._warm:
+            self._merge_countdown -= 1
+            if self._merge_countdown <= 0:
+                self._merge_countdown = MERGE_CHECK_LAYER_STEPS
+                self._merge_warm_shadow()
         t.naive_misses += naive
         t.lru_pins_misses += lru_pins
         t.lru_dynamic_misses += lru_dynamic
@@ -361,6 +368,15 @@ class Adaptation:
             if shadow is not None:
                 for e in experts:
                     shadow.access(layer_index, [int(e)])
+
+    def _merge_warm_shadow(self) -> None:
+        """Drop lru_pins once it stands for the naive cache again: with nothing pinned
+        and the same slots, an LRU forgets where it started once every layer has seen
+        its capacity of distinct experts, and from then on the two shadows miss alike —
+        one replay instead of two."""
+        if (self.lru_pins is not None and not self._shadow_pins and self.cache.pinned_slots == 0
+                and self.lru_pins.same_state(self.naive)):
+            self.lru_pins, self._warm = None, False
 
     def staging_changed(self, staging_slots: int) -> None:
         self._retier(self.cache.pinned_slots, staging_slots)

@@ -84,3 +84,17 @@ def test_a_copy_replays_as_the_original_would_and_independently():
             assert b.access(li, ids) == reference.access(li, ids)
     assert b.resident(0) == reference.resident(0) and b.resident(1) == reference.resident(1)
     assert a.capacities == [5, 5] and 1 in a.resident(0)          # the original is untouched
+
+
+def test_same_state_means_same_residents_in_the_same_order_and_pins():
+    a = ShadowLRU([2, 2])
+    a.access(0, [1, 2])
+    b = a.copy()
+    assert a.same_state(b) and b.same_state(a)
+    b.access(0, [1])                     # same residents, another recency order
+    assert not a.same_state(b)
+    a.access(0, [1])
+    assert a.same_state(b)
+    b.set_pins([(1, 3)])
+    assert not a.same_state(b)
+    assert not ShadowLRU([2, 3]).same_state(ShadowLRU([2, 2]))

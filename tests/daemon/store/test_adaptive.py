@@ -397,15 +397,21 @@ def test_a_session_that_does_not_manage_a_mechanism_keeps_what_an_earlier_one_sa
         plain.close()
 
 
+def _warm_started(model_dir):
+    """A provider whose earlier session used experts 3 and 7 of every layer (warm-started
+    with them), nothing pinned, no prefetch."""
+    counts = np.zeros((LAYERS, EXPERTS))
+    counts[:, [3, 7]] = [5.0, 9.0]
+    return _provider(model_dir, slots=4 * LAYERS, counts=counts, prefetch=False, learn_pins=False,
+                     pin_fraction=0.0)
+
+
 def test_the_policy_s_lru_yardstick_starts_from_the_warm_start_and_naive_starts_cold(model_dir):
     """A warm-started cache holds the experts an earlier session used most before its
     first step: LRU over moed's tiers (what the eviction policy is credited against)
     holds them too, so the policy is not credited with the misses the warm start
     avoided; the naive cache, like the naive mode, starts empty."""
-    counts = np.zeros((LAYERS, EXPERTS))
-    counts[:, [3, 7]] = [5.0, 9.0]
-    p = _provider(model_dir, slots=4 * LAYERS, counts=counts, prefetch=False, learn_pins=False,
-                  pin_fraction=0.0)
+    p = _warm_started(model_dir)
     try:
         a = p.adaptation
         assert p.warm_loads == 2 * LAYERS and a.lru_pins is not None
@@ -420,3 +426,30 @@ def test_the_policy_s_lru_yardstick_starts_from_the_warm_start_and_naive_starts_
         assert cold.warm_loads == 0 and cold.adaptation.lru_pins is None   # nothing to differ
     finally:
         cold.close()
+
+
+def test_the_warm_yardstick_is_dropped_once_it_misses_as_the_naive_cache_does(model_dir):
+    """Nothing pinned: once LRU over moed's tiers has forgotten the warm start (each
+    layer saw its capacity of distinct experts since), it is the naive cache again and
+    one replay stands for both; the misses counted stay those of two replays."""
+    p = _warm_started(model_dir)
+    try:
+        a = p.adaptation
+        assert a.lru_pins is not None
+        twin = a.lru_pins.copy()
+        rng = np.random.default_rng(1)
+        merged_at = None
+        naive_total = pins_total = 0
+        for step in range(200):
+            routing = [sorted(rng.choice(EXPERTS, TOP_K, replace=False).tolist()) for _ in range(LAYERS)]
+            _decode_step(p, routing)
+            for li, experts in enumerate(routing):
+                pins_total += twin.access(li, experts)       # what lru_pins would have missed
+            naive_total = a.totals["naive_misses"]
+            if merged_at is None and a.lru_pins is None:
+                merged_at = step
+        assert merged_at is not None and merged_at < 100
+        assert a.totals["lru_pins_misses"] == pins_total    # merged without changing a count
+        assert pins_total < naive_total                     # the warm start did save misses
+    finally:
+        p.close()
