@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,56 +42,43 @@ from daemon.commands.bench import bench_prompt, prompt_ids          # noqa: E402
 from daemon.commands.figures import spread                          # noqa: E402
 from daemon.service.config import resolve_model_alias               # noqa: E402
 from daemon.store.streaming import StreamingExpertProvider, StreamingOptions   # noqa: E402
+from daemon.store.trace import TraceWriter                           # noqa: E402
 from ext.formats.checkpoint import Checkpoint                       # noqa: E402
 from ext.models.config import load_config                           # noqa: E402
 from ext.models.experts import ExpertLayout                         # noqa: E402
 from ext.models.model import Model                                  # noqa: E402
 from ext.sampling import Sampler, SamplingParams                    # noqa: E402
 from scheduler.cache import PHASE_DECODE, PHASE_PREFILL, CacheBudgetError   # noqa: E402
+from scheduler.replay import load_trace                              # noqa: E402
 
 NAIVE = dict(prefetch=False, policy="lru", pin_fraction=0.0, learn_pins=False, referee=False)
 Step = list[tuple[int, list[int]]]        # (MoE layer id, its experts) in layer order
 
 
-class _Recorder(StreamingExpertProvider):
-    """A provider that keeps each decode step's routing (every expert resident)."""
-
-    steps: list[Step]
-
-    @property
-    def wants_routing(self) -> bool:
-        return True
-
-    def observe_routing(self, layer: int, ids: np.ndarray) -> None:
-        if self.phase == PHASE_DECODE:
-            self.steps[-1].append((layer, sorted({int(e) for e in np.asarray(ids).reshape(-1)})))
-
-    def begin_step(self, tokens: int) -> None:
-        super().begin_step(tokens)
-        self.steps.append([])
-
-
 def record_routing(model_dir: str, prompt: list[int], tokens: int) -> list[Step]:
-    """The routing of `tokens` sampled decode steps after `prompt`."""
+    """The routing of `tokens` sampled decode steps after `prompt`, recorded as
+    `--record-trace` records it (daemon.store.trace) and read back (scheduler.replay)."""
     config = load_config(model_dir)
     checkpoint = Checkpoint(model_dir)
     layout = ExpertLayout(checkpoint, config)
     total = sum(p.nbytes for loc in layout for p in loc.pieces()) * 2
-    provider = _Recorder(layout, config, StreamingOptions(cache_bytes=max(total, 1 << 20), **NAIVE))
-    provider.steps = []
+    provider = StreamingExpertProvider(layout, config, StreamingOptions(cache_bytes=max(total, 1 << 20), **NAIVE))
     model = Model(config, checkpoint, layout, provider, 1)
-    try:
-        seq = model.new_sequence(capacity=len(prompt) + tokens + 1)
-        provider.phase = PHASE_PREFILL
-        logits = model.forward(seq, prompt)
-        provider.phase = PHASE_DECODE
-        provider.steps = []
-        sampler = Sampler(SamplingParams(temperature=0.7, seed=0))
-        for _ in range(tokens):
-            logits = model.forward(seq, [sampler.sample(logits[-1])])
-    finally:
-        model.close()
-    return [s for s in provider.steps if s]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "routing.jsonl"
+        try:
+            seq = model.new_sequence(capacity=len(prompt) + tokens + 1)
+            provider.phase = PHASE_PREFILL
+            logits = model.forward(seq, prompt)
+            provider.phase = PHASE_DECODE
+            provider.trace_writer = TraceWriter(trace, len(provider.moe_layers))
+            sampler = Sampler(SamplingParams(temperature=0.7, seed=0))
+            for _ in range(tokens):
+                logits = model.forward(seq, [sampler.sample(logits[-1])])
+        finally:
+            model.close()                    # closes the trace writer with the provider
+        moe_layers = list(provider.moe_layers)
+        return [list(zip(moe_layers, layers)) for layers in load_trace(trace)]
 
 
 def replay(provider: StreamingExpertProvider, steps: list[Step]) -> float:
