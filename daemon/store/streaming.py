@@ -503,7 +503,8 @@ class StreamingExpertProvider(ExpertProvider):
 
     def _hint(self, layer: int, router_logits: np.ndarray, ahead: int) -> None:
         self._reap()
-        if router_logits.shape[0] == 1:
+        decode = router_logits.shape[0] == 1
+        if decode:
             score = router_logits[0]            # one token: softmax keeps the order
         else:
             z = router_logits - router_logits.max(axis=1, keepdims=True)
@@ -512,7 +513,6 @@ class StreamingExpertProvider(ExpertProvider):
             score = probs.max(axis=0)                              # [E] best over the tokens
         prior = self.usage.layer_counts(layer)
         ranked = np.lexsort((np.arange(score.size), -prior, -score))[: self.width].tolist()
-        decode = router_logits.shape[0] == 1
         self._predicted[(layer, ahead)] = [ranked, decode, None]
         calibration = self.calibration[(decode, ahead)]
         if ahead == 1:
