@@ -65,7 +65,16 @@ extensions = [
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    )
+    ),
+    # The eviction policy's bookkeeping (scheduler/eviction.py, lrfu): plain C, no
+    # OpenMP, no SIMD; -ffp-contract=off keeps its doubles equal to Python's.
+    Extension(
+        "scheduler._lrfu",
+        ["scheduler/_lrfu.pyx"],
+        include_dirs=[numpy.get_include()],
+        extra_compile_args=["-O2", "-std=gnu11", "-ffp-contract=off"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives))

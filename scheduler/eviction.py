@@ -67,6 +67,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from scheduler._lrfu import LRFUState
+
 Evictable = Callable[[int], bool]
 Key = tuple[float, int, int]   # lrfu, predictive: (value, last use, -expert), lowest evicted first
 
@@ -286,137 +288,58 @@ class LRFUPolicy(EvictionPolicy):
     victim() ranks the residents by the key (value, last use, -expert) — lowest value
     first, ties to the least recent use, then to the higher id: a total order, so the
     order of admission never matters — and asks `evictable` about them in that order
-    until one is. Keys are memoized for the token they were computed at, and every event
-    that can change an expert's value forgets its key (a step forgets all of them): the
-    several victim() and value() calls of one step compute each resident's value once.
-    One loop (`_keys_of`) computes every value, so victim() and value() agree to the bit.
+    until one is. The state and the ranking are compiled (`scheduler._lrfu.LRFUState`:
+    the same expressions in the same order, so values are the Python ones to the bit);
+    values are memoized for the token they were computed at, and every event that can
+    change an expert's value forgets it (a step forgets all): the several victim() and
+    value() calls of one step compute each resident's value once, and victim() and
+    value() agree to the bit.
     """
 
     name = "lrfu"
 
     def __init__(self, num_experts: int, capacity: int, short_half_life: float = LRFU_SHORT_HALF_LIFE,
                  long_half_life: float = LRFU_LONG_HALF_LIFE, long_weight: float = LRFU_LONG_WEIGHT):
-        self._ds = 2.0 ** (-1.0 / short_half_life)
-        self._dl = 2.0 ** (-1.0 / long_half_life)
-        self._ws = (1.0 - long_weight) * (1.0 - self._ds)   # CRF -> rate, times its weight
-        self._wl = long_weight * (1.0 - self._dl)
-        self._crf_short = [0.0] * num_experts            # CRF at the last use
-        self._crf_long = [0.0] * num_experts
-        self._last = [-1] * num_experts                  # token of the last use; -1: never
-        self._resident: set[int] = set()
-        self._boost: dict[int, tuple[float, int]] = {}   # prefetched, unused: (score, token)
-        self._keys: dict[int, Key] = {}                  # resident -> its key at _keys_token
-        self._keys_token: int | None = None
-        self._ranking: list[Key] = []                    # sorted(_keys.values())
+        ds = 2.0 ** (-1.0 / short_half_life)
+        dl = 2.0 ** (-1.0 / long_half_life)
+        # CRF -> rate, times its weight
+        self._state = LRFUState(num_experts, ds, dl, (1.0 - long_weight) * (1.0 - ds),
+                                long_weight * (1.0 - dl))
 
     def step(self, token, experts):
-        self._forget_all()
-        for e in experts:
-            last = self._last[e]
-            if last == token:
-                continue
-            if last >= 0:
-                age = token - last
-                self._crf_short[e] = self._crf_short[e] * self._ds ** age + 1.0
-                self._crf_long[e] = self._crf_long[e] * self._dl ** age + 1.0
-            else:
-                self._crf_short[e] = self._crf_long[e] = 1.0
-            self._last[e] = token
+        self._state.step(token, experts)
 
     def admit(self, expert, token, demand, score=0.0):
-        self._forget(expert)
-        self._resident.add(expert)
-        if not demand:
-            self._boost[expert] = (float(score), token)
+        self._state.admit(expert, token, demand, score)
 
     def hit(self, expert, token):
-        if self._boost.pop(expert, None) is not None:
-            self._forget(expert)
+        self._state.hit(expert)
 
     def evict(self, expert, token):
-        self.drop(expert)
+        self._state.drop(expert)
 
     def drop(self, expert):
-        self._forget(expert)
-        self._resident.discard(expert)
-        self._boost.pop(expert, None)
+        self._state.drop(expert)
 
     def victim(self, token, evictable, incoming=None):
-        for _, _, minus_expert in self._ranking_at(token):
-            if evictable(-minus_expert):
-                return -minus_expert
-        return None
+        prediction = self._prediction()
+        if prediction is None:
+            return self._state.victim(token, evictable)
+        return self._state.victim(token, evictable, *prediction)
 
     def rate(self, expert: int, token: int) -> float:
         """(1 - a) * r_short + a * r_long at `token`: decayed uses per token, 0..1."""
-        return self._rates([expert], token)[0]
+        return self._state.rate(expert, token)
 
     def value(self, expert, token):
-        key = self._keys.get(expert) if token == self._keys_token else None
-        if key is None:
-            key = self._keys_of([expert], token)[0]
-        return key[0]
-
-    def _ranking_at(self, token: int) -> list[Key]:
-        """Every resident's key at `token`, ascending (memoized; see the class docstring)."""
-        if token != self._keys_token:
-            self._forget_all()
-            self._keys_token = token
-        if len(self._keys) < len(self._resident):
-            missing = [e for e in self._resident if e not in self._keys]
-            keys = self._keys_of(missing, token)
-            self._keys.update(zip(missing, keys))
-            self._ranking += keys
-            self._ranking.sort()
-        return self._ranking
-
-    def _forget(self, expert: int) -> None:
-        """Drop expert's memoized key: its value may change."""
-        key = self._keys.pop(expert, None)
-        if key is not None:
-            self._ranking.remove(key)
-
-    def _forget_all(self) -> None:
-        self._keys.clear()
-        self._ranking.clear()
-
-    def _rates(self, experts: Sequence[int], token: int) -> list[float]:
-        """`rate` of each of `experts` at `token`."""
-        ds, dl, ws, wl = self._ds, self._dl, self._ws, self._wl
-        crf_short, crf_long, lasts = self._crf_short, self._crf_long, self._last
-        rates = []
-        for e in experts:
-            last = lasts[e]
-            if last < 0:
-                rates.append(0.0)
-            else:
-                age = token - last
-                rates.append(ws * crf_short[e] * ds ** age + wl * crf_long[e] * dl ** age)
-        return rates
+        prediction = self._prediction()
+        if prediction is None:
+            return self._state.value(expert, token)
+        return self._state.value(expert, token, *prediction)
 
     def _prediction(self) -> tuple[float, np.ndarray] | None:
         """(weight, [E] float64 p_next) to mix into the rate, or None (plain lrfu)."""
         return None
-
-    def _keys_of(self, experts: Sequence[int], token: int) -> list[Key]:
-        """The key (value, last use, -expert) of each of `experts` at `token`.
-
-        value = the rate (mixed with the prediction, if any), or the prefetch score of an
-        expert prefetched and not yet used if that is higher — during the step the
-        prefetch was made for only.
-        """
-        values = self._rates(experts, token)
-        prediction = self._prediction()
-        if prediction is not None:
-            weight, p_next = prediction
-            values = [(1.0 - weight) * rate + weight * p_next.item(e) for e, rate in zip(experts, values)]
-        boost, lasts = self._boost, self._last
-        keys = []
-        for e, value in zip(experts, values):
-            b = boost.get(e)
-            floor = b[0] if b is not None and token <= b[1] else 0.0
-            keys.append((floor if floor > value else value, lasts[e], -e))
-        return keys
 
 
 class PredictivePolicy(LRFUPolicy):
