@@ -9,7 +9,7 @@
 #
 # Conventions: experts are ints in [0, num_experts); tokens are non-decreasing ints.
 # Memory: six arrays of num_experts entries (48 bytes per expert).
-from libc.math cimport pow
+from libc.math cimport log, pow
 
 import numpy as np
 
@@ -208,3 +208,60 @@ cdef class LRFUState:
             for i in range(n):
                 self.asked[self.residents[i]] = 0
         return result
+
+
+# ---------------------------------------------------------------- predictive's statistics
+# scheduler.eviction.PredictivePolicy's per-step arithmetic on its transition counts
+# T [E, E] and N [E] (float64, C-contiguous, owned by the policy): the numpy expressions
+# it replaces are named in each docstring, and the results are theirs to the bit (one
+# add per element; the mean's sum in row order, as numpy reduces a non-contiguous axis).
+
+def distinct_sorted(experts) -> np.ndarray:
+    """np.asarray(sorted(set(experts)), dtype=np.int64): [X] int64."""
+    return np.asarray(sorted(set(experts)), dtype=np.int64)
+
+
+def add_transitions(double[:, ::1] t, double[::1] n, const long long[::1] prev,
+                    const long long[::1] ids, double weight):
+    """t[np.ix_(prev, ids)] += weight; n[prev] += weight (prev and ids distinct, in
+    range: the caller's own arrays)."""
+    cdef Py_ssize_t i, j
+    cdef long long a
+    for i in range(prev.shape[0]):
+        a = prev[i]
+        for j in range(ids.shape[0]):
+            t[a, ids[j]] += weight
+        n[a] += weight
+
+
+def predict(const double[:, ::1] t, const double[::1] n, const long long[::1] prev):
+    """(t[prev] / np.where(n[prev] > 0, n[prev], 1.0)[:, None]).mean(axis=0): [E] float64,
+    the mean over the rows of prev (at least one) of each row's counts over its total."""
+    cdef Py_ssize_t x = prev.shape[0], e_count = t.shape[1], i, e
+    cdef double total
+    out_array = np.zeros(e_count)
+    cdef double[::1] out = out_array
+    cdef long long a
+    if x == 0:
+        raise ValueError("predict needs at least one expert of the last step")
+    for i in range(x):
+        a = prev[i]
+        total = n[a] if n[a] > 0 else 1.0
+        for e in range(e_count):
+            out[e] = out[e] + t[a, e] / total if i else t[a, e] / total
+    for e in range(e_count):
+        out[e] = out[e] / <double>x
+    return out_array
+
+
+def log_score(const double[::1] p, ids, double floor) -> float:
+    """sum over e in ids of log(max(p[e], floor)), in the order given (libm's log)."""
+    cdef double s = 0.0, v
+    cdef long e
+    for x in ids:
+        e = x
+        if e < 0 or e >= p.shape[0]:
+            raise IndexError(f"expert {e} out of range [0, {p.shape[0]})")
+        v = p[e]
+        s += log(v if v > floor else floor)
+    return s

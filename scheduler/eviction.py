@@ -67,7 +67,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from scheduler._lrfu import LRFUState
+from scheduler._lrfu import LRFUState, add_transitions, distinct_sorted, log_score, predict
 
 Evictable = Callable[[int], bool]
 Key = tuple[float, int, int]   # lrfu, predictive: (value, last use, -expert), lowest evicted first
@@ -440,10 +440,10 @@ class PredictivePolicy(LRFUPolicy):
         self._p_next = self._parts = None
 
     def step(self, token, experts):
-        if self._prior is not None and self._prev is not None and token > self._prev_token and len(experts):
-            self._score_predictors(sorted(set(experts)))
+        ids = distinct_sorted(experts)                   # [X] int64
+        if self._prior is not None and self._prev is not None and token > self._prev_token and ids.size:
+            self._score_predictors(ids)
         super().step(token, experts)
-        ids = np.asarray(sorted(set(experts)), dtype=np.int64)
         if self._prior is not None and self._prior_token is None:
             self._prior_token = token
         if self._prev is None:
@@ -458,8 +458,7 @@ class PredictivePolicy(LRFUPolicy):
                 self._n *= scale
                 self._base, exponent = token, 0.0
             weight = 2.0 ** exponent
-            self._t[np.ix_(self._prev, ids)] += weight
-            self._n[self._prev] += weight
+            add_transitions(self._t, self._n, self._prev, ids, weight)   # T[prev x ids], N[prev] += weight
         if token != self._prev_token or self._prev is None:
             self._prev, self._prev_token = ids, token
         self._p_next = self._parts = None
@@ -486,16 +485,14 @@ class PredictivePolicy(LRFUPolicy):
 
     def _predict(self, t: np.ndarray, n: np.ndarray) -> np.ndarray:
         """mean over a in the last step's experts of t[a] / n[a] (0 where n[a] is 0)."""
-        na = n[self._prev]                                            # [X]
-        rows = t[self._prev] / np.where(na > 0, na, 1.0)[:, None]     # [X, E]
-        return rows.mean(axis=0)
+        return predict(t, n, self._prev)     # compiled; the numpy expression is its docstring
 
-    def _score_predictors(self, ids: list[int]) -> None:
+    def _score_predictors(self, ids: np.ndarray) -> None:
         """Score the prior's and the live prediction made before this step on `ids`."""
         decay = 2.0 ** (-1.0 / PRIOR_SCORE_HALF_LIFE)
         p_prior, p_live = self._prior_and_live()
-        prior = np.log(np.maximum(p_prior[ids], PRIOR_SCORE_FLOOR)).sum()
-        live = np.log(np.maximum(p_live[ids], PRIOR_SCORE_FLOOR)).sum()
+        prior = log_score(p_prior, ids, PRIOR_SCORE_FLOOR)
+        live = log_score(p_live, ids, PRIOR_SCORE_FLOOR)
         self._score_prior = self._score_prior * decay + float(prior)
         self._score_live = self._score_live * decay + float(live)
         x = min(50.0, max(-50.0, self._score_live - self._score_prior))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler._lrfu import LRFUState
+from scheduler._lrfu import LRFUState, add_transitions, distinct_sorted, log_score, predict
 from scheduler.eviction import LRFUPolicy
 
 
@@ -65,3 +65,28 @@ def test_resident_bookkeeping_survives_admits_again_and_drops():
 def test_zero_experts_is_refused():
     with pytest.raises(ValueError, match="num_experts must be >= 1"):
         LRFUState(0, 0.5, 0.9, 0.1, 0.08)
+
+
+def test_predictive_helpers_refuse_what_they_cannot_compute():
+    t, n = np.ones((3, 3)), np.array([2.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="at least one expert"):
+        predict(t, n, np.zeros(0, dtype=np.int64))
+    with pytest.raises(IndexError, match=r"expert 3 out of range \[0, 3\)"):
+        log_score(np.full(3, 0.5), [0, 3], 0.02)
+
+
+def test_predictive_helpers_match_their_numpy_expressions():
+    rng = np.random.default_rng(1)
+    t, n = rng.random((6, 6)), rng.random(6)
+    n[2] = 0.0                                   # a row never followed: divided by 1
+    prev, ids = np.array([1, 2, 5]), np.array([0, 2, 3])
+    expected = (t[prev] / np.where(n[prev] > 0, n[prev], 1.0)[:, None]).mean(axis=0)
+    assert np.array_equal(predict(t, n, prev), expected)
+    t2, n2 = t.copy(), n.copy()
+    add_transitions(t, n, prev, ids, 0.75)
+    t2[np.ix_(prev, ids)] += 0.75
+    n2[prev] += 0.75
+    assert np.array_equal(t, t2) and np.array_equal(n, n2)
+    p = np.array([0.5, 0.0, 0.25, 1e-9])
+    assert log_score(p, [0, 1, 3], 0.02) == pytest.approx(np.log([0.5, 0.02, 0.02]).sum(), rel=1e-15)
+    assert list(distinct_sorted([4, 1, 4, 0])) == [0, 1, 4]
