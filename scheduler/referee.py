@@ -28,8 +28,10 @@ prefetch) and LRU over moed's own pinned and dynamic tiers. Per window the refer
                 before its attention (its router and norm included in its time).
   policy        the eviction policy against LRU over the same tiers: saves the misses
                 LRU would have had beyond moed's (less the prefetch's), at a miss's
-                stall plus a read's CPU; costs its bookkeeping beyond LRU's (both per
-                layer step, measured: `policy_step_s`).
+                stall plus a read's CPU; costs its bookkeeping (main-thread CPU)
+                beyond what LRU's would have been with LRU's misses (a fixed part
+                per layer step, `policy_step_s`, and a part per miss,
+                `miss_bookkeeping_s`, both measured).
   lrfu          the same, for lrfu in force in the configured policy's place (see
                 FALLBACK_POLICY).
   pins          (reported, decided by scheduler.pinlearn): the naive cache's misses
@@ -37,8 +39,9 @@ prefetch) and LRU over moed's own pinned and dynamic tiers. Per window the refer
                 LRU shadows do: what an earlier session's usage brings), less the pin
                 loads (warm-start reads included), against the learner's time.
   naive         the estimated time of the naive mode on this window: the measured time,
-                less moed's stall and overheads, plus the naive cache's misses at the
-                miss cost and their read CPU. `estimated_speedup` = naive / measured.
+                less moed's stall and overheads (its bookkeeping beyond LRU's with the
+                naive cache's misses), plus those misses at the miss cost and their
+                read CPU. `estimated_speedup` = naive / measured.
 
 Decisions: a mechanism whose smoothed net value (saved - cost) stays below
 -TOLERANCE of the window's time for PATIENCE windows in a row (one, in the first window
@@ -115,8 +118,9 @@ class Window:
     spent after a step's layers ran); stall_s: time waiting for reads;
     hint_s: making guesses (routers' scores to reads), idle_hint_s / early_hint_s: its
     idle-worker part and its second-guess part;
-    bookkeeping_s: the cache's request/release; learner_s: the pin learner; shadow_s:
-    the shadows. misses: demand reads; inflight_hits: needed experts still being read
+    bookkeeping_s: the cache's request/release and shadow_s: the shadows, both in the
+    main thread's CPU seconds (a wait for the GIL is no policy's cost); learner_s: the
+    pin learner. misses: demand reads; inflight_hits: needed experts still being read
     (a prefetch or pin load); reads: every read issued (demand, prefetch, pin loads);
     pin_loads; read_cpu_s: CPU seconds of one read (io workers, this window); read_s:
     service seconds of one read (first byte requested to last received, queue wait
@@ -206,16 +210,21 @@ class Verdict:
 class Referee:
     """Values moed's mechanisms per window and turns off those that do not pay.
 
-    policy_step_s: {policy name: seconds of the cache's bookkeeping per layer step},
-    measured by the caller (a calibration at start); updated from live windows.
+    policy_step_s: {policy name: CPU seconds of the cache's bookkeeping per layer step
+    beyond its misses'}, measured by the caller (a calibration at start); updated from
+    live windows. miss_bookkeeping_s: the bookkeeping one miss adds (the cache takes a
+    slot and evicts), common to every policy: LRU's bookkeeping in a window is
+    policy_step_s["lru"] * layer steps + this * LRU's misses, so a policy is charged
+    what it spends beyond that and credited the slot work of the misses it avoids.
     default_policy: the policy the mechanism "policy" stands for when on.
     enabled: mechanisms that start on (the others are off and never probed: the
     operator turned them off).
     """
 
     def __init__(self, policy_step_s: dict[str, float], default_policy: str,
-                 enabled: tuple[str, ...] = MECHANISMS):
+                 enabled: tuple[str, ...] = MECHANISMS, miss_bookkeeping_s: float = 0.0):
         self.policy_step_s = dict(policy_step_s)
+        self.miss_bookkeeping_s = float(miss_bookkeeping_s)
         self.default_policy = default_policy
         self.states = {m: _State(on=m in enabled) for m in MECHANISMS}
         self.managed = set(enabled)
@@ -260,7 +269,7 @@ class Referee:
             self._read_s = self._smooth(self._read_s, w.read_s)
             self._io_busy = self._smooth(self._io_busy, min(1.0, max(0.0, w.io_busy)))
         if w.layer_steps and w.bookkeeping_s > 0:
-            step = w.bookkeeping_s / w.layer_steps
+            step = max(0.0, w.bookkeeping_s - self.miss_bookkeeping_s * w.misses) / w.layer_steps
             self.policy_step_s[w.policy] = self._smooth(self.policy_step_s.get(w.policy), step)
         miss = self._miss_cost or 0.0
         cpu = self._read_cpu or 0.0
@@ -283,13 +292,11 @@ class Referee:
                 put("early_hints", w.early_used * miss, w.early_hint_s + w.early_wasted * wasted)
         if w.policy != "lru":
             avoided = lru_dynamic - w.misses - w.prefetch_used
-            lru_step = self.policy_step_s.get("lru", 0.0)
             name = "lrfu" if w.policy == FALLBACK_POLICY and "lrfu" in self.managed else "policy"
-            put(name, avoided * (miss + cpu), w.bookkeeping_s - lru_step * w.layer_steps)
+            put(name, avoided * (miss + cpu), w.bookkeeping_s - self._lru_bookkeeping(w, lru_dynamic))
         put("pins", (w.naive_misses - w.lru_pins_misses - w.pin_loads) * (miss + cpu), w.learner_s)
-        lru_bookkeeping = self.policy_step_s.get("lru", 0.0) * w.layer_steps
         naive_s = (w.wall_s - w.stall_s - w.hint_s - w.learner_s - w.shadow_s
-                   - max(0.0, w.bookkeeping_s - lru_bookkeeping)
+                   - (w.bookkeeping_s - self._lru_bookkeeping(w, w.naive_misses))
                    + w.naive_misses * miss + (w.naive_misses - w.reads) * cpu)
         lookups = max(1, w.lookups)
         self.verdict = Verdict(
@@ -302,6 +309,10 @@ class Referee:
             moed_reads_per_token=w.reads / steps, naive_reads_per_token=w.naive_misses / steps,
             values=values)
         return self.verdict
+
+    def _lru_bookkeeping(self, w: Window, misses: int) -> float:
+        """LRU's bookkeeping over the window's layer steps with `misses` misses."""
+        return self.policy_step_s.get("lru", 0.0) * w.layer_steps + self.miss_bookkeeping_s * misses
 
     # ----------------------------------------------------------------- deciding
     def close_window(self, w: Window) -> list[Decision]:
@@ -390,4 +401,5 @@ class Referee:
                                       "probing": s.probing > 0, "backoff_windows": s.backoff}
                                for name, s in self.states.items()},
                 "policy": self.policy, "policy_step_s": dict(self.policy_step_s),
+                "miss_bookkeeping_s": self.miss_bookkeeping_s,
                 "latest": self.verdict.to_dict()}

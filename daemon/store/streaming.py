@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from daemon.store.adaptive import GUESS_EARLY, GUESS_IDLE, GUESS_LIKELY, Adaptation
+from daemon.store.adaptive import GUESS_EARLY, GUESS_IDLE, GUESS_LIKELY, Adaptation, cpu_clock_for
 from daemon.store.plans import ReadPlan, plans_for
 from daemon.store.reads import DEMAND, PIN_LOAD, PREFETCH, ExpertReadError, IoPool, probe_direct_io
 from daemon.store.slots import SlotArena
@@ -204,6 +204,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.config = config
         self.options = options
         self.clock = clock
+        self.cpu_clock = cpu_clock_for(clock)       # times the cache's bookkeeping
         self.moe_layers = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
         self._row = {layer: i for i, layer in enumerate(self.moe_layers)}  # layer -> usage row
         self.plans: dict[tuple[int, int], ReadPlan] = plans_for(layout)
@@ -287,7 +288,7 @@ class StreamingExpertProvider(ExpertProvider):
                 len(self.moe_layers), config.num_experts, config.top_k, self.cache,
                 learn_pins=options.learn_pins, max_pin_share=options.pin_fraction,
                 referee=options.referee, mechanisms=mechanisms, policy=options.policy,
-                staging_slots=staging_slots, learned=learned, clock=clock,
+                staging_slots=staging_slots, learned=learned, clock=clock, cpu_clock=self.cpu_clock,
                 learner_time_share=options.learner_time_share)
             referee = self.adaptation.referee
             if referee is not None:                      # start where the last session ended
@@ -378,7 +379,7 @@ class StreamingExpertProvider(ExpertProvider):
         """The demand path: request, issue the misses, then yield (positions, weights)
         as experts become usable (everything at the end unless `in_order`). A failed
         read releases the layer's experts and raises ExpertReadError."""
-        t_start = self.clock()
+        t_start = self.cpu_clock()
         self._reap()
         try:
             accesses = self.cache.request(layer, experts, self.token, phase=self.phase)
@@ -392,7 +393,7 @@ class StreamingExpertProvider(ExpertProvider):
         if self.adaptation is not None:
             # The cache's bookkeeping only: submitting a read is a read's cost, which LRU
             # (the policy's yardstick, calibrated without reads) pays per miss as well.
-            self.adaptation.add_time("bookkeeping", self.clock() - t_start)
+            self.adaptation.add_time("bookkeeping", self.cpu_clock() - t_start)
         for a in accesses:
             if a.outcome == OUTCOME_MISS:
                 self._submit(layer, a.expert, a.slot, DEMAND)
@@ -468,10 +469,10 @@ class StreamingExpertProvider(ExpertProvider):
                 self.adaptation.add_time("idle_hint", spent)
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
-        t0 = self.clock()
+        t0 = self.cpu_clock()
         self.cache.release(layer, experts)
         if self.adaptation is not None:
-            self.adaptation.add_time("bookkeeping", self.clock() - t0)
+            self.adaptation.add_time("bookkeeping", self.cpu_clock() - t0)
 
     @property
     def early_hints(self) -> bool:

@@ -43,6 +43,23 @@ def test_the_valuation_in_seconds():
     assert v.naive_hit_rate == pytest.approx(1 - 220 / 512)
 
 
+def test_the_slot_work_of_the_misses_a_policy_avoids_is_credited_to_it():
+    """With 2 us of bookkeeping per miss, LRU over the same tiers (200 misses) would have
+    spent 128 * 10 us + 200 * 2 us; the policy, with 120 misses, spent 12.8 ms in all: its
+    cost is the difference, and LRU's live figure is learned net of its misses' part."""
+    referee = Referee(COSTS, "predictive", miss_bookkeeping_s=2e-6)
+    w = _window(misses=120, lru_pins_misses=200, naive_misses=240)
+    v = referee.value(w)
+    assert v.values["policy"]["cost"] == pytest.approx((0.0128 - (1e-5 * 128 + 2e-6 * 200)) / 16)
+    miss = 0.032 / 120
+    naive = (0.16 - 0.032 - (0.0128 - (1e-5 * 128 + 2e-6 * 240)) + 240 * miss + (240 - 160) * 5e-5)
+    assert v.estimated_speedup == pytest.approx(naive / 0.16)
+    before = referee.policy_step_s["lru"]
+    referee.value(_window(policy="lru", misses=200, lru_pins_misses=200, bookkeeping_s=128 * 1e-5 + 200 * 2e-6))
+    assert referee.policy_step_s["lru"] == pytest.approx(before)   # 10 us fixed, as calibrated
+    assert referee.report()["miss_bookkeeping_s"] == 2e-6
+
+
 def test_an_unused_read_costs_device_time_in_proportion_to_how_busy_the_io_workers_are():
     """The same guesses (40 used, 40 unused, 3 ms reads) on an idle disk pay — an unused
     read costs its CPU only — and on a disk the workers keep busy 90 % of the time they

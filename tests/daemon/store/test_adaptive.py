@@ -60,7 +60,10 @@ def test_a_first_session_pins_its_recurring_experts_within_a_few_hundred_tokens(
     """No saved usage: the pinned tier starts empty and fills as the learner validates it."""
     rng = np.random.default_rng(0)
     # Steps here cost no compute, so any learning exceeds a share of their time: no budget.
-    provider = _provider(model_dir, slots=12, prefetch=False, learner_time_share=float("inf"))
+    # LRU in force throughout: whether the referee keeps the predictive policy (which
+    # learns this period too, leaving pins less to win) depends on its measured cost.
+    provider = _provider(model_dir, slots=12, prefetch=False, learner_time_share=float("inf"),
+                         policy="lru")
     try:
         assert provider.cache.pinned_slots == 0
         hot = [0, 1, 2, 3, 4]                        # each returns every 5 steps: LRU of 4 loses it
