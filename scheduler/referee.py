@@ -213,9 +213,10 @@ class Referee:
     policy_step_s: {policy name: CPU seconds of the cache's bookkeeping per layer step
     beyond its misses'}, measured by the caller (a calibration at start); updated from
     live windows. miss_bookkeeping_s: the bookkeeping one miss adds (the cache takes a
-    slot and evicts), common to every policy: LRU's bookkeeping in a window is
-    policy_step_s["lru"] * layer steps + this * LRU's misses, so a policy is charged
-    what it spends beyond that and credited the slot work of the misses it avoids.
+    slot and evicts), common to every policy. LRU's bookkeeping in a window is taken as
+    the policy in force's live fixed part times LRU's calibrated share of it, plus this
+    times LRU's misses: a policy is charged what it spends beyond that and credited the
+    slot work of the misses it avoids.
     default_policy: the policy the mechanism "policy" stands for when on.
     enabled: mechanisms that start on (the others are off and never probed: the
     operator turned them off).
@@ -224,6 +225,7 @@ class Referee:
     def __init__(self, policy_step_s: dict[str, float], default_policy: str,
                  enabled: tuple[str, ...] = MECHANISMS, miss_bookkeeping_s: float = 0.0):
         self.policy_step_s = dict(policy_step_s)
+        self._calibrated_step = dict(policy_step_s)
         self.miss_bookkeeping_s = float(miss_bookkeeping_s)
         self.default_policy = default_policy
         self.states = {m: _State(on=m in enabled) for m in MECHANISMS}
@@ -311,8 +313,17 @@ class Referee:
         return self.verdict
 
     def _lru_bookkeeping(self, w: Window, misses: int) -> float:
-        """LRU's bookkeeping over the window's layer steps with `misses` misses."""
-        return self.policy_step_s.get("lru", 0.0) * w.layer_steps + self.miss_bookkeeping_s * misses
+        """LRU's bookkeeping over the window's layer steps with `misses` misses: its fixed
+        part is the policy in force's live one scaled by their calibrated ratio (the
+        calibration runs quietly on warm CPU caches; live, between layers that compute,
+        every policy's layer step costs more, LRU's too)."""
+        live = self.policy_step_s.get(w.policy, 0.0)
+        calibrated_policy = self._calibrated_step.get(w.policy, 0.0)
+        if w.policy == "lru" or calibrated_policy <= 0 or "lru" not in self._calibrated_step:
+            fixed = self.policy_step_s.get("lru", 0.0)
+        else:
+            fixed = live * self._calibrated_step["lru"] / calibrated_policy
+        return fixed * w.layer_steps + self.miss_bookkeeping_s * misses
 
     # ----------------------------------------------------------------- deciding
     def close_window(self, w: Window) -> list[Decision]:

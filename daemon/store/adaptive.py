@@ -38,7 +38,7 @@ FIRST_WINDOW_STEPS = 4
 # unbudgeted evaluations took 0.28-0.40 ms per token (12-16 % of the time) and pinned
 # nothing; on a disk-bound model a token takes tens of milliseconds, so the budget lets
 # the first evaluation run as soon as it is due.
-CALIBRATION_STEPS = 24            # synthetic steps per policy in `policy_step_costs`
+CALIBRATION_STEPS = 48            # synthetic steps per policy and size in `_measure`
 _calibrated: dict[tuple, float] = {}
 GUESS_LIKELY, GUESS_IDLE, GUESS_EARLY = "likely", "idle", "early"
 
@@ -90,11 +90,13 @@ def bookkeeping_costs(policies: Sequence[str], n_layers: int, num_experts: int, 
 
     A miss costs the cache more than a hit (a slot taken, a victim evicted), so a policy
     that misses less also spends less there; the per-miss part is measured with LRU at
-    `slots_per_layer` and at top_k slots (every expert outside the layer's step a miss)
-    and taken as common to all policies: cost = fixed * layer steps + per_miss * misses.
+    every expert resident (only the first uses miss) and at top_k slots (nearly every
+    use a miss) and taken as common to all policies: cost = fixed * layer steps +
+    per_miss * misses. (Two sizes close together differ by a fraction of a miss per
+    layer step on Zipf routing: too little to tell the per-miss cost from the noise.)
     """
     slots = max(slots_per_layer, top_k)
-    wide, wide_misses = _measure("lru", n_layers, num_experts, top_k, slots, clock)
+    wide, wide_misses = _measure("lru", n_layers, num_experts, top_k, num_experts, clock)
     narrow, narrow_misses = _measure("lru", n_layers, num_experts, top_k, top_k, clock)
     per_miss = 0.0
     if narrow_misses > wide_misses:

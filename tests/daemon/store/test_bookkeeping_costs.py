@@ -1,5 +1,6 @@
 """daemon.store.adaptive.bookkeeping_costs: the referee's prior split into a fixed part per
-layer step and a part per miss, from LRU measured at two cache sizes."""
+layer step and a part per miss, from LRU measured with every expert resident and with
+top_k slots."""
 from __future__ import annotations
 
 import time
@@ -11,18 +12,19 @@ from daemon.store.adaptive import bookkeeping_costs, cpu_clock_for
 
 
 def test_the_per_miss_part_comes_from_lru_at_two_sizes(monkeypatch):
-    measured = {("lru", 9): (60e-6, 2.0), ("lru", 4): (100e-6, 4.0), ("predictive", 9): (70e-6, 1.5)}
+    measured = {("lru", 32): (20e-6, 0.5), ("lru", 4): (80e-6, 3.5),    # 60 us for 3 misses
+                ("lru", 9): (60e-6, 2.0), ("predictive", 9): (70e-6, 1.5)}
     monkeypatch.setattr(adaptive, "_measure", lambda policy, n, e, k, slots, clock: measured[(policy, slots)])
     fixed, per_miss = bookkeeping_costs(["lru", "predictive"], 8, 32, 4, 9)
-    assert per_miss == pytest.approx(20e-6)                       # 40 us more for 2 misses more
+    assert per_miss == pytest.approx(20e-6)
     assert fixed == pytest.approx({"lru": 20e-6, "predictive": 40e-6})
 
 
 def test_no_per_miss_part_when_the_two_sizes_cannot_tell_it(monkeypatch):
-    measured = {("lru", 4): (50e-6, 3.0)}                          # slots == top_k: one size
+    measured = {("lru", 4): (50e-6, 3.0)}
     monkeypatch.setattr(adaptive, "_measure", lambda policy, n, e, k, slots, clock: measured[(policy, slots)])
-    assert bookkeeping_costs(["lru"], 8, 32, 4, 4) == ({"lru": 50e-6}, 0.0)
-    measured[("lru", 9)] = (80e-6, 2.0)                            # noise: more misses, less time
+    assert bookkeeping_costs(["lru"], 8, 4, 4, 4) == ({"lru": 50e-6}, 0.0)    # every expert fits
+    measured.update({("lru", 32): (90e-6, 0.5), ("lru", 9): (80e-6, 2.0)})  # noise: more misses, less time
     assert bookkeeping_costs(["lru"], 8, 32, 4, 9) == ({"lru": 80e-6}, 0.0)
 
 
