@@ -66,8 +66,15 @@ extensions = [
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
-    # The eviction policy's bookkeeping (scheduler/eviction.py, lrfu): plain C, no
-    # OpenMP, no SIMD; -ffp-contract=off keeps its doubles equal to Python's.
+    # The scheduler's bookkeeping (the shadows' LRU, lrfu's and predictive's state):
+    # plain C, no OpenMP, no SIMD; -ffp-contract=off keeps lrfu's doubles equal to Python's.
+    Extension(
+        "scheduler._shadow",
+        ["scheduler/_shadow.pyx"],
+        include_dirs=[numpy.get_include()],
+        extra_compile_args=["-O2", "-std=gnu11"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
     Extension(
         "scheduler._lrfu",
         ["scheduler/_lrfu.pyx"],

@@ -16,8 +16,9 @@ bring); the do-no-harm referee (scheduler/referee.py) weighs them.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from scheduler._shadow import LayerLRU
 
 
 class ShadowLRU:
@@ -31,7 +32,7 @@ class ShadowLRU:
         if not capacities or min(capacities) < 1:
             raise ValueError(f"capacities must be >= 1 per layer, got {list(capacities)}")
         self.capacities = [int(c) for c in capacities]
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.capacities]
+        self._lru: list[LayerLRU] = [LayerLRU(c) for c in self.capacities]   # compiled
         self._pins: list[set[int]] = [set() for _ in self.capacities]
         self._pin_slot: dict[tuple[int, int], int] = {}   # the pinned slot index each pin holds
         self.pin_loads = 0                  # pins that were not resident when set: reads
@@ -43,25 +44,9 @@ class ShadowLRU:
         More misses than the layer's capacity (a prefill chunk's union) are served as the
         cache serves them: in batches of at most its capacity, in the order given.
         """
-        lru, pins = self._lru[layer], self._pins[layer]
-        capacity = self.capacities[layer]
-        misses = 0
-        for start in range(0, len(experts), capacity):
-            batch = experts[start:start + capacity]
-            new = []
-            for e in batch:                 # residents first: they cannot be evicted now
-                if e in pins:
-                    continue
-                if e in lru:
-                    lru.move_to_end(e)
-                else:
-                    new.append(e)
-            for e in new:
-                if len(lru) >= capacity:
-                    lru.popitem(last=False)
-                lru[e] = None
-            misses += len(new)
-        return misses
+        # Per batch: the residents are refreshed first (they cannot be evicted now), then
+        # each new one takes a free slot or evicts the least recently used.
+        return self._lru[layer].access(experts)
 
     def set_pins(self, pins: Iterable[tuple[int, int]],
                  capacities: Sequence[int] | None = None) -> None:
@@ -75,31 +60,33 @@ class ShadowLRU:
             if len(capacities) != len(self.capacities) or min(capacities) < 1:
                 raise ValueError(f"capacities must be >= 1 for each of {len(self.capacities)} layers")
             self.capacities = [int(c) for c in capacities]
+        for li, lru in enumerate(self._lru):
+            if lru.slots() < self.capacities[li]:
+                lru.set_capacity(self.capacities[li])    # grown: room for dropped pins
         for key, slot in sorted(self._pin_slot.items(), key=lambda kv: kv[1]):
             if key in new:
                 continue
             li, e = key
             del self._pin_slot[key]
             self._pins[li].discard(e)
-            if len(self._lru[li]) < self.capacities[li]:
-                self._lru[li][e] = None
+            if self._lru[li].count() < self.capacities[li] and not self._lru[li].contains(e):
+                self._lru[li].insert_recent(e)
         for li, lru in enumerate(self._lru):
-            while len(lru) > self.capacities[li]:
-                lru.popitem(last=False)
+            lru.set_capacity(self.capacities[li])        # shrunk: the least recent leave
         for key in sorted(new - set(self._pin_slot)):
             li, e = key
             taken = set(self._pin_slot.values())
             self._pin_slot[key] = next(i for i in range(len(taken) + 1) if i not in taken)
             self._pins[li].add(e)
-            if e in self._lru[li]:
-                del self._lru[li][e]
-            else:
+            if not self._lru[li].remove(e):
                 self.pin_loads += 1
+        for li, lru in enumerate(self._lru):
+            lru.set_pins(sorted(self._pins[li]))
 
     def copy(self) -> ShadowLRU:
         """An independent shadow in the same state (residents in the same order, pins)."""
         other = ShadowLRU(self.capacities)
-        other._lru = [OrderedDict(lru) for lru in self._lru]
+        other._lru = [lru.copy() for lru in self._lru]
         other._pins = [set(p) for p in self._pins]
         other._pin_slot = dict(self._pin_slot)
         other.pin_loads = self.pin_loads
@@ -107,13 +94,13 @@ class ShadowLRU:
 
     def resident(self, layer: int) -> set[int]:
         """The experts `layer` holds now (dynamic residents and pins)."""
-        return set(self._lru[layer]) | self._pins[layer]
+        return set(self._lru[layer].in_order()) | self._pins[layer]
 
     def same_state(self, other: ShadowLRU) -> bool:
         """Whether `other` holds what this one holds, in the same recency order, with the
         same capacities and pins: from here on both miss alike on any routing."""
         return (self.capacities == other.capacities and self._pins == other._pins
-                and all(list(a) == list(b) for a, b in zip(self._lru, other._lru)))
+                and all(a.in_order() == b.in_order() for a, b in zip(self._lru, other._lru)))
 
 
 def even_split(slots: int, layers: int) -> list[int]:
