@@ -217,8 +217,40 @@ cdef class LRFUState:
 # add per element; the mean's sum in row order, as numpy reduces a non-contiguous axis).
 
 def distinct_sorted(experts) -> np.ndarray:
-    """np.asarray(sorted(set(experts)), dtype=np.int64): [X] int64."""
-    return np.asarray(sorted(set(experts)), dtype=np.int64)
+    """np.asarray(sorted(set(experts)), dtype=np.int64): [X] int64 (an insertion sort:
+    a step's experts are a handful)."""
+    cdef list values = list(experts)
+    cdef Py_ssize_t n = len(values), i, j, i2, m = 0
+    out_array = np.empty(n, dtype=np.int64)
+    cdef long long[::1] out = out_array
+    cdef long long v
+    for i in range(n):
+        v = values[i]
+        j = m
+        while j > 0 and out[j - 1] > v:
+            j -= 1
+        if j > 0 and out[j - 1] == v:
+            continue                        # a repeat
+        i2 = m
+        while i2 > j:                       # shift the larger ones up by one
+            out[i2] = out[i2 - 1]
+            i2 -= 1
+        out[j] = v
+        m += 1
+    return out_array[:m]
+
+
+def mix(double w, const double[::1] a, const double[::1] b):
+    """w * a + (1.0 - w) * b: [E] float64 (a and b of one length)."""
+    cdef Py_ssize_t e, n = a.shape[0]
+    if b.shape[0] != n:
+        raise ValueError(f"mix of lengths {n} and {b.shape[0]}")
+    out_array = np.empty(n)
+    cdef double[::1] out = out_array
+    cdef double v = 1.0 - w
+    for e in range(n):
+        out[e] = w * a[e] + v * b[e]
+    return out_array
 
 
 def add_transitions(double[:, ::1] t, double[::1] n, const long long[::1] prev,

@@ -67,7 +67,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from scheduler._lrfu import LRFUState, add_transitions, distinct_sorted, log_score, predict
+from scheduler._lrfu import LRFUState, add_transitions, distinct_sorted, log_score, mix, predict
 
 Evictable = Callable[[int], bool]
 Key = tuple[float, int, int]   # lrfu, predictive: (value, last use, -expert), lowest evicted first
@@ -473,7 +473,7 @@ class PredictivePolicy(LRFUPolicy):
             else:
                 w = self._prior_weight
                 p_prior, p_live = self._prior_and_live()
-                self._p_next = w * p_prior + (1.0 - w) * p_live
+                self._p_next = mix(w, p_prior, p_live)    # w * p_prior + (1 - w) * p_live
         return self._p_next
 
     def _prior_and_live(self) -> tuple[np.ndarray, np.ndarray]:
