@@ -123,12 +123,14 @@ def test_the_pin_learner_keeps_to_its_share_of_the_decode_time(model_dir, step_s
         provider.close()
 
 
-def _first_session(model_dir, tmp_path, seed: int, steps: int):
+def _first_session(model_dir, tmp_path, seed: int, steps: int, policy: str = "lru"):
     """(state store, fingerprint, provider) after `steps` periodic decode steps."""
     fingerprint = Checkpoint(model_dir).fingerprint()
     store = StateStore(tmp_path, fingerprint)
     rng = np.random.default_rng(seed)
-    first = _provider(model_dir, slots=12, prefetch=False, learner_time_share=float("inf"))
+    # LRU in force (as in the first-session test above): the learner's verdict on these
+    # periods must not hang on whether the referee keeps predictive, which learns them too.
+    first = _provider(model_dir, slots=12, prefetch=False, learner_time_share=float("inf"), policy=policy)
     for t in range(steps):
         _decode_step(first, _periodic(rng, t, [0, 1, 2, 3, 4]))
     return store, fingerprint, first
@@ -235,7 +237,7 @@ def test_the_policy_s_next_step_statistics_are_saved_and_seed_the_next_session(m
     """What the predictive policy learned of which expert follows which goes into the
     state file with the usage counts, and the next session's policies start from it;
     a reset forgets it."""
-    store, fingerprint, first = _first_session(model_dir, tmp_path, 3, 64)
+    store, fingerprint, first = _first_session(model_dir, tmp_path, 3, 64, policy="default")
     exported = first.cache.transitions()
     assert all(n.sum() > 0 for _, n in exported)
     flush_usage(store, first.usage, fingerprint, first.learned_state())

@@ -62,7 +62,8 @@ def _build_copy(tmp_path: Path, label: str, **env: str) -> Path:
     src.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "ext", src / "ext", ignore=shutil.ignore_patterns("*.so", "*.c", "__pycache__"))
+    for package in ("ext", "scheduler"):          # (setup.py builds the scheduler's bookkeeping too)
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("*.so", "*.c", "__pycache__"))
     build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=src,
                            env=dict(os.environ, **env), capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
