@@ -2,7 +2,9 @@
 
 Conventions (the whole module): layers are layer *indices* 0..L-1 (positions in the
 model's MoE layer list), experts are ints. Nothing is read and nothing is timed: a shadow
-only keeps ids, so replaying a step costs a few dictionary operations per expert.
+only keeps ids, each layer in a compiled `scheduler._shadow.LayerLRU` (residents and
+their last-use stamps in two small arrays): replaying a layer step of 8 experts over 9
+slots costs about 0.8 us (timeit, Zen 4).
 
 `ShadowLRU` replays demand accesses exactly as `scheduler.cache.ExpertCache` with
 policy "lru" and no staging tier would serve them — per layer, the step's resident
