@@ -70,7 +70,6 @@ import numpy as np
 from scheduler._lrfu import LRFUState, add_transitions, distinct_sorted, log_score, mix, predict
 
 Evictable = Callable[[int], bool]
-Key = tuple[float, int, int]   # lrfu, predictive: (value, last use, -expert), lowest evicted first
 
 PROTECTED_FRACTION = 0.5       # slru: share of the layer's dynamic slots that is protected
 LRFU_SHORT_HALF_LIFE = 2.0     # tokens

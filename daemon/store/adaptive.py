@@ -65,14 +65,21 @@ def _measure(policy: str, n_layers: int, num_experts: int, top_k: int, slots_per
         return ExpertCache(list(range(n_layers)), num_experts, top_k,
                            max(slots_per_layer, top_k) * n_layers, policy=policy)
 
-    cache = new_cache()
-    if with_prior:
-        for t, step in enumerate(steps):        # untimed: what an earlier session learned
+    def serve(cache: ExpertCache, first_token: int) -> int:
+        """Every step through `cache` as the engine serves it; returns the misses."""
+        misses = 0
+        for t, step in enumerate(steps):
             for li, ids in enumerate(step):
-                for a in cache.request(li, ids, t):
+                for a in cache.request(li, ids, first_token + t):
                     if a.outcome == OUTCOME_MISS:
+                        misses += 1
                         cache.loaded(a.slot)
                 cache.release(li, ids)
+        return misses
+
+    cache = new_cache()
+    if with_prior:
+        serve(cache, 0)                         # untimed: what an earlier session learned
         learned = cache.transitions()
         cache = new_cache()
         if any(t is not None for t in learned):
@@ -82,16 +89,8 @@ def _measure(policy: str, n_layers: int, num_experts: int, top_k: int, slots_per
     layer_steps = CALIBRATION_STEPS * n_layers
     best, misses = math.inf, 0
     for r in range(CALIBRATION_ROUNDS):
-        pass_misses = 0
         t0 = clock()
-        for t, step in enumerate(steps):
-            token = r * CALIBRATION_STEPS + t
-            for li, ids in enumerate(step):
-                for a in cache.request(li, ids, token):
-                    if a.outcome == OUTCOME_MISS:
-                        pass_misses += 1
-                        cache.loaded(a.slot)
-                cache.release(li, ids)
+        pass_misses = serve(cache, r * CALIBRATION_STEPS)
         seconds = clock() - t0
         if seconds < best:
             best, misses = seconds, pass_misses
