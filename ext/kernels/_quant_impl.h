@@ -198,19 +198,26 @@ static void moed_qdot_rows_generic(const moed_weight *w, ptrdiff_t r0, int nrows
  * vectors of _simd.h:
  *   "avx512": fp8 decoded by two 128-entry byte tables (vpermt2b, with AVX-512 VBMI;
  *             else as on AVX2), nibbles by one 16-entry vpermps.
- *   "avx2":   fp8 decoded through binary16 bit placement (F16C), nibbles by two
- *             8-entry vpermps and a blend.
+ *   "avx2":   fp8 decoded through binary16 bit placement (F16C); int4 codes
+ *             converted to f32 and scaled (plus the min), mxfp4 magnitudes by one
+ *             8-entry vpermps and the sign bit moved in (moed_nibble_values); the
+ *             mat-vec of int4 and mxfp4 in column chunks, one row's accumulators
+ *             in registers at a time (moed_qdot_nibc: a pass's accumulators alone
+ *             fill the 16 ymm registers). int8 and fp8 chunked the same way were
+ *             no faster on Zen 3 (int8 0.83-1.17x, fp8 about 0.96x), so they keep
+ *             the span kernels.
  *   "portable": moed_qdot_rows_generic.
  * Each lane is computed with the reference path's f32 operations (the exact value, then
  * a fused multiply-add into the accumulator) in the same order, so all paths give the
  * same bits (tests compare them). Several rows per pass
  * and a software prefetch per row, as the bf16 kernel does. */
-/* Per format: mat-vec of `pass` rows (4 or 8) or of one row, and the tile decoder of
- * `pass` rows or one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
+/* Per format: mat-vec of `pass` rows or of one row, and the tile decoder of `tpass`
+ * rows or one row (columns [c0, c1) into buf, row q at buf + q * ldb). */
 typedef struct {
     int pass;
     void (*dotp)(const moed_weight *, ptrdiff_t, const float *, float *);
     void (*dot1)(const moed_weight *, ptrdiff_t, const float *, float *);
+    int tpass;
     void (*tilep)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
     void (*tile1)(const moed_weight *, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
 } moed_qkernel;
@@ -233,8 +240,12 @@ typedef struct {
 #define MOED_QPASS_PAIRED 8
 #define MOED_TILE_ACC_ROWS 8
 #else
+#ifndef MOED_QPASS_NATURAL
 #define MOED_QPASS_NATURAL 4
+#endif
+#ifndef MOED_QPASS_PAIRED
 #define MOED_QPASS_PAIRED 4
+#endif
 #define MOED_TILE_ACC_ROWS 4
 #endif
 /* Bytes of a row prefetched ahead: a bf16 row's 1024 bytes are 512 columns; a 4-bit
@@ -274,6 +285,40 @@ moed_load_x32(const float *x, const int paired, moed_v16 *x0, moed_v16 *x1) {
     if (paired) moed_v16_deinterleave(*x0, *x1, x0, x1);
 }
 
+/* The exact values of the nibbles in the low 4 bits (v0) and in bits 4..7 (v1) of
+ * each lane of i (h = i >> 4), for the nibble kinds of moed_qspan_nibbles below.
+ * AVX-512 looks each up in the group's 16-entry table (one vpermps). On AVX2 a
+ * 16-entry lookup is two permutes and a blend, and the shuffle port bounded the
+ * kernel, so there int4 computes (code & 15) as f32 (minus 8 when symmetric) times
+ * the scale, plus the min: the same f32 operations that built the table
+ * (code * scale is exact, the add rounds once); and mxfp4 permutes the 8 magnitudes
+ * times the scale (exact: the scale is a power of two) and moves the sign bit in. */
+#ifdef MOED_V16_AVX2
+#define MOED_NIB_ARITH 1
+#else
+#define MOED_NIB_ARITH 0
+#endif
+static inline __attribute__((always_inline)) void
+moed_nibble_values(const int kind, moed_v16 tab, moed_v16 s, moed_v16 m, moed_v16i i,
+                   moed_v16i h, moed_v16 *v0, moed_v16 *v1) {
+#if MOED_NIB_ARITH
+    if (kind == MOED_MXFP4) {
+        *v0 = moed_v16_lookup_signed8(tab, i);
+        *v1 = moed_v16_lookup_signed8(tab, h);
+    } else if (kind == MOED_INT4) {
+        *v0 = moed_v16_add(moed_v16_mul(moed_v16i_nib_f32(i), s), m);
+        *v1 = moed_v16_add(moed_v16_mul(moed_v16i_nib_f32(h), s), m);
+    } else {
+        *v0 = moed_v16_mul(moed_v16i_nib_centred_f32(i), s);
+        *v1 = moed_v16_mul(moed_v16i_nib_centred_f32(h), s);
+    }
+#else
+    (void)kind; (void)s; (void)m;
+    *v0 = moed_v16_lookup(tab, i);
+    *v1 = moed_v16_lookup(tab, h);
+#endif
+}
+
 /* int4 / mxfp4: nibble-packed rows, one 16-entry table of exact values per group of
  * g columns and row (base[c] * scale (+ min): the reference path's arithmetic).
  * kind: MOED_MXFP4, MOED_INT4 (mins) or MOED_INT4 + 16 (symmetric).
@@ -294,7 +339,7 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
     const ptrdiff_t g = w->scale_cols;
     const uint8_t *row[MOED_ROWS];
     float sf[MOED_ROWS][16] __attribute__((aligned(64))), mf[MOED_ROWS][16] __attribute__((aligned(64)));
-    moed_v16 tab[MOED_ROWS], xe = moed_v16_zero(), xo = moed_v16_zero();
+    moed_v16 tab[MOED_ROWS], sv[MOED_ROWS], mv[MOED_ROWS], xe = moed_v16_zero(), xo = moed_v16_zero();
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
     const ptrdiff_t last = (c1 - 1) / g;   /* the span's last group */
     for (ptrdiff_t j = c0, si = c0 / g; j < c1;) {
@@ -328,6 +373,11 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
         for (int k = 0; k < n; k++, si++) {   /* one group (or its part in the span) */
             ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
             for (int q = 0; q < nrows; q++) {
+                if (MOED_NIB_ARITH && kind != MOED_MXFP4) {
+                    sv[q] = moed_v16_set1(sf[q][off + k]);
+                    if (kind == MOED_INT4) mv[q] = moed_v16_set1(mf[q][off + k]);
+                    continue;
+                }
                 tab[q] = moed_v16_mul(base, moed_v16_set1(sf[q][off + k]));
                 if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(mf[q][off + k]));
             }
@@ -336,9 +386,10 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
                 if (!store) moed_load_x32(x + j, 1, &xe, &xo);
                 for (int q = 0; q < nrows; q++) {
                     __builtin_prefetch(row[q] + pf);
-                    moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1));
-                    moed_sink(store, moed_v16_lookup(tab[q], i), moed_v16_lookup(tab[q], moed_v16i_srl4(i)),
-                              xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
+                    moed_v16i i = moed_v16i_load_u8(row[q] + (j >> 1)), h = moed_v16i_srl4(i);
+                    moed_v16 v0, v1;
+                    moed_nibble_values(kind, tab[q], sv[q], mv[q], i, h, &v0, &v1);
+                    moed_sink(store, v0, v1, xe, xo, a0 + q, a1 + q, buf, q * ldb + (j - c0));
                 }
             }
         }
@@ -516,17 +567,21 @@ moed_qspan_fp8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0
     }
 }
 
-/* Can moed_qspan_fp8 take these rows (see there)? */
-static inline int moed_fp8_simd_ok(const moed_weight *w, ptrdiff_t r0, int nrows) {
-    if (w->scale_cols % 32) return 0;
-    if (MOED_E4M3_UNIT == 1.0f) return 1;
+/* Is every finite scale of rows r0 .. r0+nrows-1 below `limit` in magnitude? */
+static inline int moed_fp8_scales_below(const moed_weight *w, ptrdiff_t r0, int nrows, float limit) {
     ptrdiff_t last = (r0 + nrows - 1) / w->scale_rows;
     for (ptrdiff_t sr = r0 / w->scale_rows; sr <= last; sr++)
         for (ptrdiff_t b = 0; b < w->scale_ld; b++) {
             float s = fabsf(moed_scale_at(w, sr * w->scale_ld + b));
-            if (s >= 0x1p120f && s <= 3.4028235e38f) return 0;
+            if (s >= limit && s <= 3.4028235e38f) return 0;
         }
     return 1;
+}
+
+/* Can moed_qspan_fp8 take these rows (see there)? */
+static inline int moed_fp8_simd_ok(const moed_weight *w, ptrdiff_t r0, int nrows) {
+    if (w->scale_cols % 32) return 0;
+    return MOED_E4M3_UNIT == 1.0f || moed_fp8_scales_below(w, r0, nrows, 0x1p120f);
 }
 
 /* The n mod 32 tail of row r (columns from C - C % 32), one column at a time. */
@@ -540,7 +595,7 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
     return s;
 }
 
-#define MOED_DEFINE_QKERNEL_N(FMT, N, NAME)                                           \
+#define MOED_DEFINE_QDOT_N(FMT, N, NAME)                                              \
     static void moed_qdot_##FMT##_##NAME(const moed_weight *w, ptrdiff_t r0,          \
                                          const float *x, float *out) {                \
         moed_v16 a0[MOED_ROWS], a1[MOED_ROWS];                                        \
@@ -548,7 +603,8 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
         moed_qspan_##FMT(w, r0, N, 0, w->cols - w->cols % 32, x, a0, a1, NULL, 0, 0); \
         for (int q = 0; q < N; q++)                                                   \
             out[q] = moed_qtail(w, r0 + q, x, moed_v16_hsum(moed_v16_add(a0[q], a1[q]))); \
-    }                                                                                 \
+    }
+#define MOED_DEFINE_QTILE_N(FMT, N, NAME)                                             \
     static void moed_qtile_##FMT##_##NAME(const moed_weight *w, ptrdiff_t r0,         \
                                           ptrdiff_t c0, ptrdiff_t c1, float *buf,     \
                                           ptrdiff_t ldb) {                            \
@@ -556,16 +612,160 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
         moed_qspan_##FMT(w, r0, N, c0, c1, NULL, unused, unused, buf, ldb, 1);        \
     }
 #define MOED_DEFINE_QKERNEL(FMT, PASS)                                                \
-    MOED_DEFINE_QKERNEL_N(FMT, PASS, p)                                               \
-    MOED_DEFINE_QKERNEL_N(FMT, 1, 1)                                                  \
+    MOED_DEFINE_QDOT_N(FMT, PASS, p)                                                  \
+    MOED_DEFINE_QDOT_N(FMT, 1, 1)                                                     \
+    MOED_DEFINE_QTILE_N(FMT, PASS, p)                                                 \
+    MOED_DEFINE_QTILE_N(FMT, 1, 1)                                                    \
     static const moed_qkernel moed_qkernel_##FMT = {                                  \
-        PASS, moed_qdot_##FMT##_p, moed_qdot_##FMT##_1, moed_qtile_##FMT##_p,         \
+        PASS, moed_qdot_##FMT##_p, moed_qdot_##FMT##_1, PASS, moed_qtile_##FMT##_p,   \
         moed_qtile_##FMT##_1};
+/* The same with the mat-vec of a chunked kernel FN(w, r0, nrows, x, out, KIND) (below),
+ * PASS rows at a time, and the span kernel's tiles, TPASS rows at a time. */
+#define MOED_DEFINE_QKERNEL_CHUNKED(FMT, PASS, TPASS, FN, KIND)                       \
+    MOED_DEFINE_QTILE_N(FMT, TPASS, p)                                                \
+    MOED_DEFINE_QTILE_N(FMT, 1, 1)                                                    \
+    static void moed_qdotc_##FMT##_p(const moed_weight *w, ptrdiff_t r0, const float *x, \
+                                     float *out) {                                    \
+        FN(w, r0, PASS, x, out, KIND);                                                \
+    }                                                                                 \
+    static void moed_qdotc_##FMT##_1(const moed_weight *w, ptrdiff_t r0, const float *x, \
+                                     float *out) {                                    \
+        FN(w, r0, 1, x, out, KIND);                                                   \
+    }                                                                                 \
+    static const moed_qkernel moed_qkernel_##FMT = {                                  \
+        PASS, moed_qdotc_##FMT##_p, moed_qdotc_##FMT##_1, TPASS, moed_qtile_##FMT##_p, \
+        moed_qtile_##FMT##_1};
+
+#ifdef MOED_V16_AVX2
+/* AVX2 mat-vec of nibble rows. Sixteen ymm registers cannot hold a pass's
+ * accumulators (two 16-lane vectors per row are four ymm), its x and its scales, so
+ * the span kernel above spilled every accumulator to the stack on each step. Here the
+ * columns go in chunks of MOED_NIB_CHUNK: the chunk's x is put in paired lane order once,
+ * into an L1 buffer the fused multiply-adds read as memory operands, and then the rows
+ * of the pass go one after another over the chunk, each with its four accumulators in
+ * registers (kept in memory between chunks). Each lane of each row sees the same
+ * values in the same order as in the span kernel, so the bits are the same. */
+#define MOED_NIB_CHUNK 512
+typedef struct {
+    __m256i n15, eight, sbit, spread0, spread1;
+    __m256 e2m1;
+} moed_nibc_consts;
+
+/* One 32-column step of one row: the 16 bytes at p against x in paired order at xp
+ * (16 even columns, then 16 odd), into the row's accumulators acc[0..3] (even columns
+ * 0-7 and 8-15 of the step, odd 0-7 and 8-15). s, m: the group's scale and min in every
+ * lane; tab: mxfp4's 8 magnitudes times the scale. */
+static inline __attribute__((always_inline)) void
+moed_nibc_step(const int kind, const moed_nibc_consts *c, const uint8_t *p, const float *xp,
+               __m256 s, __m256 m, __m256 tab, __m256 *acc) {
+    /* the 16 bytes in both halves; low and high nibbles as bytes; byte l to lane l */
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m256i bl = _mm256_and_si256(b, c->n15), bh = _mm256_and_si256(_mm256_srli_epi16(b, 4), c->n15);
+    __m256i i[4] = {_mm256_shuffle_epi8(bl, c->spread0), _mm256_shuffle_epi8(bl, c->spread1),
+                    _mm256_shuffle_epi8(bh, c->spread0), _mm256_shuffle_epi8(bh, c->spread1)};
+    for (int k = 0; k < 4; k++) {
+        __m256 v;
+        if (kind == MOED_MXFP4) {
+            __m256i sign = _mm256_and_si256(_mm256_slli_epi32(i[k], 28), c->sbit);
+            v = _mm256_xor_ps(_mm256_permutevar8x32_ps(tab, i[k]), _mm256_castsi256_ps(sign));
+        } else {
+            __m256i code = kind == MOED_INT4 ? i[k] : _mm256_sub_epi32(i[k], c->eight);
+            v = _mm256_mul_ps(_mm256_cvtepi32_ps(code), s);
+            if (kind == MOED_INT4) v = _mm256_add_ps(v, m);
+        }
+        acc[k] = _mm256_fmadd_ps(v, _mm256_load_ps(xp + 8 * k), acc[k]);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+moed_qdot_nibc(const moed_weight *w, ptrdiff_t r0, const int nrows, const float *x,
+               float *out, const int kind) {
+    static const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    moed_nibc_consts c;
+    c.n15 = _mm256_set1_epi8(15);
+    c.eight = _mm256_set1_epi32(8);
+    c.sbit = _mm256_set1_epi32((int)0x80000000u);
+    c.e2m1 = _mm256_loadu_ps(e2m1);
+    /* byte l of 0-7 (spread0) or of 8-15 (spread1) to 32-bit lane l, zero-extended:
+     * the low 128-bit half takes bytes 0-3 (8-11), the high half 4-7 (12-15) */
+    c.spread0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    c.spread1 = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                 12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const ptrdiff_t C = w->cols, g = w->scale_cols;
+    float xd[MOED_NIB_CHUNK] __attribute__((aligned(32)));
+    float sf[MOED_NIB_CHUNK / 32 + 1] __attribute__((aligned(32)));
+    float mf[MOED_NIB_CHUNK / 32 + 1] __attribute__((aligned(32)));
+    __m256 acc[MOED_ROWS][4];
+    for (int q = 0; q < nrows; q++)
+        for (int k = 0; k < 4; k++) acc[q][k] = _mm256_setzero_ps();
+    for (ptrdiff_t c0 = 0; c0 < C; c0 += MOED_NIB_CHUNK) {
+        const ptrdiff_t c1 = c0 + MOED_NIB_CHUNK < C ? c0 + MOED_NIB_CHUNK : C;
+        for (ptrdiff_t j = c0; j < c1; j += 32) {
+            moed_v16 xe, xo;
+            moed_load_x32(x + j, 1, &xe, &xo);
+            moed_v16_store(xd + (j - c0), xe);
+            moed_v16_store(xd + (j - c0) + 16, xo);
+        }
+        const ptrdiff_t g0 = c0 / g, ng = (c1 - 1) / g - g0 + 1;
+        for (int q = 0; q < nrows; q++) {
+            const ptrdiff_t r = r0 + q, si0 = r * w->scale_ld + g0;
+            const uint8_t *row = w->codes + r * w->row_bytes;
+            /* this row's next chunk (past its end: the next pass's row), while this one is computed */
+            for (ptrdiff_t b = c1 >> 1; b < (c1 >> 1) + (MOED_NIB_CHUNK >> 1); b += 64)
+                __builtin_prefetch(row + moed_prefetch_at(b, w->row_bytes, nrows));
+            if (ng == 16 && kind == MOED_MXFP4) {
+                moed_v16_store(sf, moed_v16_load_e8m0((const uint8_t *)w->scales + si0));
+            } else if (ng == 16) {
+                moed_v16_store(sf, moed_v16_load_f16((const uint16_t *)w->scales + si0));
+                if (kind == MOED_INT4) moed_v16_store(mf, moed_v16_load_f16(w->mins + si0));
+            } else {
+                for (ptrdiff_t k = 0; k < ng; k++) {
+                    sf[k] = moed_scale_at(w, si0 + k);
+                    if (kind == MOED_INT4) mf[k] = moed_min_at(w, si0 + k);
+                }
+            }
+            __m256 a[4] = {acc[q][0], acc[q][1], acc[q][2], acc[q][3]};
+            if (g == 32) {   /* one step per group */
+                const uint8_t *p = row + (c0 >> 1);
+                for (ptrdiff_t k = 0; k < ng; k++) {
+                    const __m256 s = _mm256_set1_ps(sf[k]);
+                    const __m256 m = kind == MOED_INT4 ? _mm256_set1_ps(mf[k]) : s;
+                    const __m256 tab = kind == MOED_MXFP4 ? _mm256_mul_ps(c.e2m1, s) : s;
+                    moed_nibc_step(kind, &c, p + 16 * k, xd + 32 * k, s, m, tab, a);
+                }
+            } else {
+                for (ptrdiff_t k = 0, j = c0; k < ng; k++) {
+                    const ptrdiff_t end = (g0 + k + 1) * g < c1 ? (g0 + k + 1) * g : c1;
+                    const __m256 s = _mm256_set1_ps(sf[k]);
+                    const __m256 m = kind == MOED_INT4 ? _mm256_set1_ps(mf[k]) : s;
+                    const __m256 tab = kind == MOED_MXFP4 ? _mm256_mul_ps(c.e2m1, s) : s;
+                    for (; j < end; j += 32)
+                        moed_nibc_step(kind, &c, row + (j >> 1), xd + (j - c0), s, m, tab, a);
+                }
+            }
+            for (int k = 0; k < 4; k++) acc[q][k] = a[k];
+        }
+    }
+    for (int q = 0; q < nrows; q++)
+        out[q] = moed_v16_hsum(moed_v16_add((moed_v16){acc[q][0], acc[q][1]},
+                                            (moed_v16){acc[q][2], acc[q][3]}));
+}
+#ifndef MOED_QPASS_NIBC
+#define MOED_QPASS_NIBC 8
+#endif
+MOED_DEFINE_QKERNEL_CHUNKED(mxfp4, MOED_QPASS_NIBC, MOED_QPASS_PAIRED, moed_qdot_nibc, MOED_MXFP4)
+MOED_DEFINE_QKERNEL_CHUNKED(int4m, MOED_QPASS_NIBC, MOED_QPASS_PAIRED, moed_qdot_nibc, MOED_INT4)
+MOED_DEFINE_QKERNEL_CHUNKED(int4s, MOED_QPASS_NIBC, MOED_QPASS_PAIRED, moed_qdot_nibc, MOED_INT4 + 16)
+MOED_DEFINE_QKERNEL(int8, MOED_QPASS_NATURAL)
+MOED_DEFINE_QKERNEL(fp8, MOED_QPASS_NATURAL)
+#else
 MOED_DEFINE_QKERNEL(mxfp4, MOED_QPASS_PAIRED)
 MOED_DEFINE_QKERNEL(int4m, MOED_QPASS_PAIRED)
 MOED_DEFINE_QKERNEL(int4s, MOED_QPASS_PAIRED)
 MOED_DEFINE_QKERNEL(int8, MOED_QPASS_NATURAL)
 MOED_DEFINE_QKERNEL(fp8, MOED_QPASS_NATURAL)
+#endif
 
 /* The SIMD kernels for rows r0 .. r0+nrows-1 of w, or NULL if they do not apply. */
 static inline const moed_qkernel *moed_qkernel_for(const moed_weight *w, ptrdiff_t r0,
@@ -574,7 +774,8 @@ static inline const moed_qkernel *moed_qkernel_for(const moed_weight *w, ptrdiff
     case MOED_MXFP4: return &moed_qkernel_mxfp4;
     case MOED_INT4: return w->mins ? &moed_qkernel_int4m : &moed_qkernel_int4s;
     case MOED_INT8: return &moed_qkernel_int8;
-    case MOED_FP8_E4M3: return moed_fp8_simd_ok(w, r0, nrows) ? &moed_qkernel_fp8 : NULL;
+    case MOED_FP8_E4M3:
+        return moed_fp8_simd_ok(w, r0, nrows) ? &moed_qkernel_fp8 : NULL;
     default: return NULL;
     }
 }
@@ -596,7 +797,7 @@ static inline void moed_qtile_rows(const moed_qkernel *k, const moed_weight *w, 
                                    int nrows, ptrdiff_t c0, ptrdiff_t c1, float *buf,
                                    ptrdiff_t ldb) {
     int q = 0;
-    for (; q + k->pass <= nrows; q += k->pass) k->tilep(w, r0 + q, c0, c1, buf + q * ldb, ldb);
+    for (; q + k->tpass <= nrows; q += k->tpass) k->tilep(w, r0 + q, c0, c1, buf + q * ldb, ldb);
     for (; q < nrows; q++) k->tile1(w, r0 + q, c0, c1, buf + q * ldb, ldb);
 }
 
@@ -679,6 +880,12 @@ static inline int moed_qmatmul_rows_simd(const moed_weight *w, ptrdiff_t r0, int
                                          ptrdiff_t ldo) {
     (void)w; (void)r0; (void)nrows; (void)x; (void)T; (void)out; (void)ldo;
     return 0;
+}
+/* Never called: moed_qkernel_for gives no kernel here. */
+static inline void moed_qtile_rows(const moed_qkernel *k, const moed_weight *w, ptrdiff_t r0,
+                                   int nrows, ptrdiff_t c0, ptrdiff_t c1, float *buf,
+                                   ptrdiff_t ldb) {
+    (void)k; (void)w; (void)r0; (void)nrows; (void)c0; (void)c1; (void)buf; (void)ldb;
 }
 #endif
 

@@ -206,6 +206,30 @@ static inline moed_v16 moed_v16_load_i8(const uint8_t *p) {
                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
 }
 
+/* Nibble codes as f32, exactly: lanes & 15 (the low nibble of each lane's byte), and
+ * lanes & 15 minus 8 (int4's symmetric code). */
+static inline moed_v16 moed_v16i_nib_f32(moed_v16i a) {
+    const __m256i m = _mm256_set1_epi32(15);
+    return (moed_v16){_mm256_cvtepi32_ps(_mm256_and_si256(a.lo, m)),
+                      _mm256_cvtepi32_ps(_mm256_and_si256(a.hi, m))};
+}
+static inline moed_v16 moed_v16i_nib_centred_f32(moed_v16i a) {
+    const __m256i m = _mm256_set1_epi32(15), e = _mm256_set1_epi32(8);
+    return (moed_v16){_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a.lo, m), e)),
+                      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a.hi, m), e))};
+}
+/* table[idx & 7] with the sign of bit 3 of idx, in each lane (bits above 3 ignored):
+ * one 8-entry permute for the magnitude and the sign bit moved into place. */
+static inline __m256 moed_v8_lookup_signed8(__m256 t, __m256i i) {
+    __m256 mag = _mm256_permutevar8x32_ps(t, i);
+    __m256i sign = _mm256_and_si256(_mm256_slli_epi32(i, 28), _mm256_set1_epi32((int)0x80000000u));
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+static inline moed_v16 moed_v16_lookup_signed8(moed_v16 table, moed_v16i idx) {
+    return (moed_v16){moed_v8_lookup_signed8(table.lo, idx.lo),
+                      moed_v8_lookup_signed8(table.lo, idx.hi)};
+}
+
 static inline __m256 moed_v8_e8m0(__m256i s) {
     __m256i u = _mm256_slli_epi32(s, 23);
     u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));

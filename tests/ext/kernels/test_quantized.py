@@ -208,11 +208,56 @@ def _order_cases():
 
 
 @pytest.mark.parametrize("variant, C", list(_order_cases()))
-def test_simd_path_bit_equal_to_portable_path(variant, C):
-    w, values, x = _case(variant, 11, C, 3, 5, C)  # 11 rows: passes of 8 or 4 rows, then single rows
+@pytest.mark.parametrize("T", [1, 3], ids=["mat-vec", "mat-mat"])
+def test_simd_path_bit_equal_to_portable_path(variant, C, T):
+    # One token runs the mat-vec kernels (on AVX2, in column chunks of 512), several
+    # the tiled mat-mat; 11 rows: passes of 8 or 4 rows, then single rows.
+    w, values, x = _case(variant, 11, C, T, 5, C)
     fast = _matmul(w, x)
     assert _bits_equal(fast, _matmul(w, x, fn=kern._matmul_portable))
     _assert_close(fast, values, x)
+
+
+def _special_scales_case(fmt, rng):
+    """A [6, 1024] mxfp4 or int4 (with mins) weight whose scales include zero, the
+    extremes, inf and NaN (E8M0: 0, 1, 254, 255), and int4 mins inf and NaN."""
+    R, C = 6, 1024
+    if fmt == "mxfp4":
+        codes = rng.integers(0, 256, (R, C // 32, 16), dtype=np.uint8)
+        scales = rng.integers(100, 130, (R, C // 32), dtype=np.uint8)
+        scales[0, :4] = [0, 1, 254, 255]
+        scales[1, 5] = 255
+        scales[2] = 0
+        return kern.QuantizedWeight("mxfp4", codes, scales)
+    # powers of two and mins a multiple of them: every finite value is exact in bf16
+    codes = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    scales = np.ldexp(1.0, rng.integers(-10, -3, (R, C // 32))).astype(np.float16)
+    mins = (scales.astype(np.float32) * rng.integers(-64, 64, scales.shape)).astype(np.float16)
+    scales[0, :5] = [0.0, -1.0, np.inf, np.nan, 2.0 ** -24]  # 2^-24: a binary16 subnormal
+    mins[0, :5] = [0.25, -3.0, 0.0, 1.0, -5 * 2.0 ** -24]
+    mins[1, :4] = [np.inf, -np.inf, np.nan, -0.0]
+    scales[2, 20:], mins[2, 20:] = 2.0 ** 15, -(2.0 ** 15)
+    return kern.QuantizedWeight("int4", codes, scales, mins)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("T", [1, 3], ids=["mat-vec", "mat-mat"])
+def test_nibble_special_scales_give_the_reference_bits(fmt, T):
+    # The AVX2 kernels compute int4 values arithmetically and move mxfp4's sign bit in;
+    # these must give the bits of the dense row of the dequantised values whatever the
+    # scales hold (the loader refuses such scales, the kernels do not check).
+    rng = _rng(29, len(fmt), T)
+    w = _special_scales_case(fmt, rng)
+    x = rng.standard_normal((T, w.shape[1]), dtype=np.float32)
+    with np.errstate(all="ignore"):
+        values = kern.dequantize(w)
+        dense = _matmul(values.astype(ml_dtypes.bfloat16), x)
+    assert np.array_equal(values.astype(ml_dtypes.bfloat16).astype(np.float32), values, equal_nan=True)
+    fast, portable = _matmul(w, x), _matmul(w, x, fn=kern._matmul_portable)
+    for got in (fast, portable):
+        assert np.array_equal(np.isnan(got), np.isnan(dense))
+        assert _bits_equal(np.nan_to_num(got), np.nan_to_num(dense))
+    assert np.isnan(fast[:, 0]).all()
 
 
 @pytest.mark.parametrize("variant, C", list(_order_cases()))
