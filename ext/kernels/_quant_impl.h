@@ -647,7 +647,7 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
  * values in the same order as in the span kernel, so the bits are the same. */
 #define MOED_NIB_CHUNK 512
 typedef struct {
-    __m256i n15, eight, sbit, spread0, spread1;
+    __m256i n15, eight, spread0, spread1;
     __m256 e2m1;
 } moed_nibc_consts;
 
@@ -666,8 +666,7 @@ moed_nibc_step(const int kind, const moed_nibc_consts *c, const uint8_t *p, cons
     for (int k = 0; k < 4; k++) {
         __m256 v;
         if (kind == MOED_MXFP4) {
-            __m256i sign = _mm256_and_si256(_mm256_slli_epi32(i[k], 28), c->sbit);
-            v = _mm256_xor_ps(_mm256_permutevar8x32_ps(tab, i[k]), _mm256_castsi256_ps(sign));
+            v = moed_v8_lookup_signed8(tab, i[k]);
         } else {
             __m256i code = kind == MOED_INT4 ? i[k] : _mm256_sub_epi32(i[k], c->eight);
             v = _mm256_mul_ps(_mm256_cvtepi32_ps(code), s);
@@ -684,7 +683,6 @@ moed_qdot_nibc(const moed_weight *w, ptrdiff_t r0, const int nrows, const float 
     moed_nibc_consts c;
     c.n15 = _mm256_set1_epi8(15);
     c.eight = _mm256_set1_epi32(8);
-    c.sbit = _mm256_set1_epi32((int)0x80000000u);
     c.e2m1 = _mm256_loadu_ps(e2m1);
     /* byte l of 0-7 (spread0) or of 8-15 (spread1) to 32-bit lane l, zero-extended:
      * the low 128-bit half takes bytes 0-3 (8-11), the high half 4-7 (12-15) */
