@@ -289,10 +289,12 @@ moed_load_x32(const float *x, const int paired, moed_v16 *x0, moed_v16 *x1) {
  * each lane of i (h = i >> 4), for the nibble kinds of moed_qspan_nibbles below.
  * AVX-512 looks each up in the group's 16-entry table (one vpermps). On AVX2 a
  * 16-entry lookup is two permutes and a blend, and the shuffle port bounded the
- * kernel, so there int4 computes (code & 15) as f32 (minus 8 when symmetric) times
- * the scale, plus the min: the same f32 operations that built the table
- * (code * scale is exact, the add rounds once); and mxfp4 permutes the 8 magnitudes
- * times the scale (exact: the scale is a power of two) and moves the sign bit in. */
+ * kernel, so there int4 computes (code & 15) as f32 times the scale plus m (the min;
+ * -8 * scale when symmetric) in one fused multiply-add: code * scale is exact (4 bits
+ * times a binary16 scale's 11), so the one rounding of the sum is the reference path's
+ * (code * scale + min; (code - 8) * scale is exact either way); and mxfp4 permutes the
+ * 8 magnitudes times the scale (exact: the scale is a power of two) and moves the sign
+ * bit in. */
 #ifdef MOED_V16_AVX2
 #define MOED_NIB_ARITH 1
 #else
@@ -305,12 +307,9 @@ moed_nibble_values(const int kind, moed_v16 tab, moed_v16 s, moed_v16 m, moed_v1
     if (kind == MOED_MXFP4) {
         *v0 = moed_v16_lookup_signed8(tab, i);
         *v1 = moed_v16_lookup_signed8(tab, h);
-    } else if (kind == MOED_INT4) {
-        *v0 = moed_v16_add(moed_v16_mul(moed_v16i_nib_f32(i), s), m);
-        *v1 = moed_v16_add(moed_v16_mul(moed_v16i_nib_f32(h), s), m);
     } else {
-        *v0 = moed_v16_mul(moed_v16i_nib_centred_f32(i), s);
-        *v1 = moed_v16_mul(moed_v16i_nib_centred_f32(h), s);
+        *v0 = moed_v16_fma(moed_v16i_nib_f32(i), s, m);
+        *v1 = moed_v16_fma(moed_v16i_nib_f32(h), s, m);
     }
 #else
     (void)kind; (void)s; (void)m;
@@ -375,11 +374,13 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
             for (int q = 0; q < nrows; q++) {
                 if (MOED_NIB_ARITH && kind != MOED_MXFP4) {
                     sv[q] = moed_v16_set1(sf[q][off + k]);
-                    if (kind == MOED_INT4) mv[q] = moed_v16_set1(mf[q][off + k]);
+                    mv[q] = moed_v16_set1(kind == MOED_INT4 ? mf[q][off + k] : -8.0f * sf[q][off + k]);
                     continue;
                 }
-                tab[q] = moed_v16_mul(base, moed_v16_set1(sf[q][off + k]));
-                if (kind == MOED_INT4) tab[q] = moed_v16_add(tab[q], moed_v16_set1(mf[q][off + k]));
+                /* base * scale is exact, so one fused add of the min rounds as the reference does */
+                tab[q] = kind == MOED_INT4 ? moed_v16_fma(base, moed_v16_set1(sf[q][off + k]),
+                                                          moed_v16_set1(mf[q][off + k]))
+                                           : moed_v16_mul(base, moed_v16_set1(sf[q][off + k]));
             }
             for (; j < end; j += 32) {
                 const ptrdiff_t pf = moed_prefetch_at((j >> 1) + MOED_Q_PREFETCH, w->row_bytes, nrows);
@@ -647,14 +648,14 @@ static inline float moed_qtail(const moed_weight *w, ptrdiff_t r, const float *x
  * values in the same order as in the span kernel, so the bits are the same. */
 #define MOED_NIB_CHUNK 512
 typedef struct {
-    __m256i n15, eight, spread0, spread1;
+    __m256i n15, spread0, spread1;
     __m256 e2m1;
 } moed_nibc_consts;
 
 /* One 32-column step of one row: the 16 bytes at p against x in paired order at xp
  * (16 even columns, then 16 odd), into the row's accumulators acc[0..3] (even columns
- * 0-7 and 8-15 of the step, odd 0-7 and 8-15). s, m: the group's scale and min in every
- * lane; tab: mxfp4's 8 magnitudes times the scale. */
+ * 0-7 and 8-15 of the step, odd 0-7 and 8-15). s, m: the group's scale and min
+ * (-8 * scale when symmetric) in every lane; tab: mxfp4's 8 magnitudes times the scale. */
 static inline __attribute__((always_inline)) void
 moed_nibc_step(const int kind, const moed_nibc_consts *c, const uint8_t *p, const float *xp,
                __m256 s, __m256 m, __m256 tab, __m256 *acc) {
@@ -668,9 +669,7 @@ moed_nibc_step(const int kind, const moed_nibc_consts *c, const uint8_t *p, cons
         if (kind == MOED_MXFP4) {
             v = moed_v8_lookup_signed8(tab, i[k]);
         } else {
-            __m256i code = kind == MOED_INT4 ? i[k] : _mm256_sub_epi32(i[k], c->eight);
-            v = _mm256_mul_ps(_mm256_cvtepi32_ps(code), s);
-            if (kind == MOED_INT4) v = _mm256_add_ps(v, m);
+            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[k]), s, m);   /* as moed_nibble_values */
         }
         acc[k] = _mm256_fmadd_ps(v, _mm256_load_ps(xp + 8 * k), acc[k]);
     }
@@ -682,7 +681,6 @@ moed_qdot_nibc(const moed_weight *w, ptrdiff_t r0, const int nrows, const float 
     static const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     moed_nibc_consts c;
     c.n15 = _mm256_set1_epi8(15);
-    c.eight = _mm256_set1_epi32(8);
     c.e2m1 = _mm256_loadu_ps(e2m1);
     /* byte l of 0-7 (spread0) or of 8-15 (spread1) to 32-bit lane l, zero-extended:
      * the low 128-bit half takes bytes 0-3 (8-11), the high half 4-7 (12-15) */
@@ -728,7 +726,7 @@ moed_qdot_nibc(const moed_weight *w, ptrdiff_t r0, const int nrows, const float 
                 const uint8_t *p = row + (c0 >> 1);
                 for (ptrdiff_t k = 0; k < ng; k++) {
                     const __m256 s = _mm256_set1_ps(sf[k]);
-                    const __m256 m = kind == MOED_INT4 ? _mm256_set1_ps(mf[k]) : s;
+                    const __m256 m = _mm256_set1_ps(kind == MOED_INT4 ? mf[k] : -8.0f * sf[k]);
                     const __m256 tab = kind == MOED_MXFP4 ? _mm256_mul_ps(c.e2m1, s) : s;
                     moed_nibc_step(kind, &c, p + 16 * k, xd + 32 * k, s, m, tab, a);
                 }
@@ -736,7 +734,7 @@ moed_qdot_nibc(const moed_weight *w, ptrdiff_t r0, const int nrows, const float 
                 for (ptrdiff_t k = 0, j = c0; k < ng; k++) {
                     const ptrdiff_t end = (g0 + k + 1) * g < c1 ? (g0 + k + 1) * g : c1;
                     const __m256 s = _mm256_set1_ps(sf[k]);
-                    const __m256 m = kind == MOED_INT4 ? _mm256_set1_ps(mf[k]) : s;
+                    const __m256 m = _mm256_set1_ps(kind == MOED_INT4 ? mf[k] : -8.0f * sf[k]);
                     const __m256 tab = kind == MOED_MXFP4 ? _mm256_mul_ps(c.e2m1, s) : s;
                     for (; j < end; j += 32)
                         moed_nibc_step(kind, &c, row + (j >> 1), xd + (j - c0), s, m, tab, a);

@@ -206,17 +206,11 @@ static inline moed_v16 moed_v16_load_i8(const uint8_t *p) {
                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
 }
 
-/* Nibble codes as f32, exactly: lanes & 15 (the low nibble of each lane's byte), and
- * lanes & 15 minus 8 (int4's symmetric code). */
+/* Nibble codes as f32, exactly: lanes & 15 (the low nibble of each lane's byte). */
 static inline moed_v16 moed_v16i_nib_f32(moed_v16i a) {
     const __m256i m = _mm256_set1_epi32(15);
     return (moed_v16){_mm256_cvtepi32_ps(_mm256_and_si256(a.lo, m)),
                       _mm256_cvtepi32_ps(_mm256_and_si256(a.hi, m))};
-}
-static inline moed_v16 moed_v16i_nib_centred_f32(moed_v16i a) {
-    const __m256i m = _mm256_set1_epi32(15), e = _mm256_set1_epi32(8);
-    return (moed_v16){_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a.lo, m), e)),
-                      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a.hi, m), e))};
 }
 /* table[idx & 7] with the sign of bit 3 of idx, in each lane (bits above 3 ignored):
  * one 8-entry permute for the magnitude and the sign bit moved into place. */
