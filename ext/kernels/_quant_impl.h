@@ -239,6 +239,12 @@ typedef struct {
 #define MOED_QPASS_NATURAL 8
 #define MOED_QPASS_PAIRED 8
 #define MOED_TILE_ACC_ROWS 8
+/* fp8's VBMI decode holds seven tables in registers; at 8 rows the accumulators spill and
+ * 4 rows are faster (Xeon, 2 threads: 4096 x 4096 streamed 12.0 -> 13.6 Gw/s, 2048 x 7168
+ * 12.3 -> 12.7-13.7). */
+#ifndef MOED_QPASS_FP8
+#define MOED_QPASS_FP8 4
+#endif
 #else
 #ifndef MOED_QPASS_NATURAL
 #define MOED_QPASS_NATURAL 4
@@ -318,14 +324,50 @@ moed_nibble_values(const int kind, moed_v16 tab, moed_v16 s, moed_v16 m, moed_v1
 #endif
 }
 
+/* The scales (and int4's mins) of groups si .. si+n-1 (n <= 16) of rows r0 ..
+ * r0+nrows-1 as f32, into sf[q][off + k] (and mf[q][off + k]) for k < n; returns off.
+ * kind: MOED_MXFP4 (E8M0 scales), MOED_INT4 (binary16 scales and mins), else binary16
+ * scales. 16 scales are read at once, starting at si or earlier so as not to pass the
+ * row's end (then group si is entry `off`); a row of fewer than 16 groups goes one by
+ * one. Each row's scales are a stream of their own, prefetched MOED_Q_SCALES_AHEAD
+ * groups ahead. Widening 16 at a time (one vector conversion per row) leaves a
+ * group's scale one broadcast load: with 32-column groups a group is 16 bytes of an
+ * int4 row, and converting each group's scale on its own took about a quarter of the
+ * int4 kernel's time. */
+static inline __attribute__((always_inline)) int
+moed_widen_groups(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t si, int n,
+                  float (*sf)[16], float (*mf)[16], const int kind) {
+    const ptrdiff_t ws = si + 16 <= w->scale_ld ? si : w->scale_ld - 16;
+    const int off = ws < 0 ? 0 : (int)(si - ws);
+    const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
+    for (int q = 0; q < nrows; q++) {
+        const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws), ia = (r0 + q) * w->scale_ld + sa;
+        if (kind == MOED_MXFP4) {
+            __builtin_prefetch((const uint8_t *)w->scales + ia);
+        } else {
+            __builtin_prefetch((const uint16_t *)w->scales + ia);
+            if (kind == MOED_INT4) __builtin_prefetch(w->mins + ia);
+        }
+        if (ws < 0) {
+            for (int k = 0; k < n; k++) {
+                sf[q][k] = moed_scale_at(w, i + k);
+                if (kind == MOED_INT4) mf[q][k] = moed_min_at(w, i + k);
+            }
+        } else if (kind == MOED_MXFP4) {
+            moed_v16_store(sf[q], moed_v16_load_e8m0((const uint8_t *)w->scales + i));
+        } else {
+            moed_v16_store(sf[q], moed_v16_load_f16((const uint16_t *)w->scales + i));
+            if (kind == MOED_INT4) moed_v16_store(mf[q], moed_v16_load_f16(w->mins + i));
+        }
+    }
+    return off;
+}
+
 /* int4 / mxfp4: nibble-packed rows, one 16-entry table of exact values per group of
  * g columns and row (base[c] * scale (+ min): the reference path's arithmetic).
  * kind: MOED_MXFP4, MOED_INT4 (mins) or MOED_INT4 + 16 (symmetric).
- * The scales (and mins) of up to 16 groups per row are first widened to f32 into a
- * buffer (binary16: one vector conversion per row), so a group's table costs one
- * multiply (and one add) by a broadcast load: with 32-column groups a table is built
- * every 16 bytes of a row, and building it from the stored scale each time (broadcast
- * and convert scale and min) took about a quarter of the kernel's time. */
+ * The scales (and mins) go 16 groups at a time (moed_widen_groups), so a group's
+ * table costs one multiply (or fused multiply-add) by a broadcast load. */
 static inline __attribute__((always_inline)) void
 moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0,
                    ptrdiff_t c1, const float *x, moed_v16 *a0, moed_v16 *a1, float *buf,
@@ -343,32 +385,7 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
     const ptrdiff_t last = (c1 - 1) / g;   /* the span's last group */
     for (ptrdiff_t j = c0, si = c0 / g; j < c1;) {
         const int n = last - si + 1 < 16 ? (int)(last - si + 1) : 16;   /* groups this chunk */
-        /* The 16 scales read start at si, or earlier so as not to pass the row's end
-         * (then group si is entry `off`); a row of fewer than 16 groups goes one by one. */
-        const ptrdiff_t ws = si + 16 <= w->scale_ld ? si : w->scale_ld - 16;
-        const int off = ws < 0 ? 0 : (int)(si - ws);
-        const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
-        for (int q = 0; q < nrows; q++) {
-            const ptrdiff_t i = (r0 + q) * w->scale_ld + (ws < 0 ? si : ws), ia = (r0 + q) * w->scale_ld + sa;
-            /* Each row's scales (and mins) are a stream of their own: fetch two chunks ahead. */
-            if (kind == MOED_MXFP4) {
-                __builtin_prefetch((const uint8_t *)w->scales + ia);
-            } else {
-                __builtin_prefetch((const uint16_t *)w->scales + ia);
-                if (kind == MOED_INT4) __builtin_prefetch(w->mins + ia);
-            }
-            if (ws < 0) {
-                for (int k = 0; k < n; k++) {
-                    sf[q][k] = moed_scale_at(w, i + k);
-                    if (kind == MOED_INT4) mf[q][k] = moed_min_at(w, i + k);
-                }
-            } else if (kind == MOED_MXFP4) {
-                moed_v16_store(sf[q], moed_v16_load_e8m0((const uint8_t *)w->scales + i));
-            } else {
-                moed_v16_store(sf[q], moed_v16_load_f16((const uint16_t *)w->scales + i));
-                if (kind == MOED_INT4) moed_v16_store(mf[q], moed_v16_load_f16(w->mins + i));
-            }
-        }
+        const int off = moed_widen_groups(w, r0, nrows, si, n, sf, mf, kind);
         for (int k = 0; k < n; k++, si++) {   /* one group (or its part in the span) */
             ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
             for (int q = 0; q < nrows; q++) {
@@ -400,31 +417,34 @@ moed_qspan_nibbles(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_
 #define moed_qspan_int4m(...) moed_qspan_nibbles(__VA_ARGS__, MOED_INT4)
 #define moed_qspan_int4s(...) moed_qspan_nibbles(__VA_ARGS__, MOED_INT4 + 16)
 
-/* int8: natural order, value = code * scale of its group. */
+/* int8: natural order, value = code * scale of its group; the scales go 16 groups at
+ * a time as for int4 (converting each group's scale on its own, two vector operations
+ * per group and row, held the kernel back as much). */
 static inline __attribute__((always_inline)) void
 moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c0,
                 ptrdiff_t c1, const float *x, moed_v16 *a0, moed_v16 *a1, float *buf,
                 ptrdiff_t ldb, const int store) {
     const ptrdiff_t g = w->scale_cols;
     const uint8_t *row[MOED_ROWS];
+    float sf[MOED_ROWS][16] __attribute__((aligned(64)));
     moed_v16 s[MOED_ROWS], x0 = moed_v16_zero(), x1 = moed_v16_zero();
     for (int q = 0; q < nrows; q++) row[q] = w->codes + (r0 + q) * w->row_bytes;
-    for (ptrdiff_t j = c0, si = c0 / g; j < c1; si++) {
-        ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
-        const ptrdiff_t sa = moed_prefetch_at(si + MOED_Q_SCALES_AHEAD, w->scale_ld, nrows);
-        for (int q = 0; q < nrows; q++) {
-            const uint16_t *sp = (const uint16_t *)w->scales + (r0 + q) * w->scale_ld + si;
-            if (!(si & 15)) __builtin_prefetch(sp - si + sa);   /* as for int4 */
-            s[q] = moed_v16_set1_f16(sp);
-        }
-        for (; j < end; j += 32) {
-            const ptrdiff_t pf = moed_prefetch_at(j + 2 * MOED_Q_PREFETCH, w->row_bytes, nrows);
-            if (!store) moed_load_x32(x + j, 0, &x0, &x1);
-            for (int q = 0; q < nrows; q++) {
-                __builtin_prefetch(row[q] + pf);
-                moed_sink(store, moed_v16_mul(moed_v16_load_i8(row[q] + j), s[q]),
-                          moed_v16_mul(moed_v16_load_i8(row[q] + j + 16), s[q]),
-                          x0, x1, a0 + q, a1 + q, buf, q * ldb + (j - c0));
+    const ptrdiff_t last = (c1 - 1) / g;
+    for (ptrdiff_t j = c0, si = c0 / g; j < c1;) {
+        const int n = last - si + 1 < 16 ? (int)(last - si + 1) : 16;
+        const int off = moed_widen_groups(w, r0, nrows, si, n, sf, NULL, MOED_INT8);
+        for (int k = 0; k < n; k++, si++) {
+            ptrdiff_t end = (si + 1) * g < c1 ? (si + 1) * g : c1;
+            for (int q = 0; q < nrows; q++) s[q] = moed_v16_set1(sf[q][off + k]);
+            for (; j < end; j += 32) {
+                const ptrdiff_t pf = moed_prefetch_at(j + 2 * MOED_Q_PREFETCH, w->row_bytes, nrows);
+                if (!store) moed_load_x32(x + j, 0, &x0, &x1);
+                for (int q = 0; q < nrows; q++) {
+                    __builtin_prefetch(row[q] + pf);
+                    moed_sink(store, moed_v16_mul(moed_v16_load_i8(row[q] + j), s[q]),
+                              moed_v16_mul(moed_v16_load_i8(row[q] + j + 16), s[q]),
+                              x0, x1, a0 + q, a1 + q, buf, q * ldb + (j - c0));
+                }
             }
         }
     }
@@ -434,10 +454,11 @@ moed_qspan_int8(const moed_weight *w, ptrdiff_t r0, const int nrows, ptrdiff_t c
  * (n = 32, or MOED_E4M3_STEP), 16 per vector, times MOED_E4M3_UNIT (exact). */
 #if defined(MOED_V16_AVX512) && defined(__AVX512VBMI__)
 /* Byte tables of the f32 value of each 7-bit e4m3 magnitude (its bits 16..23 and
- * 24..31; the low 16 bits are zero for every e4m3 value), and the byte placement of
- * four 16-value groups into f32 lanes. Filled by moed_quant_init_simd. */
+ * 24..31; the low 16 bits are zero for every e4m3 value: each is a bfloat16), and the
+ * order the 64 codes of a step are put in first (see moed_e4m3_decode). Filled by
+ * moed_quant_init_simd. */
 static uint8_t moed_e4m3_lut[2][128] __attribute__((aligned(64)));
-static uint8_t moed_e4m3_place[4][64] __attribute__((aligned(64)));
+static uint8_t moed_e4m3_order[64] __attribute__((aligned(64)));
 
 static inline void moed_quant_init_simd(void) {
     for (int m = 0; m < 128; m++) {
@@ -447,14 +468,17 @@ static inline void moed_quant_init_simd(void) {
         moed_e4m3_lut[0][m] = (uint8_t)(u >> 16);
         moed_e4m3_lut[1][m] = (uint8_t)(u >> 24);
     }
-    for (int k = 0; k < 4; k++)
-        for (int i = 0; i < 16; i++) {
-            moed_e4m3_place[k][4 * i + 2] = (uint8_t)(16 * k + i);        /* from lo */
-            moed_e4m3_place[k][4 * i + 3] = (uint8_t)(64 + 16 * k + i);   /* from hi */
+    /* byte 16L + 2d (+1, +8, +9) feeds lane 4L + d of value vector 0 (1, 2, 3) */
+    for (int L = 0; L < 4; L++)
+        for (int d = 0; d < 4; d++) {
+            moed_e4m3_order[16 * L + 2 * d] = (uint8_t)(4 * L + d);
+            moed_e4m3_order[16 * L + 2 * d + 1] = (uint8_t)(16 + 4 * L + d);
+            moed_e4m3_order[16 * L + 8 + 2 * d] = (uint8_t)(32 + 4 * L + d);
+            moed_e4m3_order[16 * L + 9 + 2 * d] = (uint8_t)(48 + 4 * L + d);
         }
 }
 
-typedef struct { __m512i lo0, lo1, hi0, hi1, sign, place[4]; } moed_e4m3_tables;
+typedef struct { __m512i lo0, lo1, hi0, hi1, sign, order, top; } moed_e4m3_tables;
 
 static inline void moed_e4m3_tables_load(moed_e4m3_tables *t) {
     t->lo0 = _mm512_load_si512(moed_e4m3_lut[0]);
@@ -462,19 +486,32 @@ static inline void moed_e4m3_tables_load(moed_e4m3_tables *t) {
     t->hi0 = _mm512_load_si512(moed_e4m3_lut[1]);
     t->hi1 = _mm512_load_si512(moed_e4m3_lut[1] + 64);
     t->sign = _mm512_set1_epi8((char)0x80);
-    for (int k = 0; k < 4; k++) t->place[k] = _mm512_load_si512(moed_e4m3_place[k]);
+    t->order = _mm512_load_si512(moed_e4m3_order);
+    t->top = _mm512_set1_epi32((int)0xFFFF0000u);
 }
 
+/* The codes are put in moed_e4m3_order (one byte permute); the two byte tables give
+ * each value's bits 16..23 and 24..31 (the sign bit or-ed in); interleaving the two
+ * (in-lane byte unpacks) makes 16-bit halves that one shift or one mask puts into f32
+ * lanes, in column order thanks to the first permute. 7 shuffle-port operations per 64
+ * codes, where placing the bytes by four two-table byte permutes took 12 (a two-table
+ * byte permute is two of them). */
 static inline __attribute__((always_inline)) void
 moed_e4m3_decode(const moed_e4m3_tables *t, const uint8_t *p, const int n, moed_v16 *f) {
     __m512i b = n == 64 ? _mm512_loadu_si512(p)
                         : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+    b = _mm512_permutexvar_epi8(t->order, b);
     __m512i lo = _mm512_permutex2var_epi8(t->lo0, b, t->lo1);
     __m512i hi = _mm512_permutex2var_epi8(t->hi0, b, t->hi1);
     hi = _mm512_ternarylogic_epi32(hi, b, t->sign, 0xF8);   /* hi | (b & 0x80) */
-    for (int k = 0; k < n / 16; k++)
-        f[k] = _mm512_castsi512_ps(
-            _mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, t->place[k], hi));
+    __m512i u = _mm512_unpacklo_epi8(lo, hi);
+    f[0] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    f[1] = _mm512_castsi512_ps(_mm512_and_si512(u, t->top));
+    if (n == 64) {
+        u = _mm512_unpackhi_epi8(lo, hi);
+        f[2] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+        f[3] = _mm512_castsi512_ps(_mm512_and_si512(u, t->top));
+    }
 }
 #define MOED_E4M3_STEP 64
 #define MOED_E4M3_UNIT 1.0f
@@ -760,7 +797,7 @@ MOED_DEFINE_QKERNEL(mxfp4, MOED_QPASS_PAIRED)
 MOED_DEFINE_QKERNEL(int4m, MOED_QPASS_PAIRED)
 MOED_DEFINE_QKERNEL(int4s, MOED_QPASS_PAIRED)
 MOED_DEFINE_QKERNEL(int8, MOED_QPASS_NATURAL)
-MOED_DEFINE_QKERNEL(fp8, MOED_QPASS_NATURAL)
+MOED_DEFINE_QKERNEL(fp8, MOED_QPASS_FP8)
 #endif
 
 /* The SIMD kernels for rows r0 .. r0+nrows-1 of w, or NULL if they do not apply. */
