@@ -134,12 +134,12 @@ static inline ptrdiff_t moed_prefetch_at(ptrdiff_t at, ptrdiff_t len, int nrows)
  * MOED_L2_PASSES * nrows rows on. The L1 prefetch above runs at most one pass ahead,
  * which on short rows (a routed expert's 512-2048 columns) left the next passes to the
  * hardware prefetchers, and a mat-vec of cold weights ran at half its in-cache speed.
- * Measured on Zen 4, 2 threads, a ring of 96 MiB of different weights, in one process
- * alternating the two builds round by round (8-10 rounds, median [quartiles] of the
- * paired ratios), same bits: bf16 1024 x 1024 1.43x [1.38-1.52], 1024 x 512 1.87x,
- * 512 x 1024 1.63x, 4096 x 4096 1.18x; f16 1.53x and 1.19x, f32 1.14x and 1.09x (1024^2,
- * 4096^2); an AVX2 build (-mno-avx512f) bf16 1.32-2.46x. 3 and 4 passes were no better
- * than 2. Past the weight's end it only wastes a request (prefetches never fault). */
+ * Measured on Zen 4 by bench/kernel_ab.py (2 threads, 10 rounds, median [quartiles] of
+ * the paired ratios against the build without it), same bits: bf16 1024 x 512 1.84x
+ * [1.81-1.87], 512 x 1024 1.39x, 1024 x 1024 1.67x, 4096 x 4096 1.15x; f16 1.45x and
+ * 1.15x, f32 1.16x and 1.07x (1024^2, 4096^2); an AVX2 build (-mno-avx512f) bf16
+ * 1.32-2.46x. 3 and 4 passes were no better than 2. Past the weight's end it only wastes
+ * a request (prefetches never fault). */
 #ifndef MOED_L2_PASSES
 #define MOED_L2_PASSES 2
 #endif

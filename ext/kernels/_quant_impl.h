@@ -260,10 +260,11 @@ typedef struct {
 #define MOED_Q_PREFETCH 512
 #endif
 /* The quantised spans' second prefetch, into L2 two passes ahead (moed_prefetch_l2),
- * on AVX-512 only. Measured on Zen 4 as for the dense kernels (shapes 1024 x 1024,
- * 1024 x 512, 512 x 1024, 4096 x 4096): int8 1.33-1.65x, fp8 1.20-1.46x, mxfp4 and int4
- * with mins 1.03-1.13x on AVX-512; in an AVX2 build (-mno-avx512f, same machine), where
- * these kernels are bound by their instructions rather than by memory, 0.92-1.01x. */
+ * on AVX-512 only. Measured on Zen 4 as for the dense kernels (bench/kernel_ab.py, shapes
+ * 1024 x 512, 512 x 1024, 1024 x 1024, 4096 x 4096): int8 1.29-1.51x, fp8 1.14-1.30x,
+ * mxfp4 1.04-1.08x, int4 with mins 1.02-1.10x on AVX-512; in an AVX2 build (-mno-avx512f,
+ * same machine), where these kernels are bound by their instructions rather than by
+ * memory, 0.92-1.01x. */
 #ifndef MOED_Q_L2
 #ifdef MOED_V16_AVX512
 #define MOED_Q_L2 1
