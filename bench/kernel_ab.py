@@ -61,12 +61,6 @@ def rewrap(module, w):
     return module.QuantizedWeight(w.fmt, w.codes, w.scales, *extra)
 
 
-def weight_bytes(w) -> int:
-    if isinstance(w, np.ndarray):
-        return w.nbytes
-    return w.codes.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
-
-
 def quartiles(values: list[float]) -> list[float]:
     v = sorted(values)
     return [v[(len(v) - 1) // 4], v[(3 * (len(v) - 1)) // 4]]
@@ -75,7 +69,7 @@ def quartiles(values: list[float]) -> list[float]:
 def compare(builds, name: str, R: int, C: int, args, rng: np.random.Generator) -> dict:
     """One format and shape: both builds over the same ring, `args.rounds` rounds."""
     one = matvec.make_weight(name, R, C, args.group_size, rng)
-    nbytes = weight_bytes(one)
+    nbytes = one.nbytes                     # codes, scales and mins
     ring = [one] + [matvec.make_weight(name, R, C, args.group_size, rng)
                     for _ in range(matvec.ring_size(nbytes, args.stream_mib) - 1)]
     x = rng.standard_normal((args.tokens, C), dtype=np.float32)
