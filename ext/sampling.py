@@ -133,10 +133,13 @@ class Sampler:
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.size == 0:
             raise ValueError(f"logits must be a non-empty 1-D array, got shape {logits.shape}")
+        p = self.params
+        if (p.temperature == 0 and allowed is None and not p.logit_bias
+                and not (self._counts and (p.presence_penalty or p.frequency_penalty))):
+            return self._greedy(logits)
         z = logits.astype(np.float64)  # [V]
         if np.isnan(z).any() or np.isposinf(z).any():
             raise ValueError("logits contain NaN or +inf")
-        p = self.params
         if p.logit_bias:
             ids = np.fromiter((t for t, _ in p.logit_bias), np.int64, len(p.logit_bias))
             if ids.max() >= z.size:
@@ -178,6 +181,20 @@ class Sampler:
         u = self._rng.random() * cdf[-1]
         index = min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)
         return int(order[index])
+
+    @staticmethod
+    def _greedy(logits: np.ndarray) -> int:
+        """Greedy pick with nothing to add or mask: one pass over the logits as given.
+        The same token and errors as the general path: argmax returns the first NaN when
+        there is one, else the first +inf, else the first maximum (widening to float64
+        changes no order), so looking at the value it picked tells all."""
+        best = int(np.argmax(logits))
+        v = logits[best]
+        if np.isnan(v) or v == np.inf:
+            raise ValueError("logits contain NaN or +inf")
+        if v == -np.inf:
+            raise ValueError("all logits are -inf")
+        return best
 
 
 def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

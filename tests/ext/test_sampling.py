@@ -167,3 +167,32 @@ def test_sort_descending_equals_stable_argsort_with_ties():
     ids = np.flatnonzero(rng.random(5000) < 0.7)
     expected = ids[np.argsort(-z[ids], kind="stable")]
     np.testing.assert_array_equal(_sort_descending(z, ids), expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_greedy_shortcut_picks_and_refuses_as_the_general_path(dtype):
+    """Greedy with nothing to add or mask takes one pass over the logits; a logit_bias of
+    0 sends the same logits through the general path, which must agree token and error."""
+    rng = np.random.default_rng(7)
+    cases = [rng.standard_normal(257).astype(dtype) for _ in range(20)]
+    tie = rng.standard_normal(64).astype(dtype)
+    tie[[9, 40]] = tie.max() + 1                              # first of two maxima wins
+    cases.append(tie)
+    for bad, where in [(np.nan, 3), (np.inf, 5), (-np.inf, None)]:
+        row = rng.standard_normal(32).astype(dtype)
+        row[where if where is not None else slice(None)] = bad
+        cases.append(row)
+    both = rng.standard_normal(32).astype(dtype)
+    both[[4, 11]] = [np.inf, np.nan]                          # +inf before a NaN
+    cases.append(both)
+    for z in cases:
+        shortcut = Sampler(SamplingParams(temperature=0))
+        general = Sampler(SamplingParams(temperature=0, logit_bias=((0, 0.0),)))
+        outcomes = []
+        for sampler in (shortcut, general):
+            try:
+                outcomes.append(sampler.sample(z))
+            except ValueError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1], (z, outcomes)
+    assert Sampler(SamplingParams(temperature=0)).sample(tie) == 9
