@@ -10,8 +10,9 @@ independent of thread counts or batch composition, as DESIGN.md requires.
 
 The draw: one `Generator.random()` float64 u in [0, 1) per sampled token, from
 `numpy.random.Generator(numpy.random.PCG64(seed))`, mapped through the inverse CDF of
-the kept tokens taken in that sorted order. Greedy decoding (temperature 0) draws
-nothing, so it leaves the stream where it was.
+the kept tokens taken in that sorted order (probabilities normalised by the sum of all
+the weights; only as much of the order is sorted as the draw reaches). Greedy decoding
+(temperature 0) draws nothing, so it leaves the stream where it was.
 
 Before that, in this order (float64): logit_bias is added; the penalties of the OpenAI
 API reference are applied, `z[j] -= c[j] * frequency_penalty + (c[j] > 0) *
@@ -27,6 +28,10 @@ import os
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+
+# Tokens sorted first when sampling over the whole vocabulary (`_draw_sorted_head`).
+_SORTED_HEAD = 256
 
 
 class SamplingParamError(ValueError):
@@ -167,20 +172,56 @@ class Sampler:
             # candidates (in id order) then keeps the lower ids among ties.
             kth = np.partition(z, z.size - p.top_k)[z.size - p.top_k]
             order = _sort_descending(z, np.flatnonzero(z >= kth))[:p.top_k]  # [k]
-        else:
-            order = _sort_descending(z, np.flatnonzero(weights > 0))  # [N]
-        probs = weights[order]  # [N] descending, probs[0] == 1
-        nonzero = int(np.count_nonzero(probs))  # zero weights form a suffix
-        probs, order = probs[:nonzero] / probs[:nonzero].sum(), order[:nonzero]
-        if p.top_p < 1.0:
+            probs = weights[order]  # [k] descending, probs[0] == 1
+            nonzero = int(np.count_nonzero(probs))  # zero weights form a suffix
+            return self._draw(probs[:nonzero] / probs[:nonzero].sum(), order[:nonzero], p.top_p)
+        return self._draw_sorted_head(z, weights, p.top_p)
+
+    def _draw(self, probs: np.ndarray, order: np.ndarray, top_p: float) -> int:
+        """Token of one draw from `probs` [N] (normalised, in the sorted order of the
+        token ids `order` [N]): the top_p prefix, then the inverse CDF of one uniform."""
+        if top_p < 1.0:
             cumulative = np.cumsum(probs)
-            keep = int(np.searchsorted(cumulative, p.top_p, side="left")) + 1
+            keep = int(np.searchsorted(cumulative, top_p, side="left")) + 1
             probs = probs[:keep]
             order = order[:keep]
         cdf = np.cumsum(probs)  # [N], renormalised below by its last entry
         u = self._rng.random() * cdf[-1]
         index = min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)
         return int(order[index])
+
+    def _draw_sorted_head(self, z: np.ndarray, weights: np.ndarray, top_p: float) -> int:
+        """`_draw` over every token with a positive weight, sorting only as far down the
+        order as the draw reaches: the tokens whose z is at least the m-th largest are a
+        prefix of the sorted order (ties included), so the prefix is sorted first and the
+        walk goes on (m x 8) only when top_p's mass or the uniform lies beyond it. The
+        tokens and their probabilities are those of the whole sorted order, normalised
+        by the sum of all weights (taken in id order); a full sort of the vocabulary
+        (milliseconds for 10^5 tokens) is needed only when the draw reaches its tail."""
+        positive = int(np.count_nonzero(weights))
+        total = weights.sum()
+        u = self._rng.random() if top_p >= 1.0 else None
+        m = min(_SORTED_HEAD, positive)
+        while True:
+            if m >= positive:
+                order = _sort_descending(z, np.flatnonzero(weights > 0))  # [positive]
+            else:
+                kth = np.partition(z, z.size - m)[z.size - m]
+                order = _sort_descending(z, np.flatnonzero(z >= kth))  # [>= m]
+            complete = order.size >= positive
+            cumulative = np.cumsum(weights[order] / total)
+            if u is None:                                 # top_p: the nucleus, then a draw
+                if complete or cumulative[-1] >= top_p:
+                    keep = min(int(np.searchsorted(cumulative, top_p, side="left")) + 1, order.size)
+                    probs = weights[order[:keep]] / total
+                    return self._draw(probs / probs.sum(), order[:keep], 1.0)
+            else:
+                index = int(np.searchsorted(cumulative, u, side="right"))
+                if index < order.size:
+                    return int(order[index])
+                if complete:
+                    return int(order[-1])
+            m = min(m * 8, positive)
 
     @staticmethod
     def _greedy(logits: np.ndarray) -> int:

@@ -196,3 +196,18 @@ def test_greedy_shortcut_picks_and_refuses_as_the_general_path(dtype):
                 outcomes.append(str(e))
         assert outcomes[0] == outcomes[1], (z, outcomes)
     assert Sampler(SamplingParams(temperature=0)).sample(tie) == 9
+
+
+@pytest.mark.parametrize("spread", [0.3, 1.0, 4.0])
+@pytest.mark.parametrize("kwargs", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
+                                    dict(temperature=1.2, top_p=0.5)])
+def test_a_vocabulary_larger_than_the_sorted_head_draws_as_documented(spread, kwargs):
+    """Over a vocabulary of 3000 (more than the 256 tokens sorted first) the draws still
+    follow the documented inverse CDF over the whole sorted order: flat logits (spread
+    0.3) send most draws past the head, peaked ones (4.0) keep them in it."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(3000) * spread).astype(np.float32)
+    logits[[5, 600, 2900]] = logits[1234]                   # ties order by id
+    got = _draws(SamplingParams(seed=99, **kwargs), logits, 300)
+    assert got == _reference(logits, seed=99, n=300, **kwargs)
+    assert len(set(got)) > 1                                # really sampling
