@@ -3,9 +3,9 @@ moed's int4 / int8 group format, laid out for streaming (ext/formats/repacked.py
 
 `repack(model_dir, out_dir, spec)` reads a model directory moed can load, quantises
 every routed expert's gate, up and down projections with `spec.experts` (and, with
-`spec.dense`, the attention projections, shared experts and dense MLPs; routers,
-norms, embeddings and lm_head are never quantised), copies every other tensor byte for
-byte, and writes config.json with moed's quantization_config plus every other regular
+`spec.dense`, the attention projections, shared experts and dense MLPs, and with
+`spec.lm_head` lm_head too; routers, norms and embeddings are never quantised), copies
+every other tensor byte for byte, and writes config.json with moed's quantization_config plus every other regular
 file of the directory (tokenizer files, generation_config.json, chat template, licence)
 unchanged. The output is built in a temporary directory beside `out_dir` and renamed
 into place at the end, so a failed or interrupted repack leaves no half-written model.
@@ -56,7 +56,9 @@ class RepackSpec:
     """What `repack` does.
 
     experts: the routed experts' scheme. dense: a scheme for the attention projections,
-    shared experts and dense MLPs, or None (they stay as stored). method: "search" or
+    shared experts and dense MLPs, or None (they stay as stored). lm_head: quantise the
+    output projection too, with `dense`'s scheme (as llama.cpp's k-quant mixes do; a
+    model whose lm_head is tied to its embeddings has none to quantise). method: "search" or
     "rtn" (ext/quant/codec.py). weighting: the error weights of the search — "uniform",
     "magnitude" (k-quants' rms + |x|), "importance" (column importance from calibration
     text) or "importance*magnitude" (llama.cpp's imatrix weighting); the importance ones
@@ -66,6 +68,7 @@ class RepackSpec:
 
     experts: QuantScheme
     dense: QuantScheme | None = None
+    lm_head: bool = False
     method: str = "search"
     weighting: str = "magnitude"
     prior_tokens: float = PRIOR_TOKENS
@@ -77,6 +80,8 @@ class RepackSpec:
             raise ValueError(f"unknown weighting {self.weighting!r} (known: {', '.join(WEIGHTINGS)})")
         if self.dense is not None and self.dense.min:
             raise ValueError("dense weights take int8 or symmetric int4")
+        if self.lm_head and self.dense is None:
+            raise ValueError("lm_head is quantised with the dense scheme: give one")
 
     @property
     def needs_importance(self) -> bool:
@@ -122,11 +127,13 @@ def _error_weights(spec, w, scheme, importance, layer, expert, proj):
     return importance_weights(w, imp, scheme, magnitude=spec.weighting == "importance*magnitude")
 
 
-def dense_weight_names(checkpoint: Checkpoint, expert_pieces: set[str]) -> list[str]:
+def dense_weight_names(checkpoint: Checkpoint, expert_pieces: set[str],
+                       lm_head: bool = False) -> list[str]:
     """The dense weights `spec.dense` applies to: attention q/k/v/o projections, shared
-    experts' and dense MLPs' gate/up/down stored as plain floats (never routers, norms,
-    embeddings, lm_head; FP8 ones stay FP8)."""
-    pattern = re.compile("|".join(f"(?:{p})" for p in _DENSE_PATTERNS))
+    experts' and dense MLPs' gate/up/down stored as plain floats, and `lm_head.weight`
+    when `lm_head` (never routers, norms, embeddings; FP8 ones stay FP8)."""
+    patterns = _DENSE_PATTERNS + ((r"lm_head\.weight",) if lm_head else ())
+    pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
     return [n for n, info in checkpoint.tensors.items()
             if n not in expert_pieces and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
             and pattern.fullmatch(n)]
@@ -286,7 +293,8 @@ def _losses(layout: ExpertLayout, spec: RepackSpec) -> tuple[str, ...]:
                    f"not fall on {spec.experts.scheme}'s uniform levels in general: they are "
                    "rounded a second time (compare with 'moed eval' before serving)")
     if spec.dense is not None:
-        out.append(f"dense projections -> {spec.dense.scheme} in groups of {spec.dense.group_size}")
+        out.append(f"dense projections{' and lm_head' if spec.lm_head else ''} -> "
+                   f"{spec.dense.scheme} in groups of {spec.dense.group_size}")
     return tuple(out)
 
 
@@ -327,7 +335,8 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
         source_pieces = {p.name for loc in layout for p in loc.pieces()}
         expert_names = {expert_tensor_name(config.model_type, loc.layer, loc.expert, proj): w.shape
                         for loc in layout for proj, w in zip(PROJECTIONS, loc.projections())}
-        dense_names = set(dense_weight_names(checkpoint, source_pieces)) if spec.dense else set()
+        dense_names = (set(dense_weight_names(checkpoint, source_pieces, spec.lm_head))
+                       if spec.dense else set())
         for name, shape in sorted({**expert_names,
                                    **{n: checkpoint.info(n).shape for n in dense_names}}.items()):
             scheme = spec.experts if name in expert_names else spec.dense

@@ -401,3 +401,25 @@ def test_a_low_bit_source_repacks_to_int4_and_says_what_it_loses(dtype, kept, tm
     a = float_values(model.experts.acquire(1, [1])[0].down)
     b = float_values(src_model.experts.acquire(1, [1])[0].down)
     assert 0 < np.abs(a - b).max() <= np.abs(b).max() / 7
+
+
+def test_lm_head_joins_the_dense_weights_only_when_asked(source, tmp_path):
+    """RepackSpec(lm_head=True) quantises lm_head with the dense scheme; the model reads it
+    as int8 and its logits stay close to the source's; without a dense scheme it is refused."""
+    out = tmp_path / "head"
+    repack(source, out, RepackSpec(QuantScheme("int4", 32, True), dense=QuantScheme("int8", 32),
+                                   lm_head=True))
+    with Checkpoint(out) as ckpt:
+        assert ckpt.info("model.embed_tokens.weight").dtype == "BF16"
+        assert ckpt.info("lm_head.weight").dtype == "I8"              # codes, and a scale
+        assert ckpt.info("lm_head.weight_scale").shape == (ckpt.info("lm_head.weight").shape[0], 2)
+    model, reference = Model.load(out, n_threads=1), Model.load(source, n_threads=1)
+    assert model.dense_weights["lm_head"].format == "int8"
+    prompt = [3, 14, 15, 92, 65]
+    got = model.forward(model.new_sequence(), prompt, all_logits=True)
+    want = reference.forward(reference.new_sequence(), prompt, all_logits=True)
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    model.close()
+    reference.close()
+    with pytest.raises(ValueError, match="lm_head is quantised with the dense scheme"):
+        RepackSpec(QuantScheme("int8", 32), lm_head=True)
