@@ -42,12 +42,16 @@ class ServingState:
         self.started_wall = time.time()
 
     def read_failure(self) -> str | None:
-        """Why expert reads fail now (the latest read to finish failed), else None. Reads
-        the io pool of the current expert cache; memory-mapped experts have none."""
-        session = self.loaded.session if self.loaded is not None else None
-        if session is None:
+        """Why expert reads fail now, else None: the io pool of a streamed expert cache
+        (the latest read to finish failed), or memory-mapped experts' own check (a shard
+        truncated below an expert it holds, until it is whole again)."""
+        if self.loaded is None:
             return None
-        return session.provider.io.failing()
+        session = self.loaded.session
+        if session is not None:
+            return session.provider.io.failing()
+        failing = getattr(self.loaded.engine.model.experts, "failing", None)
+        return failing() if failing is not None else None
 
     def stats_snapshot(self, loaded: Loaded) -> dict:
         """moed's own statistics (runs on the engine thread); the same reading becomes

@@ -101,6 +101,11 @@ class RecordingProvider(ExpertProvider):
         self._index = {layer: i for i, layer in enumerate(moe_layers)}
         return self
 
+    def failing(self) -> str | None:
+        """The inner provider's `failing()` (memory-mapped experts have one), else None."""
+        failing = getattr(self.inner, "failing", None)
+        return failing() if failing is not None else None
+
     def close(self) -> None:
         self.trace_writer.close()
         self.inner.close()

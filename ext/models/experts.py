@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ext.formats.checkpoint import (Checkpoint, MissingTensorError, TensorInfo, TensorRangeError,
-                                    UnsupportedDtypeError)
+                                    TruncatedFileError, UnsupportedDtypeError)
 from ext.formats.quant import (EXPERT, LAYOUTS, MXFP4, PLAIN_FORMATS, FormatMismatchError,
                                StoredWeight, resolve_weight)
 from ext.models.config import ModelConfig
@@ -322,25 +322,75 @@ class MmapExpertProvider(ExpertProvider):
     Nothing is read at start; the kernel pages weights in on first touch and may
     drop them under memory pressure. This is the page-cache baseline that the
     streaming cache is measured against.
+
+    A shard truncated under a mapping would kill the process with SIGBUS at the first
+    touch of a page past its new end, so every acquire first checks (one fstat per
+    shard of the call, well under a microsecond) that each shard still holds the
+    acquired experts' bytes, and raises TruncatedFileError naming the file, the expert
+    and the sizes instead; `failing()` reports it until the shard is whole again. A
+    truncation between that check and the kernels' reads (the layer's compute) is not
+    covered.
     """
 
     def __init__(self, layout: ExpertLayout):
         self._layout = layout
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
         self._views: dict[tuple[int, int], ExpertWeights] = {}
+        self._ends: dict[tuple[int, int], dict[str, int]] = {}   # per expert: file -> its end
+        self._failing: dict[str, tuple[int, str]] = {}           # file -> (end needed, why)
 
     def _map(self, path: str) -> mmap.mmap:
         m = self._maps.get(path)
         if m is None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)
-            self._maps[path] = m
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            m = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         return m
 
+    def _check_sizes(self, layer: int, experts: Sequence[int]) -> None:
+        """Raise TruncatedFileError when a shard no longer holds an expert of the call."""
+        need: dict[str, tuple[int, int]] = {}                    # file -> (end, expert)
+        for e in experts:
+            key = (layer, int(e))
+            ends = self._ends.get(key)
+            if ends is None:
+                ends = {}
+                for info in self._layout[key].pieces():
+                    ends[info.path] = max(ends.get(info.path, 0), info.offset + info.nbytes)
+                self._ends[key] = ends
+            for path, end in ends.items():
+                if end > need.get(path, (0, 0))[0]:
+                    need[path] = (end, int(e))
+        for path, (end, expert) in need.items():
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            if size < end:
+                why = (f"{path} ends at byte {size}, before layer {layer} expert {expert}'s "
+                       f"weights end at {end} (truncated while served)")
+                self._failing[path] = (end, why)
+                raise TruncatedFileError(why, path=path, tensor=None)
+            self._failing.pop(path, None)
+
+    def failing(self) -> str | None:
+        """Why experts cannot be served now (a shard truncated below an expert it holds),
+        until every such shard is whole again (re-checked here); else None."""
+        for path, (end, why) in list(self._failing.items()):
+            fd = self._fds.get(path)
+            try:
+                whole = fd is not None and os.fstat(fd).st_size >= end
+            except OSError:
+                whole = False
+            if not whole:
+                return why
+            self._failing.pop(path, None)
+        return None
+
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        self._check_sizes(layer, experts)
         out = []
         for e in experts:
             key = (layer, int(e))
@@ -361,3 +411,6 @@ class MmapExpertProvider(ExpertProvider):
             except BufferError:  # a caller still holds a view; the map closes when it is freed
                 pass
         self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

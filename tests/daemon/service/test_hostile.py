@@ -242,17 +242,23 @@ def sharded_model(tmp_path_factory) -> Path:
                       shard_size=64 << 10)
 
 
-def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sharded_model):
+@pytest.mark.parametrize("experts", ["streamed", "mapped"])
+def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sharded_model, experts):
+    """Streamed (a cache budget) or memory-mapped (no budget: the model fits), a shard cut
+    under the daemon fails the requests that need it with a 500 naming the file, /health is
+    degraded, the daemon stays up (a mapping touched past its file's end would be SIGBUS),
+    and all is well again once the file is whole."""
     checkpoint = Checkpoint(sharded_model)
     config = load_config(sharded_model)
     cache = minimum_cache_bytes(ExpertLayout(checkpoint, config), config)
     checkpoint.close()
     shards = sorted(sharded_model.glob("model-*.safetensors"))
     assert len(shards) >= 2
-    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--expert-cache-bytes", str(cache),
-               "--no-prefetch")
+    budget = ("--expert-cache-bytes", str(cache)) if experts == "streamed" else ()
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", *budget, "--no-prefetch")
     try:
         assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert serving(d)                    # the experts' shards are open (mapped) now
         saved = {p: p.read_bytes() for p in shards}
         for p in shards:                     # every expert's bytes gone: only headers stay
             header = 8 + int.from_bytes(saved[p][:8], "little")
@@ -263,8 +269,10 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
         assert status == 500 and "generation failed" in body["error"]["message"]
         status, health = d.json("GET", "/health")
         assert status == 503 and health["status"] == "degraded"
-        assert health["reason"].startswith("expert reads are failing: reading expert (")
+        assert health["reason"].startswith("expert reads are failing: " + (
+            "reading expert (" if experts == "streamed" else str(sharded_model)))
         assert any(str(p) in health["reason"] for p in shards)
+        assert d.proc.poll() is None                       # still up
         for p, data in saved.items():        # the disk is back
             p.write_bytes(data)
         assert serving(d)
