@@ -144,6 +144,11 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top
 
 
+def _clip(text: str, limit: int = 20) -> str:
+    """`text` cut to `limit` characters (with "..." when cut), for echoing client input."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
     bias = body.get("logit_bias")
     if bias is None:
@@ -152,15 +157,18 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
         raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
     out = []
     for key, value in bias.items():
+        # A key is a client's string of any length: at most 20 characters of it go back.
         try:
+            if len(key) > 20 or not key.strip().lstrip("+-").isdecimal():
+                raise ValueError(key)
             token = int(key)
         except ValueError:
-            raise bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+            raise bad(f"'logit_bias' key {_clip(key)!r} is not a token id", "logit_bias") from None
         if not 0 <= token < vocab:
             raise bad(f"'logit_bias' token id {token} is not in [0, {vocab})", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}",
-                      "logit_bias")
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got "
+                      f"{_clip(repr(value))}", "logit_bias")
         out.append((token, float(value)))
     return tuple(sorted(out))
 
@@ -315,9 +323,13 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
             if any(not 0 <= t < vocab for t in prompt):
                 raise bad(f"'prompt' token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
+        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str) for t in prompt):
             raise bad("'prompt' as a list of several prompts is not supported: send one per "
                       "request", "prompt")
+        elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
+            at = next(i for i, t in enumerate(prompt) if not isinstance(t, int) or isinstance(t, bool))
+            raise bad(f"'prompt' token ids must be integers; item {at} is "
+                      f"{_clip(repr(prompt[at]))}", "prompt")
         else:
             raise bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
         prompt_param = "prompt"

@@ -792,3 +792,31 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
     finally:
         assert d.stop() == 0
         d.cleanup()
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": [5, 1.5]}, "prompt", "'prompt' token ids must be integers; item 1 is 1.5"),
+    ({"prompt": [5, True]}, "prompt", "item 1 is True"),
+    ({"prompt": ["a", "b"]}, "prompt", "several prompts"),
+    ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias",
+     "'logit_bias' key '99999999999999999999...' is not a token id"),
+    ({"prompt": "hi", "logit_bias": {"²": 1}}, "logit_bias", "is not a token id"),
+    ({"prompt": "hi", "logit_bias": {"1_0": 1}}, "logit_bias", "is not a token id"),
+    ({"prompt": "hi", "logit_bias": {"3": "x" * 5000}}, "logit_bias", "got 'xxxxxxxxxxxxxxxxxxx..."),
+])
+def test_bad_fields_are_named_and_echo_at_most_a_short_piece_of_client_input(body, param, says):
+    from daemon.service import api
+
+    class Vocab:
+        vocab_size = 100
+
+        @staticmethod
+        def encode(text, add_special_tokens=True):
+            return [1] * len(text)
+    with pytest.raises(api.ApiError) as e:
+        api.parse_request({"max_tokens": 4, **body}, chat=False, model_names=("m",),
+                          tokenizer=Vocab(), stop_ids=frozenset(), context=4096,
+                          max_tokens_cap=64, request_timeout_s=60, now=0.0)
+    assert e.value.status == 400 and e.value.param == param
+    message = e.value.message
+    assert says in message and len(message) < 200, message
