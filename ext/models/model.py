@@ -45,6 +45,20 @@ F32 = np.float32
 PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
 
 
+def _check_finite(l: int, y: np.ndarray, experts_of_rows) -> None:
+    """Raise ValueError naming layer l's experts whose output rows y [N, H] hold NaN or
+    inf (experts_of_rows: the expert of each row): their weights are broken, and without
+    this the next layer's router would take the blame. One sum a layer (a NaN or inf
+    anywhere makes it non-finite); rows are looked at only when it is."""
+    if np.isfinite(y.sum()):
+        return
+    bad = sorted({int(e) for e, row in zip(experts_of_rows, y) if not np.isfinite(row).all()})
+    if bad:
+        raise ValueError(f"layer {l}: routed expert{'s' if len(bad) > 1 else ''} "
+                         f"{', '.join(map(str, bad))} produced NaN or inf (their weights "
+                         "hold NaN or inf, or values beyond float32's range)")
+
+
 def default_threads() -> int:
     """CPUs this process may run on (sched_getaffinity), at least 1."""
     try:
@@ -482,6 +496,8 @@ class Model:
                                 ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
             finally:
                 self.experts.release(l, batch)
+        _check_finite(l, y, [experts[g] for g in range(len(experts))
+                             for _ in range(int(group_start[g + 1] - group_start[g]))])
         rows = np.empty(N, np.int64)
         rows[order] = np.arange(N)                               # row of y per (token, rank)
         return self._combine(layer, h, y, rows.reshape(T, K), weights)
@@ -513,6 +529,7 @@ class Model:
                 raise
             y[positions] = part[:n]                              # row g = experts[g]
         self.experts.release(l, experts)
+        _check_finite(l, y, experts)
         rows = np.empty(K, np.int64)
         rows[order] = np.arange(K)                               # row of y per rank
         return self._combine(layer, h, y, rows.reshape(1, K), weights)

@@ -135,3 +135,21 @@ def test_transformers_and_moed_agree_on_make_model_output(models, arch):
     got = model.forward(model.new_sequence(), ids, all_logits=True)
     assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).mean() > 0.9
+
+
+def test_experts_with_nan_weights_are_named_not_the_next_router(tmp_path):
+    """NaN in layer 1's experts: the error names layer 1 and its experts (in prefill and in
+    decode), not layer 2's router, which would see the NaN next."""
+    d = make_model(tmp_path / "m", arch="qwen3_moe", layers=3, experts=4, top_k=2, hidden=64,
+                   intermediate=32, dtype="bf16", seed=2)
+    with Checkpoint(d) as ckpt:
+        infos = [ckpt.info(f"model.layers.1.mlp.experts.{e}.down_proj.weight") for e in range(4)]
+    for info in infos:                       # bf16 NaN (0x7fc0) in every weight of the tensor
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset)
+            f.write(b"\xc0\x7f" * (info.nbytes // 2))
+    model = Model.load(d, n_threads=1)
+    for prompt in ([1, 2, 3, 4, 5], [7]):
+        with pytest.raises(ValueError, match=r"^layer 1: routed experts [0-3](, [0-3])+ produced NaN or inf"):
+            model.forward(model.new_sequence(), prompt)
+    model.close()
