@@ -244,7 +244,10 @@ class IoPool:
         self._reads_completed = dict.fromkeys(REASONS, 0)
         self._bytes_retried = self._read_errors = self._retries_succeeded = 0
         self._cancelled = self._in_flight = 0
-        self._failing: str | None = None      # the error of the latest read, if it failed
+        # (file, offset) of a span whose latest read failed -> (the error, the span's end):
+        # it stays failing until a read of that span succeeds or the file is long enough
+        # to hold it again (reads of other spans do not clear it).
+        self._failing: dict[tuple[str, int], tuple[str, int]] = {}
         self._read_seconds_total = 0.0
         self._read_cpu_seconds_total = 0.0
         self._bucket_counts = [0] * len(READ_SECONDS_BUCKETS)
@@ -365,7 +368,9 @@ class IoPool:
             with self._stats_lock:
                 self._read_errors += 1
                 self._in_flight -= 1
-                self._failing = str(e)
+                self._failing[(e.path, e.offset)] = (str(e), e.offset + next(
+                    (sp.needed_bytes for sp in job.plan.spans
+                     if (sp.path, sp.offset) == (e.path, e.offset)), 0))
             job.future.set_exception(e)
         except BaseException as e:  # a bug, not a disk error: hand it to the caller
             with self._stats_lock:
@@ -374,7 +379,9 @@ class IoPool:
         else:
             with self._stats_lock:
                 self._in_flight -= 1
-                self._failing = None
+                if self._failing:
+                    for span in job.plan.spans:
+                        self._failing.pop((span.path, span.offset), None)
                 self._reads_completed[job.reason] += 1
                 self._read_seconds_total += seconds
                 self._recent.append(seconds)
@@ -446,10 +453,23 @@ class IoPool:
     # -- reporting and shutdown
 
     def failing(self) -> str | None:
-        """The error of the latest read to finish if it failed, else None (once a read
-        succeeds again). Thread-safe; cheap enough for every /health call."""
+        """The error of a failed read whose bytes have not been read whole since, else
+        None. A read of the same span succeeding clears it, and so does its file holding
+        the span's bytes again (one stat per failing span: a truncated shard written back);
+        reads of other experts, in the same file or not, do not. Thread-safe; cheap enough
+        for every /health call."""
         with self._stats_lock:
-            return self._failing
+            failing = list(self._failing.items())
+        for (path, offset), (message, end) in failing:
+            try:
+                whole = os.stat(path).st_size >= end
+            except OSError:
+                whole = False
+            if not whole:
+                return message
+            with self._stats_lock:
+                self._failing.pop((path, offset), None)
+        return None
 
     def totals(self) -> tuple[float, int, float, int]:
         """(read CPU seconds, reads finished (errors included), read service seconds,

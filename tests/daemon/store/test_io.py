@@ -409,6 +409,11 @@ def test_a_truncated_shard_fails_only_the_experts_it_cuts(model, direct):
         for key in plans:
             futures[key].exception(WAIT)
         stats = pool.stats()
+        # The cut expert stays failing while other experts, of the same file too, read fine.
+        assert pool.failing() == message
+        for key in fine[:3]:
+            pool.submit(plans[key], slots[key], DEMAND).result(WAIT)
+        assert pool.failing() == message
         del slots
     failed = [k for k, f in futures.items() if f.exception() is not None]
     assert sorted(failed) == sorted(set(plans) - set(fine))
