@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             session.flush()
         except OSError as e:
-            log.warning("state_save_failed", error=str(e))
+            log.warning("state_save_failed", path=str(session.store.path), error=str(e))
     model.close()
     return 0
 

@@ -83,7 +83,7 @@ class ServingState:
         try:
             saved = await asyncio.wrap_future(loaded.engine.call(loaded.session.flush))
         except OSError as e:
-            log.warning("state_save_failed", error=str(e))
+            log.warning("state_save_failed", path=str(loaded.session.store.path), error=str(e))
         else:
             if saved:
                 log.info("state_saved", path=str(loaded.session.store.path))

@@ -547,3 +547,22 @@ def test_a_slot_read_anew_keeps_its_views_and_they_hold_the_new_expert(model_dir
         assert any(len(set(es)) > 1 for es in seen.values())    # views reused across experts
     finally:
         provider.close()
+
+
+def test_a_failed_state_save_names_the_state_file(model_dir, tmp_path, capsys, monkeypatch):
+    """A full disk (ENOSPC) while saving what was learned: generation succeeds and the
+    warning names the state file the write was for (the OSError itself names none)."""
+    import errno
+
+    from daemon.commands.cli import main
+    from daemon.store import session as session_module
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(session_module, "flush_usage", full)
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "2",
+                 "--expert-cache-bytes", str(10 * _slot_bytes(model_dir)),
+                 "--state-dir", str(tmp_path / "state"), "hi"]) == 0
+    err = capsys.readouterr().err
+    line = next(l for l in err.splitlines() if "state_save_failed" in l)
+    assert str(tmp_path / "state") in line and "No space left on device" in line
