@@ -43,6 +43,7 @@ log = get_logger("server")
 
 EXTEND_TIMEOUT_S = 30.0         # EXTEND_TIMEOUT_USEC step while the model loads
 SHUTDOWN_CONNECTIONS_S = 5.0    # after the drain: open connections get this long to close
+LINGERING_S = 0.5               # reading on after an early answer (startup())
 
 
 class Daemon:
@@ -104,9 +105,14 @@ class Daemon:
         config = self.state.config
         # keepalive_timeout bounds the wait for a whole request head, from the connection's
         # start and after each answer (daemon/service/connections.py)
+        # lingering_time: after an answer given before its body was read (a 413), aiohttp
+        # reads and discards the rest for this long so that the client sees the answer
+        # before the connection closes; its default of 10 s let an endless body stream in
+        # at gigabytes a second.
         runner = web.AppRunner(self.http.application(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_CONNECTIONS_S,
-                               keepalive_timeout=config.header_timeout_s)
+                               keepalive_timeout=config.header_timeout_s,
+                               lingering_time=LINGERING_S)
         await runner.setup()
         self._runners.append(runner)
         self.sites["socket"] = self._site(runner, self.listener.sock, "socket")

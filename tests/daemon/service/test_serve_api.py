@@ -820,3 +820,42 @@ def test_bad_fields_are_named_and_echo_at_most_a_short_piece_of_client_input(bod
     assert e.value.status == 400 and e.value.param == param
     message = e.value.message
     assert says in message and len(message) < 200, message
+
+
+def test_an_endless_body_after_its_413_is_not_read_on(daemon):
+    """A chunked body that never ends: after the 413 the daemon closes the connection
+    within a second or so instead of reading (and discarding) what keeps coming."""
+    import socket as socket_module
+    import time
+
+    sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    sock.connect(daemon.socket)
+    sock.settimeout(10)
+    sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
+    sent_after, answered, closed = 0, None, None
+    deadline = time.monotonic() + 8
+    try:
+        sock.setblocking(False)
+        while time.monotonic() < deadline:
+            try:
+                if answered is None and sock.recv(65536):
+                    answered = time.monotonic()
+            except BlockingIOError:
+                pass
+            try:
+                n = sock.send(chunk)
+                if answered is not None:
+                    sent_after += n
+            except BlockingIOError:
+                time.sleep(0.001)
+            except (BrokenPipeError, ConnectionResetError):
+                closed = time.monotonic()
+                break
+    finally:
+        sock.close()
+    assert answered is not None                          # the 413 came
+    assert closed is not None and closed - answered < 4, (sent_after, closed)
+    assert sent_after < 512 << 20                         # not gigabytes
+    assert_serving(daemon)
