@@ -263,6 +263,8 @@ class Grammars:
             worker = self._take(memory_bytes)
         except GrammarError as e:
             return _Entry(None, e, 0)
+        log.debug("grammar_compile_started", pid=worker.proc.pid, timeout_s=timeout_s,
+                  memory_bytes=memory_bytes)
         started = time.monotonic()
         answer = worker.ask({"grammar": grammar}, timeout_s)
         waited = time.monotonic() - started
@@ -295,10 +297,14 @@ class Grammars:
             return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"),
                           64 + len(error))
         # The worker compiled it within the limits: the same compile here ends as it did.
+        started = time.monotonic()
         matcher, error = build_matcher(self._tokenizer, grammar)
         if error is not None:          # not expected: the worker said it compiles
             return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"), 0)
-        return _Entry(matcher, None, max(int(answer.get("rss_bytes", 0)), 4096))
+        cost = max(int(answer.get("rss_bytes", 0)), 4096)
+        log.info("grammar_compiled", worker_seconds=round(float(answer.get("seconds", 0)), 6),
+                 seconds=round(time.monotonic() - started, 6), worker_rss_bytes=cost)
+        return _Entry(matcher, None, cost)
 
     def _take(self, memory_bytes: int) -> WorkerProcess:
         with self._lock:
