@@ -162,6 +162,7 @@ class Grammars:
         self._all: set[WorkerProcess] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = asyncio.Event()     # set by close(): compiles waiting for a slot end
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._cache_bytes = 0
         self._pending: dict[str, asyncio.Future] = {}
@@ -227,15 +228,23 @@ class Grammars:
     async def _compile(self, spec: GrammarSpec) -> _Entry:
         timeout_s = self.timeout_s
         acquire = asyncio.ensure_future(self._slots.acquire())
-        done, _ = await asyncio.wait({acquire}, timeout=timeout_s)
-        if not done:
+        closing = asyncio.ensure_future(self._closing.wait())
+        await asyncio.wait({acquire, closing}, timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        closing.cancel()
+        if not acquire.done() or self._closed:
             acquire.cancel()
             try:
                 await acquire          # it may have got the slot as it was cancelled
             except asyncio.CancelledError:
-                return _Entry(None, GrammarBusyError(
-                    f"every grammar compile slot stayed busy for {timeout_s:g} s "
-                    "(grammar_compile_timeout_s): try again later"), 0)
+                pass
+            else:
+                self._slots.release()
+            if self._closed:
+                return _Entry(None, GrammarClosedError("moed is shutting down"), 0)
+            return _Entry(None, GrammarBusyError(
+                f"every grammar compile slot stayed busy for {timeout_s:g} s "
+                "(grammar_compile_timeout_s): try again later"), 0)
         try:
             entry = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._compile_blocking, spec.grammar, timeout_s, self.memory_bytes)
@@ -354,13 +363,15 @@ class Grammars:
                 self._idle.append(worker)
 
     def close(self) -> None:
-        """Kill every worker (idempotent): running compiles end now with
-        GrammarClosedError, later ones are refused."""
+        """Kill every worker (idempotent): running compiles and those waiting for a slot
+        end now with GrammarClosedError, later ones are refused. Call it on the event
+        loop's thread (as shutdown does) while compiles may be waiting."""
         with self._lock:
             self._closed = True
             workers = list(self._all)
             self._all.clear()
             self._idle.clear()
+        self._closing.set()
         for w in workers:
             w.kill()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -139,28 +139,36 @@ def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
 
 
 def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
-    """The compile would run 60 s; SIGTERM ends the daemon (and the worker) at once."""
+    """Three bombs whose compiles would run 60 s: two compile, one waits for a slot.
+    SIGTERM ends the daemon at once, the workers with it, and every client is answered
+    503 (or sees its connection close)."""
     d = _start(model_dir, "--grammar-compile-timeout-s", "60")
     try:
         mark = d.mark()
-        result = {}
+        results: list = []
 
-        def send():
+        def send(i):
             try:
-                result["answer"] = _complete(d, bomb(30))
+                results.append(_complete(d, bomb(30, salt=str(i))))
             except OSError as e:          # the connection closed as the daemon stopped
-                result["answer"] = e
-        client = threading.Thread(target=send)
-        client.start()
-        pid = d.wait_event("grammar_compile_started", from_index=mark, timeout=30)["pid"]
+                results.append(e)
+        clients = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for c in clients:
+            c.start()
+        with d._cond:
+            assert d._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
+                                                for e in d.events[mark:]) >= 2, 30)
+        pids = [e["pid"] for e in d.events[mark:] if e["event"] == "grammar_compile_started"]
         started = time.monotonic()
         assert d.stop(timeout=30) == 0
         assert time.monotonic() - started < 10.0
-        client.join(30)
-        answer = result["answer"]
-        assert isinstance(answer, OSError) or answer[0] == 503, answer
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)                 # the worker is gone too
+        for c in clients:
+            c.join(30)
+        assert len(results) == 3
+        assert all(isinstance(r, OSError) or r[0] == 503 for r in results), results
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)             # the workers are gone too
     finally:
         d.cleanup()
 
