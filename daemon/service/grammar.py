@@ -155,7 +155,6 @@ class Grammars:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
-        self._workers = workers
         self._slots = asyncio.Semaphore(workers)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._idle: list[WorkerProcess] = []
@@ -220,8 +219,8 @@ class Grammars:
                 pending = self._pending[spec.key] = asyncio.ensure_future(self._compile(spec))
                 pending.add_done_callback(lambda _: self._pending.pop(spec.key, None))
             entry = await asyncio.shield(pending)
-        if entry.error is not None:
-            raise entry.error
+        if entry.error is not None:         # a fresh one: a cached error keeps no traceback
+            raise type(entry.error)(str(entry.error))
         template, vocab = entry.matcher, self.vocab_size
         return lambda: JsonConstraint(template.deep_copy(), vocab)
 

@@ -42,10 +42,8 @@ def build_matcher(tokenizer, grammar: str):
     """
     import llguidance
     limits = llguidance.LLParserLimits(verbose_errors=False)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, tokenizer, limits=limits)
-    if is_error:
-        return None, messages[0]
+    # The constructor reports what LLMatcher.validate_grammar would, without compiling
+    # twice (validate_grammar builds the same parser and throws it away).
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
     if matcher.is_error():
         return None, matcher.get_error()
