@@ -190,3 +190,34 @@ def test_the_workers_memory_limit_is_a_400_naming_it(model_dir):
         assert grammars.killed == 1
     finally:
         grammars.close()
+
+
+def test_the_cache_is_bounded_and_identical_compiles_run_once(model_dir, monkeypatch):
+    """In-process: CACHE_ENTRIES compiled schemas are kept, the least recently used goes
+    first; concurrent requests for one schema share its compile."""
+    from daemon.service import grammar
+    from ext.tokenizer import Tokenizer
+    monkeypatch.setattr(grammar, "CACHE_ENTRIES", 2)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    grammars = grammar.Grammars(tokenizer, tokenizer.vocab_size, frozenset(), timeout_s=10.0)
+
+    def fmt(i):
+        return {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": [i]}}}
+
+    async def run():
+        specs = [grammars.spec(fmt(i)) for i in range(3)]
+        await asyncio.gather(*(grammars.compile(specs[0]) for _ in range(4)))
+        assert (grammars.misses, grammars.hits) == (1, 0)        # one compile for four
+        await grammars.compile(specs[1])
+        await grammars.compile(specs[0])                          # a hit: now the newest
+        await grammars.compile(specs[2])                          # evicts specs[1]
+        assert (grammars.misses, grammars.hits) == (3, 1)
+        await grammars.compile(specs[0])
+        await grammars.compile(specs[1])
+        assert (grammars.misses, grammars.hits) == (4, 2)
+        constraint = (await grammars.compile(specs[2]))()
+        assert constraint.mask().any() and not constraint.done()
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
