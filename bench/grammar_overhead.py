@@ -195,7 +195,8 @@ def _moed(repeats: int, workdir: str) -> dict:
                 fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
                 sec, n = await one(EngineRequest(f"c{i}", (1, 2, 3), max_tokens=MAX_TOKENS,
                                                  stop_ids=stops, sampling=sampling,
-                                                 constraint=grammars.compile(fmt)))
+                                                 constraint=await grammars.compile(
+                                                     grammars.spec(fmt))))
                 totals["constrained"][0] += sec
                 totals["constrained"][1] += n
                 sec, n = await one(EngineRequest(f"p{i}", (1, 2, 3), max_tokens=n + 1,
@@ -210,6 +211,7 @@ def _moed(repeats: int, workdir: str) -> dict:
         constrained.append(c * 1e6)
         plain.append(p * 1e6)
     engine.stop()
+    grammars.close()
     overhead = [c - p for c, p in zip(constrained, plain)]
     return {"us_per_token_plain": spread(plain), "us_per_token_constrained": spread(constrained),
             "overhead_us_per_token": spread(overhead),

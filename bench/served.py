@@ -74,7 +74,7 @@ def ensure_model(directory: str, make_args: list[str]) -> str:
 @contextlib.contextmanager
 def serve(model: str, *args: str, tuner: str | None = "off") -> Iterator[dict]:
     """A `moed serve` on a private Unix socket and a loopback TCP port with an API key;
-    yields {"socket", "url", "api_key", "workdir"}; SIGTERM and wait on exit. `tuner`:
+    yields {"socket", "url", "api_key", "workdir", "pid"}; SIGTERM and wait on exit. `tuner`:
     its MOED_TUNER (None: the configured default)."""
     workdir = tempfile.mkdtemp(prefix="moedbench", dir="/tmp")
     sock = os.path.join(workdir, "moed.sock")
@@ -96,7 +96,8 @@ def serve(model: str, *args: str, tuner: str | None = "off") -> Iterator[dict]:
             raise RuntimeError(f"moed serve exited with {proc.wait()} before it was ready")
         # Keep reading its log: a full pipe would block the daemon's next log line.
         threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-        yield {"socket": sock, "url": f"http://127.0.0.1:{port}", "api_key": key, "workdir": workdir}
+        yield {"socket": sock, "url": f"http://127.0.0.1:{port}", "api_key": key, "workdir": workdir,
+               "pid": proc.pid}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)

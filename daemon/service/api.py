@@ -75,6 +75,10 @@ class ParsedRequest:
     # prompt leaves only that many tokens of the model's context) or "max_tokens" (the
     # server's ceiling, configuration key max_tokens). Said in the X-Moed-Max-Tokens header.
     max_tokens_limited_by: str | None = None
+    # response_format's grammar (a daemon.service.grammar.GrammarSpec), None for text: the
+    # caller compiles it (Grammars.compile, bounded, on the event loop) and sets
+    # engine.constraint before it submits the request.
+    grammar: object | None = None
 
     @property
     def logprobs(self) -> bool:
@@ -186,7 +190,7 @@ def _constraint(body: dict, grammars):
         raise bad("'response_format' other than text is not available: the grammar library "
                   "could not be loaded for this tokenizer", "response_format")
     try:
-        return grammars.compile(fmt)
+        return grammars.spec(fmt)        # compiled by the caller, out of this thread
     except ValueError as e:
         raise bad(str(e), "response_format") from None
 
@@ -251,7 +255,8 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     model_names: names this daemon answers to (the first is the canonical one).
     context: max_position_embeddings. max_tokens_cap: the configured ceiling.
     now: clock() seconds, for the deadline. grammars: a daemon.service.grammar.Grammars
-    for response_format (None: only "text" is accepted). max_n: the most choices a
+    for response_format (None: only "text" is accepted); its schema is only checked here,
+    the caller compiles `ParsedRequest.grammar`. max_n: the most choices a
     request may ask for (max_concurrent_sequences).
     Raises ApiError (400 for a bad field or a prompt too long, naming the param; 404 for
     an unknown model).
@@ -346,9 +351,10 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         stop_ids=frozenset() if ignore_eos else stop_ids, stop_strings=_stop_strings(body),
-        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, constraint=constraint)
+        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
-                         include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by)
+                         include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by,
+                         grammar=constraint)
 
 
 def max_tokens_header(req: ParsedRequest, context: int, cap: int) -> dict[str, str]:

@@ -26,6 +26,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from daemon.service import api
 from daemon.service.api import ApiError
 from daemon.service.engine import EngineClosedError, QueueFullError, RequestHandle
+from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, GrammarError,
+                                    GrammarLimitError)
 from daemon.service.loading import Loaded
 from daemon.service.serving import ServingState
 from telemetry.logs import get_logger
@@ -249,6 +251,8 @@ class HttpApp:
             stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.state.config.max_tokens,
             request_timeout_s=self.state.config.request_timeout_s, now=engine.clock(),
             grammars=loaded.grammars, max_n=self.state.config.max_concurrent_sequences)
+        if parsed.grammar is not None:
+            parsed = await self._compile_grammar(parsed, loaded)
         try:
             handle = engine.submit(parsed.engine, asyncio.get_running_loop())
         except QueueFullError as e:
@@ -270,6 +274,26 @@ class HttpApp:
         finally:
             if not handle.finished:
                 handle.cancel()      # the client went away (or we failed): free the place
+
+    @staticmethod
+    async def _compile_grammar(parsed: api.ParsedRequest, loaded: Loaded) -> api.ParsedRequest:
+        """`parsed` with its constraint: response_format compiled in a bounded worker
+        (daemon/service/grammar.py), awaited here so that no thread waits on it."""
+        try:
+            factory = await loaded.grammars.compile(parsed.grammar)
+        except GrammarClosedError:
+            raise ApiError(503, "moed is shutting down", type="service_unavailable",
+                           code="shutting_down") from None
+        except GrammarBusyError as e:
+            raise ApiError(429, str(e), type="rate_limit_error", param="response_format",
+                           code="grammar_compile_busy",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except GrammarLimitError as e:
+            raise ApiError(400, str(e), param="response_format",
+                           code="grammar_compile_limit") from None
+        except GrammarError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+        return replace(parsed, grammar=None, engine=replace(parsed.engine, constraint=factory))
 
     async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
         n = parsed.engine.n

@@ -60,6 +60,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_SOURCE = "default"
 ARGUMENT_SOURCE = "ServeConfig argument"
 MIB = 2**20
+GIB = 2**30
 
 
 class ConfigError(ValueError):
@@ -376,6 +377,12 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "chat_template_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",
                                     "time the chat template may take to render one request "
                                     "(then 400)"),
+    "grammar_compile_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",
+                                      "time a response_format schema may take to compile "
+                                      "(then 400)"),
+    "grammar_compile_memory_bytes": _Key(_size, "SIZE", "address space of the process a "
+                                                        "response_format schema compiles in "
+                                                        "(then 400)"),
     "shutdown_grace_s": _Key(_float(0, lo_open=False, hi=MAX_SECONDS), "SECONDS",
                              "time running requests get to finish on SIGTERM"),
     "metrics_address": _Key(_address, "HOST:PORT", "where /metrics is also served over TCP"),
@@ -433,6 +440,8 @@ class ServeConfig:
     max_connections: int = 512
     chat_template_max_chars: int = 4 * MIB
     chat_template_timeout_s: float = 5.0
+    grammar_compile_timeout_s: float = 5.0
+    grammar_compile_memory_bytes: int = 1 * GIB
     shutdown_grace_s: float = 30.0
     metrics_address: Address = Address("127.0.0.1", 9464)
     tcp_address: Address | None = None

@@ -224,6 +224,9 @@ class Daemon:
                 if loaded.templates is not None:
                     loaded.templates.set_limits(new.chat_template_max_chars,
                                                 new.chat_template_timeout_s)
+                if loaded.grammars is not None:
+                    loaded.grammars.set_limits(new.grammar_compile_timeout_s,
+                                               new.grammar_compile_memory_bytes)
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
                     if self.state.memory_watcher is not None and new.expert_cache_bytes is not None:
@@ -252,6 +255,8 @@ class Daemon:
         self.state.phase = "draining"
         loaded = self.state.loaded
         if loaded is not None:
+            if loaded.grammars is not None:   # a compile is never waited for: killed now
+                loaded.grammars.close()
             engine = loaded.engine
             engine.stop_accepting()
             stats = engine.stats()

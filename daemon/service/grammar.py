@@ -12,31 +12,108 @@ are the same alone or batched, like any other.
 {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} follows the
 schema. llguidance's JSON grammar allows no whitespace between tokens beyond what the
 schema needs ("whitespace_flexible": false), as OpenAI's structured outputs do.
+
+Compiling is bounded. llguidance's compile of some small schemas is not: an allOf of
+string patterns intersects their regexes, and the cost doubles with each pattern (14:
+0.8 s; 30: more than 10 GB and no end), and its own limits (lexer fuel, grammar size)
+do not stop it. So a schema is first compiled in a worker process
+(daemon/service/grammar_worker.py, the process handling of the chat templates,
+daemon/service/workers.py) whose address space is capped at `memory_bytes`
+(grammar_compile_memory_bytes) and which is killed at `timeout_s`
+(grammar_compile_timeout_s): beyond either the request is a 400 naming the key. The
+worker answers only a verdict, because llguidance has no way to hand a compiled grammar
+to another process (a matcher is not picklable and its Python API serializes nothing
+compiled; the grammar text `grammar_from_json_schema` returns is the schema itself,
+uncompiled). Once a worker has compiled a grammar within the limits, the daemon compiles
+it once more in-process (`build_matcher`, deterministic: the same library, tokenizer,
+limits and input, so it ends as the worker's did, in about the time the worker reported;
+that time is < timeout_s by construction) and keeps the matcher, by the grammar's hash,
+in a bounded cache (CACHE_ENTRIES, and CACHE_BYTES by the growth the worker measured);
+every choice of every request with that schema is a deep copy of it, on the engine
+thread (measured: about 1 us for a small schema and 10-25 us with its JsonConstraint for
+a 300-property one, where a compile of even the small one takes 1 ms). Refusals are
+cached too, except timeouts (they depend on the load), and a compile already running for
+the same schema is awaited, not repeated. The worker also computes the first mask: a
+schema no value satisfies ({"$ref": "#"}) is refused there, not at the first token.
+Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley items).
+
+Compiles wait on the event loop (no thread held while waiting) for one of `workers`
+compile slots, each with its own thread of a pool only compiles use; a request that gets
+no slot within timeout_s is a 429 (GrammarBusyError). So clients sending costly schemas
+wait for each other and nothing else: the default thread pool (templates, tokenizing)
+and the engine are not theirs to fill. `close()` (shutdown) kills the workers: a waiting
+compile ends at once with GrammarClosedError.
 """
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 
+from daemon.service.grammar_worker import build_matcher
+from daemon.service.workers import WorkerProcess
 from ext.tokenizer import Tokenizer
+from telemetry.logs import get_logger
+
+log = get_logger("server")
 
 JSON_OPTIONS = {"whitespace_flexible": False}
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MEMORY_BYTES = 1 << 30
+DEFAULT_WORKERS = 2
+STARTUP_S = 60.0                # a new worker's start: interpreter, llguidance, the tokenizer
+CACHE_ENTRIES = 256             # compiled grammars (and refusals) kept
+CACHE_BYTES = 256 << 20         # their estimated memory (the workers' growth compiling them)
+WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
 
 
 class GrammarError(ValueError):
     """A response_format that cannot be compiled; the message says why."""
 
 
-class JsonConstraint:
-    """One choice's matcher (see daemon.service.engine.Constraint)."""
+class GrammarLimitError(GrammarError):
+    """The compile passed grammar_compile_timeout_s or grammar_compile_memory_bytes."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int):
-        self._matcher = llguidance.LLMatcher(tokenizer, grammar)
+
+class GrammarBusyError(GrammarError):
+    """No compile slot came free within the timeout (other compiles hold them all)."""
+
+
+class GrammarClosedError(GrammarError):
+    """The daemon is shutting down."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A response_format to compile: llguidance's grammar text and its hash (the cache key)."""
+
+    grammar: str
+    key: str
+
+
+@dataclass
+class _Entry:
+    matcher: object | None       # llguidance.LLMatcher at the start (never used: deep copied)
+    error: GrammarError | None
+    cost: int                    # bytes, estimated
+
+
+class JsonConstraint:
+    """One choice's matcher (see daemon.service.engine.Constraint); `matcher` is its own
+    (a deep copy of the cached one)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self._matcher = matcher
         self._vocab_size = vocab_size
-        if self._matcher.is_error():
-            raise GrammarError(self._matcher.get_error())
 
     def mask(self) -> np.ndarray:
         """[V] bool: the tokens the grammar allows next."""
@@ -59,22 +136,50 @@ class JsonConstraint:
 
 
 class Grammars:
-    """Compiles response formats against one tokenizer.
+    """Compiles response formats against one tokenizer, in bounded worker processes.
 
     tokenizer: the model's. vocab_size: the model's (masks have this length; ids the
     tokenizer does not know are never allowed). eos_ids: the ids that end an answer
-    (the grammar allows them once the JSON is complete).
+    (the grammar allows them once the JSON is complete). timeout_s, memory_bytes: the
+    bounds of one compile (grammar_compile_timeout_s, grammar_compile_memory_bytes;
+    `set_limits` changes them). workers: compiles at once (processes, started on first
+    use and again after one is killed).
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: frozenset[int]):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: frozenset[int], *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 workers: int = DEFAULT_WORKERS):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         eos = sorted(eos_ids) or None
-        self._tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
-                                                 eos_token=eos)
+        text = tokenizer.to_json()
+        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+        self._init = {"tokenizer": text, "vocab_size": vocab_size, "eos": eos or []}
         self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.memory_bytes = memory_bytes
+        self._slots = asyncio.Semaphore(workers)
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._idle: list[WorkerProcess] = []
+        self._all: set[WorkerProcess] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closing = asyncio.Event()     # set by close(): compiles waiting for a slot end
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()
+        self._cache_bytes = 0
+        self._pending: dict[str, asyncio.Future] = {}
+        self.hits = self.misses = self.killed = 0
 
-    def compile(self, response_format: dict):
-        """A factory of JsonConstraint for `response_format` (OpenAI's shape), or None
-        for {"type": "text"}. Raises GrammarError naming what is wrong."""
+    def set_limits(self, timeout_s: float, memory_bytes: int) -> None:
+        """New bounds (SIGHUP); the refusals cached under the old ones are forgotten."""
+        if (timeout_s, memory_bytes) != (self.timeout_s, self.memory_bytes):
+            self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
+            self._cache.clear()
+            self._cache_bytes = 0
+
+    def spec(self, response_format: dict) -> GrammarSpec | None:
+        """What to compile for `response_format` (OpenAI's shape), or None for {"type":
+        "text"}; cheap (no compile). Raises GrammarError naming what is wrong."""
         kind = response_format.get("type")
         if kind == "text":
             return None
@@ -95,11 +200,180 @@ class Grammars:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults=JSON_OPTIONS)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise GrammarError(f"the JSON schema cannot be used: {e}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._tokenizer)
-        if is_error:
-            raise GrammarError(f"the JSON schema cannot be used: {messages[0]}")
-        tokenizer, vocab = self._tokenizer, self.vocab_size
-        return lambda: JsonConstraint(tokenizer, grammar, vocab)
+        return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
+                           .hexdigest())
+
+    async def compile(self, spec: GrammarSpec):
+        """A factory of JsonConstraint for `spec` (call on the event loop). Raises
+        GrammarError (the schema cannot be used), GrammarLimitError (a bound stopped its
+        compile), GrammarBusyError (no compile slot in time), GrammarClosedError."""
+        if self._closed:
+            raise GrammarClosedError("moed is shutting down")
+        entry = self._cache.get(spec.key)
+        if entry is not None:
+            self.hits += 1
+            self._cache.move_to_end(spec.key)
+        else:
+            pending = self._pending.get(spec.key)
+            if pending is None:
+                self.misses += 1
+                pending = self._pending[spec.key] = asyncio.ensure_future(self._compile(spec))
+                pending.add_done_callback(lambda _: self._pending.pop(spec.key, None))
+            entry = await asyncio.shield(pending)
+        if entry.error is not None:         # a fresh one: a cached error keeps no traceback
+            raise type(entry.error)(str(entry.error))
+        template, vocab = entry.matcher, self.vocab_size
+        return lambda: JsonConstraint(template.deep_copy(), vocab)
+
+    async def _compile(self, spec: GrammarSpec) -> _Entry:
+        timeout_s = self.timeout_s
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        closing = asyncio.ensure_future(self._closing.wait())
+        await asyncio.wait({acquire, closing}, timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        closing.cancel()
+        if not acquire.done() or self._closed:
+            acquire.cancel()
+            try:
+                await acquire          # it may have got the slot as it was cancelled
+            except asyncio.CancelledError:
+                pass
+            else:
+                self._slots.release()
+            if self._closed:
+                return _Entry(None, GrammarClosedError("moed is shutting down"), 0)
+            return _Entry(None, GrammarBusyError(
+                f"every grammar compile slot stayed busy for {timeout_s:g} s "
+                "(grammar_compile_timeout_s): try again later"), 0)
+        try:
+            entry = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._compile_blocking, spec.grammar, timeout_s, self.memory_bytes)
+        except RuntimeError:           # the executor was shut down: closing
+            entry = _Entry(None, GrammarClosedError("moed is shutting down"), 0)
+        finally:
+            self._slots.release()
+        if self._cacheable(entry):
+            self._cache[spec.key] = entry
+            self._cache_bytes += entry.cost
+            while len(self._cache) > CACHE_ENTRIES or (self._cache_bytes > CACHE_BYTES
+                                                       and len(self._cache) > 1):
+                self._cache_bytes -= self._cache.popitem(last=False)[1].cost
+        return entry
+
+    @staticmethod
+    def _cacheable(entry: _Entry) -> bool:
+        error = entry.error
+        return not isinstance(error, (GrammarBusyError, GrammarClosedError)) and not (
+            isinstance(error, GrammarLimitError) and "grammar_compile_timeout_s" in str(error))
+
+    def _compile_blocking(self, grammar: str, timeout_s: float, memory_bytes: int) -> _Entry:
+        """On a compile thread: the worker's verdict, then the in-process compile."""
+        try:
+            worker = self._take(memory_bytes)
+        except GrammarError as e:
+            return _Entry(None, e, 0)
+        log.debug("grammar_compile_started", pid=worker.proc.pid, timeout_s=timeout_s,
+                  memory_bytes=memory_bytes)
+        started = time.monotonic()
+        answer = worker.ask({"grammar": grammar}, timeout_s)
+        waited = time.monotonic() - started
+        if answer is None:
+            ended = self._discard(worker)
+            if self._closed:
+                return _Entry(None, GrammarClosedError("moed is shutting down"), 0)
+            self.killed += 1
+            log.warning("grammar_compile_killed", ended=ended, seconds=round(waited, 3),
+                        timeout_s=timeout_s, memory_bytes=memory_bytes,
+                        effect="the request gets a 400; a new worker starts")
+            if waited >= timeout_s:
+                return _Entry(None, GrammarLimitError(
+                    f"the JSON schema did not compile within {timeout_s:g} s "
+                    "(grammar_compile_timeout_s)"), 0)
+            return _Entry(None, GrammarLimitError(
+                f"the JSON schema needed more than {memory_bytes} bytes to compile "
+                f"(grammar_compile_memory_bytes; its compile process ended with {ended})"), 0)
+        with self._lock:
+            if self._closed:
+                worker.kill()
+            else:
+                self._idle.append(worker)
+        if not answer.get("ok"):
+            error = answer.get("error", "unknown error")
+            if answer.get("limit"):
+                return _Entry(None, GrammarLimitError(
+                    f"the JSON schema needed more than {memory_bytes} bytes to compile "
+                    "(grammar_compile_memory_bytes)"), 64)
+            return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"),
+                          64 + len(error))
+        # The worker compiled it within the limits: the same compile here ends as it did.
+        started = time.monotonic()
+        matcher, error = build_matcher(self._tokenizer, grammar)
+        if error is not None:          # not expected: the worker said it compiles
+            return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"), 0)
+        cost = max(int(answer.get("rss_bytes", 0)), 4096)
+        log.info("grammar_compiled", worker_seconds=round(float(answer.get("seconds", 0)), 6),
+                 seconds=round(time.monotonic() - started, 6), worker_rss_bytes=cost)
+        return _Entry(matcher, None, cost)
+
+    def _take(self, memory_bytes: int) -> WorkerProcess:
+        with self._lock:
+            if self._closed:
+                raise GrammarClosedError("moed is shutting down")
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.proc.poll() is None and worker.memory_bytes == memory_bytes:
+                    return worker
+                self._all.discard(worker)
+                worker.kill()
+        try:
+            worker = WorkerProcess([*WORKER_COMMAND, str(memory_bytes)], memory_bytes,
+                                   init=self._init)
+        except OSError as e:
+            raise GrammarError(f"cannot start a grammar compile process: {e}") from None
+        with self._lock:
+            self._all.add(worker)
+        if not worker.wait_ready(STARTUP_S):
+            ended = self._discard(worker)
+            if self._closed:
+                raise GrammarClosedError("moed is shutting down")
+            raise GrammarLimitError(
+                f"a grammar compile process did not start within {STARTUP_S:g} s ({ended}; "
+                f"grammar_compile_memory_bytes {memory_bytes} may be too small for this "
+                "tokenizer)")
+        return worker
+
+    def _discard(self, worker: WorkerProcess) -> str:
+        ended = worker.kill()
+        with self._lock:
+            self._all.discard(worker)
+        return ended
+
+    def start(self) -> None:
+        """Start one worker now (call from a thread), so that the first compile does not
+        wait for it."""
+        try:
+            worker = self._take(self.memory_bytes)
+        except GrammarError as e:
+            log.warning("grammar_worker_unavailable", error=str(e))
+            return
+        with self._lock:
+            if self._closed:
+                worker.kill()
+            else:
+                self._idle.append(worker)
+
+    def close(self) -> None:
+        """Kill every worker (idempotent): running compiles and those waiting for a slot
+        end now with GrammarClosedError, later ones are refused. Call it on the event
+        loop's thread (as shutdown does) while compiles may be waiting."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._all)
+            self._all.clear()
+            self._idle.clear()
+        self._closing.set()
+        for w in workers:
+            w.kill()
+        self._executor.shutdown(wait=False, cancel_futures=True)

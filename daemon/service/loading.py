@@ -46,15 +46,17 @@ class Loaded:
     model_type: str
     tuner: object | None = None  # daemon.tuning.live.LiveTuner (tuner = live / live+idle)
     workload: object | None = None  # daemon.tuning.workload.Workload for live+idle
-    grammars: object | None = None  # daemon.service.grammar.Grammars (response_format)
+    grammars: Grammars | None = None  # response_format's compiles (their worker processes)
     weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
     templates: TemplateWorkers | None = None   # the chat template's render processes
 
     def close(self) -> None:
-        """Release what the load holds: the model's files and the render processes."""
+        """Release what the load holds: the model's files, the render and compile processes."""
         self.engine.model.close()
         if self.templates is not None:
             self.templates.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
 
 def request_finished(handle: RequestHandle, telemetry=None) -> None:
@@ -122,7 +124,9 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             if config.tuner == "live+idle":
                 workload = Workload(model, workload_prompts(model_dir, model.config.vocab_size))
     try:
-        grammars = Grammars(tokenizer, model.config.vocab_size, stop_ids)
+        grammars = Grammars(tokenizer, model.config.vocab_size, stop_ids,
+                            timeout_s=config.grammar_compile_timeout_s,
+                            memory_bytes=config.grammar_compile_memory_bytes)
     except ValueError as e:       # llguidance cannot read this tokenizer: text only
         log.warning("grammar_unavailable", error=str(e))
         grammars = None

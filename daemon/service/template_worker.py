@@ -7,26 +7,27 @@ on stdin ``{"source": str, "variables": {...}, "max_chars": int, "timeout_s": fl
 on stdout ``{"text": str}`` or ``{"error": str, "limit": bool}`` (limit: the render was
 stopped by a bound, not by a fault of the template). Compiled templates are kept by
 source (the last few). It imports only ext.chat_template (jinja2) and the standard
-library, and writes nothing else anywhere.
+library (and daemon/service/workers.py, the loop shared with the grammar
+worker), and writes nothing else anywhere.
 """
 from __future__ import annotations
 
-import json
-import resource
 import sys
+
+from daemon.service.workers import limit_memory, serve_lines
+
+OUT_OF_MEMORY = {"error": "the chat template needed more memory than its render may use",
+                 "limit": True}
 
 
 def main(argv: list[str]) -> int:
-    limit = int(argv[1])
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    limit_memory(int(argv[1]))
     from ext.chat_template import ChatTemplateError, ChatTemplateLimitError, compile_template, render
 
-    sys.stdout.write(json.dumps({"ready": True}) + "\n")
-    sys.stdout.flush()
     compiled: dict[str, object] = {}
-    for line in sys.stdin:
+
+    def answer(request: dict) -> dict:
         try:
-            request = json.loads(line)
             template = compiled.get(request["source"])
             if template is None:
                 if len(compiled) >= 4:
@@ -34,24 +35,15 @@ def main(argv: list[str]) -> int:
                 template = compiled[request["source"]] = compile_template(request["source"])
             text = render(template, request["variables"], max_chars=request["max_chars"],
                           timeout_s=request["timeout_s"])
-            answer = {"text": text}
+            return {"text": text}
         except ChatTemplateLimitError as e:
-            answer = {"error": str(e), "limit": True}
+            return {"error": str(e), "limit": True}
         except ChatTemplateError as e:
-            answer = {"error": str(e), "limit": False}
+            return {"error": str(e), "limit": False}
         except MemoryError:
-            answer = {"error": "the chat template needed more memory than its render may use",
-                      "limit": True}
-        except (ValueError, KeyError, TypeError, RecursionError) as e:   # a malformed request
-            answer = {"error": f"bad render request: {type(e).__name__}: {e}", "limit": False}
-        try:
-            out = json.dumps(answer)
-        except MemoryError:
-            out = json.dumps({"error": "the chat template needed more memory than its render "
-                                       "may use", "limit": True})
-        sys.stdout.write(out + "\n")
-        sys.stdout.flush()
-    return 0
+            return OUT_OF_MEMORY
+
+    return serve_lines(answer, OUT_OF_MEMORY)
 
 
 if __name__ == "__main__":

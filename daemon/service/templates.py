@@ -19,16 +19,13 @@ Measured cost on this machine: see bench/template_render.py.
 from __future__ import annotations
 
 import json
-import os
 import queue
-import select
-import signal
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
+from daemon.service.workers import WorkerProcess
 from ext.chat_template import ChatTemplateError, ChatTemplateLimitError
 from telemetry.logs import get_logger
 
@@ -47,59 +44,9 @@ def worker_memory_bytes(max_chars: int) -> int:
     return BASE_MEMORY_BYTES + BYTES_PER_CHAR * max_chars
 
 
-class _Worker:
-    """One worker process and its pipes."""
-
-    def __init__(self, memory_bytes: int):
-        self.proc = subprocess.Popen(
-            [*WORKER_COMMAND, str(memory_bytes)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            close_fds=True, text=True, encoding="ascii",
-            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        self.memory_bytes = memory_bytes
-
-    def wait_ready(self, wait_s: float) -> bool:
-        """Wait for the worker's `{"ready": true}` line (its interpreter started and its
-        imports done), so that a render's time limit never counts the start of a process;
-        False when it did not come within `wait_s` or the worker died."""
-        ready, _, _ = select.select([self.proc.stdout], [], [], wait_s)
-        if not ready:
-            return False
-        try:
-            return json.loads(self.proc.stdout.readline() or "null") == {"ready": True}
-        except ValueError:
-            return False
-
-    def ask(self, request: dict, wait_s: float) -> dict | None:
-        """Send one request; the answer, or None when none came within `wait_s` or the
-        worker died (it is then killed and must not be reused)."""
-        try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            return None
-        ready, _, _ = select.select([self.proc.stdout], [], [], wait_s)
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            return None
-        try:
-            return json.loads(line)
-        except ValueError:
-            return None
-
-    def kill(self) -> str:
-        """Kill the process; how it ended ("signal 9", "exit code 1")."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        code = self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-        return f"signal {-code}" if code < 0 else f"exit code {code}"
+def _Worker(memory_bytes: int) -> WorkerProcess:
+    """A new render process whose address space is capped at `memory_bytes`."""
+    return WorkerProcess([*WORKER_COMMAND, str(memory_bytes)], memory_bytes)
 
 
 class TemplateWorkers:
@@ -116,11 +63,11 @@ class TemplateWorkers:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.max_chars = max_chars
         self.timeout_s = timeout_s
-        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[WorkerProcess | None] = queue.SimpleQueue()
         for _ in range(workers):
             self._idle.put(None)          # a free place; its process starts when needed
         self._lock = threading.Lock()
-        self._all: set[_Worker] = set()
+        self._all: set[WorkerProcess] = set()
         self._closed = False
         self.killed = 0
 
@@ -165,7 +112,7 @@ class TemplateWorkers:
         error = answer.get("error", "unknown error")
         raise (ChatTemplateLimitError if answer.get("limit") else ChatTemplateError)(error)
 
-    def _take(self) -> _Worker:
+    def _take(self) -> WorkerProcess:
         worker = self._idle.get()
         if worker is None or worker.proc.poll() is not None or \
                 worker.memory_bytes != worker_memory_bytes(self.max_chars):
@@ -189,7 +136,7 @@ class TemplateWorkers:
                 self._all.add(worker)
         return worker
 
-    def _discard(self, worker: _Worker, count: bool = True) -> str:
+    def _discard(self, worker: WorkerProcess, count: bool = True) -> str:
         ended = worker.kill()
         with self._lock:
             self._all.discard(worker)

@@ -1,0 +1,86 @@
+"""One grammar-compile process (`python -m daemon.service.grammar_worker LIMIT`).
+
+Run by daemon/service/grammar.py. It limits its own address space to LIMIT bytes
+(RLIMIT_AS) before it reads anything and lowers its CPU priority (decoding comes
+first), reads one line ``{"tokenizer": str, "vocab_size": int, "eos": [int]}`` (the
+model's tokenizer in Hugging Face's JSON, as the daemon gives it to llguidance), says
+``{"ready": true}`` once llguidance has it, then answers requests, one JSON object per
+line: on stdin ``{"grammar": str}`` (an llguidance grammar, as
+`LLMatcher.grammar_from_json_schema` makes it), on stdout ``{"ok": true, "seconds":
+float, "rss_bytes": int}`` (the grammar compiles and its first mask allows something;
+the time that took, and how much this process grew) or ``{"error": str, "limit": bool}``.
+It imports only llguidance and the standard library (and daemon/service/workers.py),
+and writes nothing anywhere else. `build_matcher` is also what the daemon runs
+in-process once a worker has said a grammar compiles (daemon/service/grammar.py).
+
+A compile llguidance's own limits do not bound (an allOf of many regex patterns doubles
+its cost with each one) is ended by the daemon: it kills this process at its deadline,
+and the address-space limit ends one that grows first (Rust aborts on a failed
+allocation: the process dies, the daemon reports the memory limit).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from daemon.service.workers import limit_memory, serve_lines
+
+OUT_OF_MEMORY = {"error": "the grammar needed more memory than its compile may use", "limit": True}
+NICE = 10          # below the daemon's engine thread on a busy machine
+
+
+def build_matcher(tokenizer, grammar: str):
+    """(matcher, None) for an llguidance grammar that compiles and whose first mask allows
+    some token, else (None, what is wrong). tokenizer: an llguidance.LLTokenizer.
+
+    llguidance accepts some schemas it can never match (`{"$ref": "#"}` refers only to
+    itself: no value is finite) and says so only at the first mask, with its parser's
+    state dump; the first mask is computed here so that such a schema is refused before
+    a request runs, and errors are asked for without the dump (verbose_errors=False).
+    """
+    import llguidance
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    # The constructor reports what LLMatcher.validate_grammar would, without compiling
+    # twice (validate_grammar builds the same parser and throws it away).
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    if matcher.is_error():
+        return None, matcher.get_error()
+    mask = matcher.compute_bitmask()
+    if matcher.is_error() or not any(mask):
+        return None, "no JSON value satisfies it (nothing can be generated)"
+    return matcher, None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main(argv: list[str]) -> int:
+    limit_memory(int(argv[1]))
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
+    init = json.loads(sys.stdin.readline() or "null")
+    import llguidance
+    tokenizer = llguidance.LLTokenizer(init["tokenizer"], n_vocab=init["vocab_size"],
+                                       eos_token=init["eos"] or None)
+    del init
+
+    def answer(request: dict) -> dict:
+        before, started = _rss_bytes(), time.monotonic()
+        matcher, error = build_matcher(tokenizer, request["grammar"])
+        del matcher
+        if error is not None:
+            return {"error": error, "limit": False}
+        return {"ok": True, "seconds": time.monotonic() - started,
+                "rss_bytes": max(0, _rss_bytes() - before)}
+
+    return serve_lines(answer, OUT_OF_MEMORY)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,223 @@
+"""response_format compiles are bounded (daemon/service/grammar.py): a schema whose compile
+never ends is a 400 naming the limit within the timeout, in a worker whose memory is capped;
+a schema no value satisfies is a 400 at validation; compiled schemas are reused; compiles
+fill no pool other requests need, and shutdown does not wait for them.
+
+Every daemon here also runs under an address-space limit of its own (prlimit), so that
+even a daemon that compiled in-process (as moed did before) could not take the machine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import pytest
+import tools
+from daemon_proc import Daemon, short_dir
+
+from ext.makemodel import make_model
+
+TIMEOUT_S = 2.0                 # grammar_compile_timeout_s of these daemons
+MARGIN_S = 3.0                  # answer, kill, a loaded machine
+WORKER_MEMORY = "512M"          # grammar_compile_memory_bytes
+DAEMON_AS = 3 << 30             # the whole daemon's address space (the safety net)
+PROMPT = [5, 6, 7]
+
+
+def bomb(n: int, salt: str = "") -> dict:
+    """An allOf of `n` `.*x.*` patterns: llguidance's compile doubles with each one."""
+    letters = [chr(97 + i % 26) + str(i // 26 or "") for i in range(n)]
+    return {"type": "json_schema", "json_schema": {"name": "bomb", "schema": {
+        "allOf": [{"type": "string", "pattern": f".*{salt}{x}.*"} for x in letters]}}}
+
+
+def _complete(daemon: Daemon, response_format: dict | None = None, **extra) -> tuple[int, dict]:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra}
+    if response_format is not None:
+        body["response_format"] = response_format
+    return daemon.json("POST", "/v1/completions", body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("grammar") / "model", arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=4)
+
+
+def _start(model_dir, *args) -> Daemon:
+    return Daemon(model_dir, short_dir(), "--threads", "1", "--log-level", "debug",
+                  "--grammar-compile-memory-bytes", WORKER_MEMORY, *args,
+                  launcher=(tools.path("prlimit"), f"--as={DAEMON_AS}"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir):
+    d = _start(model_dir, "--grammar-compile-timeout-s", str(TIMEOUT_S))
+    try:
+        yield d
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+
+
+pytestmark = pytest.mark.tools("prlimit")
+
+
+def test_the_bomb_is_a_400_naming_the_limit_within_the_timeout(daemon):
+    mark = daemon.mark()
+    started = time.monotonic()
+    status, body = _complete(daemon, bomb(30))
+    took = time.monotonic() - started
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == "response_format" and error["code"] == "grammar_compile_limit"
+    assert "grammar_compile_timeout_s" in error["message"]
+    assert took < TIMEOUT_S + MARGIN_S
+    killed = daemon.wait_event("grammar_compile_killed", from_index=mark)
+    assert killed["memory_bytes"] == 512 << 20 and killed["ended"] == "signal 9"
+    assert _complete(daemon)[0] == 200                     # the daemon goes on
+
+
+def test_a_normal_schema_works_and_its_second_use_hits_the_cache(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False}}}
+    mark = daemon.mark()
+    texts = []
+    for _ in range(2):
+        status, body = _complete(daemon, fmt, max_tokens=40)
+        assert status == 200, body
+        assert body["choices"][0]["finish_reason"] == "stop"
+        texts.append(json.loads(body["choices"][0]["text"]))
+    assert texts[0] == texts[1] and set(texts[0]) == {"n"} and 0 <= texts[0]["n"] <= 9
+    compiled = [e for e in daemon.events[mark:] if e["event"] == "grammar_compiled"]
+    assert len(compiled) == 1, compiled                    # the second request: the cache
+
+
+def test_a_schema_no_value_satisfies_is_a_400_at_validation(daemon):
+    status, body = _complete(daemon, {"type": "json_schema",
+                                      "json_schema": {"name": "r", "schema": {"$ref": "#"}}})
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == "response_format"
+    assert "no JSON value satisfies it" in error["message"]
+    assert "<state>" not in error["message"] and "Parser" not in error["message"]
+
+
+def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
+    """Eight different bombs at once (more than asyncio's default pool has threads here):
+    two compile, the others wait on the event loop; a plain completion sent while both
+    compiles run is answered before any bomb is."""
+    mark = daemon.mark()
+    answers: list[tuple[str, int, dict]] = []
+    lock = threading.Lock()
+
+    def send(name, fmt):
+        status, body = _complete(daemon, fmt)
+        with lock:
+            answers.append((name, status, body))
+
+    bombs = [threading.Thread(target=send, args=(f"bomb{i}", bomb(30, salt=str(i))))
+             for i in range(8)]
+    for t in bombs:
+        t.start()
+    with daemon._cond:
+        assert daemon._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
+                                                 for e in daemon.events[mark:]) >= 2, 30)
+    plain = threading.Thread(target=send, args=("plain", None))
+    plain.start()
+    plain.join(60)
+    for t in bombs:
+        t.join(60)
+    assert len(answers) == 9
+    assert answers[0][:2] == ("plain", 200), answers       # before every bomb's answer
+    for name, status, body in answers[1:]:
+        assert status in (400, 429), (name, body)         # the timeout, or no slot in time
+        assert "grammar_compile_timeout_s" in body["error"]["message"]
+
+
+def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
+    """Three bombs whose compiles would run 60 s: two compile, one waits for a slot.
+    SIGTERM ends the daemon at once, the workers with it, and every client is answered
+    503 (or sees its connection close)."""
+    d = _start(model_dir, "--grammar-compile-timeout-s", "60")
+    try:
+        mark = d.mark()
+        results: list = []
+
+        def send(i):
+            try:
+                results.append(_complete(d, bomb(30, salt=str(i))))
+            except OSError as e:          # the connection closed as the daemon stopped
+                results.append(e)
+        clients = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for c in clients:
+            c.start()
+        with d._cond:
+            assert d._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
+                                                for e in d.events[mark:]) >= 2, 30)
+        pids = [e["pid"] for e in d.events[mark:] if e["event"] == "grammar_compile_started"]
+        started = time.monotonic()
+        assert d.stop(timeout=30) == 0
+        assert time.monotonic() - started < 10.0
+        for c in clients:
+            c.join(30)
+        assert len(results) == 3
+        assert all(isinstance(r, OSError) or r[0] == 503 for r in results), results
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)             # the workers are gone too
+    finally:
+        d.cleanup()
+
+
+def test_the_workers_memory_limit_is_a_400_naming_it(model_dir):
+    """In-process (no daemon): a worker of 260 MB address space meets the bomb's growth
+    before its 30 s deadline; the error names grammar_compile_memory_bytes."""
+    from daemon.service.grammar import GrammarLimitError, Grammars
+    from ext.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, frozenset(), timeout_s=30.0,
+                        memory_bytes=260 << 20)
+
+    async def run():
+        return await grammars.compile(grammars.spec(bomb(30)))
+    try:
+        with pytest.raises(GrammarLimitError, match="grammar_compile_memory_bytes"):
+            asyncio.run(run())
+        assert grammars.killed == 1
+    finally:
+        grammars.close()
+
+
+def test_the_cache_is_bounded_and_identical_compiles_run_once(model_dir, monkeypatch):
+    """In-process: CACHE_ENTRIES compiled schemas are kept, the least recently used goes
+    first; concurrent requests for one schema share its compile."""
+    from daemon.service import grammar
+    from ext.tokenizer import Tokenizer
+    monkeypatch.setattr(grammar, "CACHE_ENTRIES", 2)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    grammars = grammar.Grammars(tokenizer, tokenizer.vocab_size, frozenset(), timeout_s=10.0)
+
+    def fmt(i):
+        return {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": [i]}}}
+
+    async def run():
+        specs = [grammars.spec(fmt(i)) for i in range(3)]
+        await asyncio.gather(*(grammars.compile(specs[0]) for _ in range(4)))
+        assert (grammars.misses, grammars.hits) == (1, 0)        # one compile for four
+        await grammars.compile(specs[1])
+        await grammars.compile(specs[0])                          # a hit: now the newest
+        await grammars.compile(specs[2])                          # evicts specs[1]
+        assert (grammars.misses, grammars.hits) == (3, 1)
+        await grammars.compile(specs[0])
+        await grammars.compile(specs[1])
+        assert (grammars.misses, grammars.hits) == (4, 2)
+        constraint = (await grammars.compile(specs[2]))()
+        assert constraint.mask().any() and not constraint.done()
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
