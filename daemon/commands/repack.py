@@ -44,7 +44,9 @@ def register(sub, parents: Parents) -> None:
                    help="routed experts' format: int4 (about 5 bits per weight) or int8 (8.5)")
     r.add_argument("--out", required=True, metavar="DIR", type=nonempty,
                    help="directory to write (must not exist or be empty, unless --force)")
-    r.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    r.add_argument("--force", action="store_true",
+                   help="replace an existing --out that a previous repack wrote (never "
+                        "anything else, nor a directory containing --model)")
     r.add_argument("--group-size", type=int, choices=[32, 64, 128], default=DEFAULT_GROUP_SIZE,
                    help=f"weights per scale along a row (default: {DEFAULT_GROUP_SIZE})")
     r.add_argument("--symmetric", action="store_true",
@@ -103,7 +105,7 @@ def _calibration(args, model, method: str):
 def run(args: argparse.Namespace) -> int:
     from ext.formats.repacked import QuantScheme
     from ext.models.model import Model
-    from ext.quant.repack import RepackSpec, repack
+    from ext.quant.repack import RepackSpec, check_out_dir, repack
 
     check_model_dir(args.model)
     if args.symmetric and args.scheme != "int4":
@@ -117,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
     dense = QuantScheme("int8", args.group_size) if args.dense == "int8" else None
     spec = RepackSpec(experts, dense=dense, method=method)
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        raise FileExistsError(f"{out} exists and is not empty; use --force to replace it")
+    check_out_dir(args.model, out, args.force)     # before hours of calibration, not after
     t0 = time.perf_counter()
     model = Model.load(args.model, n_threads=args.threads) if spec.needs_importance else None
     try:
@@ -130,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if model is not None:
             model.close()
+    for path in result.stale_removed:
+        log.info("repack_removed_stale_temporary", path=str(path))
     quantised_source = result.source_format not in ("f32", "f16", "bf16")
     for loss in result.losses:   # a second rounding of FP8 / MXFP4 experts is worth a warning
         (log.warning if quantised_source else log.info)("repack_loses_precision",

@@ -57,10 +57,16 @@ def _is_tcp(request: web.Request) -> bool:
 
 def api_key_matches(authorization: str, api_key: str) -> bool:
     """Whether an Authorization header value is ``Bearer <api_key>``, compared in constant
-    time (hmac.compare_digest): how long the check takes says nothing about the key."""
+    time (hmac.compare_digest): how long the check takes says nothing about the key.
+
+    Both sides are compared as the bytes that were sent or configured: aiohttp decodes a
+    header's bytes that are not UTF-8 to lone surrogates (surrogateescape), as Python does
+    an environment variable's, so a strict encode of ``Bearer \\xff\\xfe`` would raise
+    (a 500) where a wrong key must be a 401."""
     scheme, _, key = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
-                                                              api_key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        key.strip().encode("utf-8", "surrogateescape"),
+        api_key.encode("utf-8", "surrogateescape"))
 
 
 def error_response(e: ApiError) -> web.Response:

@@ -10,6 +10,15 @@ file of the directory (tokenizer files, generation_config.json, chat template, l
 unchanged. The output is built in a temporary directory beside `out_dir` and renamed
 into place at the end, so a failed or interrupted repack leaves no half-written model.
 
+`out_dir` (check_out_dir) may not be, contain or lie inside the model directory; an
+existing one is replaced (with `overwrite`, i.e. --force) only when it is empty or a
+previous repack's output (config.json with quant_method "moed"), never anything else.
+The temporary directory is `.<out name>.moed-repack-<pid>.<random>`, holding the new
+output, the replaced one while it is swapped out, and a `lock` file its writer holds
+(fcntl.flock) until it is done. A repack killed before the end leaves it behind: the
+next repack into the same parent removes every such directory whose lock is free (its
+writer is gone, whatever became of its pid) and keeps those of repacks still running.
+
 Shards hold whole blocks — one routed expert, or one dense tensor — in the order dense
 tensors (by name), then experts by (layer, expert); a shard is closed when the next
 block would pass `shard_size` bytes (a block larger than that gets a shard of its own).
@@ -17,6 +26,7 @@ Memory: one expert (or one dense tensor) at a time, in float32, plus its codes.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -26,6 +36,7 @@ import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,8 +44,8 @@ import numpy as np
 
 from ext.formats.checkpoint import CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, Checkpoint, TensorInfo
 from ext.formats.files import read_json
-from ext.formats.repacked import (ALIGNMENT, PADDING_PREFIX, TENSOR_ALIGNMENT, QuantGroup, QuantScheme, RepackConfig,
-                                  min_name, read_repack_config, scale_name)
+from ext.formats.repacked import (ALIGNMENT, PADDING_PREFIX, QUANT_METHOD, TENSOR_ALIGNMENT, QuantGroup,
+                                  QuantScheme, RepackConfig, min_name, read_repack_config, scale_name)
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout, expert_tensor_name
 from ext.models.family import PROJECTIONS
@@ -49,6 +60,9 @@ _DENSE_PATTERNS = (r"model\.layers\.\d+\.self_attn\.[qkvo]_proj\.weight",
                    r"model\.layers\.\d+\.mlp\.shared_expert\.(gate|up|down)_proj\.weight",
                    r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight")
 _COPIED_SKIP = (CONFIG_NAME, INDEX_NAME)
+TEMP_MARK = ".moed-repack-"          # in the name of a repack's temporary directory
+TEMP_LOCK = "lock"                   # the file in it that its writer holds locked
+_TEMP_NAME = re.compile(r"\..*\.moed-repack-(\d+)\.[a-z0-9_]+")
 
 
 @dataclass(frozen=True)
@@ -261,6 +275,7 @@ class RepackResult:
     total_bytes: int
     source_format: str
     losses: tuple[str, ...] = ()
+    stale_removed: tuple[Path, ...] = ()     # killed repacks' temporaries removed first
 
 
 def _source_description(raw_config: dict, layout: ExpertLayout) -> dict:
@@ -312,16 +327,14 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
     provenance: extra fields for quantization_config.quantizer (e.g. the text used).
     progress(done, total): expert and dense tensors quantised or copied, in bytes of input.
     Raises FileExistsError (`out_dir` exists and is not empty, without `overwrite`),
-    ValueError (`out_dir` is `model_dir`, a model already repacked by moed, a weight
-    whose shape the scheme cannot cut — naming it, importance missing), the loaders'
-    ConfigError / CheckpointError naming the file and tensor, and OSError.
+    ValueError (`out_dir` is, contains or lies inside `model_dir`, is something
+    `overwrite` may not replace — see check_out_dir; a model already repacked by moed, a
+    weight whose shape the scheme cannot cut — naming it, importance missing), the
+    loaders' ConfigError / CheckpointError naming the file and tensor, and OSError.
     """
     src = Path(model_dir).resolve()
     out = Path(out_dir)
-    if out.exists() and out.resolve() == src:
-        raise ValueError(f"--out {out} is the model directory itself")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; use --force to replace it")
+    check_out_dir(src, out, overwrite)
     raw_config = read_json(src / CONFIG_NAME)
     if read_repack_config(raw_config, src / CONFIG_NAME) is not None:
         raise ValueError(f"{src / CONFIG_NAME}: the model is already repacked by moed "
@@ -358,10 +371,12 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
                        **({"prior_tokens": spec.prior_tokens} if spec.needs_importance else {}),
                        **(provenance or {})},
             source=_source_description(raw_config, layout))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        os.chmod(tmp, 0o777 & ~_umask())    # mkdtemp's 0700 would outlive the rename
-        try:
+        target = out.resolve()          # not a link (check_out_dir): its real place
+        target.parent.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_temporaries(target.parent)
+        with _work_dir(target) as work:
+            tmp = work / "new"
+            tmp.mkdir()
             shards = _plan_shards(blocks, shard_size, ALIGNMENT)
             total_in = sum(b.nbytes for b in blocks)   # progress in bytes written
             written = _write_shards(tmp, shards, ALIGNMENT, progress, total_in, threads)
@@ -371,23 +386,148 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
                 if (entry.is_file() and entry.name not in _COPIED_SKIP
                         and not entry.name.endswith(".safetensors")):
                     shutil.copyfile(entry, tmp / entry.name)
-            if out.exists():
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            check_out_dir(src, out, overwrite)        # again: the repack may have taken hours
+            if not os.path.lexists(target):
+                os.replace(tmp, target)
+            else:                   # the replaced output goes with `work`, not in place
+                os.rename(target, work / "old")
+                try:
+                    os.replace(tmp, target)
+                except BaseException:
+                    os.rename(work / "old", target)
+                    raise
         before = sum(loc.nbytes for loc in layout)
         after = sum(p.nbytes for b in blocks if b.align == ALIGNMENT for p in b.pieces)
         return RepackResult(out_dir=out, config=rc, shards=len(shards),
                             expert_bytes_before=before, expert_bytes_after=after,
-                            total_bytes=written, source_format=layout.format, losses=_losses(layout, spec))
+                            total_bytes=written, source_format=layout.format, losses=_losses(layout, spec),
+                            stale_removed=tuple(stale))
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def check_out_dir(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                  overwrite: bool = False) -> None:
+    """Refuse an `out_dir` repack must not write, with or without `overwrite`: the model
+    directory itself, a directory that contains it or lies inside it, a symbolic link, a
+    file, a non-empty directory that is not a previous repack's output (config.json with
+    quantization_config.quant_method "moed"). An empty directory is taken as it is; a
+    previous repack's output only with `overwrite`. Raises ValueError naming the directory
+    and why, or FileExistsError (a previous output, `overwrite` not given)."""
+    src = Path(model_dir).resolve()
+    out = Path(out_dir)
+    target = out.resolve()
+    if target == src:
+        raise ValueError(f"--out {out} is the model directory itself")
+    if src.is_relative_to(target):
+        raise ValueError(f"--out {out} contains the model directory {src}: a repack never "
+                         "replaces it; choose another --out")
+    if target.is_relative_to(src):
+        raise ValueError(f"--out {out} is inside the model directory {src}: a repack does "
+                         "not write into its source; choose another --out")
+    if out.is_symlink():
+        raise ValueError(f"--out {out} is a symbolic link: give the directory itself")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    why = _not_a_repack_output(out)
+    if why:
+        raise ValueError(f"--out {out} {why}: not replacing it, even with --force (which "
+                         "replaces only a previous repack's output or an empty directory); "
+                         "remove it yourself or choose another --out")
+    if not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; use --force to replace it")
+
+
+def _not_a_repack_output(out: Path) -> str | None:
+    """Why `out` (existing, not empty) is not a previous repack's output, or None."""
+    if not out.is_dir():
+        return "is a file, not a directory"
+    try:
+        config = json.loads((out / CONFIG_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"is not empty and has no {CONFIG_NAME}: it is not a repack's output"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"is not empty and its {CONFIG_NAME} cannot be read ({e})"
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
+        return (f"is not empty and its {CONFIG_NAME} has no quantization_config with "
+                f'quant_method "{QUANT_METHOD}": it is not a repack\'s output')
+    return None
+
+
+@contextmanager
+def _work_dir(target: Path) -> Iterator[Path]:
+    """`.<name>.moed-repack-<pid>.<random>` beside `target`, locked (TEMP_LOCK, flock) for
+    as long as this process writes in it, and removed at the end whatever happens. The
+    lock is taken on a file of another name and renamed into place, so that no one sees
+    the lock file before it is held."""
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}{TEMP_MARK}{os.getpid()}.",
+                                 dir=target.parent))
+    fd = None
+    try:
+        fd = os.open(work / f"{TEMP_LOCK}.new", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                     0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(work / f"{TEMP_LOCK}.new", work / TEMP_LOCK)
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+
+
+def remove_stale_temporaries(parent: str | os.PathLike) -> list[Path]:
+    """Remove the temporary directories (`.<name>.moed-repack-<pid>.<random>`, this
+    user's) that repacks killed before their end left in `parent`: those whose lock file
+    is free, because the process that held it is gone (a pid, which may have been reused,
+    would not say), or, with no lock file (killed the moment after creating it), whose pid
+    is not alive. A running repack's directory stays. Returns the paths removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_NAME.fullmatch(entry.name)
+        try:
+            if (not m or not entry.is_dir(follow_symlinks=False)
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid()):
+                continue
+        except OSError:
+            continue
+        if _remove_if_stale(Path(entry.path), int(m.group(1))):
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _remove_if_stale(path: Path, pid: int) -> bool:
+    try:
+        fd = os.open(path / TEMP_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if _pid_alive(pid):
+            return False     # its writer between mkdtemp and its lock, most likely
+        fd = None
+    except OSError:
+        return False
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False     # held: a repack writing now
+        shutil.rmtree(path, ignore_errors=True)   # holding the lock: no one else removes it
+        return not os.path.lexists(path)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True          # EPERM: someone else's process
+    return True
 
 
 def _dense_blocks(checkpoint: Checkpoint, expert_pieces: set[str], dense_names: set[str],

@@ -232,6 +232,16 @@ def test_the_api_key_is_compared_in_constant_time(monkeypatch):
     assert seen[:2] == [(b"s3cret", b"s3cret"), (b"s3cre", b"s3cret")]
 
 
+def test_an_api_key_header_that_is_not_utf8_is_a_mismatch_not_an_error():
+    """aiohttp hands a header's non-UTF-8 bytes over as lone surrogates (surrogateescape):
+    they are compared as the bytes sent, never encoded strictly (a UnicodeEncodeError, a
+    500). A key from the environment with the same bytes matches."""
+    sent = b"Bearer \xff\xfe".decode("utf-8", "surrogateescape")
+    assert not app_module.api_key_matches(sent, "s3cret")
+    assert app_module.api_key_matches(sent, "\udcff\udcfe")     # os.environ's decoding
+    assert app_module.api_key_matches("Bearer cl\u00e9", "cl\u00e9")
+
+
 # ------------------------------------------------------------------ a shard that breaks
 
 

@@ -774,7 +774,8 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
 
         def tcp(method, path, key=None):
             conn = http.client.HTTPConnection(host, int(port), timeout=60)
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            headers = {"Authorization": b"Bearer " + (key if isinstance(key, bytes) else
+                                                      key.encode())} if key else {}
             conn.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
             resp = conn.getresponse()
             body = json.loads(resp.read())
@@ -784,6 +785,9 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
         status, body = tcp("GET", "/v1/models")
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert tcp("GET", "/v1/models", "wrong")[0] == 401
+        logged = len(d.stderr_lines)
+        status, body = tcp("GET", "/v1/models", b"\xff\xfe")        # bytes that are not UTF-8
+        assert_error(status, body, 401, code="invalid_api_key")
         status, body = tcp("GET", "/v1/models", "s3cret")
         assert status == 200 and body["data"][0]["id"] == MODEL
         status, body = tcp("POST", "/v1/moed/pins/reset", "s3cret")
@@ -792,6 +796,9 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
     finally:
         assert d.stop() == 0
         d.cleanup()
+    # the undecodable key was a plain 401: no request_failed, no traceback
+    assert not [line for line in d.stderr_lines[logged:]
+                if "request_failed" in line or "Traceback" in line or "UnicodeEncodeError" in line]
 
 
 @pytest.mark.parametrize("body, param, says", [

@@ -2,9 +2,13 @@
 config and tensors agree, and whose bad inputs are refused with the culprit named."""
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +25,7 @@ from ext.models.experts import ExpertLayout, expert_tensor_name
 from ext.models.model import Model
 from ext.models.weights import float_values
 from ext.quant.importance import LayerwiseMoments, gather, moment_bytes
-from ext.quant.repack import RepackSpec, repack
+from ext.quant.repack import TEMP_LOCK, TEMP_MARK, RepackSpec, remove_stale_temporaries, repack
 
 from checkpoint_files import edit_header
 
@@ -198,17 +202,144 @@ def test_projections_with_groups_of_different_sizes_load_and_decode(scheme, tmp_
         model.close()
 
 
-def test_an_existing_out_is_refused_without_force_and_replaced_with_it(source, repacked, tmp_path, capsys):
-    out = tmp_path / "taken"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+def test_a_previous_repack_is_refused_without_force_and_replaced_with_it(source, repacked,
+                                                                         tmp_path, capsys):
+    out = Path(shutil.copytree(repacked, tmp_path / "taken"))
+    (out / "notes.txt").write_text("mine")
     assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out)]) == 1
-    assert "--force" in capsys.readouterr().err and (out / "keep.txt").exists()
+    assert "--force" in capsys.readouterr().err and (out / "notes.txt").exists()
     assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out),
                  "--force"]) == 0
-    assert not (out / "keep.txt").exists()
+    assert not (out / "notes.txt").exists()
     assert _raw_config(out)["quantization_config"]["scheme"] == "int8"
-    assert [p for p in tmp_path.iterdir() if p.name.startswith(".taken")] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]    # no temporaries left
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_empty_out_directory_is_taken(source, tmp_path, force):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--out", str(out),
+                 *(["--force"] if force else [])]) == 0
+    assert _raw_config(out)["quantization_config"]["scheme"] == "int8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("out, says", [
+    ("haz", "contains the model directory"),                   # the source's parent
+    ("haz/src/original", "inside the model directory"),        # a folder of the source
+    ("haz/src/../src/original/..", "is the model directory itself"),
+    ("haz/other", "has no config.json: it is not a repack's output"),
+    ("haz/notes.txt", "is a file, not a directory"),
+    ("haz/hf", 'has no quantization_config with quant_method "moed"'),
+])
+def test_force_never_replaces_the_source_or_what_a_repack_did_not_write(source, tmp_path, out,
+                                                                         says, capsys):
+    """`moed repack --model haz/src --out haz --force` once deleted the model: --force
+    replaces only an empty directory or a previous repack's output, and never one that
+    contains the source or lies inside it. The refusal names the directory and why."""
+    haz = tmp_path / "haz"
+    src = Path(shutil.copytree(source, haz / "src"))
+    (src / "original").mkdir()
+    (src / "original" / "consolidated.txt").write_text("weights")
+    (haz / "notes.txt").write_text("notes")
+    (haz / "other").mkdir()
+    (haz / "other" / "keep.txt").write_text("mine")
+    shutil.copytree(source, haz / "hf")                         # a model, not a repack
+    before = _tree(haz)
+    for force in ([], ["--force"]):
+        assert main(["repack", "--model", str(src), "--scheme", "int4", "--out",
+                     str(tmp_path / out), *force]) == 1
+        err = capsys.readouterr().err
+        assert f"moed repack: error: --out {tmp_path / out} " in err and says in err, err
+    assert _tree(haz) == before
+    assert not [p for p in tmp_path.rglob(f"*{TEMP_MARK}*")]
+
+
+# ----------------------------------------------------------- temporaries of killed repacks
+
+def _temporary(parent: Path, name: str, pid: int, lock: bool) -> Path:
+    d = parent / f".{name}{TEMP_MARK}{pid}.{os.urandom(4).hex()}"
+    (d / "new").mkdir(parents=True)
+    (d / "new" / "model-00001-of-00002.safetensors").write_bytes(b"partial" * 1000)
+    if lock:
+        (d / TEMP_LOCK).write_bytes(b"")
+    return d
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_repack_removes_killed_repacks_temporaries_and_keeps_running_ones(source, tmp_path,
+                                                                           capsys):
+    """Beside --out: a temporary whose lock is free (its writer is gone, even though the pid
+    in its name is alive: reused) and one with no lock whose pid is dead are removed; one
+    whose lock is held (a repack writing now) and hidden directories that are not a
+    repack's stay."""
+    running = _temporary(tmp_path, "int4", os.getpid(), lock=True)
+    free = _temporary(tmp_path, "int4", os.getpid(), lock=True)
+    other_out = _temporary(tmp_path, "other", _dead_pid(), lock=True)
+    unlocked_dead = _temporary(tmp_path, "int4", _dead_pid(), lock=False)
+    unlocked_alive = _temporary(tmp_path, "int4", os.getpid(), lock=False)
+    (tmp_path / ".int4.flenl5dg").mkdir()                      # not named as a repack's
+    (tmp_path / ".cache").mkdir()
+    fd = os.open(running / TEMP_LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert main(["repack", "--model", str(source), "--scheme", "int4", "--out",
+                     str(tmp_path / "int4")]) == 0
+        assert running.is_dir() and unlocked_alive.is_dir()
+        assert not free.exists() and not other_out.exists() and not unlocked_dead.exists()
+        assert (tmp_path / ".int4.flenl5dg").is_dir() and (tmp_path / ".cache").is_dir()
+        assert "repack_removed_stale_temporary" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    assert remove_stale_temporaries(tmp_path) == [running]     # its lock is free now
+
+
+_KILLED_REPACK = """
+import os, signal, sys
+from ext.formats.repacked import QuantScheme
+from ext.quant.repack import RepackSpec, repack
+def die(done, total):
+    if done:
+        os.kill(os.getpid(), signal.SIGKILL)
+repack(sys.argv[1], sys.argv[2], RepackSpec(QuantScheme("int4", 32, True)), shard_size=40_000,
+       progress=die)
+"""
+
+
+def test_the_temporary_of_a_repack_killed_midway_is_removed_by_the_next(source, tmp_path):
+    """A repack killed with SIGKILL while it writes leaves its temporary, named as a
+    repack's and with the lock its writer held; the rerun removes it. While a repack
+    writes, its own temporary's lock is held, so that no other repack removes it."""
+    out = tmp_path / "int4"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_REPACK, str(source), str(out)],
+                            cwd=Path(__file__).parents[3], stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -9, err.decode()
+    [left] = [p for p in tmp_path.iterdir()]
+    assert left.name.startswith(f".int4{TEMP_MARK}{proc.pid}.") and not out.exists()
+    assert (left / TEMP_LOCK).exists() and any((left / "new").iterdir())
+
+    seen = []
+
+    def look(done, total):
+        if not seen:
+            [mine] = [p for p in tmp_path.iterdir() if p.name.startswith(".int4")]
+            seen.append(mine)
+            assert remove_stale_temporaries(tmp_path) == []     # held: a repack writing
+            assert mine.is_dir()
+    repack(source, out, RepackSpec(QuantScheme("int4", 32, True)), progress=look)
+    assert seen and seen[0] != left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int4"]
 
 
 def test_out_may_not_be_the_model_and_a_repacked_model_is_not_repacked_again(source, repacked,
