@@ -360,6 +360,27 @@ def test_fast_extreme_float16_scales(variant):
         assert _same(_matmul(w, x[1:2], 1, fn), want[1:2])
 
 
+@pytest.mark.parametrize("fmt, g, mins", [("int8", 96, False), ("int4", 96, True), ("int4", 256, False)],
+                         ids=["int8-g96", "int4-g96-mins", "int4-g256"])
+def test_fast_other_group_sizes_take_the_scale_of_the_group_holding_the_block(fmt, g, mins):
+    # The specification names groups of 32, 64 and 128; the constructor accepts any
+    # multiple of 32, and its rule (the scale of the group holding block b) still fixes
+    # the bits.
+    rng = _rng(19, fmt, g, mins)
+    C = 768
+    if fmt == "int8":
+        parts = (fmt, *ref.random_int8(rng, 21, C, g), None)
+    else:
+        parts = (fmt, *ref.random_int4(rng, 21, C, g, mins))
+    w = _weight(parts)
+    x = rng.standard_normal((3, C), dtype=F32)
+    want = _reference(parts, x)
+    for fn in (k.matmul, k._matmul_portable):
+        for T in (1, 3):
+            got = _matmul(w, x[:T], 2, fn)
+            assert _same(got, want[:T]), _first_difference(got, want[:T])
+
+
 # ------------------------------------------------------------------ placement
 
 def _row(w, r):
@@ -553,7 +574,7 @@ def test_fast_mode_leaves_dense_and_fp8_weights_exact(case):
                 assert _same(_matmul(w, x[:T], n_threads, fn, fast=True), exact), (fn, T, n_threads)
 
 
-def test_fast_mode_leaves_dense_expert_ffn_exact():
+def test_fast_mode_leaves_dense_expert_ffns_exact():
     rng = _rng(16)
     sizes = [2, 0, 5]
     gs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -567,6 +588,21 @@ def test_fast_mode_leaves_dense_expert_ffn_exact():
         k.expert_ffn(*weights, x, gs, np.zeros((N, I), F32), out, 2, fast=fast)
         outs.append(out)
     assert _same(outs[0], outs[1])
+    # GPT-OSS's fused experts on plain transposed ([in, out]) weights.
+    K, If = len(sizes), 64
+    gate_ups = [(rng.standard_normal((H, 2 * If), dtype=F32) * F32(0.1)).astype(ml_dtypes.bfloat16)
+                for _ in range(K)]
+    downs = [(rng.standard_normal((If, H), dtype=F32) * F32(0.1)).astype(ml_dtypes.bfloat16)
+             for _ in range(K)]
+    b1 = rng.standard_normal((K, 2 * If), dtype=F32)
+    b2 = rng.standard_normal((K, H), dtype=F32)
+    fused = []
+    for fast in (False, True):
+        out = np.full((N, H), np.nan, F32)
+        k.expert_ffn_fused(gate_ups, downs, b1, b2, x, gs, np.zeros((N, If), F32), out, True,
+                           1.702, 7.0, 2, fast=fast)
+        fused.append(out)
+    assert _same(fused[0], fused[1])
 
 
 # ------------------------------------------------------------- fast vs exact
