@@ -183,11 +183,37 @@ def test_reference_quantisation_invariants():
 
 # ------------------------------------------------------- activation quantisation
 
+def _division_ties(rng):
+    """One block of 32 whose values x / d round (half to even) differently from
+    x * (1 / d): the specification divides, a reciprocal would not give its bits. Element
+    0 is the block's largest |x|, a, with d = a / 127 not a power of two."""
+    while True:
+        a = F32(rng.uniform(0.5, 4.0))
+        d = a / F32(127.0)
+        inv = F32(1.0) / d
+        base = (np.arange(-126, 126, dtype=F32) + F32(0.5)) * d
+        near = [base]
+        for direction in (np.inf, -np.inf):
+            v = base
+            for _ in range(2):
+                v = np.nextafter(v, F32(direction))
+                near.append(v)
+        near = np.concatenate(near).astype(F32)
+        near = near[(np.abs(near) < a) & (np.rint(near / d) != np.rint(near * inv))]
+        if near.size >= 31:
+            return np.concatenate([[a], rng.choice(near, 31, replace=False)]).astype(F32)
+
+
+# Multiples k of the least subnormal 2^-149 with largest |k| 190: d = 190/127 * 2^-149
+# rounds to 2^-149, so x / d = k and the clamp to +-127 acts.
+SUBNORMAL_STEPS = [190, -190, 189, -150, 128, -128, 127, 100, -64, 3, -1, 1, 0] + [2] * 19
+
+
 def _special_activations():
-    """[3, 448] float32: every row a run of 14 blocks of 32, each exercising one rule (row 1
+    """[3, 512] float32: every row a run of 16 blocks of 32, each exercising one rule (row 1
     holds values near the top of the range, which make the products overflow)."""
     rng = _rng(3)
-    T, nb = 3, 14
+    T, nb = 3, 16
     x = rng.standard_normal((T, nb, 32)).astype(F32)
     x[:, 0] = 0                                          # d = 0: q = 0, s = 0
     x[0, 1] = -0.0                                       # negative zeros
@@ -199,7 +225,7 @@ def _special_activations():
     x[:, 3, 31] = -127.0
     x[:, 4] = F32(63.5) * rng.choice([-1, 1], 32).astype(F32)  # d = 0.5, x / d = +-127
     x[:, 4, :6] = [1.25, -1.25, 0.75, 0.25, -0.25, 62.25]   # ties of d = 0.5
-    x[:, 5] *= F32(1e-41)                                # subnormal: d tiny, x / d large
+    x[:, 5] *= F32(1e-41)                                # subnormal: d has few bits
     x[:, 6] = 0
     x[:, 6, 7] = F32(1e-45)                              # the least subnormal: d = 0
     x[:, 7] *= F32(1e6)
@@ -213,6 +239,10 @@ def _special_activations():
     x[:, 11] = np.float32(2.0 ** -126)                   # least normal everywhere
     x[:, 12] = -F32(7.0)                                 # one value: q = -127 each
     x[2, 13] = rng.standard_normal(32).astype(F32) * F32(1e20)
+    for t in range(T):
+        x[t, 14] = _division_ties(rng) * (F32(-1.0) if t == 1 else F32(1.0))
+    x[:, 15] = np.ldexp(np.array(SUBNORMAL_STEPS, F32), -149)
+    assert x.dtype == F32
     return x.reshape(T, nb * 32)
 
 
@@ -246,6 +276,12 @@ def test_quantize_activations_special_blocks():
     assert not q[:, 192:224].any() and d[0, 6] == 0
     assert np.count_nonzero(q[0, 256:288]) <= 2 and q[0, 256 + 17] == 127
     assert (q[:, 384:416] == -127).all()
+    xb, qb = x.reshape(3, 16, 32), q.reshape(3, 16, 32)
+    # block 14: division, not a reciprocal; block 15: the clamp
+    differs = qb[:, 14, 1:] != np.rint(xb[:, 14, 1:] * (F32(1.0) / d[:, 14:15])).astype(np.int8)
+    assert differs.all()
+    assert d[0, 15] == 2.0 ** -149
+    assert qb[0, 15].tolist() == [127, -127, 127, -127, 127, -127, 127, 100, -64, 3, -1, 1, 0] + [2] * 19
 
 
 @pytest.mark.parametrize("C", [32, 416, 4096])
@@ -290,9 +326,8 @@ def test_fast_matmul_bit_equal_to_reference(variant, C, fn):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fast_matmul_special_activations(variant):
-    # The blocks of _special_activations (448 columns) and two Gaussian ones: 512 columns.
     rng = _rng(6, variant)
-    x = np.concatenate([_special_activations(), rng.standard_normal((3, 64), dtype=F32)], axis=1)
+    x = _special_activations()
     parts = _parts(variant, 21, 512, rng)
     w = _weight(parts)
     with np.errstate(all="ignore"):
