@@ -652,6 +652,9 @@ def test_fast_is_close_to_exact(variant):
     x = rng.standard_normal((3, 4096), dtype=F32)
     exact, fast = _matmul(w, x, 2, fast=False), _matmul(w, x, 2, fast=True)
     assert not _same(exact, fast)  # fast mode really is another computation
+    default = np.full_like(exact, np.nan)
+    k.matmul(w, x, default, 2)
+    assert _same(default, exact)  # and it is asked for: exact is the default
     err = np.linalg.norm((fast - exact).astype(np.float64), axis=1)
     assert np.all(err < 1e-2 * np.linalg.norm(exact.astype(np.float64), axis=1)), err
 
