@@ -197,10 +197,11 @@ enum { MOED_IK_INT8 = 0, MOED_IK_INT4M = 1, MOED_IK_INT4S = 2, MOED_IK_MXFP4 = 3
 #if defined(MOED_I_AVX512) || defined(MOED_I_AVX2)
 #define MOED_I_SIMD 1
 
-/* Rows a pass streams together. */
+/* Rows a pass streams together: a multiple of 4 (the f32 sums go 4 rows to a vector). */
 #ifndef MOED_IPASS
-#define MOED_IPASS 4
+#define MOED_IPASS 8
 #endif
+_Static_assert(MOED_IPASS % 4 == 0 && MOED_IPASS <= MOED_ROWS, "rows of a pass");
 /* Bytes of a row prefetched ahead. */
 #ifndef MOED_I_PREFETCH
 #define MOED_I_PREFETCH 512
@@ -209,14 +210,59 @@ enum { MOED_IK_INT8 = 0, MOED_IK_INT4M = 1, MOED_IK_INT4S = 2, MOED_IK_MXFP4 = 3
 /* mxfp4: nibble -> 2 x E2M1 + 12 (0..24), for vpshufb. */
 #define MOED_E2M1X2_BIASED 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
 
-/* 16 int32 at p as f32 (exact below 2^24). */
-static inline moed_v16 moed_v16_load_i32(const int32_t *p) {
-#ifdef MOED_V16_AVX512
-    return _mm512_cvtepi32_ps(_mm512_loadu_si512(p));
+/* The integer sums of a chunk: 16 x int32, block order. */
+#ifdef MOED_I_AVX512
+typedef __m512i moed_is16;
 #else
-    return (moed_v16){_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)p)),
-                      _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(p + 8)))};
+typedef struct { __m256i lo, hi; } moed_is16;
 #endif
+
+/* The 16 sums as f32 (exact: |S| < 2^24). */
+static inline __attribute__((always_inline)) moed_v16 moed_is16_f32(moed_is16 S) {
+#if defined(MOED_I_AVX512)
+    return _mm512_cvtepi32_ps(S);
+#elif defined(MOED_V16_AVX512)
+    return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(S.lo), S.hi, 1));
+#else
+    return (moed_v16){_mm256_cvtepi32_ps(S.lo), _mm256_cvtepi32_ps(S.hi)};
+#endif
+}
+
+/* c * s[0..15]: the correction of a biased code (shared by every row of a chunk). */
+static inline __attribute__((always_inline)) moed_is16 moed_is16_times(int32_t c, const int32_t *s) {
+#ifdef MOED_I_AVX512
+    return _mm512_mullo_epi32(_mm512_set1_epi32(c), _mm512_loadu_si512(s));
+#else
+    const __m256i cv = _mm256_set1_epi32(c);
+    return (moed_is16){_mm256_mullo_epi32(cv, _mm256_loadu_si256((const __m256i *)s)),
+                       _mm256_mullo_epi32(cv, _mm256_loadu_si256((const __m256i *)(s + 8)))};
+#endif
+}
+
+/* The code bias each kind's SIMD sums carry (S = biased sum - c * s). */
+static inline int32_t moed_ikind_bias(const int kind) {
+#if defined(MOED_I_AVX512) || defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    const int32_t int8_bias = 128;   /* vpdpbusd of c ^ 0x80 */
+#else
+    const int32_t int8_bias = 0;     /* vpmaddubsw of |c| and sign(q, c) */
+#endif
+    return kind == MOED_IK_INT8 ? int8_bias : kind == MOED_IK_MXFP4 ? 12 : kind == MOED_IK_INT4S ? 8 : 0;
+}
+
+/* Bytes [0, valid) of the 64 (32) at p, zeros past them; no access past them. */
+#ifdef MOED_I_AVX512
+static inline __attribute__((always_inline)) __m512i moed_load64(const uint8_t *p, const int full, ptrdiff_t valid) {
+    if (full || valid >= 64) return _mm512_loadu_si512(p);
+    __mmask64 m = valid <= 0 ? 0 : (((__mmask64)1 << valid) - 1);
+    return _mm512_maskz_loadu_epi8(m, p);
+}
+#endif
+static inline __attribute__((always_inline)) __m256i moed_load32(const uint8_t *p, const int full, ptrdiff_t valid) {
+    if (full || valid >= 32) return _mm256_loadu_si256((const __m256i *)p);
+    /* valid is a multiple of 16 here (whole blocks of 16 or 32 bytes) */
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(valid > 0 ? valid / 4 : 0)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32((const int *)p, m);
 }
 
 #ifdef MOED_I_AVX512
@@ -231,26 +277,26 @@ static inline __attribute__((always_inline)) __m512i moed_ireduce4(const __m512i
     return _mm512_permutexvar_epi32(idx, r);
 }
 
-/* S for the 16 blocks of a chunk: weight bytes at wp, q at qp, block sums of q at sp. */
-static inline __attribute__((always_inline)) void
-moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, const int32_t *sp, int32_t *S) {
-    __m512i v[4], c;
+/* S of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes at wp,
+ * q at qp, cs the bias correction. */
+static inline __attribute__((always_inline)) moed_is16
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
+    __m512i v[4];
     const __m512i zero = _mm512_setzero_si512();
     if (kind == MOED_IK_INT8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         __m512i p[8];
         for (int i = 0; i < 8; i++)
-            p[i] = _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * i), flip),
+            p[i] = _mm512_dpbusd_epi32(zero, _mm512_xor_si512(moed_load64(wp + 64 * i, full, 32 * n - 64 * i), flip),
                                        _mm512_load_si512(qp + 64 * i));
         for (int i = 0; i < 4; i++)   /* [A | B], [C | D] (8 partials each) -> [A B C D] */
             v[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0x88),
                                     _mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0xDD));
-        c = _mm512_set1_epi32(128);
     } else {
         const __m512i m = _mm512_set1_epi8(15);
         const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(MOED_E2M1X2_BIASED));
         for (int i = 0; i < 4; i++) {
-            __m512i b = _mm512_loadu_si512(wp + 64 * i);
+            __m512i b = moed_load64(wp + 64 * i, full, 16 * n - 64 * i);
             __m512i lo = _mm512_and_si512(b, m), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
             if (kind == MOED_IK_MXFP4) {
                 lo = _mm512_shuffle_epi8(tab, lo);
@@ -259,11 +305,9 @@ moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, const int32_t
             __m512i acc = _mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp + 128 * i));
             v[i] = _mm512_dpbusd_epi32(acc, hi, _mm512_load_si512(qp + 128 * i + 64));
         }
-        c = _mm512_set1_epi32(kind == MOED_IK_MXFP4 ? 12 : kind == MOED_IK_INT4S ? 8 : 0);
     }
     __m512i r = moed_ireduce4(v);
-    if (kind != MOED_IK_INT4M) r = _mm512_sub_epi32(r, _mm512_mullo_epi32(c, _mm512_loadu_si512(sp)));
-    _mm512_storeu_si512(S, r);
+    return kind == MOED_IK_INT4M ? r : _mm512_sub_epi32(r, cs);
 }
 #else
 /* AVX2: v[i] holds 4 int32 partials of block 2i + L in 128-bit lane L (i < 4); the 8
@@ -285,46 +329,32 @@ static inline __attribute__((always_inline)) __m256i moed_ireduce4(const __m256i
 #endif
 #endif
 
-/* unsigned bytes u times signed bytes s, summed in fours: 8 int32. (Callers keep each
- * pair sum of vpmaddubsw below 2^15.) */
-static inline __attribute__((always_inline)) __m256i moed_udot256(__m256i u, __m256i s) {
-#ifdef MOED_I_VNNI256
-    return moed_dpbusd256(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline __attribute__((always_inline)) void
-moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, const int32_t *sp, int32_t *S) {
+static inline __attribute__((always_inline)) moed_is16
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
     __m256i v[8];
-    int32_t c;
     if (kind == MOED_IK_INT8) {
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
             __m256i p[2];
             for (int h = 0; h < 2; h++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(wp + 64 * i + 32 * h));
+                __m256i w = moed_load32(wp + 64 * i + 32 * h, full, 32 * n - 64 * i - 32 * h);
                 __m256i x = _mm256_load_si256((const __m256i *)(qp + 64 * i + 32 * h));
 #ifdef MOED_I_VNNI256
-                p[h] = moed_udot256(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
+                p[h] = moed_dpbusd256(_mm256_setzero_si256(), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
 #else
-                p[h] = moed_udot256(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+                /* |c| * sign(q, c): pair sums <= 2 * 128 * 127 < 2^15 */
+                p[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                         _mm256_set1_epi16(1));
 #endif
             }
             v[i] = _mm256_add_epi32(_mm256_permute2x128_si256(p[0], p[1], 0x20),
                                     _mm256_permute2x128_si256(p[0], p[1], 0x31));
         }
-#ifdef MOED_I_VNNI256
-        c = 128;
-#else
-        c = 0;
-#endif
     } else {
         const __m256i m = _mm256_set1_epi8(15);
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_setr_epi8(MOED_E2M1X2_BIASED));
         for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
             const int G = i >> 1, p = i & 1;
-            __m256i b = _mm256_loadu_si256((const __m256i *)(wp + 32 * i));
+            __m256i b = moed_load32(wp + 32 * i, full, 16 * n - 32 * i);
             __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
             if (kind == MOED_IK_MXFP4) {
                 lo = _mm256_shuffle_epi8(tab, lo);
@@ -340,16 +370,39 @@ moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, const int32_t
                                      _mm256_set1_epi16(1));
 #endif
         }
-        c = kind == MOED_IK_MXFP4 ? 12 : kind == MOED_IK_INT4S ? 8 : 0;
     }
-    for (int h = 0; h < 2; h++) {
-        __m256i r = moed_ireduce4(v + 4 * h);
-        if (c) r = _mm256_sub_epi32(r, _mm256_mullo_epi32(_mm256_set1_epi32(c),
-                                                         _mm256_loadu_si256((const __m256i *)(sp + 8 * h))));
-        _mm256_storeu_si256((__m256i *)(S + 8 * h), r);
+    moed_is16 r = {moed_ireduce4(v), moed_ireduce4(v + 4)};
+    if (moed_ikind_bias(kind)) {
+        r.lo = _mm256_sub_epi32(r.lo, cs.lo);
+        r.hi = _mm256_sub_epi32(r.hi, cs.hi);
     }
+    return r;
 }
 #endif
+
+/* t[0..3] (16 blocks each) -> tmp[m][4j + k] = t[k] of block 4j + m: block b's 4 values
+ * at tmp[b % 4] + 4 * (b / 4). */
+static inline __attribute__((always_inline)) void moed_itranspose4(const moed_v16 *t, float (*tmp)[16]) {
+#ifdef MOED_V16_AVX512
+    __m512d a = _mm512_castps_pd(_mm512_unpacklo_ps(t[0], t[1])), b = _mm512_castps_pd(_mm512_unpackhi_ps(t[0], t[1]));
+    __m512d c = _mm512_castps_pd(_mm512_unpacklo_ps(t[2], t[3])), d = _mm512_castps_pd(_mm512_unpackhi_ps(t[2], t[3]));
+    _mm512_store_pd((double *)tmp[0], _mm512_unpacklo_pd(a, c));
+    _mm512_store_pd((double *)tmp[1], _mm512_unpackhi_pd(a, c));
+    _mm512_store_pd((double *)tmp[2], _mm512_unpacklo_pd(b, d));
+    _mm512_store_pd((double *)tmp[3], _mm512_unpackhi_pd(b, d));
+#else
+    for (int h = 0; h < 2; h++) {
+        __m256 t0 = h ? t[0].hi : t[0].lo, t1 = h ? t[1].hi : t[1].lo;
+        __m256 t2 = h ? t[2].hi : t[2].lo, t3 = h ? t[3].hi : t[3].lo;
+        __m256d a = _mm256_castps_pd(_mm256_unpacklo_ps(t0, t1)), b = _mm256_castps_pd(_mm256_unpackhi_ps(t0, t1));
+        __m256d c = _mm256_castps_pd(_mm256_unpacklo_ps(t2, t3)), d = _mm256_castps_pd(_mm256_unpackhi_ps(t2, t3));
+        _mm256_store_pd((double *)(tmp[0] + 8 * h), _mm256_unpacklo_pd(a, c));
+        _mm256_store_pd((double *)(tmp[1] + 8 * h), _mm256_unpackhi_pd(a, c));
+        _mm256_store_pd((double *)(tmp[2] + 8 * h), _mm256_unpacklo_pd(b, d));
+        _mm256_store_pd((double *)(tmp[3] + 8 * h), _mm256_unpackhi_pd(b, d));
+    }
+#endif
+}
 
 /* The weight scales (and mins) of a full chunk's 16 blocks, from block b0 of row r. */
 static inline __attribute__((always_inline)) void
@@ -391,7 +444,7 @@ moed_ichunk_scales(const moed_weight *w, const int kind, ptrdiff_t r, ptrdiff_t 
     if (kind == MOED_IK_INT4M) *mv = moed_v16_load(mf);
 }
 
-/* The same for the last n < 16 blocks (the lanes past them are 0). */
+/* The same for the first n < 16 blocks (the lanes past them are 0). */
 static inline void moed_itail_scales(const moed_weight *w, ptrdiff_t r, ptrdiff_t b0, int n,
                                      moed_v16 *sw, moed_v16 *mv) {
     float sf[16] __attribute__((aligned(64))) = {0}, mf[16] __attribute__((aligned(64))) = {0};
@@ -404,7 +457,61 @@ static inline void moed_itail_scales(const moed_weight *w, ptrdiff_t r, ptrdiff_
     *mv = moed_v16_load(mf);
 }
 
-/* y_q of rows r0 .. r0+nrows-1 for token t. */
+/* Can the rows up to r read a whole chunk from block b0 (codes, scales and mins) without
+ * passing the end of their arrays? The bytes past a row's last block belong to the next
+ * row: they meet q's zero padding (and s = 0), and their t's are never added, so reading
+ * them changes nothing. */
+static inline int moed_itail_overread_ok(const moed_weight *w, const int kind, ptrdiff_t r, ptrdiff_t b0) {
+    const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16, g = w->scale_cols;
+    const ptrdiff_t first = (32 * b0) / g;
+    const ptrdiff_t read = g == 32 ? 16 : g == 64 ? 8 : g == 128 ? 4
+                                                     : (32 * (b0 + MOED_ICHUNK - 1)) / g - first + 1;
+    return r * (ptrdiff_t)w->row_bytes + (b0 + MOED_ICHUNK) * bpb <= w->rows * (ptrdiff_t)w->row_bytes &&
+           r * w->scale_ld + first + read <= w->rows * w->scale_ld;
+}
+
+/* One chunk (blocks b0 .. b0+n-1) of rows r0 .. r0+nrows-1 (nrows a multiple of 4, or
+ * 1), added to the rows' sums (full: whole-chunk loads, else none past block n): y4[k] holds rows 4k .. 4k+3, y1 the
+ * single row's. */
+static inline __attribute__((always_inline)) void
+moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
+                const uint8_t *const *row, const int8_t *q, const float *d, const float *ds,
+                const int32_t *s, ptrdiff_t b0, const int full, int n, __m128 *y4, float *y1) {
+    const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
+    const ptrdiff_t off = b0 * bpb;
+    const moed_v16 dv = moed_v16_load(d + b0);
+    const moed_v16 dsv = kind == MOED_IK_INT4M ? moed_v16_load(ds + b0) : moed_v16_zero();
+    const moed_is16 cs = moed_is16_times(moed_ikind_bias(kind), s + b0);
+    float tmp[4][16] __attribute__((aligned(64)));
+    moed_v16 tv[4];
+    for (int k = 0; k < nrows; k++) {
+        if (full)
+            for (int l = 0; l < 16 * bpb; l += 64) {
+                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
+                moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
+            }
+        moed_is16 S = moed_ichunk_S(kind, row[k] + off, q + 32 * b0, cs, full, n);
+        moed_v16 sw, mv = moed_v16_zero();
+        if (full) moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
+        else moed_itail_scales(w, r0 + k, b0, n, &sw, &mv);
+        moed_v16 t = moed_v16_mul(moed_is16_f32(S), moed_v16_mul(sw, dv));
+        if (kind == MOED_IK_INT4M) t = moed_v16_add(t, moed_v16_mul(mv, dsv));
+        if (nrows == 1) {
+            moed_v16_store(tmp[0], t);
+            for (int l = 0; l < n; l++) *y1 = *y1 + tmp[0][l];
+        } else {
+            tv[k & 3] = t;
+            if ((k & 3) == 3) {   /* four rows' sums in one vector, block by block */
+                moed_itranspose4(tv, tmp);
+                __m128 y = y4[k >> 2];
+                for (int l = 0; l < n; l++) y = _mm_add_ps(y, _mm_load_ps(tmp[l & 3] + 4 * (l >> 2)));
+                y4[k >> 2] = y;
+            }
+        }
+    }
+}
+
+/* y of rows r0 .. r0+nrows-1 for token t (nrows a multiple of 4, or 1). */
 static inline __attribute__((always_inline)) void
 moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
                const moed_qact *a, ptrdiff_t t, float *out) {
@@ -412,59 +519,32 @@ moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nro
     const float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
     const int32_t *s = a->s + t * a->ldb;
     const ptrdiff_t nb = a->nb, nfull = nb / MOED_ICHUNK * MOED_ICHUNK;
-    const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
     const uint8_t *row[MOED_ROWS];
-    float y[MOED_ROWS];
-    float tb[MOED_ROWS][16] __attribute__((aligned(64)));
-    int32_t S[16] __attribute__((aligned(64)));
-    for (int k = 0; k < nrows; k++) {
-        row[k] = w->codes + (r0 + k) * w->row_bytes;
-        y[k] = 0.0f;
+    __m128 y4[MOED_ROWS / 4];
+    float y1 = 0.0f;
+    for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
+    for (int k = 0; k < MOED_ROWS / 4; k++) y4[k] = _mm_setzero_ps();
+    for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
+        moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, b0, 1, MOED_ICHUNK, y4, &y1);
+    if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays */
+        if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull))
+            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 1, (int)(nb - nfull), y4, &y1);
+        else
+            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 0, (int)(nb - nfull), y4, &y1);
     }
-    for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK) {
-        const ptrdiff_t off = b0 * bpb;
-        const moed_v16 dv = moed_v16_load(d + b0);
-        moed_v16 dsv = moed_v16_zero();
-        if (kind == MOED_IK_INT4M) dsv = moed_v16_load(ds + b0);
-        for (int k = 0; k < nrows; k++) {
-            for (ptrdiff_t l = 0; l < MOED_ICHUNK * bpb; l += 64) {
-                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
-                moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
-            }
-            moed_ichunk_S(kind, row[k] + off, q + 32 * b0, s + b0, S);
-            moed_v16 sw, mv = moed_v16_zero();
-            moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
-            moed_v16 tv = moed_v16_mul(moed_v16_load_i32(S), moed_v16_mul(sw, dv));
-            if (kind == MOED_IK_INT4M) tv = moed_v16_add(tv, moed_v16_mul(mv, dsv));
-            moed_v16_store(tb[k], tv);
-        }
-        for (int k = 0; k < nrows; k++)
-            for (int l = 0; l < MOED_ICHUNK; l++) y[k] = y[k] + tb[k][l];
-    }
-    if (nfull < nb) {   /* the last n blocks, from a zero-padded copy */
-        const int n = (int)(nb - nfull);
-        uint8_t wbuf[MOED_ICHUNK * 32] __attribute__((aligned(64)));
-        memset(wbuf + n * bpb, 0, (size_t)((MOED_ICHUNK - n) * bpb));
-        const moed_v16 dv = moed_v16_load(d + nfull), dsv = moed_v16_load(ds + nfull);
-        for (int k = 0; k < nrows; k++) {
-            memcpy(wbuf, row[k] + nfull * bpb, (size_t)(n * bpb));
-            moed_ichunk_S(kind, wbuf, q + 32 * nfull, s + nfull, S);
-            moed_v16 sw, mv;
-            moed_itail_scales(w, r0 + k, nfull, n, &sw, &mv);
-            moed_v16 tv = moed_v16_mul(moed_v16_load_i32(S), moed_v16_mul(sw, dv));
-            if (kind == MOED_IK_INT4M) tv = moed_v16_add(tv, moed_v16_mul(mv, dsv));
-            moed_v16_store(tb[k], tv);
-        }
-        for (int k = 0; k < nrows; k++)
-            for (int l = 0; l < n; l++) y[k] = y[k] + tb[k][l];
-    }
-    for (int k = 0; k < nrows; k++) out[k] = y[k];
+    if (nrows == 1) out[0] = y1;
+    else
+        for (int k = 0; k < nrows / 4; k++) _mm_storeu_ps(out + 4 * k, y4[k]);
 }
 
 #define MOED_DEFINE_IPASS(NAME, KIND)                                                   \
     static void moed_idot_##NAME##_p(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
                                      ptrdiff_t t, float *out) {                         \
         moed_idot_pass(w, KIND, r0, MOED_IPASS, a, t, out);                             \
+    }                                                                                   \
+    static void moed_idot_##NAME##_4(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
+                                     ptrdiff_t t, float *out) {                         \
+        moed_idot_pass(w, KIND, r0, 4, a, t, out);                                      \
     }                                                                                   \
     static void moed_idot_##NAME##_1(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
                                      ptrdiff_t t, float *out) {                         \
@@ -475,19 +555,21 @@ MOED_DEFINE_IPASS(int4m, MOED_IK_INT4M)
 MOED_DEFINE_IPASS(int4s, MOED_IK_INT4S)
 MOED_DEFINE_IPASS(mxfp4, MOED_IK_MXFP4)
 
+typedef void (*moed_ipass_fn)(const moed_weight *, ptrdiff_t, const moed_qact *, ptrdiff_t, float *);
+
 static inline void moed_idot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
                                        const moed_qact *a, ptrdiff_t t, float *out) {
-    void (*fp)(const moed_weight *, ptrdiff_t, const moed_qact *, ptrdiff_t, float *);
-    void (*f1)(const moed_weight *, ptrdiff_t, const moed_qact *, ptrdiff_t, float *);
+    moed_ipass_fn fp, f4, f1;
     switch (w->fmt) {
-    case MOED_INT8: fp = moed_idot_int8_p; f1 = moed_idot_int8_1; break;
-    case MOED_MXFP4: fp = moed_idot_mxfp4_p; f1 = moed_idot_mxfp4_1; break;
+    case MOED_INT8: fp = moed_idot_int8_p; f4 = moed_idot_int8_4; f1 = moed_idot_int8_1; break;
+    case MOED_MXFP4: fp = moed_idot_mxfp4_p; f4 = moed_idot_mxfp4_4; f1 = moed_idot_mxfp4_1; break;
     default:
-        if (w->mins) { fp = moed_idot_int4m_p; f1 = moed_idot_int4m_1; }
-        else { fp = moed_idot_int4s_p; f1 = moed_idot_int4s_1; }
+        if (w->mins) { fp = moed_idot_int4m_p; f4 = moed_idot_int4m_4; f1 = moed_idot_int4m_1; }
+        else { fp = moed_idot_int4s_p; f4 = moed_idot_int4s_4; f1 = moed_idot_int4s_1; }
     }
     int k = 0;
     for (; k + MOED_IPASS <= nrows; k += MOED_IPASS) fp(w, r0 + k, a, t, out + k);
+    for (; k + 4 <= nrows; k += 4) f4(w, r0 + k, a, t, out + k);
     for (; k < nrows; k++) f1(w, r0 + k, a, t, out + k);
 }
 #endif
