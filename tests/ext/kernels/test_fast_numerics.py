@@ -7,13 +7,16 @@ subnormal and huge magnitudes, one dominant element); `matmul(..., fast=True)` a
 `_matmul_portable(..., fast=True)` for int8, int4 with and without mins and MXFP4, group
 sizes 32, 64 and 128, row counts that fill no SIMD register, 1, 3 and 9 tokens, 1 and 2
 threads, extreme scales; the placement promises (a mat-mat row is its mat-vec, a row
-does not depend on its neighbours, the thread count or the buffers' alignment);
+does not depend on its neighbours, the thread count or the buffers' alignment, and no
+kernel touches memory outside its arrays);
 `expert_ffn` and `expert_ffn_fused` in fast mode as the composition of fast matmuls;
 fast mode leaving dense and FP8 weights exact. Not the specification, a sanity bound:
 fast results stay within 1e-2 (relative, in norm) of the exact ones.
 """
 import ctypes
 import ctypes.util
+import mmap
+import sys
 import zlib
 
 import ml_dtypes
@@ -475,6 +478,56 @@ def test_fast_matmul_bit_equal_at_odd_offsets(variant):
     k.quantize_activations(xq, q, d, s)
     rq, rd, rs = fr.quantize_activations(x)
     assert np.array_equal(q, rq) and _same(d, rd) and np.array_equal(s, rs)
+
+
+class _GuardedPages:
+    """Copies of arrays placed against an inaccessible page (just after their last byte,
+    or just before their first): a kernel that reads or writes outside an array faults."""
+
+    def __init__(self):
+        self._maps = []
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def place(self, a, at_end):
+        page = mmap.PAGESIZE
+        n = -(-a.nbytes // page)
+        mm = mmap.mmap(-1, (n + 2) * page)
+        buf = np.frombuffer(mm, np.uint8)
+        for p in (0, n + 1):
+            assert self._libc.mprotect(buf.ctypes.data + p * page, page, 0) == 0  # PROT_NONE
+        start = (n + 1) * page - a.nbytes if at_end else page
+        view = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+        view[...] = a
+        self._maps.append(mm)
+        return view
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mprotect through the C library")
+@pytest.mark.parametrize("at_end", [True, False], ids=["guard-after", "guard-before"])
+@pytest.mark.parametrize("variant", ["int8-g32", "int4-g32", "int4-g32-mins", "mxfp4"])
+def test_fast_kernels_stay_inside_their_arrays(variant, at_end):
+    # One row and odd column counts: the tails of a row are the tails of the buffer.
+    rng = _rng(18, variant, at_end)
+    pages = _GuardedPages()
+    for C in (32, 96, 416):
+        for R in (1, 17):
+            fmt, codes, scales, mins = parts = _parts(variant, R, C, rng)
+            w = k.QuantizedWeight(fmt, pages.place(codes, at_end), pages.place(scales, at_end),
+                                  None if mins is None else pages.place(mins, at_end))
+            for T in (1, 9):
+                x = rng.standard_normal((T, C), dtype=F32)
+                want = _reference(parts, x)
+                for fn in (k.matmul, k._matmul_portable):
+                    out = pages.place(np.full((T, R), np.nan, F32), at_end)
+                    fn(w, pages.place(x, at_end), out, 2, fast=True)
+                    assert _same(out, want), f"C={C} R={R} T={T} {fn.__name__}"
+                q, d, s = (pages.place(np.zeros(shape, dtype), at_end)
+                           for shape, dtype in (((T, C), np.int8), ((T, C // 32), F32),
+                                                ((T, C // 32), np.int32)))
+                k.quantize_activations(pages.place(x, at_end), q, d, s)
+                rq, rd, rs = fr.quantize_activations(x)
+                assert np.array_equal(q, rq) and _same(d, rd) and np.array_equal(s, rs)
 
 
 # ----------------------------------------------------------------- expert FFNs
