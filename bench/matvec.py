@@ -36,6 +36,11 @@ the CPU and the load average around the run (a shared machine gives noisy figure
 For one core against one core: OPENBLAS_NUM_THREADS=1 python bench/matvec.py --threads 1
 (the JSON records OPENBLAS_NUM_THREADS / OMP_NUM_THREADS as set).
 
+`--fast` also times the fast numerics (`matmul(..., fast=True)`: int8 activations per
+block of 32, integer block dots) of every int8, int4 and mxfp4 format, as "<format>-fast"
+beside the exact "<format>" in the same interleaved rounds (and in the expert FFN);
+"build"."fast" names the integer-dot path that ran.
+
 `--stream-mib M` times a stream of mat-vecs instead of one: each side holds a ring of
 copies of its weight, at least M MiB in all (and at least 3), and a run — after the same
 flush and idle — calls it on every copy in turn; the first call (which wakes the thread
@@ -62,6 +67,16 @@ from ext.kernels import _kernels
 
 FORMATS = ("f32", "f16", "bf16", "fp8-f32", "fp8-bf16", "fp8-ue8m0", "mxfp4", "int8",
            "int4", "int4-mins")
+FAST_FORMATS = ("mxfp4", "int8", "int4", "int4-mins")   # the formats fast mode changes
+
+
+def timed_names(formats, fast: bool) -> list[tuple[str, str, bool]]:
+    """(label, format, fast) of every run: each format, and with `fast` each of
+    FAST_FORMATS again as "<format>-fast"."""
+    runs = [(name, name, False) for name in formats]
+    if fast:
+        runs += [(name + "-fast", name, True) for name in formats if name in FAST_FORMATS]
+    return runs
 
 
 def make_weight(name: str, R: int, C: int, group: int, rng: np.random.Generator):
@@ -237,18 +252,21 @@ def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
     x = rng.standard_normal((1, C), dtype=np.float32)
     out = np.empty((1, R), np.float32)
     errors = {}
-    for name, w in weights.items():  # warm up, and check each result (float64, no BLAS call)
-        _kernels.matmul(w, x, out, args.threads)
+    labels = timed_names(formats, args.fast)
+    for label, name, fast in labels:  # warm up, and check each result (float64, no BLAS call)
+        w = weights[name]
+        _kernels.matmul(w, x, out, args.threads, fast=fast)
         ref = (_values(w).astype(np.float64) * x[0].astype(np.float64)).sum(axis=1)
-        errors[name] = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
+        errors[label] = float(np.abs(out[0] - ref).max() / np.abs(ref).max())
     if args.stream_mib:
         rings = {name: [w] + [copy_weight(w) for _ in range(ring_size(w.nbytes, args.stream_mib) - 1)]
                  for name, w in weights.items()}
-        runs = {name: (lambda ring=ring: stream_seconds(
-                    [lambda v=v: _kernels.matmul(v, x, out, args.threads) for v in ring]))
-                for name, ring in rings.items()}
+        runs = {label: (lambda ring=rings[name], fast=fast: stream_seconds(
+                    [lambda v=v: _kernels.matmul(v, x, out, args.threads, fast=fast) for v in ring]))
+                for label, name, fast in labels}
     else:
-        runs = {name: (lambda w=w: _kernels.matmul(w, x, out, args.threads)) for name, w in weights.items()}
+        runs = {label: (lambda w=weights[name], fast=fast: _kernels.matmul(w, x, out, args.threads, fast=fast))
+                for label, name, fast in labels}
     times = _rounds_with_numpy(timer, runs, args, "matvec", R, C)
     numpy_s = statistics.median(times["numpy_f32"])
     report = {"shape": [R, C],
@@ -257,7 +275,8 @@ def bench_shape(R: int, C: int, formats, args, timer: Timer, rng) -> dict:
                                                 _gb(w32_bytes, min(times["numpy_f32"]))],
                             "process": "child"},
               "formats": {}}
-    for name, w in weights.items():
+    for name, fmt, _ in labels:
+        w = weights[fmt]
         s = statistics.median(times[name])
         report["formats"][name] = {
             "bits_per_weight": round(8 * w.nbytes / (R * C), 4),
@@ -279,13 +298,16 @@ def bench_expert(H: int, I: int, formats, args, timer: Timer, rng) -> dict:
     gs = np.array([0, 1], np.int64)
     hbuf, out = np.empty((1, I), np.float32), np.empty((1, H), np.float32)
     runs = {}
-    for name, (g, u, d) in experts.items():
-        runs[name] = lambda g=g, u=u, d=d: _kernels.expert_ffn([g], [u], [d], x, gs, hbuf, out, args.threads)
-        runs[name]()
+    for label, name, fast in timed_names(formats, args.fast):
+        g, u, d = experts[name]
+        runs[label] = lambda g=g, u=u, d=d, fast=fast: _kernels.expert_ffn(
+            [g], [u], [d], x, gs, hbuf, out, args.threads, fast=fast)
+        runs[label]()
     times = _rounds_with_numpy(timer, runs, args, "ffn", H, I)
     report = {"hidden_size": H, "intermediate_size": I, "formats": {}}
     for name in times:
-        nbytes = 3 * H * I * 4 if name == "numpy_f32" else sum(w.nbytes for w in experts[name])
+        nbytes = 3 * H * I * 4 if name == "numpy_f32" else sum(
+            w.nbytes for w in experts[name.removesuffix("-fast")])
         s = statistics.median(times[name])
         report["formats"][name] = {"expert_bytes": nbytes, "median_ms": round(s * 1e3, 3),
                                    "gb_per_s": _gb(nbytes, s),
@@ -336,6 +358,9 @@ def main() -> None:
     parser.add_argument("--stream-mib", type=int, default=0,
                         help="time a stream of mat-vecs over a ring of at least this many MiB of "
                              "copies of each weight, threads awake (default 0: one cold call)")
+    parser.add_argument("--fast", action="store_true",
+                        help="also time fast mode (int8 activations) of the int8, int4 and mxfp4 "
+                             "formats, as <format>-fast")
     args, formats = parse_timing_args(parser, flush_mib=512, pause=0.5)
 
     rng = np.random.default_rng(0)
@@ -357,6 +382,7 @@ def main() -> None:
                     "loadavg_before": [round(v, 2) for v in load_before],
                     "loadavg_after": [round(v, 2) for v in os.getloadavg()]},
         "repeats": args.repeats,
+        "fast": args.fast,
         "mode": f"stream of {args.stream_mib} MiB rings" if args.stream_mib else "one cold call",
         "moed_threads": args.threads,
         "group_size": args.group_size,

@@ -55,12 +55,39 @@ Block-quantised weights (`QuantizedWeight`, C helpers in `_quant_impl.h`):
   and E8M0 255 give NaN).
 - Mat-mat (T > 1) decodes a tile of weights once for up to 8 tokens; each token's
   row is still bit-equal to its mat-vec.
+
+Fast numerics (`fast=True` of `matmul`, `matmul_heads`, `expert_ffn`,
+`expert_ffn_fused`; C helpers in `_idot_impl.h`), version 1, "q8-32":
+- Applies to int8, int4 (with or without mins) and mxfp4 weights; f32/f16/bf16
+  arrays and fp8 stay exact. The activations are quantised to int8 per block of 32
+  columns, as llama.cpp does with its Q8_0/Q8_1 activations for quantised weights,
+  and each block is dotted with the weight's integer codes exactly.
+- Activations (once per row and call, `quantize_activations`), for each block b:
+  d_b = max|x_i| / 127.0f (f32 division); q_i = 0 if d_b == 0, else
+  clamp(rint(x_i / d_b), -127, 127) (f32 division, round half to even); s_b = sum q_i
+  (int32). llama.cpp rounds x * (1/d) with roundf; dividing keeps the reciprocal's
+  extra rounding out.
+- Integer block dot S_rb = sum c_i * q_i, exact, where the code c is: int8 as stored;
+  int4 with mins the nibble (0..15); int4 without mins nibble - 8; mxfp4 2 x E2M1
+  (-12..12).
+- Weight scale sw_rb: the f16 scale of the group holding block b (groups of 32, 64 or
+  128 columns: a block never straddles two), or mxfp4's 2^(e - 128) (the 0.5 undoes
+  the doubled codes; exact in f32, e = 255 gives NaN); m_rb the f16 min (int4 mins).
+- Combination, in this order, IEEE f32, no fused multiply-add:
+  t_rb = (float)S_rb * (sw_rb * d_b); with mins t_rb = t_rb + m_rb * (d_b * (float)s_b);
+  y_r = ((0.0f + t_r0) + t_r1) + ... left to right over the blocks.
+- So y_r depends only on the row, x and the shapes: every SIMD path ("fast" in
+  `build_info()`), the portable one, any thread count, any number of tokens and any
+  alignment give the same bits. Activations should be finite (a block holding inf or
+  NaN gives unspecified outputs). In the expert FFNs each x row is quantised once for
+  gate and up, and each hidden row once for down.
 """
 cimport cython
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, sqrtf, INFINITY
 from libc.stdint cimport uint16_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 
 import numpy as np
 cimport numpy as cnp
@@ -192,6 +219,98 @@ set_parallel_threshold(_wait_policy_threshold(os.environ))   # libgomp reads the
 include "_weights.pxi"
 
 
+cdef extern from "_idot_impl.h" nogil:
+    ctypedef struct moed_qact:
+        signed char *q
+        float *d
+        float *ds
+        int32_t *s
+        Py_ssize_t rows
+        Py_ssize_t cols
+        Py_ssize_t nb
+        Py_ssize_t ldq
+        Py_ssize_t ldb
+        int paired
+    size_t moed_qact_bytes(Py_ssize_t T, Py_ssize_t C)
+    void moed_qact_init(moed_qact *a, void *buf, Py_ssize_t T, Py_ssize_t C, int paired)
+    void moed_qact_row(const moed_qact *a, Py_ssize_t t, const float *x)
+    Py_ssize_t moed_qact_index(int paired, Py_ssize_t j)
+    int moed_fast_applies(const moed_weight *w)
+    int moed_fast_paired(int fmt)
+    void moed_idot_rows(const moed_weight *w, Py_ssize_t r0, int nrows, const moed_qact *a,
+                        Py_ssize_t t, float *out, int simd)
+    void moed_imatmul_rows(const moed_weight *w, Py_ssize_t r0, int nrows, const moed_qact *a,
+                           Py_ssize_t t0, Py_ssize_t T, float *out, Py_ssize_t ldo, int simd)
+    const char *moed_fast_path()
+
+
+# ------------------------------------------------------------- fast numerics
+
+cdef void *_qact_alloc(moed_qact *a, Py_ssize_t T, Py_ssize_t C, int paired) except NULL:
+    """Scratch for the quantised activations of T rows of C columns (the caller frees
+    the returned pointer); a describes it."""
+    cdef void *buf = malloc(moed_qact_bytes(T if T > 0 else 1, C))
+    if buf == NULL:
+        raise MemoryError()
+    moed_qact_init(a, buf, T, C, paired)
+    return buf
+
+
+cdef void _qact_rows(const moed_qact *a, const float *x, Py_ssize_t ldx, Py_ssize_t T,
+                     int n_threads) noexcept nogil:
+    """Quantise rows x[t * ldx] (t < T) into a, rows split between the threads."""
+    cdef Py_ssize_t t
+    if T == 1:
+        moed_qact_row(a, 0, x)
+        return
+    for t in prange(T, num_threads=_threads_for(T * a.cols * 16, n_threads), schedule="static"):
+        moed_qact_row(a, t, x + t * ldx)
+
+
+def quantize_activations(cnp.ndarray x, cnp.ndarray q, cnp.ndarray d, cnp.ndarray s):
+    """The fast mode's activation quantisation (module docstring, "Fast numerics") of
+    each row of x, as the kernels compute it.
+
+    Args:
+        x: [T, C] float32, C a multiple of 32.
+        q: [T, C] int8, writable: the codes, in column order.
+        d: [T, C/32] float32, writable: the block scales.
+        s: [T, C/32] int32, writable: the block sums of q.
+    Raises ValueError on a shape, dtype, contiguity or writability mismatch.
+    """
+    _need_f32(x, "x", 2)
+    _need_f32(d, "d", 2)
+    cdef Py_ssize_t T = x.shape[0], C = x.shape[1]
+    if C % 32:
+        raise ValueError(f"x: {C} columns are not a multiple of 32")
+    for arr, name, dt in ((q, "q", np.int8), (d, "d", np.float32), (s, "s", np.int32)):
+        if arr.dtype != dt or arr.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D {np.dtype(dt)} array, got {arr.dtype} {_shape(arr)}")
+        _need_c(arr, name)
+        _need_writable(arr, name)
+    if _shape(q) != (T, C) or _shape(d) != (T, C // 32) or _shape(s) != (T, C // 32):
+        raise ValueError(f"quantize_activations: x {_shape(x)}, q {_shape(q)}, d {_shape(d)}, "
+                         f"s {_shape(s)}; expected q {(T, C)}, d and s {(T, C // 32)}")
+    if T == 0:
+        return
+    cdef moed_qact a
+    cdef void *buf = _qact_alloc(&a, T, C, 0)
+    cdef Py_ssize_t t, b, nb = C // 32
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef signed char *qp = <signed char *>cnp.PyArray_DATA(q)
+    cdef float *dp = <float *>cnp.PyArray_DATA(d)
+    cdef int32_t *sp = <int32_t *>cnp.PyArray_DATA(s)
+    try:
+        with nogil:
+            for t in range(T):
+                moed_qact_row(&a, t, xp + t * C)
+                memcpy(qp + t * C, a.q + t * a.ldq, C)
+                memcpy(dp + t * nb, a.d + t * a.ldb, nb * sizeof(float))
+                memcpy(sp + t * nb, a.s + t * a.ldb, nb * sizeof(int32_t))
+    finally:
+        free(buf)
+
+
 # ------------------------------------------------------------------- matmul
 
 cdef inline void _matmul_rows(const moed_weight *w, const float *x, Py_ssize_t T,
@@ -212,7 +331,19 @@ cdef void _matmul(const moed_weight *w, const float *x, Py_ssize_t T, float *out
         _matmul_rows(w, x, T, out, g, simd)
 
 
-cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, int simd):
+cdef void _matmul_fast(const moed_weight *w, const moed_qact *a, Py_ssize_t T, float *out,
+                       int n_threads, int simd) noexcept nogil:
+    cdef Py_ssize_t g, r0
+    cdef int nr
+    for g in prange((w.rows + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
+                    schedule="static"):
+        r0 = g * MOED_ROWS
+        nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+        moed_imatmul_rows(w, r0, nr, a, 0, T, out + r0, w.rows, simd)
+
+
+cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, int simd,
+                     bint fast):
     cdef moed_weight d
     _describe(w, "w", &d)
     _need_f32(x, "x", 2)
@@ -226,11 +357,23 @@ cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, in
         raise ValueError(f"out: shape {_shape(out)}, expected ({T}, {R})")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef moed_qact a
+    cdef void *buf
+    if fast and moed_fast_applies(&d) and T > 0:
+        buf = _qact_alloc(&a, T, C, moed_fast_paired(d.fmt))
+        try:
+            with nogil:
+                n_threads = _threads_for(R * C * T, n_threads)
+                _qact_rows(&a, xp, C, T, n_threads)
+                _matmul_fast(&d, &a, T, op, n_threads, simd)
+        finally:
+            free(buf)
+        return
     with nogil:
         _matmul(&d, xp, T, op, _threads_for(R * C * T, n_threads), simd)
 
 
-def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, bint fast=False):
     """out = x @ w.T with w dequantised on the fly.
 
     Args:
@@ -239,17 +382,20 @@ def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
         x: [T, C] float32, C-contiguous.
         out: [T, R] float32, C-contiguous, writable; fully overwritten.
         n_threads: OpenMP threads (rows are split between them).
+        fast: with an int8, int4 or mxfp4 weight, the fast numerics (module
+            docstring): x quantised to int8 per block of 32; ignored (exact) for
+            every other weight.
 
     Row t of `out` is bit-equal whatever T is (mat-mat rows equal mat-vec).
     Raises ValueError on a shape, dtype or contiguity mismatch.
     """
-    _matmul_checked(w, x, out, n_threads, 1)
+    _matmul_checked(w, x, out, n_threads, 1, fast)
 
 
-def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1):
+def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, bint fast=False):
     """`matmul` on the portable reference path of the quantised formats (what a
     MOED_PORTABLE=1 build runs), for tests that compare the SIMD path with it."""
-    _matmul_checked(w, x, out, n_threads, 0)
+    _matmul_checked(w, x, out, n_threads, 0, fast)
 
 
 def dequantize(object w, cnp.ndarray out=None, int n_threads=1):
@@ -321,8 +467,22 @@ cdef void _head_rows_t(const moed_weight *w, Py_ssize_t r0, Py_ssize_t rows, con
                 j = j + n
 
 
+cdef void _head_rows_fast(const moed_weight *w, Py_ssize_t r0, Py_ssize_t nr, const moed_qact *a,
+                          Py_ssize_t a0, Py_ssize_t a_stride, Py_ssize_t T, float *out,
+                          Py_ssize_t out_stride) noexcept nogil:
+    """_head_rows in fast mode: token t's activations are row a0 + t * a_stride of a."""
+    cdef float o[8]
+    cdef Py_ssize_t t, q
+    if nr > MOED_ROWS:
+        nr = MOED_ROWS
+    for t in range(T):
+        moed_idot_rows(w, r0, <int>nr, a, a0 + t * a_stride, o, 1)
+        for q in range(nr):
+            out[t * out_stride + q] = o[q]
+
+
 def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
-                 cnp.ndarray out, bint transpose, int n_threads=1):
+                 cnp.ndarray out, bint transpose, int n_threads=1, bint fast=False):
     """Per-head products with one row block of each head's rows of a weight.
 
     w holds nH equal groups of G = R / nH consecutive rows; head h uses the block
@@ -338,6 +498,8 @@ def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
             R a multiple of nH.
         row0, rows: the block within each head's group, row0 + rows <= G.
         x, out: float32 C-contiguous as above; out is overwritten.
+        fast: with an int8, int4 or mxfp4 weight and transpose False, the fast
+            numerics (as `matmul`); ignored otherwise.
     Raises ValueError on a shape, dtype or contiguity mismatch.
     """
     cdef moed_weight d
@@ -361,7 +523,21 @@ def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
     cdef Py_ssize_t ngroups = (rows + MOED_ROWS - 1) // MOED_ROWS
     cdef Py_ssize_t f, h, g, t
     n_threads = _threads_for(T * NH * rows * C, n_threads)
-    if not transpose:
+    cdef moed_qact a
+    cdef void *buf
+    if fast and not transpose and moed_fast_applies(&d) and T > 0:
+        buf = _qact_alloc(&a, T * NH, C, moed_fast_paired(d.fmt))
+        try:
+            with nogil:
+                _qact_rows(&a, xp, C, T * NH, n_threads)
+                for f in prange(NH * ngroups, num_threads=n_threads, schedule="static"):
+                    h = f // ngroups
+                    g = f % ngroups
+                    _head_rows_fast(&d, h * G + row0 + g * MOED_ROWS, rows - g * MOED_ROWS, &a, h,
+                                    NH, T, op + h * rows + g * MOED_ROWS, NH * rows)
+        finally:
+            free(buf)
+    elif not transpose:
         for f in prange(NH * ngroups, nogil=True, num_threads=n_threads, schedule="static"):
             h = f // ngroups
             g = f % ngroups
@@ -891,6 +1067,30 @@ cdef void _gate_up_rows(const moed_weight *wg, const moed_weight *wu, Py_ssize_t
         j0 += nt
 
 
+cdef void _gate_up_rows_fast(const moed_weight *wg, const moed_weight *wu, Py_ssize_t g,
+                             const moed_qact *a, Py_ssize_t t0, Py_ssize_t n,
+                             float *hbuf) noexcept nogil:
+    """_gate_up_rows in fast mode: the tokens are rows t0 .. t0+n-1 of a."""
+    cdef Py_ssize_t I = wg.rows
+    cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
+    cdef float go[8]
+    cdef float uo[8]
+    for j in range(n):
+        moed_idot_rows(wg, i0, nr, a, t0 + j, go, 1)
+        moed_idot_rows(wu, i0, nr, a, t0 + j, uo, 1)
+        for q in range(nr):
+            hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
+
+
+cdef void _down_rows_fast(const moed_weight *w, Py_ssize_t g, const moed_qact *a, Py_ssize_t t0,
+                          Py_ssize_t n, float *out) noexcept nogil:
+    """out[j, r] = the fast w_r . h_(t0 + j) for the rows r of group g (no bias)."""
+    cdef Py_ssize_t r0 = g * MOED_ROWS
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    moed_imatmul_rows(w, r0, nr, a, t0, n, out + r0, w.rows, 1)
+
+
 cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray group_start,
                            cnp.ndarray hbuf, cnp.ndarray out, int n_threads) except -1:
     """Check an expert FFN's token rows, groups and buffers; 1 when there is nothing to
@@ -916,7 +1116,7 @@ cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray gr
 
 def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
                cnp.ndarray group_start, cnp.ndarray hbuf, cnp.ndarray out,
-               int n_threads=1):
+               int n_threads=1, bint fast=False):
     """SwiGLU expert FFNs for groups of tokens: y = down(silu(gate x) * up x).
 
     Expert k (weights gates[k], ups[k], downs[k]) is applied to the token rows
@@ -933,6 +1133,10 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
         group_start: [K + 1] int64, 0 = group_start[0] <= ... <= group_start[K] = N.
         hbuf: [N, I] float32 scratch (the activations silu(gate x) * up x).
         out: [N, H] float32, writable.
+        fast: with int8, int4 or mxfp4 weights, the fast numerics (module docstring):
+            each row of x is quantised once for gate and up, each row of hbuf once
+            for down; every product is bit-equal to `matmul(..., fast=True)` of its
+            rows. Ignored (exact) for other weights.
     Raises ValueError on any shape, dtype or format mismatch, naming the expert index.
     """
     cdef Py_ssize_t K = len(gates)
@@ -953,6 +1157,9 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef Py_ssize_t f, n, row0, I, GI, GH
     cdef int k
+    cdef moed_qact ax, ah
+    cdef void *bx = NULL
+    cdef void *bh = NULL
     try:
         for k in range(K):
             _describe(gates[k], f"gates[{k}]", wg + k)
@@ -970,6 +1177,25 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
         GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
         GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
         n_threads = _threads_for(3 * N * H * I, n_threads)
+        if fast and moed_fast_applies(wg) and N > 0:
+            bx = _qact_alloc(&ax, N, H, moed_fast_paired(wg.fmt))
+            bh = _qact_alloc(&ah, N, I, moed_fast_paired(wg.fmt))
+            with nogil:
+                _qact_rows(&ax, xp, H, N, n_threads)
+                for f in prange(K * GI, num_threads=n_threads, schedule="static"):
+                    k = <int>(f // GI)
+                    row0 = gs[k]
+                    n = gs[k + 1] - row0
+                    if n > 0:
+                        _gate_up_rows_fast(wg + k, wu + k, f % GI, &ax, row0, n, hp + row0 * I)
+                _qact_rows(&ah, hp, I, N, n_threads)
+                for f in prange(K * GH, num_threads=n_threads, schedule="static"):
+                    k = <int>(f // GH)
+                    row0 = gs[k]
+                    n = gs[k + 1] - row0
+                    if n > 0:
+                        _down_rows_fast(wdn + k, f % GH, &ah, row0, n, op + row0 * H)
+            return
         with nogil:
             for f in prange(K * GI, num_threads=n_threads, schedule="static"):
                 k = <int>(f // GI)
@@ -985,6 +1211,8 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
                     _matmul_rows(wdn + k, hp + row0 * I, n, op + row0 * H, f % GH, 1)
     finally:
         free(wd)
+        free(bx)
+        free(bh)
 
 
 cdef int _check_expert(const moed_weight *d, const moed_weight *first, str name,
@@ -1016,6 +1244,35 @@ cdef void _fused_gate_up_rows(const moed_weight *w, const float *bias, Py_ssize_
         for q in range(0, nr, 2):
             hbuf[j * I + (r0 + q) // 2] = moed_clamped_swiglu(
                 o[q] + bias[r0 + q], o[q + 1] + bias[r0 + q + 1], alpha, limit)
+
+
+cdef void _fused_gate_up_rows_fast(const moed_weight *w, const float *bias, Py_ssize_t g,
+                                   const moed_qact *a, Py_ssize_t t0, Py_ssize_t n, float *hbuf,
+                                   float alpha, float limit) noexcept nogil:
+    """_fused_gate_up_rows in fast mode: the tokens are rows t0 .. t0+n-1 of a."""
+    cdef Py_ssize_t I = w.rows // 2
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
+    cdef float o[8]
+    for j in range(n):
+        moed_idot_rows(w, r0, nr, a, t0 + j, o, 1)
+        for q in range(0, nr, 2):
+            hbuf[j * I + (r0 + q) // 2] = moed_clamped_swiglu(
+                o[q] + bias[r0 + q], o[q + 1] + bias[r0 + q + 1], alpha, limit)
+
+
+cdef void _down_rows_fast_bias(const moed_weight *w, const float *bias, Py_ssize_t g,
+                               const moed_qact *a, Py_ssize_t t0, Py_ssize_t n,
+                               float *out) noexcept nogil:
+    """_down_rows in fast mode: the tokens are rows t0 .. t0+n-1 of a."""
+    cdef Py_ssize_t H = w.rows
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef int nr = <int>(H - r0) if H - r0 < MOED_ROWS else MOED_ROWS
+    cdef float o[8]
+    for j in range(n):
+        moed_idot_rows(w, r0, nr, a, t0 + j, o, 1)
+        for q in range(nr):
+            out[j * H + r0 + q] = o[q] + bias[r0 + q]
 
 
 cdef void _columns_t(const moed_weight *w, Py_ssize_t c0, Py_ssize_t nc, const float *x,
@@ -1075,7 +1332,7 @@ cdef void _down_cols(const moed_weight *w, const float *bias, Py_ssize_t g, cons
 def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
                      cnp.ndarray down_bias, cnp.ndarray x, cnp.ndarray group_start,
                      cnp.ndarray hbuf, cnp.ndarray out, bint transposed, float alpha,
-                     float limit, int n_threads=1):
+                     float limit, int n_threads=1, bint fast=False):
     """GPT-OSS's expert FFNs for groups of tokens: y = down(act(gate_up x + b1)) + b2,
     act the clamped SwiGLU of `moed_clamped_swiglu` on the interleaved gate/up pairs.
 
@@ -1096,6 +1353,10 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
         x: [N, H] float32 token rows grouped by expert. group_start: [K + 1] int64.
         hbuf: [N, I] float32 scratch. out: [N, H] float32, writable.
         alpha, limit: `swiglu_alpha`, `swiglu_limit`.
+        fast: with row-major int8, int4 or mxfp4 weights, the fast numerics (module
+            docstring): x's rows quantised once for gate_up, hbuf's once for down;
+            each projection bit-equal to `matmul(..., fast=True)` plus its bias.
+            Ignored (exact) otherwise.
     Raises ValueError on a shape, dtype or format mismatch, naming the expert index.
     """
     cdef Py_ssize_t K = len(gate_ups)
@@ -1119,6 +1380,9 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef Py_ssize_t f, n, row0, I, G1, G2
     cdef int k
+    cdef moed_qact ax, ah
+    cdef void *bx = NULL
+    cdef void *bh = NULL
     try:
         for k in range(K):
             _describe(gate_ups[k], f"gate_ups[{k}]", wg + k)
@@ -1148,6 +1412,26 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
             G1 = (2 * I + MOED_ROWS - 1) // MOED_ROWS
             G2 = (H + MOED_ROWS - 1) // MOED_ROWS
         n_threads = _threads_for(3 * N * H * I, n_threads)
+        if fast and not transposed and moed_fast_applies(wg) and N > 0:
+            bx = _qact_alloc(&ax, N, H, moed_fast_paired(wg.fmt))
+            bh = _qact_alloc(&ah, N, I, moed_fast_paired(wg.fmt))
+            with nogil:
+                _qact_rows(&ax, xp, H, N, n_threads)
+                for f in prange(K * G1, num_threads=n_threads, schedule="static"):
+                    k = <int>(f // G1)
+                    row0 = gs[k]
+                    n = gs[k + 1] - row0
+                    if n > 0:
+                        _fused_gate_up_rows_fast(wg + k, b1 + k * 2 * I, f % G1, &ax, row0, n,
+                                                 hp + row0 * I, alpha, limit)
+                _qact_rows(&ah, hp, I, N, n_threads)
+                for f in prange(K * G2, num_threads=n_threads, schedule="static"):
+                    k = <int>(f // G2)
+                    row0 = gs[k]
+                    n = gs[k + 1] - row0
+                    if n > 0:
+                        _down_rows_fast_bias(wdn + k, b2 + k * H, f % G2, &ah, row0, n, op + row0 * H)
+            return
         with nogil:
             for f in prange(K * G1, num_threads=n_threads, schedule="static"):
                 k = <int>(f // G1)
@@ -1169,6 +1453,8 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
                     _down_rows(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
     finally:
         free(wd)
+        free(bx)
+        free(bh)
 
 
 def combine_experts(cnp.ndarray y, cnp.ndarray rows, cnp.ndarray weights,

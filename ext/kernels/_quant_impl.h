@@ -999,6 +999,12 @@ static inline const char *moed_simd_features(void) {
 #ifdef __AVX512VBMI__
         " avx512vbmi"
 #endif
+#ifdef __AVX512VNNI__
+        " avx512vnni"
+#endif
+#ifdef __AVXVNNI__
+        " avxvnni"
+#endif
 #ifdef __AVX2__
         " avx2"
 #endif

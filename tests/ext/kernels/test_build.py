@@ -1,6 +1,7 @@
 """The kernels also build without OpenMP, for any CPU (MOED_PORTABLE=1) and, on an
-AVX-512 machine, for AVX2 only; every build gives the bits of the native OpenMP build
-the tests run against."""
+AVX-512 machine, for AVX2 only (with and without AVX-VNNI) and for AVX-512 without VBMI
+or without VNNI; every build gives the bits of the native OpenMP build the tests run
+against, in exact and in fast mode."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 # Runs in a build's source tree: argv[1] = output .npz, argv[2] = the tests/ folder.
-# Prints build_info() as "simd openmp".
+# Prints build_info() as "simd fast openmp [vbmi]" and, on a second line, the features.
 SCRIPT = textwrap.dedent("""
     import sys
     import ml_dtypes
@@ -50,9 +51,35 @@ SCRIPT = textwrap.dedent("""
     k.expert_ffn(*([w] for w in experts), x, np.array([0, 3], np.int64),
                  np.empty((3, I), np.float32), out, 2)
     results["expert_ffn"] = out
+    # fast mode: 29 blocks (a whole chunk of 16, then 13) or 28 with groups of 64 and 128
+    fast = {"mxfp4": k.QuantizedWeight("mxfp4", *ref.random_mxfp4(rng, R, 928)),
+            "int8-g32": k.QuantizedWeight("int8", *ref.random_int8(rng, R, 928, 32)),
+            "int8-g64": k.QuantizedWeight("int8", *ref.random_int8(rng, R, 896, 64))}
+    for mins in (False, True):
+        fast[f"int4-g32-{mins}"] = k.QuantizedWeight("int4", *ref.random_int4(rng, R, 928, 32, mins))
+        fast[f"int4-g128-{mins}"] = k.QuantizedWeight("int4", *ref.random_int4(rng, R, 896, 128, mins))
+    for name, w in fast.items():
+        x = rng.standard_normal((T, w.shape[1]), dtype=np.float32)
+        out = np.empty((T, R), np.float32)
+        k.matmul(w, x, out, 2, fast=True)
+        results[name + "-fast"] = out
+        k._matmul_portable(w, x, out, 2, fast=True)
+        results[name + "-fast-portable"] = out
+    H, I = 544, 96
+    for fmt in ("int4", "mxfp4", "int8"):
+        make = {"int4": lambda r, c: ref.random_int4(rng, r, c, 32, True),
+                "mxfp4": lambda r, c: ref.random_mxfp4(rng, r, c),
+                "int8": lambda r, c: ref.random_int8(rng, r, c, 32)}[fmt]
+        experts = [[k.QuantizedWeight(fmt, *make(r, c)) for _ in range(2)] for r, c in ((I, H), (I, H), (H, I))]
+        x = rng.standard_normal((5, H), dtype=np.float32)
+        out = np.empty((5, H), np.float32)
+        k.expert_ffn(*experts, x, np.array([0, 3, 5], np.int64), np.empty((5, I), np.float32), out, 2,
+                     fast=True)
+        results[f"expert_ffn-{fmt}-fast"] = out
     np.savez(sys.argv[1], **results)
     info = k.build_info()
-    print(info["simd"], info["openmp"], "vbmi" if "avx512vbmi" in info["features"] else "")
+    print(info["simd"], info["fast"], info["openmp"], "vbmi" if "avx512vbmi" in info["features"] else "")
+    print(" ".join(info["features"]))
 """)
 
 
@@ -70,30 +97,46 @@ def _build_copy(tmp_path: Path, label: str, **env: str) -> Path:
     return src
 
 
-def _run(cwd: Path, out: Path) -> tuple[str, dict[str, np.ndarray]]:
+def _run(cwd: Path, out: Path) -> tuple[str, set[str], dict[str, np.ndarray]]:
+    """(the build's "simd fast openmp [vbmi]", its features, the results)."""
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(ROOT / "tests")],
                          cwd=cwd, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+    info, features = (run.stdout.strip().split("\n") + [""])[:2]
     with np.load(out) as data:
-        return run.stdout.strip(), dict(data)
+        return info.strip(), set(features.split()), dict(data)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label, env, expected_info", [
-    ("sequential", {"MOED_OPENMP": "0"}, None),
-    ("portable", {"MOED_PORTABLE": "1"}, "portable True"),
-    ("avx2", {"MOED_EXTRA_CFLAGS": "-mno-avx512f"}, "avx2 True"),
-    ("avx512-without-vbmi", {"MOED_EXTRA_CFLAGS": "-mno-avx512vbmi"}, "avx512 True"),
+@pytest.mark.parametrize("label, env", [
+    ("sequential", {"MOED_OPENMP": "0"}),
+    ("portable", {"MOED_PORTABLE": "1"}),
+    ("avx2", {"MOED_EXTRA_CFLAGS": "-mno-avx512f"}),
+    ("avx2-without-vnni", {"MOED_EXTRA_CFLAGS": "-mno-avx512f -mno-avxvnni"}),
+    ("avx512-without-vbmi", {"MOED_EXTRA_CFLAGS": "-mno-avx512vbmi"}),
+    ("avx512-without-vnni", {"MOED_EXTRA_CFLAGS": "-mno-avx512vnni -mno-avxvnni"}),
 ])
-def test_other_builds_match_the_native_openmp_build(tmp_path, label, env, expected_info):
-    native_info, native = _run(ROOT, tmp_path / "native.npz")
-    simd, openmp, *vbmi = native_info.split()
-    if label == "avx2" and simd != "avx512" or label == "avx512-without-vbmi" and not vbmi:
+def test_other_builds_match_the_native_openmp_build(tmp_path, label, env):
+    native_info, features, native = _run(ROOT, tmp_path / "native.npz")
+    simd, fast, openmp, *vbmi = native_info.split()
+    narrower = {"avx2": simd == "avx512",
+                "avx2-without-vnni": simd == "avx512" or fast == "avx2-vnni",
+                "avx512-without-vbmi": bool(vbmi),
+                "avx512-without-vnni": fast == "avx512-vnni"}
+    if not narrower.get(label, True):
         pytest.skip(f"the native build ({native_info}) has no such narrower build to compare")
+    expected_info = {
+        "sequential": f"{simd} {fast} False {' '.join(vbmi)}",
+        "portable": "portable portable True",
+        "avx2": f"avx2 {'avx2-vnni' if 'avxvnni' in features else 'avx2'} True",
+        "avx2-without-vnni": "avx2 avx2 True",
+        "avx512-without-vbmi": f"avx512 {fast} True",
+        "avx512-without-vnni": f"avx512 avx2 True {' '.join(vbmi)}",
+    }[label]
     src = _build_copy(tmp_path, label, **env)
-    info, other = _run(src, tmp_path / f"{label}.npz")
+    info, _, other = _run(src, tmp_path / f"{label}.npz")
     assert openmp == "True"
-    assert info.split() == (expected_info or f"{simd} False {' '.join(vbmi)}").split()
+    assert info.split() == expected_info.split()
     assert sorted(other) == sorted(native)
     for name in native:
         assert np.array_equal(other[name].view(np.uint32), native[name].view(np.uint32)), name

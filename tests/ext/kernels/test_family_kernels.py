@@ -278,6 +278,32 @@ def test_matmul_heads_is_the_same_whatever_threads_and_tokens(transpose):
         kern.matmul_heads(w, 40, rows, x, outs[0], transpose, 1)
 
 
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_matmul_heads_fast_is_matmul_fast_of_each_head_block(n_threads):
+    """fast=True (MXFP4 kv_b-like weight): out[t, h] is bit-equal to matmul(..., fast=True)
+    of head h's row block on x[t, h]; transposed products stay exact (fast is ignored)."""
+    rng = _rng(8, n_threads)
+    NH, G, C, row0, rows = 3, 40, 544, 8, 21     # 17 blocks: a whole chunk and one more
+    w = kern.QuantizedWeight("mxfp4", *random_mxfp4(rng, NH * G, C))
+    x = _f32(rng, (3, NH, C))
+    out = np.zeros((3, NH, rows), np.float32)
+    kern.matmul_heads(w, row0, rows, x, out, False, n_threads, fast=True)
+    for h in range(NH):
+        block = kern.QuantizedWeight("mxfp4", w.codes[h * G + row0:h * G + row0 + rows],
+                                     w.scales[h * G + row0:h * G + row0 + rows])
+        want = np.zeros((3, rows), np.float32)
+        kern.matmul(block, x[:, h].copy(), want, 1, fast=True)
+        assert np.array_equal(out[:, h].view(np.uint32), want.view(np.uint32)), h
+    exact = np.zeros((3, NH, rows), np.float32)
+    kern.matmul_heads(w, row0, rows, x, exact, False, n_threads)
+    assert not np.array_equal(exact, out)
+    y = _f32(rng, (3, NH, rows))
+    t_fast, t_exact = (np.zeros((3, NH, C), np.float32) for _ in range(2))
+    kern.matmul_heads(w, row0, rows, y, t_fast, True, n_threads, fast=True)
+    kern.matmul_heads(w, row0, rows, y, t_exact, True, n_threads)
+    assert np.array_equal(t_fast.view(np.uint32), t_exact.view(np.uint32))
+
+
 # ------------------------------------------------------------- GPT-OSS's fused experts
 
 

@@ -503,11 +503,16 @@ def test_kernels_refuse_non_weights():
 
 def test_build_info_names_the_simd_path():
     info = kern.build_info()
-    assert set(info) == {"simd", "openmp", "features", "parallel_threshold"}
+    assert set(info) == {"simd", "fast", "openmp", "features", "parallel_threshold"}
     assert info["simd"] in ("avx512", "avx2", "portable")
     assert info["openmp"] is kern.openmp_enabled()
     needs = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "f16c"}, "portable": set()}
     assert needs[info["simd"]] <= set(info["features"])
+    # the fast numerics' integer-dot path: VNNI where compiled in, on the vectors of "simd"
+    fast = {"avx512": ("avx512-vnni", "avx2-vnni", "avx2"), "avx2": ("avx2-vnni", "avx2"),
+            "portable": ("portable",)}
+    assert info["fast"] in fast[info["simd"]]
+    assert (info["fast"] == "avx512-vnni") == ("avx512vnni" in info["features"] and info["simd"] == "avx512")
 
 
 # ----------------------------------------------------------------- expert FFN

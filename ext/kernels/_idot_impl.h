@@ -1,0 +1,614 @@
+/* Fast numerics ("q8-32") for ext/kernels/_kernels.pyx: activations quantised to int8 in
+ * blocks of 32 columns, exact integer block dots with the weight codes, and a fixed f32
+ * combination of the blocks (the rules are in the module docstring of _kernels.pyx).
+ *
+ * Design:
+ * - An activation row is quantised once per call (moed_qact_row) into caller-owned
+ *   scratch (moed_qact): q (int8), d (f32 scale), s (int32 sum of q) and ds = d * (float)s
+ *   (the f32 product the int4-with-mins term uses) per block. Rows are padded with zero
+ *   blocks to a multiple of MOED_ICHUNK blocks, so every kernel step reads whole chunks.
+ *   For the nibble formats (int4, mxfp4) q is stored permuted within each run of 4
+ *   blocks (128 columns): bytes 16i..16i+15 hold the even columns of block i, bytes
+ *   64+16i.. its odd columns, which is where the low and high nibbles of the weight bytes
+ *   land after a mask and a shift. int8 weights meet q in column order. Integer sums do
+ *   not depend on the order of their terms, so the layout changes no bit.
+ * - Per weight row r and block b the kernels compute the exact int32 S_rb (any order, any
+ *   width), then t = (float)S * (sw * d) (+ m * ds with int4 mins) per block, and add the
+ *   blocks' t left to right in f32, from 0.0f. The SIMD paths compute S for 16 blocks of
+ *   one row at a time (a chunk), then the 16 t's with 16-lane f32 multiplies (each lane
+ *   one (row, block), the same two or four f32 operations as the reference), then add
+ *   them to the row's sum one by one, in block order. So every path gives the bits of
+ *   the portable reference (moed_idot_rows_portable), for any rows per pass, thread count
+ *   or alignment.
+ * - Integer codes: int8 as stored; int4 with mins the nibble; int4 symmetric nibble - 8,
+ *   summed as sum(nibble * q) - 8 * s; mxfp4 2 x E2M1 (-12..12), summed by the SIMD paths
+ *   as sum((code + 12) * q) - 12 * s, so that the weight operand is unsigned (vpmaddubsw
+ *   and vpdpbusd take unsigned x signed bytes). int8 with vpdpbusd: sum((c ^ 0x80) * q)
+ *   - 128 * s; with vpmaddubsw (no VNNI): |c| * sign(q, c), whose pair sums stay below
+ *   2^15 (|c| <= 128, |q| <= 127).
+ * - Paths, chosen at compile time (moed_fast_path()):
+ *     "avx512-vnni": AVX-512 with VNNI; 64 weight bytes per vpdpbusd.
+ *     "avx2-vnni" / "avx2": 256-bit vectors, AVX-VNNI's vpdpbusd when compiled in, else
+ *       vpmaddubsw + vpmaddwd. Also what an AVX-512 build without VNNI runs.
+ *     "portable": moed_idot_rows_portable, plain loops.
+ * - Mat-mat: each token row is the mat-vec of that token (the kernel is called token by
+ *   token over the same rows, which stay in cache).
+ */
+#ifndef MOED_IDOT_IMPL_H
+#define MOED_IDOT_IMPL_H
+
+#include "_quant_impl.h"
+
+#define MOED_ICHUNK 16   /* blocks of 32 columns per kernel step */
+
+typedef struct {
+    int8_t *q;           /* row t at q + t * ldq (ldq bytes, padded with zeros) */
+    float *d;            /* row t at d + t * ldb: the block scales */
+    float *ds;           /* d * (float)s per block */
+    int32_t *s;          /* the block sums of q */
+    ptrdiff_t rows, cols, nb;   /* T, C, C / 32 */
+    ptrdiff_t ldq, ldb;  /* per-row strides (elements) */
+    int paired;          /* q in the nibble formats' permuted order */
+} moed_qact;
+
+static inline ptrdiff_t moed_qact_padded_blocks(ptrdiff_t C) {
+    ptrdiff_t nb = C / 32;
+    return (nb + MOED_ICHUNK - 1) / MOED_ICHUNK * MOED_ICHUNK;
+}
+
+/* Bytes of scratch moed_qact_init needs for T rows of C columns (C % 32 == 0). */
+static inline size_t moed_qact_bytes(ptrdiff_t T, ptrdiff_t C) {
+    ptrdiff_t nbp = moed_qact_padded_blocks(C);
+    return (size_t)T * (size_t)nbp * (32 + 3 * 4) + 64;
+}
+
+static inline void moed_qact_init(moed_qact *a, void *buf, ptrdiff_t T, ptrdiff_t C, int paired) {
+    ptrdiff_t nbp = moed_qact_padded_blocks(C);
+    uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
+    a->rows = T;
+    a->cols = C;
+    a->nb = C / 32;
+    a->ldq = nbp * 32;
+    a->ldb = nbp;
+    a->paired = paired;
+    a->q = (int8_t *)p;
+    a->d = (float *)(p + (size_t)T * nbp * 32);
+    a->ds = a->d + T * nbp;
+    a->s = (int32_t *)(a->ds + T * nbp);
+}
+
+/* Where column j of a row is stored in q. */
+static inline ptrdiff_t moed_qact_index(int paired, ptrdiff_t j) {
+    if (!paired) return j;
+    return (j & ~(ptrdiff_t)127) + ((j & 1) ? 64 : 0) + ((j & 127) >> 5) * 16 + ((j & 31) >> 1);
+}
+
+/* Quantise activation row t from x[0 .. C-1] (spec section 1). */
+static void moed_qact_row(const moed_qact *a, ptrdiff_t t, const float *x) {
+    int8_t *q = a->q + t * a->ldq;
+    float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
+    int32_t *s = a->s + t * a->ldb;
+    /* the padding: from the last run of 4 blocks on (the nibble order interleaves it) */
+    const ptrdiff_t pad = (32 * a->nb) & ~(ptrdiff_t)127;
+    memset(q + pad, 0, (size_t)(a->ldq - pad));
+    for (ptrdiff_t b = 0; b < a->nb; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+        }
+        const float db = amax / 127.0f;
+        int8_t qb[32];
+        int32_t sum = 0;
+        if (db == 0.0f) {
+            memset(qb, 0, sizeof qb);
+        } else {
+            float f[32];
+            for (int i = 0; i < 32; i++) {
+                float v = rintf(xb[i] / db);
+                v = v < -127.0f ? -127.0f : v;
+                f[i] = v > 127.0f ? 127.0f : v;
+            }
+            for (int i = 0; i < 32; i++) {
+                qb[i] = (int8_t)(int)f[i];
+                sum += qb[i];
+            }
+        }
+        int8_t *qo = q + moed_qact_index(a->paired, 32 * b);
+        if (a->paired) {
+            const ptrdiff_t e = moed_qact_index(1, 32 * b), o = moed_qact_index(1, 32 * b + 1);
+            for (int i = 0; i < 16; i++) {
+                q[e + i] = qb[2 * i];
+                q[o + i] = qb[2 * i + 1];
+            }
+        } else {
+            memcpy(qo, qb, 32);
+        }
+        d[b] = db;
+        s[b] = sum;
+        ds[b] = db * (float)sum;
+    }
+    for (ptrdiff_t b = a->nb; b < a->ldb; b++) {
+        d[b] = ds[b] = 0.0f;
+        s[b] = 0;
+    }
+}
+
+/* Does fast mode apply to this weight (int8, int4, mxfp4)? */
+static inline int moed_fast_applies(const moed_weight *w) {
+    return w->fmt == MOED_INT8 || w->fmt == MOED_INT4 || w->fmt == MOED_MXFP4;
+}
+
+/* Activations for this format in the nibble order? */
+static inline int moed_fast_paired(int fmt) { return fmt == MOED_INT4 || fmt == MOED_MXFP4; }
+
+/* 2 x E2M1 of each nibble. */
+static const int8_t moed_e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* The f32 weight scale sw of group si (spec section 3): the f16 scale, or mxfp4's
+ * 2^(e - 128) = 0.5 * 2^(e - 127) (exact, subnormal included; 255 gives NaN). */
+static inline float moed_iscale_at(const moed_weight *w, ptrdiff_t si) {
+    float s = moed_scale_at(w, si);
+    return w->fmt == MOED_MXFP4 ? s * 0.5f : s;
+}
+
+/* ------------------------------------------------------- the reference path */
+
+static inline int moed_icode(const moed_weight *w, const uint8_t *row, ptrdiff_t j) {
+    switch (w->fmt) {
+    case MOED_INT8: return (int8_t)row[j];
+    case MOED_MXFP4: return moed_e2m1x2[moed_nibble(row, j)];
+    default: return (int)moed_nibble(row, j) - (w->mins ? 0 : 8);
+    }
+}
+
+/* out[k] = y of row r0 + k for token t of a, k < nrows: spec sections 2-4, plainly. */
+static void moed_idot_rows_portable(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                    const moed_qact *a, ptrdiff_t t, float *out) {
+    const int8_t *q = a->q + t * a->ldq;
+    const float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
+    for (int k = 0; k < nrows; k++) {
+        const ptrdiff_t r = r0 + k;
+        const uint8_t *row = w->codes + r * w->row_bytes;
+        float y = 0.0f;
+        for (ptrdiff_t b = 0; b < a->nb; b++) {
+            int32_t S = 0;
+            for (ptrdiff_t j = 32 * b; j < 32 * b + 32; j++)
+                S += moed_icode(w, row, j) * q[moed_qact_index(a->paired, j)];
+            const ptrdiff_t si = r * w->scale_ld + (32 * b) / w->scale_cols;
+            float tb = (float)S * (moed_iscale_at(w, si) * d[b]);
+            if (w->mins) tb = tb + moed_min_at(w, si) * ds[b];
+            y = y + tb;
+        }
+        out[k] = y;
+    }
+}
+
+/* ------------------------------------------------------------ the SIMD paths */
+#if defined(__AVX512VNNI__) && defined(MOED_V16_AVX512)
+#define MOED_I_AVX512 1
+#elif defined(__AVX2__) && (defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2))
+#define MOED_I_AVX2 1
+#endif
+
+enum { MOED_IK_INT8 = 0, MOED_IK_INT4M = 1, MOED_IK_INT4S = 2, MOED_IK_MXFP4 = 3 };
+
+#if defined(MOED_I_AVX512) || defined(MOED_I_AVX2)
+#define MOED_I_SIMD 1
+
+/* Rows a pass streams together: a multiple of 4 (the f32 sums go 4 rows to a vector). */
+#ifndef MOED_IPASS
+#define MOED_IPASS 8
+#endif
+_Static_assert(MOED_IPASS % 4 == 0 && MOED_IPASS <= MOED_ROWS, "rows of a pass");
+/* Bytes of a row prefetched ahead. */
+#ifndef MOED_I_PREFETCH
+#define MOED_I_PREFETCH 512
+#endif
+
+/* mxfp4: nibble -> 2 x E2M1 + 12 (0..24), for vpshufb. */
+#define MOED_E2M1X2_BIASED 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+
+/* The integer sums of a chunk: 16 x int32, block order. */
+#ifdef MOED_I_AVX512
+typedef __m512i moed_is16;
+#else
+typedef struct { __m256i lo, hi; } moed_is16;
+#endif
+
+/* The 16 sums as f32 (exact: |S| < 2^24). */
+static inline __attribute__((always_inline)) moed_v16 moed_is16_f32(moed_is16 S) {
+#if defined(MOED_I_AVX512)
+    return _mm512_cvtepi32_ps(S);
+#elif defined(MOED_V16_AVX512)
+    return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(S.lo), S.hi, 1));
+#else
+    return (moed_v16){_mm256_cvtepi32_ps(S.lo), _mm256_cvtepi32_ps(S.hi)};
+#endif
+}
+
+/* c * s[0..15]: the correction of a biased code (shared by every row of a chunk). */
+static inline __attribute__((always_inline)) moed_is16 moed_is16_times(int32_t c, const int32_t *s) {
+#ifdef MOED_I_AVX512
+    return _mm512_mullo_epi32(_mm512_set1_epi32(c), _mm512_loadu_si512(s));
+#else
+    const __m256i cv = _mm256_set1_epi32(c);
+    return (moed_is16){_mm256_mullo_epi32(cv, _mm256_loadu_si256((const __m256i *)s)),
+                       _mm256_mullo_epi32(cv, _mm256_loadu_si256((const __m256i *)(s + 8)))};
+#endif
+}
+
+/* The code bias each kind's SIMD sums carry (S = biased sum - c * s). */
+static inline int32_t moed_ikind_bias(const int kind) {
+#if defined(MOED_I_AVX512) || defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    const int32_t int8_bias = 128;   /* vpdpbusd of c ^ 0x80 */
+#else
+    const int32_t int8_bias = 0;     /* vpmaddubsw of |c| and sign(q, c) */
+#endif
+    return kind == MOED_IK_INT8 ? int8_bias : kind == MOED_IK_MXFP4 ? 12 : kind == MOED_IK_INT4S ? 8 : 0;
+}
+
+/* Bytes [0, valid) of the 64 (32) at p, zeros past them; no access past them. */
+#ifdef MOED_I_AVX512
+static inline __attribute__((always_inline)) __m512i moed_load64(const uint8_t *p, const int full, ptrdiff_t valid) {
+    if (full || valid >= 64) return _mm512_loadu_si512(p);
+    __mmask64 m = valid <= 0 ? 0 : (((__mmask64)1 << valid) - 1);
+    return _mm512_maskz_loadu_epi8(m, p);
+}
+#endif
+static inline __attribute__((always_inline)) __m256i moed_load32(const uint8_t *p, const int full, ptrdiff_t valid) {
+    if (full || valid >= 32) return _mm256_loadu_si256((const __m256i *)p);
+    /* valid is a multiple of 16 here (whole blocks of 16 or 32 bytes) */
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(valid > 0 ? valid / 4 : 0)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32((const int *)p, m);
+}
+
+#ifdef MOED_I_AVX512
+/* v[i] holds 4 int32 partial sums of block 4i + L in 128-bit lane L; the 16 block sums
+ * in block order. */
+static inline __attribute__((always_inline)) __m512i moed_ireduce4(const __m512i *v) {
+    __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    /* lane 4L + i = block 4i + L */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_epi32(idx, r);
+}
+
+/* S of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes at wp,
+ * q at qp, cs the bias correction. */
+static inline __attribute__((always_inline)) moed_is16
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
+    __m512i v[4];
+    const __m512i zero = _mm512_setzero_si512();
+    if (kind == MOED_IK_INT8) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        __m512i p[8];
+        for (int i = 0; i < 8; i++)
+            p[i] = _mm512_dpbusd_epi32(zero, _mm512_xor_si512(moed_load64(wp + 64 * i, full, 32 * n - 64 * i), flip),
+                                       _mm512_load_si512(qp + 64 * i));
+        for (int i = 0; i < 4; i++)   /* [A | B], [C | D] (8 partials each) -> [A B C D] */
+            v[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0x88),
+                                    _mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0xDD));
+    } else {
+        const __m512i m = _mm512_set1_epi8(15);
+        const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(MOED_E2M1X2_BIASED));
+        for (int i = 0; i < 4; i++) {
+            __m512i b = moed_load64(wp + 64 * i, full, 16 * n - 64 * i);
+            __m512i lo = _mm512_and_si512(b, m), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
+            if (kind == MOED_IK_MXFP4) {
+                lo = _mm512_shuffle_epi8(tab, lo);
+                hi = _mm512_shuffle_epi8(tab, hi);
+            }
+            __m512i acc = _mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp + 128 * i));
+            v[i] = _mm512_dpbusd_epi32(acc, hi, _mm512_load_si512(qp + 128 * i + 64));
+        }
+    }
+    __m512i r = moed_ireduce4(v);
+    return kind == MOED_IK_INT4M ? r : _mm512_sub_epi32(r, cs);
+}
+#else
+/* AVX2: v[i] holds 4 int32 partials of block 2i + L in 128-bit lane L (i < 4); the 8
+ * block sums in block order. */
+static inline __attribute__((always_inline)) __m256i moed_ireduce4(const __m256i *v) {
+    __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+    __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+    __m256i r = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+    /* lane 4L + i = block 2i + L */
+    return _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define MOED_I_VNNI256 1
+#ifdef __AVXVNNI__
+#define moed_dpbusd256 _mm256_dpbusd_avx_epi32
+#else
+#define moed_dpbusd256 _mm256_dpbusd_epi32
+#endif
+#endif
+
+static inline __attribute__((always_inline)) moed_is16
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
+    __m256i v[8];
+    if (kind == MOED_IK_INT8) {
+        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
+            __m256i p[2];
+            for (int h = 0; h < 2; h++) {
+                __m256i w = moed_load32(wp + 64 * i + 32 * h, full, 32 * n - 64 * i - 32 * h);
+                __m256i x = _mm256_load_si256((const __m256i *)(qp + 64 * i + 32 * h));
+#ifdef MOED_I_VNNI256
+                p[h] = moed_dpbusd256(_mm256_setzero_si256(), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
+#else
+                /* |c| * sign(q, c): pair sums <= 2 * 128 * 127 < 2^15 */
+                p[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                         _mm256_set1_epi16(1));
+#endif
+            }
+            v[i] = _mm256_add_epi32(_mm256_permute2x128_si256(p[0], p[1], 0x20),
+                                    _mm256_permute2x128_si256(p[0], p[1], 0x31));
+        }
+    } else {
+        const __m256i m = _mm256_set1_epi8(15);
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_setr_epi8(MOED_E2M1X2_BIASED));
+        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
+            const int G = i >> 1, p = i & 1;
+            __m256i b = moed_load32(wp + 32 * i, full, 16 * n - 32 * i);
+            __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            if (kind == MOED_IK_MXFP4) {
+                lo = _mm256_shuffle_epi8(tab, lo);
+                hi = _mm256_shuffle_epi8(tab, hi);
+            }
+            const __m256i qe = _mm256_load_si256((const __m256i *)(qp + 128 * G + 32 * p));
+            const __m256i qo = _mm256_load_si256((const __m256i *)(qp + 128 * G + 64 + 32 * p));
+#ifdef MOED_I_VNNI256
+            v[i] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe), hi, qo);
+#else
+            /* pair sums <= 2 * 24 * 127 each; the two products' sum stays below 2^15 */
+            v[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe), _mm256_maddubs_epi16(hi, qo)),
+                                     _mm256_set1_epi16(1));
+#endif
+        }
+    }
+    moed_is16 r = {moed_ireduce4(v), moed_ireduce4(v + 4)};
+    if (moed_ikind_bias(kind)) {
+        r.lo = _mm256_sub_epi32(r.lo, cs.lo);
+        r.hi = _mm256_sub_epi32(r.hi, cs.hi);
+    }
+    return r;
+}
+#endif
+
+/* t[0..3] (16 blocks each) -> tmp[m][4j + k] = t[k] of block 4j + m: block b's 4 values
+ * at tmp[b % 4] + 4 * (b / 4). */
+static inline __attribute__((always_inline)) void moed_itranspose4(const moed_v16 *t, float (*tmp)[16]) {
+#ifdef MOED_V16_AVX512
+    __m512d a = _mm512_castps_pd(_mm512_unpacklo_ps(t[0], t[1])), b = _mm512_castps_pd(_mm512_unpackhi_ps(t[0], t[1]));
+    __m512d c = _mm512_castps_pd(_mm512_unpacklo_ps(t[2], t[3])), d = _mm512_castps_pd(_mm512_unpackhi_ps(t[2], t[3]));
+    _mm512_store_pd((double *)tmp[0], _mm512_unpacklo_pd(a, c));
+    _mm512_store_pd((double *)tmp[1], _mm512_unpackhi_pd(a, c));
+    _mm512_store_pd((double *)tmp[2], _mm512_unpacklo_pd(b, d));
+    _mm512_store_pd((double *)tmp[3], _mm512_unpackhi_pd(b, d));
+#else
+    for (int h = 0; h < 2; h++) {
+        __m256 t0 = h ? t[0].hi : t[0].lo, t1 = h ? t[1].hi : t[1].lo;
+        __m256 t2 = h ? t[2].hi : t[2].lo, t3 = h ? t[3].hi : t[3].lo;
+        __m256d a = _mm256_castps_pd(_mm256_unpacklo_ps(t0, t1)), b = _mm256_castps_pd(_mm256_unpackhi_ps(t0, t1));
+        __m256d c = _mm256_castps_pd(_mm256_unpacklo_ps(t2, t3)), d = _mm256_castps_pd(_mm256_unpackhi_ps(t2, t3));
+        _mm256_store_pd((double *)(tmp[0] + 8 * h), _mm256_unpacklo_pd(a, c));
+        _mm256_store_pd((double *)(tmp[1] + 8 * h), _mm256_unpackhi_pd(a, c));
+        _mm256_store_pd((double *)(tmp[2] + 8 * h), _mm256_unpacklo_pd(b, d));
+        _mm256_store_pd((double *)(tmp[3] + 8 * h), _mm256_unpackhi_pd(b, d));
+    }
+#endif
+}
+
+/* The weight scales (and mins) of a full chunk's 16 blocks, from block b0 of row r. */
+static inline __attribute__((always_inline)) void
+moed_ichunk_scales(const moed_weight *w, const int kind, ptrdiff_t r, ptrdiff_t b0, moed_v16 *sw,
+                   moed_v16 *mv) {
+    const ptrdiff_t g = w->scale_cols, si = r * w->scale_ld + (32 * b0) / g;
+    if (kind == MOED_IK_MXFP4) {
+        *sw = moed_v16_mul(moed_v16_load_e8m0((const uint8_t *)w->scales + si), moed_v16_set1(0.5f));
+        return;
+    }
+    const uint16_t *sp = (const uint16_t *)w->scales + si, *mp = w->mins ? w->mins + si : NULL;
+    if (g == 32) {
+        *sw = moed_v16_load_f16(sp);
+        if (kind == MOED_IK_INT4M) *mv = moed_v16_load_f16(mp);
+        return;
+    }
+    float sf[16] __attribute__((aligned(64))), mf[16] __attribute__((aligned(64)));
+    if (g == 64 || g == 128) {
+        const int n = g == 64 ? 8 : 4, rep = g / 32;
+        float t[8], u[8];
+        __m128i h = n == 8 ? _mm_loadu_si128((const __m128i *)sp) : _mm_loadl_epi64((const __m128i *)sp);
+        _mm256_storeu_ps(t, _mm256_cvtph_ps(h));
+        if (kind == MOED_IK_INT4M) {
+            h = n == 8 ? _mm_loadu_si128((const __m128i *)mp) : _mm_loadl_epi64((const __m128i *)mp);
+            _mm256_storeu_ps(u, _mm256_cvtph_ps(h));
+        }
+        for (int k = 0; k < 16; k++) {
+            sf[k] = t[k / rep];
+            if (kind == MOED_IK_INT4M) mf[k] = u[k / rep];
+        }
+    } else {
+        for (int k = 0; k < 16; k++) {
+            const ptrdiff_t i = r * w->scale_ld + (32 * (b0 + k)) / g;
+            sf[k] = moed_scale_at(w, i);
+            if (kind == MOED_IK_INT4M) mf[k] = moed_min_at(w, i);
+        }
+    }
+    *sw = moed_v16_load(sf);
+    if (kind == MOED_IK_INT4M) *mv = moed_v16_load(mf);
+}
+
+/* The same for the first n < 16 blocks (the lanes past them are 0). */
+static inline void moed_itail_scales(const moed_weight *w, ptrdiff_t r, ptrdiff_t b0, int n,
+                                     moed_v16 *sw, moed_v16 *mv) {
+    float sf[16] __attribute__((aligned(64))) = {0}, mf[16] __attribute__((aligned(64))) = {0};
+    for (int k = 0; k < n; k++) {
+        const ptrdiff_t i = r * w->scale_ld + (32 * (b0 + k)) / w->scale_cols;
+        sf[k] = moed_iscale_at(w, i);
+        if (w->mins) mf[k] = moed_min_at(w, i);
+    }
+    *sw = moed_v16_load(sf);
+    *mv = moed_v16_load(mf);
+}
+
+/* Can the rows up to r read a whole chunk from block b0 (codes, scales and mins) without
+ * passing the end of their arrays? The bytes past a row's last block belong to the next
+ * row: they meet q's zero padding (and s = 0), and their t's are never added, so reading
+ * them changes nothing. */
+static inline int moed_itail_overread_ok(const moed_weight *w, const int kind, ptrdiff_t r, ptrdiff_t b0) {
+    const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16, g = w->scale_cols;
+    const ptrdiff_t first = (32 * b0) / g;
+    const ptrdiff_t read = g == 32 ? 16 : g == 64 ? 8 : g == 128 ? 4
+                                                     : (32 * (b0 + MOED_ICHUNK - 1)) / g - first + 1;
+    return r * (ptrdiff_t)w->row_bytes + (b0 + MOED_ICHUNK) * bpb <= w->rows * (ptrdiff_t)w->row_bytes &&
+           r * w->scale_ld + first + read <= w->rows * w->scale_ld;
+}
+
+/* One chunk (blocks b0 .. b0+n-1) of rows r0 .. r0+nrows-1 (nrows a multiple of 4, or
+ * 1), added to the rows' sums (full: whole-chunk loads, else none past block n): y4[k] holds rows 4k .. 4k+3, y1 the
+ * single row's. */
+static inline __attribute__((always_inline)) void
+moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
+                const uint8_t *const *row, const int8_t *q, const float *d, const float *ds,
+                const int32_t *s, ptrdiff_t b0, const int full, int n, __m128 *y4, float *y1) {
+    const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
+    const ptrdiff_t off = b0 * bpb;
+    const moed_v16 dv = moed_v16_load(d + b0);
+    const moed_v16 dsv = kind == MOED_IK_INT4M ? moed_v16_load(ds + b0) : moed_v16_zero();
+    const moed_is16 cs = moed_is16_times(moed_ikind_bias(kind), s + b0);
+    float tmp[4][16] __attribute__((aligned(64)));
+    moed_v16 tv[4];
+    for (int k = 0; k < nrows; k++) {
+        if (full)
+            for (int l = 0; l < 16 * bpb; l += 64) {
+                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
+                moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
+            }
+        moed_is16 S = moed_ichunk_S(kind, row[k] + off, q + 32 * b0, cs, full, n);
+        moed_v16 sw, mv = moed_v16_zero();
+        if (full) moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
+        else moed_itail_scales(w, r0 + k, b0, n, &sw, &mv);
+        moed_v16 t = moed_v16_mul(moed_is16_f32(S), moed_v16_mul(sw, dv));
+        if (kind == MOED_IK_INT4M) t = moed_v16_add(t, moed_v16_mul(mv, dsv));
+        if (nrows == 1) {
+            moed_v16_store(tmp[0], t);
+            for (int l = 0; l < n; l++) *y1 = *y1 + tmp[0][l];
+        } else {
+            tv[k & 3] = t;
+            if ((k & 3) == 3) {   /* four rows' sums in one vector, block by block */
+                moed_itranspose4(tv, tmp);
+                __m128 y = y4[k >> 2];
+                for (int l = 0; l < n; l++) y = _mm_add_ps(y, _mm_load_ps(tmp[l & 3] + 4 * (l >> 2)));
+                y4[k >> 2] = y;
+            }
+        }
+    }
+}
+
+/* y of rows r0 .. r0+nrows-1 for token t (nrows a multiple of 4, or 1). */
+static inline __attribute__((always_inline)) void
+moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
+               const moed_qact *a, ptrdiff_t t, float *out) {
+    const int8_t *q = a->q + t * a->ldq;
+    const float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
+    const int32_t *s = a->s + t * a->ldb;
+    const ptrdiff_t nb = a->nb, nfull = nb / MOED_ICHUNK * MOED_ICHUNK;
+    const uint8_t *row[MOED_ROWS];
+    __m128 y4[MOED_ROWS / 4];
+    float y1 = 0.0f;
+    for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
+    for (int k = 0; k < MOED_ROWS / 4; k++) y4[k] = _mm_setzero_ps();
+    for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
+        moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, b0, 1, MOED_ICHUNK, y4, &y1);
+    if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays */
+        if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull))
+            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 1, (int)(nb - nfull), y4, &y1);
+        else
+            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 0, (int)(nb - nfull), y4, &y1);
+    }
+    if (nrows == 1) out[0] = y1;
+    else
+        for (int k = 0; k < nrows / 4; k++) _mm_storeu_ps(out + 4 * k, y4[k]);
+}
+
+#define MOED_DEFINE_IPASS(NAME, KIND)                                                   \
+    static void moed_idot_##NAME##_p(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
+                                     ptrdiff_t t, float *out) {                         \
+        moed_idot_pass(w, KIND, r0, MOED_IPASS, a, t, out);                             \
+    }                                                                                   \
+    static void moed_idot_##NAME##_4(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
+                                     ptrdiff_t t, float *out) {                         \
+        moed_idot_pass(w, KIND, r0, 4, a, t, out);                                      \
+    }                                                                                   \
+    static void moed_idot_##NAME##_1(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
+                                     ptrdiff_t t, float *out) {                         \
+        moed_idot_pass(w, KIND, r0, 1, a, t, out);                                      \
+    }
+MOED_DEFINE_IPASS(int8, MOED_IK_INT8)
+MOED_DEFINE_IPASS(int4m, MOED_IK_INT4M)
+MOED_DEFINE_IPASS(int4s, MOED_IK_INT4S)
+MOED_DEFINE_IPASS(mxfp4, MOED_IK_MXFP4)
+
+typedef void (*moed_ipass_fn)(const moed_weight *, ptrdiff_t, const moed_qact *, ptrdiff_t, float *);
+
+static inline void moed_idot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                       const moed_qact *a, ptrdiff_t t, float *out) {
+    moed_ipass_fn fp, f4, f1;
+    switch (w->fmt) {
+    case MOED_INT8: fp = moed_idot_int8_p; f4 = moed_idot_int8_4; f1 = moed_idot_int8_1; break;
+    case MOED_MXFP4: fp = moed_idot_mxfp4_p; f4 = moed_idot_mxfp4_4; f1 = moed_idot_mxfp4_1; break;
+    default:
+        if (w->mins) { fp = moed_idot_int4m_p; f4 = moed_idot_int4m_4; f1 = moed_idot_int4m_1; }
+        else { fp = moed_idot_int4s_p; f4 = moed_idot_int4s_4; f1 = moed_idot_int4s_1; }
+    }
+    int k = 0;
+    for (; k + MOED_IPASS <= nrows; k += MOED_IPASS) fp(w, r0 + k, a, t, out + k);
+    for (; k + 4 <= nrows; k += 4) f4(w, r0 + k, a, t, out + k);
+    for (; k < nrows; k++) f1(w, r0 + k, a, t, out + k);
+}
+#endif
+
+static inline const char *moed_fast_path(void) {
+#if defined(MOED_I_AVX512)
+    return "avx512-vnni";
+#elif defined(MOED_I_AVX2) && defined(MOED_I_VNNI256)
+    return "avx2-vnni";
+#elif defined(MOED_I_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
+/* out[k] = y of row r0 + k (k < nrows <= MOED_ROWS) for token t of a, whose layout
+ * must be moed_fast_paired(w->fmt). simd = 0: the portable reference (same bits). */
+static inline void moed_idot_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                  const moed_qact *a, ptrdiff_t t, float *out, int simd) {
+#ifdef MOED_I_SIMD
+    if (simd) {
+        moed_idot_rows_simd(w, r0, nrows, a, t, out);
+        return;
+    }
+#endif
+    (void)simd;
+    moed_idot_rows_portable(w, r0, nrows, a, t, out);
+}
+
+/* out[j * ldo + k] = y of row r0 + k for tokens t0 + j, j < T: each token's mat-vec. */
+static inline void moed_imatmul_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                     const moed_qact *a, ptrdiff_t t0, ptrdiff_t T, float *out,
+                                     ptrdiff_t ldo, int simd) {
+    float o[MOED_ROWS];
+    for (ptrdiff_t j = 0; j < T; j++) {
+        moed_idot_rows(w, r0, nrows, a, t0 + j, o, simd);
+        for (int k = 0; k < nrows; k++) out[j * ldo + k] = o[k];
+    }
+}
+
+#endif
