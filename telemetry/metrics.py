@@ -346,21 +346,24 @@ class SnapshotCollector(prometheus_client.registry.Collector):
 class DaemonMetrics:
     """The registry of one daemon and the metrics it observes as events happen.
 
-    version / model_type / quantization: the `moed_build_info` labels (quantization: "none"
-    for weights in plain floats, else the quantised weights' format, e.g. "fp8_e4m3",
-    "mxfp4": a closed set, ext.formats.quant.formats(); "unknown" when config.json could
-    not be read). moe_layers, read_seconds_buckets, source: as `SnapshotCollector`.
+    version / model_type / quantization / numerics: the `moed_build_info` labels
+    (quantization: "none" for weights in plain floats, else the quantised weights' format,
+    e.g. "fp8_e4m3", "mxfp4": a closed set, ext.formats.quant.formats(); "unknown" when
+    config.json could not be read; numerics: "exact" or "fast", the numerics mode of the
+    quantised kernels in force). moe_layers, read_seconds_buckets, source: as `SnapshotCollector`.
     Methods are thread-safe.
     """
 
     def __init__(self, *, version: str, model_type: str, moe_layers: Sequence[int],
                  read_seconds_buckets: Sequence[float], quantization: str = "none",
-                 source: Callable[[], Snapshot | None] = lambda: None):
+                 numerics: str = "exact", source: Callable[[], Snapshot | None] = lambda: None):
         self.registry = registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=registry)
-        Info("moed_build", "moed version, the served model's architecture and the format of "
-             "its quantised weights ('none': plain floats)", registry=registry).info(
-            {"version": version, "model_type": model_type, "quantization": quantization})
+        Info("moed_build", "moed version, the served model's architecture, the format of "
+             "its quantised weights ('none': plain floats) and the numerics mode in force "
+             "('exact' or 'fast')", registry=registry).info(
+            {"version": version, "model_type": model_type, "quantization": quantization,
+             "numerics": numerics})
         self.collector = SnapshotCollector(moe_layers, read_seconds_buckets, source)
         registry.register(self.collector)
         self.requests = Counter("moed_requests", "HTTP responses, by route name and status.",

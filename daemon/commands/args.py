@@ -196,6 +196,18 @@ def configure_logging(level: str) -> None:
     configure(level)
 
 
+NUMERICS_HELP = ("numerics of int8, int4 and MXFP4 weights: exact (dequantised exactly, f32 "
+                 "activations) or fast (int8 activations in blocks of 32, exact integer dots); "
+                 "other formats are exact in both (default: %(default)s)")
+
+
+def add_numerics(parser: argparse.ArgumentParser) -> None:
+    """`--numerics {exact,fast}` on a command that runs the model."""
+    from ext.kernels import NUMERICS
+
+    parser.add_argument("--numerics", choices=NUMERICS, default="exact", help=NUMERICS_HELP)
+
+
 def parents() -> Parents:
     """Fresh parent parsers (argparse copies their actions into each child)."""
     common = argparse.ArgumentParser(add_help=False)

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, check_model_dir,
-                                  cpu_threads, nonempty, positive_int, size)
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, add_numerics,
+                                  check_model_dir, cpu_threads, nonempty, positive_int, size)
 from daemon.commands.figures import compare, spread
 from daemon.store.plans import max_slot_bytes, plans_for
 from daemon.store.probe import probe_summary
@@ -57,7 +57,7 @@ from ext.formats.checkpoint import Checkpoint
 from ext.models.config import ModelConfig, load_config
 from ext.models.experts import ExpertLayout, expert_weights
 from ext.models.families import family_of
-from ext.models.model import Model
+from ext.models.model import FAST_FORMATS, Model
 from ext.models.weights import read_weight
 from ext.sampling import Sampler, SamplingParams
 from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
@@ -83,6 +83,7 @@ class BenchConfig:
     idle_prefetch: bool = True
     pin_fraction: float = StreamingOptions.pin_fraction
     referee: bool = True
+    numerics: str = "exact"
 
 
 def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
@@ -257,7 +258,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
         provider = StreamingExpertProvider(layout, config, opts,
                                            usage_counts=learned.counts if learned else None,
                                            learned=learned.state if learned else None)
-        return Model(config, checkpoint, layout, provider, bench.threads)
+        return Model(config, checkpoint, layout, provider, bench.threads, bench.numerics)
 
     if progress:
         progress.note("warm-up: learning expert usage for moed's pins")
@@ -311,6 +312,8 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
               "expert_format": layout.format, "expert_bytes": layout.max_expert_bytes,
               "slot_bytes": max_slot_bytes(layout),
               "tokens": bench.tokens, "repeats": bench.repeats, "threads": bench.threads,
+              "numerics": bench.numerics if bench.numerics == "exact" or layout.format in FAST_FORMATS
+              else "exact",
               "io_workers": bench.io_workers, "temperature": bench.temperature,
               "prefetch": bench.prefetch, "idle_prefetch": bench.prefetch and bench.idle_prefetch,
               "model": str(Path(bench.model))}
@@ -331,6 +334,7 @@ def register(sub, parents: Parents) -> None:
                     "bandwidth and kernel throughput for the roofline. Prints one JSON report.",
         epilog="example: moed bench --model ./bench-model --expert-cache-bytes 256M --tokens 64")
     b.add_argument("--model", required=True, metavar="DIR", type=nonempty, help=MODEL_HELP)
+    add_numerics(b)
     b.add_argument("--expert-cache-bytes", type=size, required=True, metavar="SIZE",
                    help="expert cache budget (K/M/G suffixes)")
     b.add_argument("--tokens", type=positive_int, default=64, metavar="N",
@@ -381,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
                         prompt_ids=prompt, temperature=args.temperature, seed=args.seed,
                         threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                         repeats=args.repeats, prefetch=not args.no_prefetch,
-                        idle_prefetch=not args.no_idle_prefetch, referee=not args.no_referee)
+                        idle_prefetch=not args.no_idle_prefetch, referee=not args.no_referee,
+                        numerics=args.numerics)
     progress = Progress("bench runs", unit="run")
     report = run_bench(bench, progress=progress)
     progress.note(report["speedup_vs_naive_verdict"])

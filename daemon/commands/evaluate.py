@@ -6,8 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, check_model_dir,
-                                  nonempty, positive_int, read_text_file)
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, add_numerics,
+                                  check_model_dir, nonempty, positive_int, read_text_file)
 from telemetry.logs import get_logger
 
 log = get_logger("eval")
@@ -22,7 +22,10 @@ def register(sub, parents: Parents) -> None:
                     "the model it came from), in windows of --context tokens, and print JSON: "
                     "mean, p99 and max per-token KL(reference || model) in nats, top-1 "
                     "agreement, and both models' bits per byte. Both models must share a "
-                    "tokenizer. Deterministic: the same inputs give the same figures.",
+                    "tokenizer. Deterministic: the same inputs give the same figures. "
+                    "--numerics applies to --model; the reference always runs exact, so "
+                    "--model D --reference D --numerics fast measures what fast numerics costs "
+                    "on D's weights.",
         epilog="example: moed eval --model ./default-int4 --reference default "
                "--text /usr/lib/python3.11/argparse.py --tokens 4096")
     e.add_argument("--model", required=True, metavar="DIR", type=nonempty, help=MODEL_HELP)
@@ -36,6 +39,7 @@ def register(sub, parents: Parents) -> None:
     e.add_argument("--context", type=positive_int, default=None, metavar="W",
                    help="tokens per teacher-forced window, each a fresh sequence (default: "
                         "512, or the models' max_position_embeddings if smaller)")
+    add_numerics(e)
     e.set_defaults(func=run)
 
 
@@ -51,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--reference: {args.reference} is not a model directory")
     text = read_text_file(args.text, "--text")
     t0 = time.perf_counter()
-    model = Model.load(args.model, n_threads=args.threads)
-    reference = Model.load(args.reference, n_threads=args.threads)
+    model = Model.load(args.model, n_threads=args.threads, numerics=args.numerics)
+    reference = Model.load(args.reference, n_threads=args.threads)          # exact numerics
     try:
         context = args.context or min(DEFAULT_CONTEXT, model.config.max_position_embeddings,
                                       reference.config.max_position_embeddings)

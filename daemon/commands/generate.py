@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from daemon.commands.args import (ExamplesFormatter, Parents, UsageError,
+from daemon.commands.args import (ExamplesFormatter, Parents, UsageError, add_numerics,
                                   add_sampling_arguments, check_model_dir, fraction, log, nonempty,
                                   sampling_params, size, utf8_prompt)
 from daemon.commands.ask import TextOut, ask, client_command, request_body, socket_path
@@ -38,6 +38,7 @@ def register(sub, parents: Parents) -> None:
     add_sampling_arguments(g, max_tokens=128)
     g.add_argument("--chat", action="store_true",
                    help="put PROMPT through the model's chat template as a user message")
+    add_numerics(g)
     g.add_argument("--experts", choices=["mmap", "resident"], default="mmap",
                    help="without --expert-cache-bytes: memory-mapped shards (default) or "
                         "all experts read into RAM at start")
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
              layers=model.config.num_hidden_layers, experts=model.config.num_experts,
              top_k=model.config.top_k, expert_format=formats["experts"],
              dense_format=formats["dense"], quantization=quantization_label(model.config.quantization),
+             numerics=formats["numerics"],
              load_seconds=round(time.perf_counter() - t0, 3), threads=model.n_threads)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -120,12 +122,13 @@ def _load_model(args: argparse.Namespace):
     return open_model(args.model, threads=args.threads, cache_bytes=args.expert_cache_bytes,
                       experts=args.experts, io_workers=args.io_workers,
                       prefetch=not args.no_prefetch, pin_fraction=args.pin_fraction,
-                      state_dir=args.state_dir, environ=os.environ, record_trace=args.record_trace)
+                      state_dir=args.state_dir, environ=os.environ, record_trace=args.record_trace,
+                      numerics=args.numerics)
 
 _IN_PROCESS_ONLY = {"threads": "--threads", "io_workers": "--io-workers", "experts": "--experts",
                     "expert_cache_bytes": "--expert-cache-bytes", "state_dir": "--state-dir",
                     "no_prefetch": "--no-prefetch", "pin_fraction": "--pin-fraction",
-                    "record_trace": "--record-trace"}
+                    "record_trace": "--record-trace", "numerics": "--numerics"}
 
 @client_command
 def _generate_over_socket(args: argparse.Namespace) -> int:

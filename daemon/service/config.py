@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ext.kernels import NUMERICS
+
 DEFAULT_CONFIG_PATH = "/etc/moed/moed.toml"
 ENV_PREFIX = "MOED_"
 CONFIG_ENV = "MOED_CONFIG"
@@ -396,6 +398,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                          "share of the spare expert cache pinned to learned hot experts"),
     "prefetch": _Key(_bool, "BOOL", "read predicted experts ahead"),
     "half_life_tokens": _Key(_float(0, lo_open=True), "TOKENS", "half-life of expert usage counts"),
+    "numerics": _Key(_choice(NUMERICS), "MODE",
+                     "exact (quantised weights dequantised exactly, f32 activations) or fast "
+                     "(int8/int4/MXFP4 weights dotted with int8 activations; bf16, f16, f32 "
+                     "and FP8 weights are exact in both)"),
     "tuner": _Key(_tuner, "MODE", "self-tuning of threads, io workers and prefetch width: off, "
                                   "live (on traffic; saved winners reused) or live+idle (also a "
                                   "built-in workload when idle)"),
@@ -452,6 +458,7 @@ class ServeConfig:
     pin_fraction: float = 0.5
     prefetch: bool = True
     half_life_tokens: float = 2048.0
+    numerics: str = "exact"
     tuner: str = "live"
     record_trace: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -161,7 +161,7 @@ class Daemon:
                  load_seconds=round(self.state.load_seconds, 3),
                  expert_format=formats.get("experts"), dense_format=formats.get("dense"),
                  quant_method=(formats.get("quantization") or {}).get("quant_method", "none"),
-                 quantization=formats.get("quantization"))
+                 quantization=formats.get("quantization"), numerics=formats.get("numerics"))
         return True
 
     def _site(self, runner: web.BaseRunner, sock, listener: str) -> GatedSite:
@@ -305,8 +305,10 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
     except ValueError:
         model_type, quantization, moe_layers = "unknown", "unknown", []   # the load reports the real error
     daemon: Daemon | None = None
+    # What fast numerics changes: int8, int4 and MXFP4 weights (ext.models.model.FAST_FORMATS).
+    numerics = config.numerics if quantization in ("int8", "int4", "mxfp4") else "exact"
     telemetry = DaemonMetrics(version=version, model_type=model_type, moe_layers=moe_layers,
-                              quantization=quantization,
+                              quantization=quantization, numerics=numerics,
                               read_seconds_buckets=READ_SECONDS_BUCKETS,
                               source=lambda: daemon.state.last_snapshot if daemon is not None else None)
     notifier = Notifier(environ)

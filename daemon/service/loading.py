@@ -104,7 +104,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 pin_fraction=config.pin_fraction,
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ,
-                                record_trace=config.record_trace)
+                                record_trace=config.record_trace, numerics=config.numerics)
     engine = Engine(model, tokenizer, max_concurrent_sequences=config.max_concurrent_sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=config.prefix_cache_bytes,
                     prefill_step_ratio=config.prefill_step_ratio,

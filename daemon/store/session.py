@@ -152,7 +152,7 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                half_life_tokens: float = StreamingOptions.half_life_tokens, mlock: bool = False,
                state_dir: str | Path | None = None,
                environ: Mapping[str, str] = {},
-               record_trace: str | Path | None = None,
+               record_trace: str | Path | None = None, numerics: str = "exact",
                **streaming_options) -> tuple[Model, ExpertSession | None]:
     """Load `model_dir`; (model, session) — session is None without a cache budget.
 
@@ -160,13 +160,14 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
     lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
     unusable state directory is a warning, never an error: learning is only speed.
     record_trace: a file the decode routing is appended to, in the replay format
-    (daemon/store/trace.py). streaming_options: other StreamingOptions fields.
+    (daemon/store/trace.py). numerics: "exact" or "fast" (`Model.load`).
+    streaming_options: other StreamingOptions fields.
     Raises the model's load errors (ConfigError / CheckpointError, naming the file,
     tensor or field), CacheBudgetError (message gives the minimum) and OSError when
     record_trace cannot be opened.
     """
     if cache_bytes is None:
-        model = Model.load(model_dir, n_threads=threads, experts=experts)
+        model = Model.load(model_dir, n_threads=threads, experts=experts, numerics=numerics)
         if record_trace is not None:
             moe = [l for l, m in enumerate(model.config.moe_layers) if m]
             model.experts = RecordingProvider(model.experts, TraceWriter(record_trace, len(moe))).bind(moe)
@@ -200,7 +201,7 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
         built.append((provider, store, fingerprint))
         return provider
 
-    model = Model.load(model_dir, n_threads=threads, experts=streaming)
+    model = Model.load(model_dir, n_threads=threads, experts=streaming, numerics=numerics)
     provider, store, fingerprint = built[0]
     if record_trace is not None:
         try:

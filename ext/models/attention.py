@@ -68,9 +68,10 @@ class GroupedQueryAttention:
     layer's attention for a step, and owns the step's buffers (for up to `chunk`
     tokens) and RoPE tables. Not thread-safe (one engine thread)."""
 
-    def __init__(self, config: ModelConfig, chunk: int, n_threads: int):
+    def __init__(self, config: ModelConfig, chunk: int, n_threads: int, fast: bool = False):
         c = self.config = config
         self.n_threads = n_threads
+        self.fast = fast          # fast numerics for quantised projections (_kernels docstring)
         D = c.head_dim
         q_dim, kv_dim = c.num_attention_heads * D, c.num_key_value_heads * D
         self.q = np.empty((chunk, q_dim), F32)
@@ -137,9 +138,9 @@ class GroupedQueryAttention:
         T, D = h.shape[0], c.head_dim
         nH, nKV = c.num_attention_heads, c.num_key_value_heads
         q, k, v = self.q[:T], self.k[:T], self.v[:T]
-        K_.matmul(w.q, h, q, nt)                                 # [T, nH*D]
-        K_.matmul(w.k, h, k, nt)                                 # [T, nKV*D]
-        K_.matmul(w.v, h, v, nt)                                 # [T, nKV*D]
+        K_.matmul(w.q, h, q, nt, fast=self.fast)                 # [T, nH*D]
+        K_.matmul(w.k, h, k, nt, fast=self.fast)                 # [T, nKV*D]
+        K_.matmul(w.v, h, v, nt, fast=self.fast)                 # [T, nKV*D]
         if w.q_bias is not None:
             q += w.q_bias
             k += w.k_bias
@@ -167,7 +168,7 @@ class GroupedQueryAttention:
             K_.attention(q3[r0:r1], k_cache, v_cache, pos0, window, self.scale, attn3[r0:r1],
                          self.scores(kv.capacity), nt, w.sinks)
         o = self.o[:T]
-        K_.matmul(w.o, self.attn[:T], o, nt)                     # [T, H]
+        K_.matmul(w.o, self.attn[:T], o, nt, fast=self.fast)    # [T, H]
         if w.o_bias is not None:
             o += w.o_bias
         return o

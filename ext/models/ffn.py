@@ -22,8 +22,9 @@ class SwiGluExperts:
     """y = down(silu(gate x) * up x), one module per expert (every family but GPT-OSS).
     Nothing of the experts is resident."""
 
-    def __init__(self, config: ModelConfig, transposed: bool = False):
+    def __init__(self, config: ModelConfig, transposed: bool = False, fast: bool = False):
         self.config = config
+        self.fast = fast
 
     def load(self, moe: str, tensor) -> None:
         return None
@@ -32,7 +33,8 @@ class SwiGluExperts:
                  group_start: np.ndarray, hbuf: np.ndarray, out: np.ndarray, n_threads: int) -> None:
         """out [N, H] = each expert's FFN of its rows of x [N, H] (`_kernels.expert_ffn`)."""
         K_.expert_ffn([w.gate for w in weights_of], [w.up for w in weights_of],
-                      [w.down for w in weights_of], x, group_start, hbuf, out, n_threads)
+                      [w.down for w in weights_of], x, group_start, hbuf, out, n_threads,
+                      fast=self.fast)
 
 
 @dataclass
@@ -50,9 +52,10 @@ class GptOssExperts:
     GptOssExperts — computed by `_kernels.expert_ffn_fused`; weights MXFP4 rows, or plain
     floats stored [in, out] (`transposed`). The biases are small and stay resident."""
 
-    def __init__(self, config: ModelConfig, transposed: bool = False):
+    def __init__(self, config: ModelConfig, transposed: bool = False, fast: bool = False):
         c = self.config = config
         self.transposed = transposed
+        self.fast = fast
         self._gate_up_bias = np.empty((c.num_experts, 2 * c.moe_intermediate_size), F32)
         self._down_bias = np.empty((c.num_experts, c.hidden_size), F32)
 
@@ -73,4 +76,4 @@ class GptOssExperts:
         c = self.config
         K_.expert_ffn_fused([w.gate for w in weights_of], [w.down for w in weights_of],
                             gate_up_bias, down_bias, x, group_start, hbuf, out, self.transposed,
-                            c.swiglu_alpha, c.swiglu_limit, n_threads)
+                            c.swiglu_alpha, c.swiglu_limit, n_threads, fast=self.fast)

@@ -62,10 +62,11 @@ class LatentAttention:
     layer's attention for a step, and owns the step's buffers (for up to `chunk`
     tokens) and RoPE tables. Not thread-safe (one engine thread)."""
 
-    def __init__(self, config: ModelConfig, chunk: int, n_threads: int):
+    def __init__(self, config: ModelConfig, chunk: int, n_threads: int, fast: bool = False):
         c = self.config = config
         m = self.mla = config.mla
         self.n_threads = n_threads
+        self.fast = fast          # fast numerics for quantised projections (not kv_b's heads)
         nH = c.num_attention_heads
         self.q_a = np.empty((chunk, m.q_lora_rank or 1), F32)
         self.q = np.empty((chunk, nH * m.qk_head_dim), F32)
@@ -147,16 +148,16 @@ class LatentAttention:
         r, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         q = self.q[:T]                                           # [T, nH*(dn+dr)]
         if w.q is not None:
-            K_.matmul(w.q, h, q, nt)
+            K_.matmul(w.q, h, q, nt, fast=self.fast)
         else:
             q_a = self.q_a[:T]
-            K_.matmul(w.q_a, h, q_a, nt)                         # [T, qr]
+            K_.matmul(w.q_a, h, q_a, nt, fast=self.fast)         # [T, qr]
             if w.q_a_bias is not None:
                 q_a += w.q_a_bias
             K_.rmsnorm(q_a, w.q_a_norm, MLA_NORM_EPS, q_a, nt)
-            K_.matmul(w.q_b, q_a, q, nt)
+            K_.matmul(w.q_b, q_a, q, nt, fast=self.fast)
         kv_a = self.kv_a[:T]
-        K_.matmul(w.kv_a, h, kv_a, nt)                           # [T, r+dr]: latent | rotary key
+        K_.matmul(w.kv_a, h, kv_a, nt, fast=self.fast)           # [T, r+dr]: latent | rotary key
         if w.kv_a_bias is not None:
             kv_a += w.kv_a_bias
         latent = self.latent[:T]                                 # [T, r]
@@ -181,7 +182,7 @@ class LatentAttention:
         attn = self.attn[:T]                                     # [T, nH, dv]
         K_.matmul_heads(w.kv_b, dn, dv, u, attn, False, nt)      # W_UV u, per head
         o = self.o[:T]
-        K_.matmul(w.o, attn.reshape(T, nH * dv), o, nt)          # [T, H]
+        K_.matmul(w.o, attn.reshape(T, nH * dv), o, nt, fast=self.fast)  # [T, H]
         if w.o_bias is not None:
             o += w.o_bias
         return o

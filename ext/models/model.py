@@ -31,6 +31,7 @@ import numpy as np
 from ext.formats.checkpoint import (FLOAT_DTYPES, Checkpoint, MissingTensorError,
                                     TensorRangeError, UnsupportedDtypeError)
 from ext.formats.quant import ATTENTION, HEAD, MLP, ROUTER, StoredWeight, resolve_weight
+from ext.kernels import NUMERICS
 from ext.kernels import _kernels as K_
 from ext.models.attention import Segments
 from ext.models.config import ModelConfig, load_config
@@ -43,6 +44,7 @@ from ext.models.weights import Weight, read_weight
 
 F32 = np.float32
 PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
+FAST_FORMATS = frozenset({"int8", "int4", "mxfp4"})   # what fast numerics changes
 
 
 def _check_finite(l: int, y: np.ndarray, experts_of_rows) -> None:
@@ -159,21 +161,28 @@ class Model:
     """
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint, layout: ExpertLayout,
-                 experts: ExpertProvider, n_threads: int):
+                 experts: ExpertProvider, n_threads: int, numerics: str = "exact"):
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.config = config
         self.checkpoint = checkpoint
         self.layout = layout
         self.experts = experts
         self.n_threads = n_threads
+        # Fast numerics (int8 activations dotted with int8/int4/MXFP4 codes: the spec in
+        # ext/kernels/_kernels.pyx) for every quantised linear weight but the routers, which
+        # stay exact so that routing never depends on the numerics mode.
+        self.fast = numerics == "fast"
         self.dense_weights: dict[str, StoredWeight] = {}   # every resident linear weight
+        self._router_modules: set[str] = set()             # those computed exactly always
         self.family = family_of(config.model_type)
-        self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads)
+        self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads, fast=self.fast)
         self.routing = self.family.routing(config)
         # Called as moe_observer(layer, experts, weights, x [N, H], group_start) before each
         # batch of expert FFNs, with the rows of experts[g] at group_start[g]:group_start[g+1]
         # of x; it must not modify anything (ext/quant/importance.py gathers statistics).
         self.moe_observer: Callable[..., None] | None = None
-        self.expert_ffn = self.family.experts(config, layout.transposed)
+        self.expert_ffn = self.family.experts(config, layout.transposed, fast=self.fast)
         self._load_dense()
         self.ws = _Workspace(config, PREFILL_CHUNK)
         moe = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
@@ -183,7 +192,8 @@ class Model:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, n_threads: int | None = None,
-             experts: str | ExpertProvider | Callable[..., ExpertProvider] = "mmap") -> Model:
+             experts: str | ExpertProvider | Callable[..., ExpertProvider] = "mmap",
+             numerics: str = "exact") -> Model:
         """Open and validate a model directory, load the dense weights.
 
         Args:
@@ -192,7 +202,12 @@ class Model:
             experts: "mmap" (page-cache maps, nothing read up front), "resident"
                 (all experts read into RAM), an ExpertProvider, or a factory called
                 as experts(checkpoint, layout, config) once those are open.
+            numerics: "exact" (weights dequantised exactly, f32 activations: the mode
+                the transformers oracle checks) or "fast" (int8/int4/MXFP4 weights
+                dotted with int8 activations under moed's fast-numerics spec,
+                `ext.kernels._kernels`; other formats and the routers stay exact).
         Raises:
+            ValueError: an unknown `numerics` or `experts`.
             ConfigError / CheckpointError subclasses naming the field, file or tensor
             (QuantizationError ones for quantised weights: ext/formats/quant.py).
         """
@@ -212,7 +227,7 @@ class Model:
             provider = experts(checkpoint, layout, config)
         else:
             raise ValueError(f"experts must be 'mmap', 'resident' or an ExpertProvider, got {experts!r}")
-        return cls(config, checkpoint, layout, provider, n_threads or default_threads())
+        return cls(config, checkpoint, layout, provider, n_threads or default_threads(), numerics)
 
     # ------------------------------------------------------------- loading
 
@@ -237,6 +252,8 @@ class Model:
         stored = resolve_weight(self.checkpoint.tensors, module, shape, role,
                                 self.config.quantization, self.checkpoint.model_dir)
         self.dense_weights[module] = stored
+        if role == ROUTER:
+            self._router_modules.add(module)
         return read_weight(self.checkpoint, stored)
 
     def _mlp(self, prefix: str, inter: int) -> MLPWeights:
@@ -279,7 +296,8 @@ class Model:
         experts: the routed experts' format (ext.formats.quant.formats(), None without
         experts); dense: the resident linear weights' format, or "mixed" when they differ
         (e.g. FP8 projections beside a bf16 router); dense_formats: each format used and
-        how many weights have it; quantization: the quantization_config's fields, or None.
+        how many weights have it; quantization: the quantization_config's fields, or None;
+        numerics: the mode in force (`numerics_in_force`).
         """
         counts: dict[str, int] = {}
         for w in self.dense_weights.values():
@@ -288,7 +306,19 @@ class Model:
         return {"experts": self.layout.format,
                 "dense": next(iter(counts)) if len(counts) == 1 else "mixed",
                 "dense_formats": dict(sorted(counts.items())),
-                "quantization": quant.describe() if quant is not None else None}
+                "quantization": quant.describe() if quant is not None else None,
+                "numerics": self.numerics_in_force()}
+
+    def numerics_in_force(self) -> str:
+        """"fast" when fast numerics is on and some weight it changes is int8, int4 or
+        MXFP4 (the routed experts, or a resident weight other than a router); "exact"
+        otherwise, where both modes compute the same bits."""
+        if not self.fast:
+            return "exact"
+        formats = {w.format for module, w in self.dense_weights.items()
+                   if module not in self._router_modules}
+        formats.add(self.layout.format or "")
+        return "fast" if formats & FAST_FORMATS else "exact"
 
     # ------------------------------------------------------------- serving
 
@@ -322,7 +352,7 @@ class Model:
             if all_logits or last:
                 rows = h if all_logits else h[-1:]
                 logits = np.empty((rows.shape[0], self.config.vocab_size), F32)
-                K_.matmul(self.lm_head, rows, logits, self.n_threads)
+                K_.matmul(self.lm_head, rows, logits, self.n_threads, fast=self.fast)
                 outs.append(logits)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
@@ -388,7 +418,7 @@ class Model:
         h = self._forward_rows(segments, ids)
         last = np.ascontiguousarray(h[[r1 - 1 for _, _, r1 in segments]])   # [len(seqs), H]
         logits = np.empty((len(seqs), self.config.vocab_size), F32)
-        K_.matmul(self.lm_head, last, logits, self.n_threads)
+        K_.matmul(self.lm_head, last, logits, self.n_threads, fast=self.fast)
         return logits
 
     def _check_ids(self, ids: np.ndarray) -> None:
@@ -555,7 +585,7 @@ class Model:
         T = h.shape[0]
         inter = mlp.gate.shape[0]
         K_.expert_ffn([mlp.gate], [mlp.up], [mlp.down], h, np.array([0, T], np.int64),
-                      self.ws.hbuf(T, inter), out, self.n_threads)
+                      self.ws.hbuf(T, inter), out, self.n_threads, fast=self.fast)
         return out
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from scheduler.cache import ExpertCache
 from telemetry.metrics import DaemonMetrics, ExpertCounters, Snapshot
 
 LAYERS = (1, 3, 5)            # MoE layer ids (not 0..L-1: a model with dense layers between)
-BUILD = {"version": "9.9.9", "model_type": "qwen3_moe", "quantization": "fp8_e4m3"}
+BUILD = {"version": "9.9.9", "model_type": "qwen3_moe", "quantization": "fp8_e4m3", "numerics": "fast"}
 
 
 def metrics(source=lambda: None) -> DaemonMetrics:

@@ -55,6 +55,7 @@ LAYERS = {
     "pin_fraction": ("0", 0.0, "1", 1.0, "0.25", 0.25),
     "prefetch": ("false", False, "yes", True, "no", False),
     "half_life_tokens": ("100", 100.0, "512.5", 512.5, "4096", 4096.0),
+    "numerics": ('"fast"', "fast", "EXACT", "exact", "fast", "fast"),
     "tuner": ('"off"', "off", "LIVE+idle", "live+idle", "live", "live"),
     "record_trace": ('"/t/file.jsonl"', "/t/file.jsonl", "/t/env.jsonl", "/t/env.jsonl",
                      "/t/flag.jsonl", "/t/flag.jsonl"),
@@ -93,6 +94,7 @@ BAD = {
     "pin_fraction": ("1.5", "-0.1", "nan"),
     "prefetch": ("1", "maybe", "2"),
     "half_life_tokens": ("0", "-5", "x"),
+    "numerics": ("1", "quick", "int8"),
     "tuner": ("1", "on", "offline"),
 }
 

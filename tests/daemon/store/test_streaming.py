@@ -51,12 +51,12 @@ def _run(model: Model, prompt=PROMPT, steps=STEPS) -> tuple[list[int], list[np.n
     return tokens, all_logits
 
 
-def _streaming(model_dir: Path, n_threads=2, counts=None, **options) -> Model:
+def _streaming(model_dir: Path, n_threads=2, counts=None, numerics="exact", **options) -> Model:
     config = load_config(model_dir)
     checkpoint = Checkpoint(model_dir)
     layout = ExpertLayout(checkpoint, config)
     provider = StreamingExpertProvider(layout, config, StreamingOptions(**options), usage_counts=counts)
-    return Model(config, checkpoint, layout, provider, n_threads)
+    return Model(config, checkpoint, layout, provider, n_threads, numerics)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,36 @@ def test_lowbit_tokens_and_logits_identical_at_every_placement(lowbit, dtype, sl
     _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers)
 
 
+# Fast numerics (int8 activations) changes the bits of these formats, never their
+# independence from placement: the same grid in fast mode, against a fast mmap run.
+FAST = ("mxfp4", *REPACKED)
+FAST_PLACEMENTS = [p for p in LOWBIT_PLACEMENTS if p.values[0] in FAST]
+
+
+@pytest.fixture(scope="module")
+def lowbit_fast(lowbit):
+    """get(dtype) -> (model dir, fast mmap reference run), and that run differs from
+    exact numerics' (so the fast path really ran)."""
+    cache = {}
+
+    def get(dtype: str):
+        if dtype not in cache:
+            d, exact = lowbit(dtype)
+            fast = _run(Model.load(d, n_threads=2, experts="mmap", numerics="fast"))
+            assert any(not np.array_equal(a, b) for a, b in zip(fast[1], exact[1]))
+            cache[dtype] = d, fast
+        return cache[dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype, slots, prefetch, n_threads, io_workers", FAST_PLACEMENTS)
+def test_fast_numerics_tokens_and_logits_identical_at_every_placement(lowbit_fast, dtype, slots,
+                                                                      prefetch, n_threads, io_workers):
+    model_dir, reference = lowbit_fast(dtype)
+    _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers, numerics="fast")
+
+
 @pytest.mark.parametrize("dtype", LOWBIT)
 def test_lowbit_slots_hold_every_piece_and_are_smaller(model_dir, lowbit, dtype):
     """A low-bit expert's slot holds its weights and scales (one plan, aligned spans) and
@@ -148,10 +178,10 @@ def test_lowbit_slots_hold_every_piece_and_are_smaller(model_dir, lowbit, dtype)
     assert minimum_cache_bytes(layout, config) == 2 * 3 * _slot_bytes(d)
 
 
-def _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers):
+def _check_placement(model_dir, reference, slots, prefetch, n_threads, io_workers, numerics="exact"):
     slot = _slot_bytes(model_dir)
     n = {"min": 2 * 3, "quarter": 3 * 8 // 4, "half": 3 * 8 // 2, "all": 3 * 8}[slots]
-    model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot,
+    model = _streaming(model_dir, n_threads=n_threads, cache_bytes=n * slot, numerics=numerics,
                        io_workers=io_workers, **PREFETCH_MODES[prefetch])
     tokens, logits = _run(model)
     assert tokens == reference[0]

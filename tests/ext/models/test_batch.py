@@ -4,17 +4,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ext.makemodel import make_model
 from ext.models.model import PREFILL_CHUNK, Model
+from repacked_models import make_in_format
 
 PROMPTS = [[5, 17, 3], [99, 42, 7, 250, 31, 8, 1, 2, 3, 4], [11]]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
+# (arch, stored format, numerics): fast numerics quantises the activations of a step's
+# rows together, so a batched row must still equal the row alone.
+@pytest.fixture(scope="module", params=[("qwen3_moe", "bf16", "exact"), ("qwen2_moe", "bf16", "exact"),
+                                        ("mixtral", "bf16", "exact"), ("qwen3_moe", "int4", "fast"),
+                                        ("mixtral", "int8", "fast")], ids=lambda p: "-".join(p))
 def model(request, tmp_path_factory):
-    d = make_model(tmp_path_factory.mktemp("batch") / "m", arch=request.param, layers=3, experts=8,
-                   top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=3, initializer_range=0.2)
-    m = Model.load(d, n_threads=2)
+    arch, dtype, numerics = request.param
+    d = make_in_format(tmp_path_factory.mktemp("batch") / "m", dtype, arch=arch, layers=3,
+                       experts=8, top_k=2, hidden=64, intermediate=32, seed=3,
+                       initializer_range=0.2)
+    m = Model.load(d, n_threads=2, numerics=numerics)
+    assert m.numerics_in_force() == numerics
     yield m
     m.close()
 

@@ -1,0 +1,81 @@
+"""The numerics mode of a loaded model: "fast" changes the products of int8, int4 and MXFP4
+weights only (the kernels' bit-level spec is tested in tests/ext/kernels/), stays close to
+"exact", and keeps a token's logits independent of how its prompt is chunked."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ext.makemodel import make_model
+from ext.models.model import PREFILL_CHUNK, Model
+from repacked_models import make_in_format
+
+PROMPT = [5, 17, 3, 99, 42, 7, 250, 31, 8, 1, 2, 3]
+SHAPE = dict(arch="qwen3_moe", layers=3, experts=8, top_k=2, hidden=64, intermediate=32, seed=5,
+             initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("numerics")
+    out = {dtype: make_in_format(root / dtype, dtype, **SHAPE) for dtype in ("int4", "int8")}
+    out["bf16"] = root / "int4-bf16"                  # the source make_in_format repacked
+    out["mxfp4"] = make_model(root / "mxfp4", dtype="mxfp4", **SHAPE)
+    out["fp8"] = make_model(root / "fp8", dtype="fp8", **SHAPE)
+    return out
+
+
+def _logits(model_dir, numerics, prompt=PROMPT, n_threads=2) -> np.ndarray:
+    model = Model.load(model_dir, n_threads=n_threads, numerics=numerics)
+    try:
+        return model.forward(model.new_sequence(), prompt, all_logits=True)
+    finally:
+        model.close()
+
+
+def test_an_unknown_mode_is_refused(dirs):
+    with pytest.raises(ValueError, match="numerics must be one of exact, fast, got 'quick'"):
+        Model.load(dirs["int4"], numerics="quick")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_fast_is_exact_where_it_changes_nothing(dirs, dtype):
+    model = Model.load(dirs[dtype], numerics="fast")
+    assert model.numerics_in_force() == "exact"
+    assert model.weight_formats()["numerics"] == "exact"
+    model.close()
+    assert np.array_equal(_logits(dirs[dtype], "fast"), _logits(dirs[dtype], "exact"))
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8", "mxfp4"])
+def test_fast_differs_from_exact_by_little(dirs, dtype):
+    model = Model.load(dirs[dtype], numerics="fast")
+    assert model.weight_formats()["numerics"] == "fast"
+    model.close()
+    fast, exact = _logits(dirs[dtype], "fast"), _logits(dirs[dtype], "exact")
+    assert not np.array_equal(fast, exact)              # the fast kernels ran
+    scale = np.abs(exact).max()
+    assert np.abs(fast - exact).max() < 0.05 * scale, np.abs(fast - exact).max() / scale
+    assert (fast.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", ["int4", "mxfp4"])
+def test_fast_logits_do_not_depend_on_chunking_or_threads(dirs, dtype):
+    whole = _logits(dirs[dtype], "fast", n_threads=2)
+    assert np.array_equal(_logits(dirs[dtype], "fast", n_threads=1), whole)
+    model = Model.load(dirs[dtype], n_threads=2, numerics="fast")
+    seq = model.new_sequence()
+    rows = [model.forward(seq, PROMPT[:5], all_logits=True)]
+    rows += [model.forward(seq, [t]) for t in PROMPT[5:]]   # one token a step, as decode
+    model.close()
+    assert np.array_equal(np.concatenate(rows), whole)
+
+
+def test_a_long_prompt_crosses_prefill_chunks_with_the_same_bits(dirs):
+    prompt = [(7 * i + 3) % 256 for i in range(PREFILL_CHUNK + 9)]
+    whole = _logits(dirs["int4"], "fast", prompt)
+    model = Model.load(dirs["int4"], n_threads=2, numerics="fast")
+    seq = model.new_sequence()
+    parts = [model.forward(seq, prompt[i:i + 7], all_logits=True) for i in range(0, len(prompt), 7)]
+    model.close()
+    assert np.array_equal(np.concatenate(parts), whole)
