@@ -325,6 +325,7 @@ class CacheSqueeze:
         self.slot = slot_bytes
         self.calm = 0
         self.last_available: int | None = None
+        self.last_cut = 0     # bytes the last reading asked back (0: none), before clamping
 
     def target(self, current_bytes: int, available: int | None,
                pressure_avg10: float | None = None) -> int:
@@ -338,9 +339,12 @@ class CacheSqueeze:
         Shrinks only on real pressure: PSI at or above the policy's threshold, available
         below low water, or available falling — between the marks, by more than half
         their gap since the previous reading — by what was lost. Grows after
-        calm_readings readings above high water without pressure.
+        calm_readings readings above high water without pressure. `last_cut` keeps the
+        bytes a shrink asked for before rounding and the floor (0 when none): what a
+        cache that gives way first (the prefix cache) may cover instead.
         """
         p = self.policy
+        self.last_cut = 0
         if available is None:
             return current_bytes
         last, self.last_available = self.last_available, available
@@ -357,6 +361,7 @@ class CacheSqueeze:
                 cut = last - available
             if pressured:
                 cut = max(cut, p.shrink_step_bytes)
+            self.last_cut = cut
             return self._clamp(current_bytes - max(cut, self.slot))
         if available > p.high_water_bytes and current_bytes < self.maximum:
             self.calm += 1

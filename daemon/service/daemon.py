@@ -221,6 +221,8 @@ class Daemon:
                 if "prefix_cache_bytes" in changed:
                     await asyncio.wrap_future(loaded.engine.call(
                         lambda: loaded.engine.prefix_cache.resize(new.prefix_cache_bytes)))
+                    if self.state.memory_watcher is not None:
+                        self.state.memory_watcher.set_prefix_maximum(new.prefix_cache_bytes)
                 if loaded.templates is not None:
                     loaded.templates.set_limits(new.chat_template_max_chars,
                                                 new.chat_template_timeout_s)
