@@ -144,7 +144,7 @@ def test_the_700_mib_cgroup_of_the_report():
     """The report's checkpoint: 2.2 GB of experts, 45056 B of KV a token, ~70 MB dense,
     in a 700 MiB cgroup of which the interpreter already holds ~100 MiB. The old plan
     (512 MiB runtime + 512 MiB prefix cache + 4 x 4096 tokens of KV) asked for 1.92 GB;
-    now the context is cut and the prefix cache waits for room."""
+    now it starts: 3 sequences of 2304 tokens, the prefix cache out of what is left."""
     available = 600 * MiB
     slot = 4_329_472                                  # 3 x 1024 x 704 x 2 B, in pages
     p = plan_memory(available, dense_bytes=70_000_000, kv_bytes_per_token=45_056,
