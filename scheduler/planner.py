@@ -10,10 +10,15 @@ Two steps, each one function:
       the tightest of MemAvailable; each cgroup's headroom
       limit - (usage - inactive_file), never below 0, for this process's cgroup and each
       ancestor; and the configured cap.
-  plan = plan_memory(available, dense, KV, runtime, margin, slot size, ...)
-      expert cache = available - dense - KV x max_concurrent_sequences - runtime - margin,
-      rounded down to whole slots and split into a pinned and a dynamic tier, the dynamic
-      tier never below min_dynamic_slots (top_k per MoE layer, the floor of ExpertCache).
+  plan = plan_memory(available, dense, runtime, KV per token, sequences, context, ...)
+      base = dense + runtime + margin + the expert cache's floor (top_k slots per MoE layer,
+      the floor of ExpertCache); the minimum to start is base + one sequence's KV at the
+      floor context (CONTEXT_FLOOR_TOKENS, or the model's context if smaller). The context,
+      then the sequences, are cut until their KV fits (unless the operator fixed them: then
+      the plan refuses, naming the key and by how much to lower it) — a cut context's KV takes
+      at most KV_SHARE of what is left above the floors; the prefix cache takes
+      at most PREFIX_SHARE of what is left; the expert cache the rest, rounded down to
+      whole slots and split into a pinned and a dynamic tier.
 """
 from __future__ import annotations
 
@@ -78,17 +83,28 @@ def available_bytes(mem_available: int | None, cgroup_limits: Iterable[CgroupLim
     return max(0, min(bounds))
 
 
+CONTEXT_FLOOR_TOKENS = 2048     # the context a sequence keeps however tight memory is
+CONTEXT_STEP_TOKENS = 256       # a cut context is a multiple of this (above the floor)
+KV_SHARE = 0.5                  # a cut context: of the memory beyond the floors, the KV's share
+PREFIX_SHARE = 0.25             # of the memory beyond the minimum, the most the prefix cache gets
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Where the available bytes go. All fields are bytes unless named *_slots.
+    """Where the available bytes go. All fields are bytes unless named *_slots, *_tokens or
+    max_concurrent_sequences.
 
+    kv_bytes = kv_bytes_per_token x context_tokens x max_concurrent_sequences.
     expert_cache_bytes = pinned_bytes + dynamic_bytes = total_slots x slot_bytes.
-    total_slots and pinned_slots are what ExpertCache takes.
+    total_slots and pinned_slots are what ExpertCache takes; prefix_cache_bytes is the
+    prefix cache's capacity (at most what was asked for); minimum_bytes is what moed needs
+    to start at all (one sequence at the floor context, no prefix cache, the expert
+    cache's minimum).
     """
 
     available_bytes: int
     dense_bytes: int
-    kv_bytes: int  # kv_bytes_per_sequence x max_concurrent_sequences
+    kv_bytes: int
     runtime_bytes: int
     margin_bytes: int
     slot_bytes: int
@@ -98,6 +114,11 @@ class MemoryPlan:
     expert_cache_bytes: int
     pinned_bytes: int
     dynamic_bytes: int
+    kv_bytes_per_token: int = 0
+    max_concurrent_sequences: int = 1
+    context_tokens: int = 0
+    prefix_cache_bytes: int = 0
+    minimum_bytes: int = 0
 
 
 def _nonnegative(**values: int | float) -> None:
@@ -106,66 +127,140 @@ def _nonnegative(**values: int | float) -> None:
             raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_sequence: int,
-                max_concurrent_sequences: int, runtime_bytes: int, slot_bytes: int,
-                min_dynamic_slots: int, pin_fraction: float = 0.0, margin_bytes: int = 0,
+def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_token: int,
+                max_concurrent_sequences: int, context_tokens: int, runtime_bytes: int,
+                slot_bytes: int, min_dynamic_slots: int,
+                min_context_tokens: int = CONTEXT_FLOOR_TOKENS, prefix_cache_bytes: int = 0,
+                prefix_share: float = PREFIX_SHARE, all_experts_bytes: int | None = None,
+                sequences_fixed: bool = False, context_fixed: bool = False,
+                pin_fraction: float = 0.0, margin_bytes: int = 0,
                 margin_fraction: float = 0.0) -> MemoryPlan:
-    """Split `available` bytes between the dense weights, KV cache, runtime and experts.
+    """Split `available` bytes between the dense weights, runtime, KV cache, prefix cache
+    and expert cache.
 
     available: bytes moed may use (`available_bytes`).
     dense_bytes: resident weights (embeddings, attention, norms, routers, shared experts).
-    kv_bytes_per_sequence: KV cache of one sequence at the configured context, bytes.
-    max_concurrent_sequences: sequences decoded together (each holds its KV cache).
-    runtime_bytes: activations, io buffers, interpreter — everything else moed allocates.
+    kv_bytes_per_token: what one token adds to one sequence's KV cache (f32), bytes.
+    max_concurrent_sequences: sequences decoded together (each holds its KV cache); the
+      plan may lower it (never below 1) unless sequences_fixed.
+    context_tokens: the context wanted per sequence (the model's, or less); the plan may
+      cut it, down to floor = min(min_context_tokens, context_tokens), unless
+      context_fixed.
+    sequences_fixed, context_fixed: the operator set that number: the plan refuses (naming
+      the key and by how much to lower it) rather than lower it.
+    runtime_bytes: what the process adds besides the parts above (workspaces, logits,
+      scores, libraries' allocations at load).
     slot_bytes: one expert-cache slot (the largest expert), > 0.
     min_dynamic_slots: top_k x MoE layers — ExpertCache's floor for the dynamic tier.
+    prefix_cache_bytes: the prefix cache's configured capacity: a ceiling, never a reason
+      to refuse.
+    prefix_share: of the bytes beyond the minimum (dense + runtime + margin + KV + the
+      expert cache's minimum), the most the prefix cache takes; the expert cache takes the
+      rest. When all_experts_bytes (every expert in its slot) is given and the experts all
+      fit, the prefix cache may also take what they leave over.
     pin_fraction: the share of slots for the pinned tier, in [0, 1]; it yields to the
       dynamic floor.
     margin_bytes, margin_fraction: a safety margin; margin = max(margin_bytes,
       floor(margin_fraction x available)).
 
-    Formula: expert_cache = available - dense - kv_per_sequence x max_concurrent_sequences
-      - runtime - margin; total_slots = expert_cache // slot_bytes;
-      pinned_slots = min(floor(total_slots x pin_fraction), total_slots - min_dynamic_slots);
-      the rest are dynamic.
+    Steps: base = dense + runtime + margin + min_dynamic_slots x slot; the minimum to start
+      is base + the KV of one sequence at the floor. Cuts, in this order, until the KV fits
+      beside base: the context (context_tokens itself when it fits whole) to the largest
+      multiple of CONTEXT_STEP_TOKENS whose KV takes at most KV_SHARE of what the KV at
+      the floor and base leave (the rest stays for the expert cache, which the floors
+      alone would leave at its minimum), not below the floor; then the sequences, to as
+      many as fit at the floor, not below 1. spare = available - base - KV; prefix = min(prefix_cache_bytes, prefix_share x spare, or
+      what all experts leave); total_slots = (available - dense - runtime - margin - KV -
+      prefix) // slot_bytes; pinned_slots = min(floor(total_slots x pin_fraction),
+      total_slots - min_dynamic_slots); the rest are dynamic.
 
-    Raises MemoryPlanError (a ValueError; the message lists every number) when the dense
-    part — dense + KV + runtime + margin — does not fit in `available`, or when what remains
-    holds fewer than min_dynamic_slots slots. ValueError on negative or out-of-range inputs.
+    Raises MemoryPlanError (a ValueError; the message names what to lower, by how much, and
+    lists every number) when the minimum to start does not fit, or a number the operator
+    fixed would have to be lowered. ValueError on negative or out-of-range inputs.
     """
     _nonnegative(available=available, dense_bytes=dense_bytes,
-                 kv_bytes_per_sequence=kv_bytes_per_sequence,
-                 max_concurrent_sequences=max_concurrent_sequences, runtime_bytes=runtime_bytes,
+                 kv_bytes_per_token=kv_bytes_per_token, runtime_bytes=runtime_bytes,
                  min_dynamic_slots=min_dynamic_slots, margin_bytes=margin_bytes,
-                 margin_fraction=margin_fraction)
+                 margin_fraction=margin_fraction, prefix_cache_bytes=prefix_cache_bytes,
+                 prefix_share=prefix_share)
     if slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+    if max_concurrent_sequences < 1 or context_tokens < 1 or min_context_tokens < 1:
+        raise ValueError(f"max_concurrent_sequences, context_tokens and min_context_tokens must "
+                         f"be >= 1, got {max_concurrent_sequences}, {context_tokens}, "
+                         f"{min_context_tokens}")
     if not 0.0 <= pin_fraction <= 1.0:
         raise ValueError(f"pin_fraction must be in [0, 1], got {pin_fraction}")
-    if margin_fraction >= 1.0:
-        raise ValueError(f"margin_fraction must be < 1, got {margin_fraction}")
+    if margin_fraction >= 1.0 or prefix_share > 1.0:
+        raise ValueError(f"margin_fraction must be < 1 and prefix_share <= 1, got "
+                         f"{margin_fraction} and {prefix_share}")
 
-    kv_bytes = kv_bytes_per_sequence * max_concurrent_sequences
+    n = max_concurrent_sequences
     margin = max(margin_bytes, int(margin_fraction * available))
-    fixed = dense_bytes + kv_bytes + runtime_bytes + margin
-    numbers = (f"available {available} B; dense {dense_bytes} B + KV {kv_bytes_per_sequence} B "
-               f"x {max_concurrent_sequences} sequences = {kv_bytes} B + runtime {runtime_bytes} B "
-               f"+ margin {margin} B = {fixed} B; expert cache minimum {min_dynamic_slots} slots "
-               f"x {slot_bytes} B = {min_dynamic_slots * slot_bytes} B")
-    if fixed > available:
-        raise MemoryPlanError(f"the dense part does not fit: needs {fixed} B, "
-                              f"{fixed - available} B more than available ({numbers})")
-    total_slots = (available - fixed) // slot_bytes
-    if total_slots < min_dynamic_slots:
-        raise MemoryPlanError(f"the expert cache does not fit: {available - fixed} B remain, "
-                              f"{total_slots} slots, below the minimum ({numbers})")
+    experts_min = min_dynamic_slots * slot_bytes
+    base = dense_bytes + runtime_bytes + margin + experts_min
+    floor = min(min_context_tokens, context_tokens)
+    minimum = base + kv_bytes_per_token * floor
+    lowest = context_tokens if context_fixed else floor    # the context the cuts stop at
+    one_sequence = kv_bytes_per_token * lowest
+    needed = base + n * one_sequence
+    numbers = (f"available {available} B; dense {dense_bytes} B + runtime {runtime_bytes} B "
+               f"+ margin {margin} B + expert cache minimum {min_dynamic_slots} slots x "
+               f"{slot_bytes} B = {experts_min} B + KV {kv_bytes_per_token} B/token x "
+               f"{lowest} tokens x {n} sequences = {n * one_sequence} B = {needed} B; the "
+               f"minimum to start, one sequence at {floor} tokens: {minimum} B; prefix cache "
+               f"0 B (it takes only what is left)")
+    if minimum > available:
+        raise MemoryPlanError(
+            f"moed does not fit: it needs at least {minimum} B to start (one sequence at "
+            f"{floor} tokens), {minimum - available} B more than available; no key lowers "
+            f"that (max_concurrent_sequences 1, the context at {floor} tokens and "
+            f"prefix_cache_bytes 0 are counted already): give it {minimum - available} B "
+            f"more memory or serve a smaller model ({numbers})")
+    room = available - base
+    fits = room // one_sequence if one_sequence else n
+    if fits < n and (sequences_fixed or fits == 0):
+        advice = []
+        if sequences_fixed and fits >= 1:
+            advice.append(f"lower max_concurrent_sequences by {n - fits}, from {n} to {fits} "
+                          f"(each sequence holds {one_sequence} B)")
+        if context_fixed:
+            cut = room // (kv_bytes_per_token * n)
+            cut = cut if cut < CONTEXT_STEP_TOKENS else cut // CONTEXT_STEP_TOKENS * CONTEXT_STEP_TOKENS
+            if cut >= 1:
+                advice.append(f"lower max_context_tokens by {context_tokens - cut}, from "
+                              f"{context_tokens} to {cut}")
+            else:
+                advice.append(f"lower max_context_tokens from {context_tokens} to at most "
+                              f"{room // kv_bytes_per_token} and max_concurrent_sequences to 1")
+        raise MemoryPlanError(
+            f"the KV cache of {n} sequences of {lowest} tokens does not fit: needs {needed} "
+            f"B, {needed - available} B more than available; {' or '.join(advice)}, or give "
+            f"moed {needed - available} B more memory; prefix_cache_bytes is not the cause "
+            f"({numbers})")
+    n = min(n, fits)
+    if kv_bytes_per_token == 0 or room >= kv_bytes_per_token * context_tokens * n:
+        context = context_tokens
+    else:      # the KV above the floor gets at most KV_SHARE of what is above the minima
+        at_lowest = kv_bytes_per_token * lowest * n
+        fit = int(at_lowest + (room - at_lowest) * KV_SHARE) // (kv_bytes_per_token * n)
+        context = max(lowest, min(context_tokens, fit // CONTEXT_STEP_TOKENS * CONTEXT_STEP_TOKENS))
+    kv_bytes = kv_bytes_per_token * context * n
+    spare = available - base - kv_bytes
+    prefix_room = int(spare * prefix_share)
+    if all_experts_bytes is not None:
+        prefix_room = max(prefix_room, spare - max(0, all_experts_bytes - experts_min))
+    prefix = min(prefix_cache_bytes, prefix_room)
+    total_slots = (available - dense_bytes - runtime_bytes - margin - kv_bytes - prefix) // slot_bytes
     pinned_slots = min(int(total_slots * pin_fraction), total_slots - min_dynamic_slots)
     return MemoryPlan(
         available_bytes=available, dense_bytes=dense_bytes, kv_bytes=kv_bytes,
         runtime_bytes=runtime_bytes, margin_bytes=margin, slot_bytes=slot_bytes,
         min_dynamic_slots=min_dynamic_slots, total_slots=total_slots, pinned_slots=pinned_slots,
         expert_cache_bytes=total_slots * slot_bytes, pinned_bytes=pinned_slots * slot_bytes,
-        dynamic_bytes=(total_slots - pinned_slots) * slot_bytes)
+        dynamic_bytes=(total_slots - pinned_slots) * slot_bytes,
+        kv_bytes_per_token=kv_bytes_per_token, max_concurrent_sequences=n,
+        context_tokens=context, prefix_cache_bytes=prefix, minimum_bytes=minimum)
 
 
 # ------------------------------------------------------------------- the live squeeze
@@ -230,6 +325,7 @@ class CacheSqueeze:
         self.slot = slot_bytes
         self.calm = 0
         self.last_available: int | None = None
+        self.last_cut = 0     # bytes the last reading asked back (0: none), before clamping
 
     def target(self, current_bytes: int, available: int | None,
                pressure_avg10: float | None = None) -> int:
@@ -243,9 +339,12 @@ class CacheSqueeze:
         Shrinks only on real pressure: PSI at or above the policy's threshold, available
         below low water, or available falling — between the marks, by more than half
         their gap since the previous reading — by what was lost. Grows after
-        calm_readings readings above high water without pressure.
+        calm_readings readings above high water without pressure. `last_cut` keeps the
+        bytes a shrink asked for before rounding and the floor (0 when none): what a
+        cache that gives way first (the prefix cache) may cover instead.
         """
         p = self.policy
+        self.last_cut = 0
         if available is None:
             return current_bytes
         last, self.last_available = self.last_available, available
@@ -262,6 +361,7 @@ class CacheSqueeze:
                 cut = last - available
             if pressured:
                 cut = max(cut, p.shrink_step_bytes)
+            self.last_cut = cut
             return self._clamp(current_bytes - max(cut, self.slot))
         if available > p.high_water_bytes and current_bytes < self.maximum:
             self.calm += 1

@@ -15,8 +15,12 @@ relative to it (`scheduler.planner.default_squeeze_policy`). Every `MEMORY_POLL_
               host's /proc/pressure/memory.
 
 and when the budget changes, rebuilds the streaming provider on the engine thread between
-two steps. The dynamic tier gives way first: the pinned slot count is kept while the
-budget above the minimum holds it. The old slot arena is unmapped, so its pages go back
+two steps. The prefix cache (daemon/service/prefix_cache.py) gives way before the expert
+cache: what a shrink asks for comes first off its capacity (its least recently used blocks
+are evicted), and only what that does not free comes off the expert cache; it grows back
+last, once the expert cache is at its budget, by the same steps after the same calm
+readings. In the expert cache the dynamic tier gives way first: the pinned slot count is
+kept while the budget above the minimum holds it. The old slot arena is unmapped, so its pages go back
 to the kernel at once (RSS falls). Output never changes: this is placement.
 """
 from __future__ import annotations
@@ -119,6 +123,8 @@ class MemoryWatcher:
     run_on_engine: runs a callable on the engine thread and returns its result (blocking).
     maximum_bytes: the configured budget, which the cache never exceeds.
     feed: one reading per call (default: `system_feed`); tests pass a simulated one.
+    prefix_cache: the engine's PrefixCache (capacity_bytes, resize, stats) that shrinks
+    first, or None; its capacity at start is its maximum (`set_prefix_maximum`).
     policy: thresholds (default: `default_squeeze_policy` of the configured budget and the
     room of each reading — the cgroup's limit, else MemTotal, or mem_total_bytes when
     given and the reading has none; recomputed when the room changes).
@@ -127,8 +133,12 @@ class MemoryWatcher:
     def __init__(self, session, maximum_bytes: int, minimum_bytes: int,
                  run_on_engine: Callable[[Callable[[], object]], object],
                  feed: Callable[[], MemoryFeed] = system_feed, mem_total_bytes: int | None = None,
-                 policy: SqueezePolicy | None = None):
+                 policy: SqueezePolicy | None = None, prefix_cache=None):
         self.session = session
+        self.prefix_cache = prefix_cache
+        self.prefix_maximum = prefix_cache.capacity_bytes if prefix_cache is not None else 0
+        self.prefix_shrinks = self.prefix_grows = 0
+        self._prefix_calm = 0
         self.run_on_engine = run_on_engine
         self.feed = feed
         self._fixed_policy = policy is not None
@@ -153,6 +163,10 @@ class MemoryWatcher:
         if not self._fixed_policy:
             self.squeeze.policy = default_squeeze_policy(self.squeeze.maximum, self.room)
 
+    def set_prefix_maximum(self, maximum_bytes: int) -> None:
+        """A new configured prefix cache capacity (SIGHUP; the caller resizes the cache)."""
+        self.prefix_maximum = maximum_bytes
+
     @property
     def current_bytes(self) -> int:
         return self.session.options.cache_bytes
@@ -164,7 +178,11 @@ class MemoryWatcher:
                 "low_water_bytes": p.low_water_bytes, "high_water_bytes": p.high_water_bytes,
                 "pressure_avg10_threshold": p.pressure_avg10, "cache_bytes": self.current_bytes,
                 "maximum_bytes": self.squeeze.maximum, "minimum_bytes": self.squeeze.minimum,
-                "shrinks": self.shrinks, "grows": self.grows}
+                "shrinks": self.shrinks, "grows": self.grows,
+                "prefix_cache": None if self.prefix_cache is None else {
+                    "capacity_bytes": self.prefix_cache.capacity_bytes,
+                    "maximum_bytes": self.prefix_maximum, "shrinks": self.prefix_shrinks,
+                    "grows": self.prefix_grows}}
 
     def check(self) -> int | None:
         """Take one reading; resize when needed. The new budget, or None (no change)."""
@@ -180,6 +198,8 @@ class MemoryWatcher:
         if current >= self.squeeze.maximum:
             self._pinned_unsqueezed = pinned       # what the pins hold when nothing squeezes
         target = self.squeeze.target(current, reading.available_bytes, reading.pressure_avg10)
+        if self.prefix_cache is not None:
+            target = self._prefix_first(current, target, reading, room)
         if target == current:
             return None
         spare = target // provider.slot_bytes - self.squeeze.minimum // provider.slot_bytes
@@ -195,4 +215,48 @@ class MemoryWatcher:
             from_bytes=current, to_bytes=target, available_bytes=reading.available_bytes,
             pressure_avg10=reading.pressure_avg10,
             pinned_slots=self.session.provider.cache.pinned_slots, room_bytes=room)
+        return target
+
+    def _prefix_first(self, current: int, target: int, reading: MemoryFeed, room: int) -> int:
+        """The prefix cache's turn: on a shrink it gives what it can first, and the expert
+        cache's target becomes what is still needed; with the expert cache at its budget
+        and calm readings above high water it grows back. Returns the expert cache's
+        target."""
+        prefix, squeeze = self.prefix_cache, self.squeeze
+        cut = squeeze.last_cut
+        if cut > 0:
+            self._prefix_calm = 0
+            capacity = prefix.capacity_bytes
+            if capacity == 0:
+                return target
+            held = prefix.stats().bytes
+            new_capacity = max(0, capacity - cut)
+            self.run_on_engine(lambda: prefix.resize(new_capacity))
+            self.prefix_shrinks += 1
+            freed = held - min(held, new_capacity)
+            log.warning("prefix_cache_shrunk", from_bytes=capacity, to_bytes=new_capacity,
+                        freed_bytes=freed, available_bytes=reading.available_bytes,
+                        pressure_avg10=reading.pressure_avg10, room_bytes=room)
+            rest = cut - freed
+            if rest <= 0:
+                return current
+            return squeeze._clamp(current - max(rest, squeeze.slot))
+        p = squeeze.policy
+        available = reading.available_bytes
+        calm = (available is not None and available > p.high_water_bytes
+                and (reading.pressure_avg10 is None or reading.pressure_avg10 < p.pressure_avg10))
+        if target != current or current < squeeze.maximum or not calm \
+                or prefix.capacity_bytes >= self.prefix_maximum:
+            self._prefix_calm = 0
+            return target
+        self._prefix_calm += 1
+        if self._prefix_calm < p.calm_readings:
+            return target
+        capacity = prefix.capacity_bytes
+        grown = min(self.prefix_maximum, capacity + min(max(1, self.prefix_maximum // 16),
+                                                        available - p.high_water_bytes))
+        self.run_on_engine(lambda: prefix.resize(grown))
+        self.prefix_grows += 1
+        log.info("prefix_cache_grown", from_bytes=capacity, to_bytes=grown,
+                 available_bytes=available, room_bytes=room)
         return target

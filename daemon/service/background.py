@@ -121,7 +121,7 @@ class BackgroundTasks:
     async def _memory_watch(self) -> None:
         """Streamed experts: every MEMORY_POLL_S re-read the memory available and shrink or
         grow the expert cache (daemon/machine/squeeze.py) up to the budget it started with (configured,
-        or planned); a failed reading or resize is a warning."""
+        or planned), the prefix cache giving way first; a failed reading or resize is a warning."""
         loaded = self.state.loaded
         if loaded is None or loaded.session is None:
             return
@@ -129,7 +129,8 @@ class BackgroundTasks:
         self.state.memory_watcher = MemoryWatcher(
             loaded.session, loaded.session.options.cache_bytes,     # configured or planned
             minimum_cache_bytes(model.layout, model.config),
-            run_on_engine=lambda fn: loaded.engine.call(fn).result())
+            run_on_engine=lambda fn: loaded.engine.call(fn).result(),
+            prefix_cache=loaded.engine.prefix_cache)
         while True:
             await asyncio.sleep(MEMORY_POLL_S)
             try:

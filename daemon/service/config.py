@@ -363,6 +363,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                "time (higher: long prompts first; lower: streams first)"),
     "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
                                                       "that start the same way (0: off)"),
+    "max_context_tokens": _Key(_int(1), "N", "tokens one sequence may hold, prompt and "
+                                             "completion (at most the model's)", True,
+                                "the model's; with the memory planner at most 8192, cut to "
+                                "what fits"),
     "max_tokens": _Key(_int(1), "N", "ceiling on a request's max_tokens (larger asks are cut to it)"),
     "max_body_bytes": _Key(_size, "SIZE", "largest request body"),
     "request_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS", "a request's time limit"),
@@ -438,6 +442,7 @@ class ServeConfig:
     max_queue: int = 64
     prefill_step_ratio: float = 2.75
     prefix_cache_bytes: int = 512 * MIB
+    max_context_tokens: int | None = None
     max_tokens: int = 4096
     max_body_bytes: int = 1 * MIB
     request_timeout_s: float = 600.0

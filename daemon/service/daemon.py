@@ -209,18 +209,26 @@ class Daemon:
         changed = {k for k, v in new.to_dict().items() if self.state.config.to_dict().get(k) != v}
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
-                           "header_timeout_s", "max_connections", "record_trace"}
+                           "header_timeout_s", "max_connections", "record_trace",
+                           "max_context_tokens"}
         if fixed:
             log.warning("reload_needs_restart", keys=sorted(fixed))
         new = replace(new, **{k: getattr(self.state.config, k) for k in fixed})
         loaded = self.state.loaded
         try:
             if loaded is not None:
-                loaded.engine.set_limits(new.max_concurrent_sequences, new.max_queue)
+                # the memory planner may have started it with fewer sequences than configured:
+                # they stay until the key itself changes
+                sequences = loaded.engine.max_concurrent_sequences
+                loaded.engine.set_limits(new.max_concurrent_sequences
+                                         if "max_concurrent_sequences" in changed else sequences,
+                                         new.max_queue)
                 loaded.engine.prefill_step_ratio = new.prefill_step_ratio
                 if "prefix_cache_bytes" in changed:
                     await asyncio.wrap_future(loaded.engine.call(
                         lambda: loaded.engine.prefix_cache.resize(new.prefix_cache_bytes)))
+                    if self.state.memory_watcher is not None:
+                        self.state.memory_watcher.set_prefix_maximum(new.prefix_cache_bytes)
                 if loaded.templates is not None:
                     loaded.templates.set_limits(new.chat_template_max_chars,
                                                 new.chat_template_timeout_s)
@@ -242,7 +250,7 @@ class Daemon:
         except (OSError, ValueError) as e:
             if loaded is not None:   # the new limits went in before the cache refused: undo
                 old = self.state.config
-                loaded.engine.set_limits(old.max_concurrent_sequences, old.max_queue)
+                loaded.engine.set_limits(sequences, old.max_queue)
             log.error("reload_failed", error=str(e), kept="previous configuration")
             self.state.notifier.ready()
             return

@@ -338,7 +338,9 @@ class Engine:
     max_concurrent_sequences: 1..PREFILL_CHUNK sequences (choices) run together.
     max_queue: requests that may wait for a place (>= 0).
     prefix_cache_bytes: bytes of KV blocks kept for reuse by requests that share a
-        prefix (0: no prefix caching). prefill_step_ratio: > 1; a step with prefill rows
+        prefix (0: no prefix caching). context_tokens: the most tokens (prompt and
+        completion) one sequence holds, at most the model's (None: the model's); a
+        sequence's KV cache never grows past it. prefill_step_ratio: > 1; a step with prefill rows
         beside decode rows aims at this multiple of a decode step's time.
     on_finish: called as on_finish(handle) on the engine thread when a request ends
         (its stats and finish_reason are final): the canonical log line.
@@ -349,6 +351,7 @@ class Engine:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, *, max_concurrent_sequences: int = 4,
                  max_queue: int = 64, prefix_cache_bytes: int = 0,
+                 context_tokens: int | None = None,
                  prefill_step_ratio: float = PREFILL_STEP_RATIO,
                  clock: Callable[[], float] = time.monotonic,
                  on_finish: Callable[[RequestHandle], None] | None = None,
@@ -357,6 +360,10 @@ class Engine:
         if not prefill_step_ratio > 1:
             raise ValueError(f"prefill_step_ratio must be > 1, got {prefill_step_ratio}")
         self.model = model
+        model_context = model.config.max_position_embeddings
+        if context_tokens is not None and not 1 <= context_tokens <= model_context:
+            raise ValueError(f"context_tokens must be in [1, {model_context}], got {context_tokens}")
+        self.context_tokens = context_tokens or model_context
         self.on_finish = on_finish
         self.on_decode_step = on_decode_step
         self.on_token_gap = on_token_gap
@@ -415,7 +422,7 @@ class Engine:
         leaves no room in the context, an id out of range, n outside
         [1, max_concurrent_sequences]).
         """
-        context = self.model.config.max_position_embeddings
+        context = self.context_tokens
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         if request.max_tokens < 1:
@@ -567,9 +574,10 @@ class Engine:
                 self._finish_unstarted(handle, "cancelled" if handle.cancelled else "timeout", now)
                 continue
             req = handle.request
-            context = self.model.config.max_position_embeddings
+            context = self.context_tokens
             max_tokens = min(req.max_tokens, context - len(req.prompt_ids))
-            seq = self.model.new_sequence(capacity=len(req.prompt_ids) + min(max_tokens, 1024))
+            seq = self.model.new_sequence(capacity=len(req.prompt_ids) + min(max_tokens, 1024),
+                                      max_capacity=context)
             r = _Running(handle, seq, Sampler(req.sampling), self.tokenizer.stream_decoder(),
                          max_tokens, np.asarray(req.prompt_ids, np.int64))
             try:

@@ -27,6 +27,7 @@ from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.models.families import kv_bytes_per_token, unused_tensors
+from ext.models.model import PREFILL_CHUNK
 from ext.tokenizer import Tokenizer, stop_token_ids
 from scheduler.planner import available_bytes, plan_memory
 from telemetry.logs import get_logger
@@ -86,27 +87,42 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     tokenizer = Tokenizer.from_model_dir(model_dir, renderer=templates.render)
     stop_ids = frozenset(stop_token_ids(model_dir))
     cache_bytes = config.expert_cache_bytes
+    prefix_bytes, context = config.prefix_cache_bytes, config.max_context_tokens
+    sequences = config.max_concurrent_sequences
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
                                       pin_fraction=config.pin_fraction,
-                                      prefix_cache_bytes=config.prefix_cache_bytes)
+                                      prefix_cache_bytes=config.prefix_cache_bytes,
+                                      max_context_tokens=config.max_context_tokens,
+                                      threads=config.threads,
+                                      sequences_fixed=config.sources.get(
+                                          "max_concurrent_sequences", DEFAULT_SOURCE) != DEFAULT_SOURCE)
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
-                 kv_bytes=p.kv_bytes, kv_context_tokens=planned.context,
-                 prefix_cache_bytes=config.prefix_cache_bytes,
                  runtime_bytes=p.runtime_bytes, margin_bytes=p.margin_bytes,
-                 expert_cache_bytes=p.expert_cache_bytes, all_experts_bytes=planned.all_experts_bytes,
+                 kv_bytes=p.kv_bytes, kv_bytes_per_token=p.kv_bytes_per_token,
+                 kv_context_tokens=p.context_tokens,
+                 max_concurrent_sequences=p.max_concurrent_sequences,
+                 prefix_cache_bytes=p.prefix_cache_bytes,
+                 prefix_cache_configured_bytes=config.prefix_cache_bytes,
+                 expert_cache_bytes=p.expert_cache_bytes, slot_bytes=p.slot_bytes,
+                 expert_cache_minimum_bytes=p.min_dynamic_slots * p.slot_bytes,
+                 minimum_bytes=p.minimum_bytes, all_experts_bytes=planned.all_experts_bytes,
                  experts="streamed" if planned.stream else "memory-mapped (they all fit)")
         if planned.stream:
             cache_bytes = p.expert_cache_bytes
+        prefix_bytes, context = p.prefix_cache_bytes, p.context_tokens
+        sequences = p.max_concurrent_sequences
     model, session = open_model(model_dir, threads=config.threads, cache_bytes=cache_bytes,
                                 io_workers=config.io_workers, prefetch=config.prefetch,
                                 pin_fraction=config.pin_fraction,
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ,
                                 record_trace=config.record_trace, numerics=config.numerics)
-    engine = Engine(model, tokenizer, max_concurrent_sequences=config.max_concurrent_sequences,
-                    max_queue=config.max_queue, prefix_cache_bytes=config.prefix_cache_bytes,
+    engine = Engine(model, tokenizer, max_concurrent_sequences=sequences,
+                    max_queue=config.max_queue, prefix_cache_bytes=prefix_bytes,
+                    context_tokens=min(context or model.config.max_position_embeddings,
+                                       model.config.max_position_embeddings),
                     prefill_step_ratio=config.prefill_step_ratio,
                     on_finish=lambda handle: request_finished(handle, telemetry),
                     on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
@@ -135,15 +151,59 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     path = Path(model_dir).resolve()
     names = (path.name, str(model_dir), str(path))
     return Loaded(engine=engine, model_names=tuple(dict.fromkeys(names)), stop_ids=stop_ids,
-                  context=model.config.max_position_embeddings, session=session,
+                  context=engine.context_tokens, session=session,
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
                   grammars=grammars, weight_formats=model.weight_formats(),
                   templates=templates)
 
 
-PLANNED_CONTEXT = 8192          # tokens of KV cache planned per sequence (at most the model's)
-RUNTIME_BYTES = 512 << 20       # interpreter, numpy, workspaces, io buffers
+PLANNED_CONTEXT = 8192          # tokens of context wanted per sequence (at most the model's)
+# What loading the model adds to the process besides the dense weights, the KV cache, the
+# expert and prefix caches and the workspaces below: the interpreter's and libraries'
+# allocations at load, the io workers, one chat-template render process (its own RSS),
+# the allocator's slack. Measured on a served make-model daemon (vocabulary 512) in a
+# memory cgroup: the group's RSS after serving, minus its usage when it planned, the dense
+# weights and both caches, was 23 MB; rounded up to 32 MiB.
+LOAD_BASE_BYTES = 32 << 20
+# Per vocabulary token: llguidance's token index (measured: 11 MB more at 32000 tokens than
+# at 512, 350 B a token) and the tokenizer's tables, rounded up (151936 tokens: 74 MiB).
+LOAD_BYTES_PER_VOCAB_TOKEN = 512
 MARGIN_FRACTION = 0.05          # of the available memory, kept free
+LOGIT_COPIES = 4                # per logits row: the logits, the sampler's probabilities,
+                                # its order and its mask
+
+
+def workspace_bytes(config, *, threads: int, context: int, sequences: int) -> int:
+    """The forward pass's buffers for PREFILL_CHUNK tokens (ext/models/model.py _Workspace,
+    the attention kind's projections, rope tables), the attention scores scratch
+    ([threads, context] f32, which grows by doubling: counted twice) and LOGIT_COPIES
+    logits rows of the vocabulary per sequence (f32), in bytes. An upper bound: each
+    attention buffer is counted at the widest query width of the model's attention kind."""
+    chunk, H, E, K = PREFILL_CHUNK, config.hidden_size, config.num_experts, config.num_experts_per_tok
+    mlp_i = max(config.moe_intermediate_size, config.intermediate_size,
+                config.shared_expert_intermediate_size)
+    floats = chunk * (6 * H + 2 * E + 2 * K) + K * H + 2 * chunk * K * H + chunk * K * mlp_i
+    nH = config.num_attention_heads
+    if config.mla is not None:
+        m = config.mla
+        q_width = nH * max(m.qk_head_dim, m.kv_lora_rank + m.qk_rope_head_dim, m.v_head_dim)
+        kv_width = m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 1)
+    else:
+        q_width = nH * config.head_dim
+        kv_width = config.num_key_value_heads * config.head_dim
+    floats += chunk * (4 * q_width + 2 * kv_width + H + config.head_dim)
+    floats += threads * 2 * context
+    floats += LOGIT_COPIES * config.vocab_size * sequences
+    return 4 * floats
+
+
+def runtime_bytes(config, *, threads: int, context: int, sequences: int) -> int:
+    """What the process adds to itself at load besides the dense weights, KV and caches:
+    LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` (the
+    interpreter and the libraries imported before the plan are in the memory reading
+    already)."""
+    return (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
+            + workspace_bytes(config, threads=threads, context=context, sequences=sequences))
 
 
 @dataclass(frozen=True)
@@ -152,7 +212,8 @@ class ServingPlan:
 
     plan: scheduler.planner.MemoryPlan; all_experts_bytes: every routed expert in its
     cache slot; stream: whether the experts must stream (the plan's cache holds fewer than
-    all of them); context: tokens of KV cache planned per sequence.
+    all of them); context: tokens of context allowed per sequence (the plan's
+    context_tokens: the wanted context, or less when memory is tight).
     """
 
     plan: object
@@ -163,15 +224,28 @@ class ServingPlan:
 
 def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequences: int,
                         pin_fraction: float, reading: MemoryReading | None = None,
-                        prefix_cache_bytes: int = 0) -> ServingPlan:
+                        prefix_cache_bytes: int = 0, max_context_tokens: int | None = None,
+                        threads: int | None = None, sequences_fixed: bool = False) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
-    machine (default: `read_memory()`): dense weights (every tensor that is not a routed
-    expert, nor of a multi-token-prediction layer the decoder does not use), KV cache (f32,
-    in the layout of the model's attention kind, every layer, PLANNED_CONTEXT or the model's
-    context if smaller, per sequence), RUNTIME_BYTES plus the prefix cache's
-    prefix_cache_bytes (the plan's runtime_bytes holds both), a MARGIN_FRACTION margin; the
-    expert cache gets the rest (scheduler.planner.plan_memory). Raises MemoryPlanError (a ValueError
-    giving every number) when the dense part does not fit, and the model loaders' errors.
+    machine (default: `read_memory()`), through scheduler.planner.plan_memory:
+
+      dense     every tensor that is not a routed expert, nor of a multi-token-prediction
+                layer the decoder does not use;
+      runtime   `runtime_bytes`: a measured base, a share per vocabulary token and the
+                workspaces, sized from the config;
+      KV        f32, in the layout of the model's attention kind, every layer, for
+                max_concurrent_sequences sequences of the context allowed: the wanted
+                context (max_context_tokens, else PLANNED_CONTEXT; at most the model's),
+                cut to what fits down to scheduler.planner.CONTEXT_FLOOR_TOKENS;
+      prefix    the prefix cache: at most prefix_cache_bytes, out of what is left;
+      margin    MARGIN_FRACTION of the available memory;
+
+    the expert cache gets the rest. When even the floor context does not fit
+    max_concurrent_sequences sequences, the plan lowers that number (to 1 at least) unless
+    sequences_fixed (the operator set it); a max_context_tokens given is never cut.
+    threads: compute threads (default: the CPUs available). Raises MemoryPlanError (a
+    ValueError naming what to lower and giving every number) when even the minimum does not
+    fit or a fixed number would have to be lowered, and the model loaders' errors.
     """
     config = load_config(model_dir)
     with Checkpoint(model_dir) as checkpoint:
@@ -182,14 +256,18 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
         dense = checkpoint.total_bytes - expert_bytes - unused
     reading = reading or read_memory()
     available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
-    context = min(PLANNED_CONTEXT, config.max_position_embeddings)
-    kv = kv_bytes_per_token(config) * context
+    wanted = min(max_context_tokens or PLANNED_CONTEXT, config.max_position_embeddings)
+    threads = threads or len(os.sched_getaffinity(0))
     slot = max(slots)
-    plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_sequence=kv,
-                       max_concurrent_sequences=max_concurrent_sequences,
-                       runtime_bytes=RUNTIME_BYTES + prefix_cache_bytes, slot_bytes=slot,
-                       min_dynamic_slots=config.top_k * sum(config.moe_layers),
-                       pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION)
     all_experts = slot * len(slots)
+    plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_token=kv_bytes_per_token(config),
+                       max_concurrent_sequences=max_concurrent_sequences, context_tokens=wanted,
+                       runtime_bytes=runtime_bytes(config, threads=threads, context=wanted,
+                                                   sequences=max_concurrent_sequences),
+                       slot_bytes=slot, min_dynamic_slots=config.top_k * sum(config.moe_layers),
+                       prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
+                       pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,
+                       sequences_fixed=sequences_fixed,
+                       context_fixed=max_context_tokens is not None)
     return ServingPlan(plan=plan, all_experts_bytes=all_experts,
-                       stream=plan.expert_cache_bytes < all_experts, context=context)
+                       stream=plan.expert_cache_bytes < all_experts, context=plan.context_tokens)

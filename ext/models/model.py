@@ -322,9 +322,11 @@ class Model:
 
     # ------------------------------------------------------------- serving
 
-    def new_sequence(self, capacity: int = 256) -> Sequence:
-        """A fresh sequence whose KV cache starts with room for `capacity` tokens."""
-        return Sequence(self.attention.new_cache(capacity, self.config.max_position_embeddings))
+    def new_sequence(self, capacity: int = 256, max_capacity: int | None = None) -> Sequence:
+        """A fresh sequence whose KV cache starts with room for `capacity` tokens and grows
+        to at most `max_capacity` (default and ceiling: the model's context)."""
+        context = self.config.max_position_embeddings
+        return Sequence(self.attention.new_cache(capacity, min(max_capacity or context, context)))
 
     def forward(self, seq: Sequence, token_ids, *, all_logits: bool = False) -> np.ndarray:
         """Run `token_ids` through the model after what `seq` already holds.

@@ -39,9 +39,10 @@ def test_available_never_negative_and_unlimited_or_unknown_ignored():
 
 
 def plan(available, **overrides):
-    args = dict(dense_bytes=2 * GiB, kv_bytes_per_sequence=100 * MiB, max_concurrent_sequences=4,
-                runtime_bytes=300 * MiB, margin_bytes=100 * MiB, slot_bytes=10 * MiB,
-                min_dynamic_slots=16, pin_fraction=0.5)
+    # KV 100 MiB a sequence: 25 KiB a token x 4096 tokens
+    args = dict(dense_bytes=2 * GiB, kv_bytes_per_token=25 * 1024, max_concurrent_sequences=4,
+                context_tokens=4096, runtime_bytes=300 * MiB, margin_bytes=100 * MiB,
+                slot_bytes=10 * MiB, min_dynamic_slots=16, pin_fraction=0.5)
     args.update(overrides)
     return plan_memory(available, **args)
 
@@ -52,6 +53,9 @@ def test_plan_follows_the_formula():
     assert (p.kv_bytes, p.margin_bytes, p.total_slots, p.pinned_slots) == (400 * MiB, 100 * MiB, 124, 62)
     assert (p.expert_cache_bytes, p.pinned_bytes, p.dynamic_bytes) == (1240 * MiB, 620 * MiB, 620 * MiB)
     assert p.available_bytes == 4 * GiB and p.dense_bytes == 2 * GiB
+    assert (p.context_tokens, p.max_concurrent_sequences, p.prefix_cache_bytes) == (4096, 4, 0)
+    # the minimum to start: one sequence at the 2048-token floor, the expert cache's floor
+    assert p.minimum_bytes == 2048 * MiB + 300 * MiB + 100 * MiB + 50 * MiB + 160 * MiB
 
 
 def test_margin_fraction_and_pins_yield_to_the_dynamic_floor():
@@ -62,25 +66,114 @@ def test_margin_fraction_and_pins_yield_to_the_dynamic_floor():
     assert plan(4 * GiB, margin_bytes=GiB // 2, margin_fraction=0.01).margin_bytes == GiB // 2
 
 
-def test_dense_part_that_does_not_fit_refuses_with_the_numbers():
+def test_the_context_is_cut_to_what_fits_down_to_the_floor():
+    # base = 2048 + 300 + 100 + 160 = 2608 MiB. 2908 MiB leave 300 MiB: 4 x 4096 tokens
+    # (400 MiB) do not fit; 4 x 2048 (the floor) take 200 MiB, and the KV gets half of the
+    # 100 MiB above that: 250 MiB = 4 x 2560 tokens of 25 KiB; the expert cache the rest
+    p = plan(2908 * MiB)
+    assert p.context_tokens == 2560 and p.kv_bytes == 250 * MiB
+    assert p.total_slots == 16 + 5
+    # 350 MiB: 200 + 75 MiB = 2816 tokens, a multiple of 256; 360 MiB: 2867 -> 2816
+    assert plan(2958 * MiB).context_tokens == 2816
+    assert plan(2968 * MiB).context_tokens == 2816
+    # the whole wanted context fits: no share taken from the expert cache
+    assert plan(3008 * MiB).context_tokens == 4096
+    # a model whose own context is below the floor keeps it whole
+    small = plan(2608 * MiB + 4 * 1000 * 25 * 1024, context_tokens=1000)
+    assert small.context_tokens == 1000
+
+
+def test_below_the_floor_context_the_sequences_are_cut_then_refused_if_fixed():
+    at_floor = 2608 * MiB + 4 * 2048 * 25 * 1024      # 4 sequences at 2048 tokens: 200 MiB
+    assert plan(at_floor).context_tokens == 2048
+    # 199.99 MiB hold 3 sequences at the floor (150 MiB), and half the rest gives them
+    # 2389 tokens each, cut to 2304
+    p = plan(at_floor - 1)
+    assert (p.max_concurrent_sequences, p.context_tokens) == (3, 2304)
+    assert plan(2608 * MiB + 60 * MiB).max_concurrent_sequences == 1
+    # the operator set max_concurrent_sequences: refuse, naming the key and the amount
     with pytest.raises(MemoryPlanError) as error:
-        plan(2 * GiB)
+        plan(at_floor - 1, sequences_fixed=True)
     message = str(error.value)
-    assert "dense part does not fit" in message
-    for number in (2 * GiB, 400 * MiB, 300 * MiB, 100 * MiB, 2 * GiB + 800 * MiB, 800 * MiB):
+    assert "lower max_concurrent_sequences by 1, from 4 to 3" in message
+    assert "1 B more than available" in message and "prefix_cache_bytes is not the cause" in message
+    for number in (2 * GiB, 300 * MiB, 100 * MiB, 160 * MiB, 25 * 1024, 2048, 200 * MiB, at_floor):
         assert str(number) in message
 
 
-def test_expert_cache_below_the_minimum_refuses():
-    # 2048 + 400 + 300 + 100 = 2848 MiB fixed; 2848 + 150 leaves 15 slots < 16
-    with pytest.raises(MemoryPlanError, match="expert cache does not fit") as error:
-        plan(2848 * MiB + 150 * MiB)
-    assert str(16 * 10 * MiB) in str(error.value)
-    assert plan(2848 * MiB + 160 * MiB).total_slots == 16  # exactly the minimum is fine
+def test_a_context_the_operator_set_is_never_cut():
+    # 4 x 4096 tokens need 400 MiB; 300 MiB hold 3 such sequences, or 4 of 3072 tokens
+    p = plan(2908 * MiB, context_fixed=True)
+    assert (p.max_concurrent_sequences, p.context_tokens) == (3, 4096)
+    with pytest.raises(MemoryPlanError) as error:
+        plan(2908 * MiB, context_fixed=True, sequences_fixed=True)
+    message = str(error.value)
+    assert "lower max_concurrent_sequences by 1, from 4 to 3" in message
+    assert "or lower max_context_tokens by 1024, from 4096 to 3072" in message
+
+
+def test_below_one_sequence_at_the_floor_refuses_with_every_number():
+    minimum = 2608 * MiB + 50 * MiB
+    assert plan(minimum, max_concurrent_sequences=1).context_tokens == 2048
+    with pytest.raises(MemoryPlanError) as error:
+        plan(minimum - 4096, max_concurrent_sequences=1)
+    message = str(error.value)
+    assert f"needs at least {minimum} B to start" in message
+    assert "4096 B more than available" in message and "no key lowers that" in message
+    for number in (2 * GiB, 300 * MiB, 100 * MiB, 160 * MiB, 16, 10 * MiB):
+        assert str(number) in message
+
+
+def test_the_prefix_cache_takes_a_share_of_what_is_left_never_a_refusal():
+    # 4 GiB: 4096 - 2048 - 300 - 100 - 160 - 400 = 1088 MiB beyond the minimum; a quarter
+    # is 272 MiB, so a 512 MiB prefix cache gets 272 MiB and the experts the rest
+    p = plan(4 * GiB, prefix_cache_bytes=512 * MiB)
+    assert p.prefix_cache_bytes == 272 * MiB and p.context_tokens == 4096
+    assert p.total_slots == (1248 - 272) // 10
+    assert plan(4 * GiB, prefix_cache_bytes=64 * MiB).prefix_cache_bytes == 64 * MiB
+    # at the floor nothing is left: the prefix cache gets 0 B and the plan still starts
+    at_floor = plan(2608 * MiB + 200 * MiB, prefix_cache_bytes=512 * MiB)
+    assert at_floor.prefix_cache_bytes == 0 and at_floor.total_slots == 16
+    # when every expert fits, the prefix cache may have what they leave over
+    roomy = plan(16 * GiB, prefix_cache_bytes=512 * MiB, all_experts_bytes=320 * MiB)
+    assert roomy.prefix_cache_bytes == 512 * MiB
+    assert roomy.expert_cache_bytes >= 320 * MiB
+
+
+def test_the_700_mib_cgroup_of_the_report():
+    """The report's checkpoint: 2.2 GB of experts, 45056 B of KV a token, ~70 MB dense,
+    in a 700 MiB cgroup of which the interpreter already holds ~100 MiB. The old plan
+    (512 MiB runtime + 512 MiB prefix cache + 4 x 4096 tokens of KV) asked for 1.92 GB;
+    now it starts: 3 sequences of 2304 tokens, the prefix cache out of what is left."""
+    available = 600 * MiB
+    slot = 4_329_472                                  # 3 x 1024 x 704 x 2 B, in pages
+    p = plan_memory(available, dense_bytes=70_000_000, kv_bytes_per_token=45_056,
+                    max_concurrent_sequences=4, context_tokens=4096,
+                    runtime_bytes=40_000_000, slot_bytes=slot, min_dynamic_slots=4 * 8,
+                    prefix_cache_bytes=512 * MiB, all_experts_bytes=512 * slot,
+                    margin_fraction=0.05)
+    # 4 sequences at the 2048-token floor (369 MB) do not fit beside the rest: 3 do, with
+    # half of what is left above the floors: 2304 tokens each; the experts 38 slots
+    assert (p.max_concurrent_sequences, p.context_tokens) == (3, 2304)
+    assert p.kv_bytes == 3 * 2304 * 45_056
+    assert p.total_slots == 38 and 0 < p.prefix_cache_bytes < 16 * MiB
+    used = (p.dense_bytes + p.runtime_bytes + p.margin_bytes + p.kv_bytes + p.prefix_cache_bytes
+            + p.expert_cache_bytes)
+    assert available - slot < used <= available
+    # the minimum to start: 70 MB + 40 MB + 31.5 MB + 138.5 MB + 2048 x 45056 B = 372 MB
+    assert p.minimum_bytes == 372_275_072 < available
+    # --max-concurrent-sequences 1 (the old plan still asked 828 MB): the whole context
+    one = plan_memory(available, dense_bytes=70_000_000, kv_bytes_per_token=45_056,
+                      max_concurrent_sequences=1, context_tokens=4096, runtime_bytes=40_000_000,
+                      slot_bytes=slot, min_dynamic_slots=32, prefix_cache_bytes=512 * MiB,
+                      all_experts_bytes=512 * slot, margin_fraction=0.05, sequences_fixed=True)
+    assert (one.context_tokens, one.total_slots) == (4096, 60)
 
 
 @pytest.mark.parametrize("bad", [dict(slot_bytes=0), dict(pin_fraction=1.5),
-                                 dict(dense_bytes=-1), dict(margin_fraction=1.0)])
+                                 dict(dense_bytes=-1), dict(margin_fraction=1.0),
+                                 dict(max_concurrent_sequences=0), dict(context_tokens=0),
+                                 dict(prefix_cache_bytes=-1)])
 def test_invalid_inputs(bad):
     with pytest.raises(ValueError):
         plan(4 * GiB, **bad)

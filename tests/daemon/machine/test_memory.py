@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from daemon.machine.memory import MemoryReading, read_memory
-from daemon.service.loading import plan_serving_memory
+from daemon.service.loading import plan_serving_memory, runtime_bytes
+from ext.models.config import load_config
+from ext.models.families import kv_bytes_per_token
 from ext.makemodel import make_model
 from scheduler.planner import CgroupLimit, MemoryPlanError, available_bytes
 
@@ -217,9 +219,37 @@ def test_the_serving_plan_streams_only_what_does_not_fit(planned_model):
 
 
 def test_the_serving_plan_refuses_with_the_numbers(planned_model):
-    with pytest.raises(MemoryPlanError, match=r"the dense part does not fit: needs \d+ B"):
+    with pytest.raises(MemoryPlanError, match=r"needs at least \d+ B to start .* no key lowers"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
-                            reading=MemoryReading(100 << 20, ()))
+                            reading=MemoryReading(20 << 20, ()))
+
+
+def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache(planned_model):
+    """The runtime comes from the config (no fixed 512 MiB), the prefix cache takes only a
+    share of what is left, and in a tight room the context and then the sequences are cut
+    before the plan refuses; an operator's max_concurrent_sequences is not cut."""
+    config = load_config(planned_model)
+    roomy = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                reading=MemoryReading(64 << 30, ()), prefix_cache_bytes=512 << 20,
+                                threads=2)
+    p = roomy.plan
+    assert p.runtime_bytes == runtime_bytes(config, threads=2, context=roomy.context, sequences=4)
+    assert p.runtime_bytes < 64 << 20                   # a tiny model: no 512 MiB reserve
+    assert p.prefix_cache_bytes == 512 << 20 and roomy.context == min(8192, config.max_position_embeddings)
+    per_token = kv_bytes_per_token(config)
+    floor = min(2048, config.max_position_embeddings)
+    base = p.dense_bytes + p.runtime_bytes + p.min_dynamic_slots * p.slot_bytes
+    # room for 2 sequences at the floor (and the 5 % margin): 2 sequences, 0-B prefix cache
+    available = int((base + 2 * floor * per_token + 1000) / 0.95)
+    tight = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                reading=MemoryReading(available, ()), prefix_cache_bytes=512 << 20,
+                                threads=2)
+    t = tight.plan
+    assert (t.max_concurrent_sequences, t.context_tokens) == (2, floor)
+    assert t.prefix_cache_bytes < 1000 and t.total_slots == t.min_dynamic_slots
+    with pytest.raises(MemoryPlanError, match="lower max_concurrent_sequences by 2, from 4 to 2"):
+        plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                            reading=MemoryReading(available, ()), threads=2, sequences_fixed=True)
 
 
 def test_the_serving_plan_counts_the_stored_bytes_of_lowbit_weights(tmp_path):

@@ -144,3 +144,55 @@ def test_pressure_is_read_where_the_kernel_has_it(tmp_path):
     (tmp_path / "proc" / "pressure" / "memory").write_text("garbage\n")
     assert read_memory_pressure(tmp_path) is None
     assert read_memory_pressure(tmp_path / "nowhere") is None
+
+
+class FakeSession:
+    """What MemoryWatcher touches of an ExpertSession: the budget, pins and rebuild."""
+
+    class _Options:
+        def __init__(self, cache_bytes):
+            self.cache_bytes, self.pin_fraction = cache_bytes, 0.0
+
+    def __init__(self, cache_bytes: int, slot: int):
+        self.options = self._Options(cache_bytes)
+        cache = type("Cache", (), {"pinned_slots": 0})()
+        self.provider = type("Provider", (), {"slot_bytes": slot, "cache": cache})()
+
+    def rebuild(self, cache_bytes, pinned_slots):
+        self.options.cache_bytes = cache_bytes
+
+
+def test_the_prefix_cache_gives_way_first_and_grows_back_last():
+    """A shrink comes off the prefix cache's capacity first (its blocks are evicted); only
+    what it did not hold comes off the expert cache; back to calm, the expert cache grows
+    back to its budget before the prefix cache does."""
+    from daemon.service.prefix_cache import PrefixCache
+    from ext.models.kvcache import KVCache
+
+    prefix = PrefixCache(kv_bytes_per_token=64 * 1024, capacity_bytes=32 * MIB)   # 1 MiB blocks
+    kv = KVCache([(((1, 64),) * 2)] * 128, 16 * 32, 16 * 32)   # 128 layers x K, V of 64 floats
+    assert kv.shapes and prefix.block_bytes == MIB
+    tokens = list(range(16 * 32))
+    kv.length = len(tokens)
+    assert prefix.store(tokens, kv) == 32                       # 32 MiB held: all it may
+    session = FakeSession(BUDGET, MIB)
+    feed = Feed(available=8 * GIB)
+    watcher = MemoryWatcher(session, BUDGET, 8 * MIB, run_on_engine=lambda fn: fn(), feed=feed,
+                            policy=POLICY, prefix_cache=prefix)
+    assert watcher.check() is None
+    feed.available = 90 * MIB                  # 10 short of low water: cut 10 + 10 MiB
+    assert watcher.check() is None             # the prefix cache covered it
+    assert (prefix.capacity_bytes, prefix.stats().bytes) == (12 * MIB, 12 * MIB)
+    assert session.options.cache_bytes == BUDGET
+    feed.available = 80 * MIB                  # cut 30 MiB: 12 from the prefix, 18 from experts
+    assert watcher.check() == BUDGET - 18 * MIB
+    assert prefix.capacity_bytes == 0 and (watcher.prefix_shrinks, watcher.shrinks) == (2, 1)
+    feed.available = 8 * GIB
+    sizes = []
+    for _ in range(30):
+        watcher.check()
+        sizes.append((session.options.cache_bytes, prefix.capacity_bytes))
+    grown = [i for i, (_, capacity) in enumerate(sizes) if capacity > 0]
+    assert grown and sizes[grown[0]][0] == BUDGET     # the experts were back first
+    assert sizes[-1] == (BUDGET, 32 * MIB)
+    assert watcher.report()["prefix_cache"]["maximum_bytes"] == 32 * MIB

@@ -310,3 +310,31 @@ def test_a_failing_step_observer_changes_nothing(model_dir, tokenizer, log_recor
     assert results(observer) == baseline          # no retry, no failure, the same text
     assert max(calls) > 1                         # it saw batched steps
     assert sum(r["event"] == "step_observer_failed" for r in records) == 2
+
+
+def test_the_context_allowed_bounds_prompts_answers_and_the_kv_cache(model_dir, tokenizer):
+    """context_tokens (the memory plan's context): a prompt that leaves no room is refused,
+    an answer stops with "length" at it, and the sequence's KV cache never grows past it."""
+    model = Model.load(model_dir, n_threads=1)
+    with pytest.raises(ValueError, match="context_tokens must be in"):
+        Engine(model, tokenizer, context_tokens=model.config.max_position_embeddings + 1)
+    engine = _engine(model, tokenizer, context_tokens=24)
+    assert engine.context_tokens == 24
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="context of 24 tokens"):
+            engine.submit(EngineRequest("long", tuple(range(1, 25)), max_tokens=4), loop)
+    finally:
+        loop.close()
+    capacities = []
+    new_sequence = model.new_sequence
+
+    def spy(*args, **kw):
+        seq = new_sequence(*args, **kw)
+        capacities.append(seq.kv.max_capacity)
+        return seq
+    model.new_sequence = spy
+    [(_, ids, reason, _)] = _run(engine, [EngineRequest("r", tuple(range(1, 11)), max_tokens=100)])
+    assert reason == "length" and len(ids) == 24 - 10
+    assert capacities == [24]
+    engine.stop()
