@@ -55,7 +55,7 @@ TUNING_FILES = ("optparse.py", "configparser.py", "tarfile.py", "datetime.py",
 HELD_OUT_REF = "argparse.py"
 
 
-def _scheme(text: str) -> QuantScheme:
+def parse_scheme(text: str) -> QuantScheme:
     """"int4-g32-min" / "int4-g64" / "int8-g32" -> QuantScheme."""
     parts = text.split("-")
     return QuantScheme(parts[0], int(parts[1][1:]), "min" in parts[2:])
@@ -66,7 +66,7 @@ def variants() -> dict[str, RepackSpec]:
     out: dict[str, RepackSpec] = {}
     for g in (32, 64, 128):
         for s in (f"int8-g{g}", f"int4-g{g}-min", f"int4-g{g}"):
-            scheme = _scheme(s)
+            scheme = parse_scheme(s)
             out[f"{s}/rtn"] = RepackSpec(scheme, method="rtn", weighting="uniform")
             if s.startswith("int8") and g > 32:
                 continue
@@ -78,10 +78,10 @@ def variants() -> dict[str, RepackSpec]:
                     out[f"{s}/search/{w}"] = RepackSpec(scheme, weighting=w)
             out[f"{s}/gptq"] = RepackSpec(scheme, method="gptq")
     for prior in (0.0, 64.0):
-        out[f"int4-g32-min/gptq/p{prior:g}"] = RepackSpec(_scheme("int4-g32-min"), method="gptq",
+        out[f"int4-g32-min/gptq/p{prior:g}"] = RepackSpec(parse_scheme("int4-g32-min"), method="gptq",
                                                            prior_tokens=prior)
     for s, m in (("int4-g32-min", "gptq"), ("int8-g32", "search")):
-        out[f"{s}/{m}+dense-int8-g32"] = RepackSpec(_scheme(s), dense=_scheme("int8-g32"), method=m)
+        out[f"{s}/{m}+dense-int8-g32"] = RepackSpec(parse_scheme(s), dense=parse_scheme("int8-g32"), method=m)
     return out
 
 
@@ -97,17 +97,42 @@ def _bits_per_weight(model: Model) -> dict:
     return {"experts_bits_per_weight": round(8 * sum(loc.nbytes for loc in model.layout) / n, 4)}
 
 
-def _stdlib() -> Path:
+def stdlib_dir() -> Path:
+    """The standard library of the interpreter running this script."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _files_text(names, tok: Tokenizer, per_file: int) -> str:
+def files_text(names, tok: Tokenizer, per_file: int) -> str:
     """Each file's first `per_file` tokens, decoded back, joined by newlines."""
     parts = []
     for n in names:
-        ids = tok.encode((_stdlib() / n).read_text(encoding="utf-8"), add_special_tokens=False)
+        ids = tok.encode((stdlib_dir() / n).read_text(encoding="utf-8"), add_special_tokens=False)
         parts.append(tok.decode(ids[:per_file], skip_special_tokens=False))
     return "\n".join(parts)
+
+
+def held_out_texts(model_dir: str, tok: Tokenizer, tokens: int, per_file: int,
+                   context: int) -> dict[str, TokenStream]:
+    """The default model's held-out texts (training_files.json): "argparse", the first
+    `tokens` tokens of HELD_OUT_REF, and "held_out", the first `per_file` tokens of each
+    other held-out module, joined."""
+    return {"argparse": token_stream(tok, (stdlib_dir() / HELD_OUT_REF).read_text(encoding="utf-8"),
+                                     tokens=tokens, context=context),
+            "held_out": token_stream(tok, files_text(other_held_out(model_dir), tok, per_file),
+                                     context=context)}
+
+
+def other_held_out(model_dir: str) -> list[str]:
+    """The held-out modules of training_files.json but HELD_OUT_REF, in its order."""
+    held = json.loads((Path(model_dir) / "training_files.json").read_text())["held_out_files"]
+    return [h for h in held if h != HELD_OUT_REF]
+
+
+def held_out_info(model_dir: str, tokens: int, per_file: int) -> dict[str, str]:
+    """What each text of `held_out_texts` is, for the JSON."""
+    return {"argparse": f"{HELD_OUT_REF}, first {tokens} tokens (held out)",
+            "held_out": f"the other {len(other_held_out(model_dir))} held-out modules, first "
+                        f"{per_file} tokens of each"}
 
 
 def _random_stream(vocab: int, tokens: int, seed: int, context: int) -> TokenStream:
@@ -146,21 +171,16 @@ def main() -> None:
     else:
         tok = Tokenizer.from_model_dir(model_dir)
         files = json.loads((Path(model_dir) / "training_files.json").read_text())
-        held, train = files["held_out_files"], set(files["train_files"])
+        train = set(files["train_files"])
         assert set(CALIBRATION_FILES) <= train and set(TUNING_FILES) <= train
         assert not set(CALIBRATION_FILES) & set(TUNING_FILES)
-        if "argparse" in wanted:
-            texts["argparse"] = token_stream(tok, (_stdlib() / HELD_OUT_REF).read_text(encoding="utf-8"),
-                                             tokens=args.tokens, context=args.context)
-        if "held_out" in wanted:
-            texts["held_out"] = token_stream(tok, _files_text([h for h in held if h != HELD_OUT_REF], tok, args.per_file),
-                                             context=args.context)
+        texts.update((name, stream) for name, stream in held_out_texts(
+            model_dir, tok, args.tokens, args.per_file, args.context).items() if name in wanted)
         if "tuning" in wanted:
-            texts["tuning"] = token_stream(tok, _files_text(TUNING_FILES, tok, args.per_file), context=args.context)
-        calibration = token_stream(tok, _files_text(CALIBRATION_FILES, tok, 10**9),
+            texts["tuning"] = token_stream(tok, files_text(TUNING_FILES, tok, args.per_file), context=args.context)
+        calibration = token_stream(tok, files_text(CALIBRATION_FILES, tok, 10**9),
                                    tokens=args.calibration_tokens, context=args.context)
-        text_info = {"argparse": f"{HELD_OUT_REF}, first {args.tokens} tokens (held out)",
-                     "held_out": f"the other 17 held-out modules, first {args.per_file} tokens of each",
+        text_info = {**held_out_info(model_dir, args.tokens, args.per_file),
                      "tuning": f"training modules {list(TUNING_FILES)}, first {args.per_file} "
                                "tokens of each",
                      "calibration": f"training modules {list(CALIBRATION_FILES)}, first "
