@@ -242,6 +242,9 @@ def main() -> None:
         exact = Model.load(path, n_threads=args.threads, experts="resident")
         under = Model.load(path, n_threads=args.threads, experts="resident",
                            numerics=args.numerics_under_test)
+        if under.numerics_in_force() != args.numerics_under_test:
+            raise SystemExit(f"{fmt}: {path} loaded with numerics={args.numerics_under_test!r} runs "
+                             f"{under.numerics_in_force()!r}: nothing to measure")
         row = {"format": fmt, "scheme": path.name, "model": str(path),
                "weights": under.weight_formats(), "texts": {}, "quantisation_vs_bf16": {}}
         try:
