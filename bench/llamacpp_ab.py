@@ -58,6 +58,7 @@ table of the medians. On a shared machine read the ratios with their spread.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import inspect
 import json
 import os
@@ -479,14 +480,17 @@ def main(argv=None) -> int:
     if skipped:
         log(f"Model.load takes no `numerics`: skipping {', '.join(skipped)}")
 
-    checkpoints = {fmt: ensure_moed(work, fmt) for fmt in args.formats}
     paired = [FORMATS[f]["gguf"] for f in args.formats if FORMATS[f]["gguf"]]
     ggufs, bindir = {}, None
-    if paired:
-        bindir = ensure_llama_cpp(work, args.build_jobs)
-        converter = ensure_converter(work, llama_tree(work))
-        bf16 = checkpoints.get("bf16") or ensure_moed(work, "bf16")
-        ggufs = {q: ensure_gguf(work, bindir, converter, bf16, q) for q in paired}
+    # One preparer at a time: two builds in one build directory break each other.
+    with open(work / "prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        checkpoints = {fmt: ensure_moed(work, fmt) for fmt in args.formats}
+        if paired:
+            bindir = ensure_llama_cpp(work, args.build_jobs)
+            converter = ensure_converter(work, llama_tree(work))
+            bf16 = checkpoints.get("bf16") or ensure_moed(work, "bf16")
+            ggufs = {q: ensure_gguf(work, bindir, converter, bf16, q) for q in paired}
 
     def moed_fn(fmt, t, n):
         return run_moed(checkpoints[fmt], t, args.prompt, args.tokens, n, supported)
