@@ -292,10 +292,10 @@ def parse_llama_bench(text: str) -> dict:
     if not tests:
         raise ValueError("llama-bench printed no tests")
     first = tests[0]
-    out["info"] = {k: first.get(k) for k in ("build_number", "build_commit", "backends", "cpu_info",
-                                             "model_type", "model_size", "model_n_params",
-                                             "n_batch", "n_ubatch", "poll", "load_mode",
-                                             "flash_attn", "type_k", "type_v")}
+    out["info"] = {k: first.get(k) for k in ("build_number", "build_commit", "backends", "cpu_info")}
+    out["model"] = {k: first.get(k) for k in ("model_type", "model_size", "model_n_params", "n_batch",
+                                              "n_ubatch", "poll", "load_mode", "flash_attn",
+                                              "type_k", "type_v")}
     return out
 
 
@@ -458,7 +458,8 @@ def assemble(args, runs: dict, *, machine_info: dict, numerics: list[str], numer
                 moed_build = ours[0].get("build_info")
             entry = {"format": fmt, "threads": t, "numerics": n,
                      "llama_cpp_format": FORMATS[fmt]["gguf"],
-                     "moed_weight_formats": ours[0].get("weight_formats") if ours else None}
+                     "moed_weight_formats": ours[0].get("weight_formats") if ours else None,
+                     "llama_cpp_model": theirs[0].get("model") if theirs else None}
             row = {"format": fmt, "llama_cpp_format": FORMATS[fmt]["gguf"], "threads": t, "numerics": n}
             for test in ("tg", "pp"):
                 mine = [x[test] for x in ours if x.get(test) is not None]

@@ -34,7 +34,7 @@ def test_llama_bench_json_gives_pp_tg_and_the_build():
     res = llamacpp_ab.parse_llama_bench(LLAMA_BENCH_JSON)
     assert res["pp"] == 256.0 and res["tg"] == 80.0
     assert res["info"]["build_number"] == 11434 and res["info"]["build_commit"] == "abc1234"
-    assert res["info"]["backends"] == "CPU"
+    assert res["info"]["backends"] == "CPU" and res["model"]["model_type"].endswith("Q4_K - Medium")
     tg_only = llamacpp_ab.parse_llama_bench(json.dumps([json.loads(LLAMA_BENCH_JSON)[1]]))
     assert tg_only["pp"] is None and tg_only["tg"] == 80.0
 
@@ -116,6 +116,7 @@ def test_rounds_alternate_engines_and_the_report_pairs_formats(tmp_path):
     assert (bf16_1["tg"]["ratio"]["min"], bf16_1["tg"]["ratio"]["median"], bf16_1["tg"]["ratio"]["max"]) \
         == (1.25, 2.0, 2.75)
     assert by[("int4", 2)]["pp"]["ratio"]["median"] == round(200 / 256, 3)
+    assert by[("int4", 1)]["llama_cpp_model"]["n_ubatch"] == 512
     fp8 = by[("fp8", 2)]
     assert fp8["llama_cpp_format"] is None and fp8["tg"]["llama_cpp"] is None and fp8["tg"]["ratio"] is None
     row = next(r for r in report["summary"] if r["format"] == "fp8" and r["threads"] == 2)
