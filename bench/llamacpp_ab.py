@@ -42,7 +42,10 @@ it when it loads), Model.load(n_threads=T, experts="resident") so every weight i
 a short warm-up, then prefill = P random token ids in one forward call on a new sequence
 (P / seconds; the model chunks it internally), and decode = N one-token forward calls
 after a one-token prompt, greedy (bench/decode.py's moed_run), N / seconds, as
-llama-bench's tg counts from an empty context.
+llama-bench's tg counts from an empty context. llama.cpp's worker threads busy-poll
+between jobs by default (llama-bench's "poll": 50, in the JSON), moed's sleep; on a
+machine shared with other work a spinning thread can lose its core for a whole time
+slice, so --llama-bench-args '--poll 0' is worth a second run there.
 
 --numerics: the values of Model.load's `numerics` keyword to run (each its own moed
 subject); when this moed's Model.load has no such keyword, only the exact path runs and
@@ -63,6 +66,7 @@ import fcntl
 import inspect
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -134,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moed numerics modes, comma-separated: exact, fast (passed to "
                         "Model.load when it takes `numerics`; default exact)")
     p.add_argument("--pause", type=float, default=1.0, help="idle seconds between runs (default 1)")
+    p.add_argument("--llama-bench-args", type=shlex.split, default=[], metavar="ARGS",
+                   help="more llama-bench arguments, one string, e.g. '--poll 0' (its worker "
+                        "threads then sleep instead of spinning, as moed's do); default none")
     p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs (default 2)")
     args = p.parse_args(argv)
     if args.rounds < 3:
@@ -299,9 +306,10 @@ def parse_llama_bench(text: str) -> dict:
     return out
 
 
-def llama_bench_command(bindir: Path, gguf: Path, threads: int, prompt: int, tokens: int) -> list[str]:
+def llama_bench_command(bindir: Path, gguf: Path, threads: int, prompt: int, tokens: int,
+                        extra: list[str] = ()) -> list[str]:
     return [str(bindir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
-            "-n", str(tokens), "-r", "1", "-o", "json"]
+            "-n", str(tokens), "-r", "1", "-o", "json", *extra]
 
 
 def run_llama(cmd: list[str]) -> dict:
@@ -475,7 +483,8 @@ def assemble(args, runs: dict, *, machine_info: dict, numerics: list[str], numer
     return {
         "machine": {**machine_info, "loadavg_before": list(loadavg[0]), "loadavg_after": list(loadavg[1])},
         "settings": {"threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
-                     "prompt": args.prompt, "formats": args.formats, "pause_s": args.pause},
+                     "prompt": args.prompt, "formats": args.formats, "pause_s": args.pause,
+                     "llama_bench_args": args.llama_bench_args},
         "moed": {"build_info": moed_build, "numerics": numerics, "numerics_skipped": numerics_skipped,
                  "omp_wait_policy": moed_env().get("OMP_WAIT_POLICY"), "experts": "resident",
                  "make_model": ["moed", "make-model", *MAKE_MODEL],
@@ -518,14 +527,15 @@ def main(argv=None) -> int:
 
     def llama_fn(fmt, t):
         return run_llama(llama_bench_command(bindir, ggufs[FORMATS[fmt]["gguf"]], t,
-                                             args.prompt, args.tokens))
+                                             args.prompt, args.tokens, args.llama_bench_args))
 
     before = os.getloadavg()
     runs = run_rounds(args, numerics, moed_fn, llama_fn)
     report = assemble(args, runs, machine_info=machine(), numerics=numerics, numerics_skipped=skipped,
                       checkpoints=checkpoints, ggufs=ggufs,
-                      llama_command=(["llama-bench", "-m", "{gguf}", "-t", "{threads}", "-p", str(args.prompt),
-                                      "-n", str(args.tokens), "-r", "1", "-o", "json"] if paired else None),
+                      llama_command=(llama_bench_command(Path(), Path("{gguf}"), "{threads}", args.prompt,
+                                                         args.tokens, args.llama_bench_args)
+                                     if paired else None),
                       loadavg=(before, os.getloadavg()), elapsed_s=time.time() - start,
                       source=llama_source(llama_tree(work)) if paired else None)
     print(json.dumps(report, indent=2))

@@ -54,6 +54,11 @@ def test_flags_default_and_refuse_by_name(tmp_path, capsys):
     args = llamacpp_ab.parse_args(["--work-dir", str(tmp_path), "--threads", "2", "--formats", "int4,fp8",
                                    "--numerics", "exact,fast", "--prompt", "0"])
     assert args.threads == [2] and args.formats == ["int4", "fp8"] and args.numerics == ["exact", "fast"]
+    args = llamacpp_ab.parse_args(["--work-dir", str(tmp_path), "--llama-bench-args", "--poll 0"])
+    assert args.llama_bench_args == ["--poll", "0"]
+    cmd = llamacpp_ab.llama_bench_command(Path("bin"), Path("F.gguf"), 2, 512, 64, args.llama_bench_args)
+    assert cmd == ["bin/llama-bench", "-m", "F.gguf", "-t", "2", "-p", "512", "-n", "64", "-r", "1",
+                   "-o", "json", "--poll", "0"]
     for bad, flag in ((["--rounds", "2"], "--rounds"), (["--formats", "int3"], "--formats"),
                       (["--threads", "0"], "--threads"), (["--numerics", "quick"], "--numerics")):
         with pytest.raises(SystemExit) as e:
