@@ -189,13 +189,15 @@ def test_health_models_metrics_stats_pins(daemon, model_dir, cache_bytes):
     weights = models["data"][0]["weights"]
     assert (weights["experts"], weights["dense"], weights["quantization"]) == ("bf16", "bf16", None)
     assert list(weights["dense_formats"]) == ["bf16"] and weights["dense_formats"]["bf16"] > 0
+    assert weights["numerics"] == "exact"
 
     status, headers, body = daemon.request("GET", "/metrics")
     assert status == 200
     assert headers["Content-Type"].startswith("text/plain; version=")
     text = body.decode()
     assert "# TYPE moed_build_info gauge" in text
-    assert (f'moed_build_info{{model_type="qwen3_moe",quantization="none",version="{version("moed")}"}} 1.0'
+    assert (f'moed_build_info{{model_type="qwen3_moe",numerics="exact",quantization="none",'
+            f'version="{version("moed")}"}} 1.0'
             in text.splitlines())
 
     s = stats(daemon)
