@@ -2,7 +2,11 @@
 
 Each command lives in its own module of daemon/commands/ with `register(sub, parents)`
 (its arguments, beside its code) and the function it runs; this module puts them under
-one parser in the order `moed --help` lists them.
+one parser in the order `moed --help` lists them. A command module is cheap to import:
+what its command needs beyond argparse (numpy, ml_dtypes, the model code, aiohttp,
+structlog) it imports in the function that runs it, or keeps in a module of its own that
+this function imports (bench_runs.py, tune_runs.py). So `moed --version`, `moed --help` and
+`moed COMMAND --help` load none of it (tests/daemon/commands/test_startup.py).
 
 Every command keeps stdout for its result (generated text, JSON, a path) and sends
 logs and progress to stderr; progress bars appear only when stderr is a terminal.
@@ -20,9 +24,10 @@ from collections.abc import Sequence
 # the CPU they need; on a busy 2-core machine decode with 2 compute threads and streamed
 # experts fell from ~150 to ~5 tokens/s (moed generate, demo model, 4.7 MiB cache, a
 # second process loading the CPU), and passive waiting kept it at 137-156. Set before
-# libgomp loads (the kernels import it lazily); OMP_WAIT_POLICY=ACTIVE overrides. A
-# passive worker takes ~60 us to wake, so the kernels then run calls of fewer than 6 Mi
-# multiply-adds on one thread (ext/kernels/_kernels.pyx, parallel_threshold).
+# libgomp loads (the kernels import it lazily, and only a running command imports the
+# kernels); OMP_WAIT_POLICY=ACTIVE overrides. A passive worker takes ~60 us to wake, so
+# the kernels then run calls of fewer than 6 Mi multiply-adds on one thread
+# (ext/kernels/_kernels.pyx, parallel_threshold).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from daemon.commands import (bench, chat, demo, evaluate, generate, install_service,  # noqa: E402
@@ -69,6 +74,20 @@ def _drop_unwritable_stdout() -> None:
         os.close(devnull)
 
 
+def input_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that say the input (model directory, config, prompt) is at fault:
+    exit 1 with one line. Imported only once a command has failed with something else than
+    a usage error: their modules load numpy and ml_dtypes, which `moed --help` must not."""
+    from daemon.service.config import ConfigError as ServeConfigError
+    from daemon.store.reads import ExpertReadError
+    from ext.formats.checkpoint import CheckpointError
+    from ext.models.config import ConfigError
+    from ext.tokenizer import ChatTemplateError, TokenizerFilesError
+
+    return (CheckpointError, ConfigError, ServeConfigError, TokenizerFilesError, ChatTemplateError,
+            ExpertReadError, ValueError, FileNotFoundError, FileExistsError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status (see the module doc)."""
     parser = build_parser()
@@ -77,32 +96,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         from daemon.service.config import resolve_model_alias
         args.model = resolve_model_alias(args.model)
     configure_logging(getattr(args, "log_level", "info"))
-    from daemon.service.config import ConfigError as ServeConfigError
-    from daemon.store.reads import ExpertReadError
-    from ext.formats.checkpoint import CheckpointError
-    from ext.models.config import ConfigError
-    from ext.tokenizer import ChatTemplateError, TokenizerFilesError
 
+    # An except clause's exceptions are evaluated only when one is being handled, so
+    # input_errors() imports nothing unless the command failed. BrokenPipeError, MemoryError
+    # and KeyboardInterrupt are none of them, so they are handled first, without the import.
     try:
         return args.func(args)
     except UsageError as e:  # exits 2 with the command's own usage, like argparse's checks
         command_parser(parser, args.command).error(str(e))
-    except (CheckpointError, ConfigError, ServeConfigError, TokenizerFilesError, ChatTemplateError,
-            ExpertReadError, ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"moed {args.command}: error: {e}", file=sys.stderr)
-        return 1
     except BrokenPipeError:
         _drop_unwritable_stdout()
         return 0
-    except OSError as e:  # an unwritable stdout or --out, an unreadable file
-        print(f"moed {args.command}: error: {e}", file=sys.stderr)
-        _drop_unwritable_stdout()
-        return 1
     except MemoryError as e:
         print(f"moed {args.command}: error: out of memory: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except input_errors() as e:
+        print(f"moed {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # an unwritable stdout or --out, an unreadable file
+        print(f"moed {args.command}: error: {e}", file=sys.stderr)
+        _drop_unwritable_stdout()
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,9 +8,6 @@ from pathlib import Path
 
 from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, check_model_dir,
                                   nonempty, positive_int, read_text_file)
-from telemetry.logs import get_logger
-
-log = get_logger("eval")
 
 
 def register(sub, parents: Parents) -> None:
@@ -44,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from ext.evaluate import DEFAULT_CONTEXT, EvaluationInputError, compare, token_stream
     from ext.models.model import Model
     from ext.tokenizer import Tokenizer
+    from telemetry.logs import get_logger
 
+    log = get_logger("eval")
     args.reference = resolve_model_alias(args.reference)
     check_model_dir(args.model)
     if not Path(args.reference).is_dir():

@@ -9,9 +9,6 @@ import time
 from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
                                   check_model_dir,
                                   nonempty, size)
-from telemetry.logs import get_logger
-
-log = get_logger("iobench")
 
 
 def register(sub, parents: Parents) -> None:
@@ -44,7 +41,9 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     from daemon.store.probe import model_target, run_iobench, save_report, scratch_target
     from daemon.store.state import default_state_dir
+    from telemetry.logs import get_logger
 
+    log = get_logger("iobench")
     if (args.model is None) == (args.file is None):
         raise UsageError("give exactly one of --model DIR and --file PATH")
     if not args.seconds > 0:

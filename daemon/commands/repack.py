@@ -10,9 +10,6 @@ from pathlib import Path
 from daemon.commands.args import (ExamplesFormatter, Parents, Progress, UsageError,
                                   check_model_dir, cpu_threads, nonempty, positive_int,
                                   read_text_file, size)
-from telemetry.logs import get_logger
-
-log = get_logger("repack")
 
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_CALIBRATION_TOKENS = 32768
@@ -104,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     from ext.formats.repacked import QuantScheme
     from ext.models.model import Model
     from ext.quant.repack import RepackSpec, repack
+    from telemetry.logs import get_logger
 
+    log = get_logger("repack")
     check_model_dir(args.model)
     if args.symmetric and args.scheme != "int4":
         raise UsageError("--symmetric applies to --scheme int4 (int8 is always symmetric)")

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from daemon.commands.args import Parents, check_model_dir, configure_logging, log, version
+from daemon.commands.args import Parents, check_model_dir, configure_logging, version
 from daemon.service.config import add_arguments
 
 
@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
 
     from daemon.service.config import load_config
     from daemon.service.daemon import serve
+    from telemetry.logs import get_logger
 
+    log = get_logger("cli")
     config, warnings = load_config(args, os.environ)
     configure_logging(config.log_level)
     for w in warnings:
