@@ -15,7 +15,6 @@ def register(sub, parents: Parents) -> None:
     """`moed bench` and its options."""
     b = sub.add_parser(
         "bench", parents=[parents.common, parents.machine],
-        help="measure decode speed of the expert cache against its naive mode and the roofline",
         description="Generate --tokens tokens several times from a cold expert cache: the naive "
                     "mode (LRU, no pins, no prefetch) and moed's (learned pins from a warm-up "
                     "run, its eviction policy, prefetch), alternating, then measure disk "

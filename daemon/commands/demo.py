@@ -485,7 +485,6 @@ def register(sub, parents: Parents) -> None:
     """`moed demo` and its options."""
     d = sub.add_parser(
         "demo", parents=[parents.common],
-        help="try moed: start a daemon on the embedded default model and stream a completion",
         description="Show moed at work with nothing but the install: start moed serve on a "
                     "private socket with the embedded default model (a small Qwen3-MoE that "
                     "completes Python code, trained on the standard library) and an expert "

@@ -14,7 +14,6 @@ def register(sub, parents: Parents) -> None:
     """`moed eval` and its options."""
     e = sub.add_parser(
         "eval", parents=[parents.common, parents.machine],
-        help="compare a model with a reference over teacher-forced text (KL, top-1, bits/byte)",
         description="Feed the same text to a model and a reference (e.g. a repacked model and "
                     "the model it came from), in windows of --context tokens, and print JSON: "
                     "mean, p99 and max per-token KL(reference || model) in nats, top-1 "

@@ -17,7 +17,6 @@ def register(sub, parents: Parents) -> None:
     """`moed generate` and its options."""
     g = sub.add_parser(
         "generate", parents=[parents.common, parents.machine, parents.client],
-        help="generate text from a prompt, through the daemon (or in-process with --model)",
         description="Stream the continuation of PROMPT to stdout. Without --model, the moed "
                     "daemon (moed serve) generates it, asked over its Unix socket; with --model "
                     "DIR, this process loads the model directory and generates it, no daemon "

@@ -15,7 +15,6 @@ def register(sub, parents: Parents) -> None:
     """`moed iobench` and its options."""
     io = sub.add_parser(
         "iobench", parents=[parents.common],
-        help="measure random expert-sized reads from the disk, per io path and queue depth",
         description="Read expert-sized blocks at random from the model's own shards (or a "
                     "scratch file) through the io worker pool: O_DIRECT (when the filesystem "
                     "supports it) and buffered, queue depth 1, 2, 4, 8 and 16, each cell "

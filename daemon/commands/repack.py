@@ -19,7 +19,6 @@ def register(sub, parents: Parents) -> None:
     """`moed repack` and its options."""
     r = sub.add_parser(
         "repack", parents=[parents.common, parents.machine],
-        help="write a copy of a model with int4/int8 routed experts (lossy; see moed eval)",
         description="Quantise the routed experts of --model into moed's int4 or int8 group "
                     "format and write a new model directory that moed serves like any other "
                     "(config.json with moed's quantization_config, tokenizer and generation "

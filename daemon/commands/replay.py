@@ -13,7 +13,6 @@ def register(sub, parents: Parents) -> None:
     """`moed replay-trace` and its options."""
     r = sub.add_parser(
         "replay-trace", parents=[parents.common],
-        help="replay a routing trace through the expert cache policies (no compute)",
         description="Replay a routing trace (JSON Lines, one token per line: "
                     '{"tok": n, "layers": [[expert ids], ...]}, as `moed serve --record-trace` '
                     "and `moed generate --record-trace` write it) through the scheduler's own "

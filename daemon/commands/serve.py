@@ -13,7 +13,6 @@ def register(sub, parents: Parents) -> None:
     """`moed serve` and its options (every configuration key is a flag)."""
     s = sub.add_parser(
         "serve", parents=[parents.common],
-        help="run the daemon: OpenAI-compatible HTTP on a Unix socket",
         description="Serve a model to local programs over a Unix socket (OpenAI-compatible "
                     "/v1/completions and /v1/chat/completions, streaming with SSE), with the "
                     "expert cache, learned pins and prefetch. Runs until SIGTERM or Ctrl-C; "

@@ -16,7 +16,6 @@ def register(sub, parents: Parents) -> None:
     """`moed tune` and its options."""
     t = sub.add_parser(
         "tune", parents=[parents.common, parents.machine],
-        help="find the best threads, io workers, prefetch width and cache split for a model here",
         description="Run the self-tuner once in the foreground on a built-in workload (one "
                     "sequence sampling at temperature 0.7 from fixed code prompts): compute "
                     "threads, io workers and prefetch width one at a time by interleaved A/B "

@@ -1,11 +1,13 @@
 """`moed --version`, `moed --help` and `moed COMMAND --help` load none of the heavy
 modules: a command's numpy, ml_dtypes, model code, aiohttp, structlog and the like are
-imported when the command runs, never to build the parser. The imports are read from the
-interpreter's own `-X importtime` trace of the real command line, so a module imported
-eagerly again anywhere on the way (a command module's top, args.py, a package's
-__init__) fails here. The kernels' OpenMP wait policy is still set before they load."""
+imported when the command runs, never to build the parser; and a command's module only
+when that command is parsed. The modules are those the process holds when it exits, so a
+module imported eagerly again anywhere on the way (a command module's top, args.py, a
+package's __init__) fails here. The kernels' OpenMP wait policy is still set before they
+load."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,22 +15,28 @@ from pathlib import Path
 
 import pytest
 
+from daemon.commands.cli import COMMANDS
+
 ROOT = Path(__file__).resolve().parents[3]
-MOED = [sys.executable, "-X", "importtime", "-m", "daemon.commands.cli"]
+MOED = ("import atexit, json, sys\n"
+        "atexit.register(lambda: print('\\nMODULES', json.dumps(sorted(sys.modules)),\n"
+        "                              file=sys.stderr))\n"
+        "from daemon.commands.cli import main\n"
+        "sys.exit(main())\n")
 # Top-level packages (or exact modules) that only running a command may import.
 HEAVY = ("numpy", "ml_dtypes", "aiohttp", "ext.kernels", "ext.models", "ext.formats",
          "daemon.store", "daemon.tuning", "structlog", "tokenizers", "safetensors", "jinja2",
          "tqdm", "psutil", "prometheus_client", "llguidance")
-COMMANDS = ("demo", "generate", "chat", "stats", "pins", "make-model", "repack", "eval", "bench",
-            "tune", "iobench", "replay-trace", "serve", "install-service")
 
 
 def _imports(*argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """The command's result and every module it imported, from `-X importtime`."""
-    proc = subprocess.run([*MOED, *argv], capture_output=True, text=True, cwd=ROOT)
-    modules = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
-               if line.startswith("import time:") and "imported package" not in line}
-    return proc, modules
+    """The result of `moed ARGV` (the console script's `main`) and every module the process
+    held at its exit (printed by an atexit hook on stderr's last line)."""
+    proc = subprocess.run([sys.executable, "-c", MOED, *argv], capture_output=True, text=True,
+                          cwd=ROOT)
+    head, _, modules = proc.stderr.rpartition("\nMODULES ")
+    proc.stderr = head
+    return proc, set(json.loads(modules))
 
 
 def _heavy(modules: set[str]) -> list[str]:
@@ -41,16 +49,18 @@ def test_version_and_help_import_nothing_heavy(argv):
     proc, modules = _imports(*argv)
     assert proc.returncode == 0
     assert proc.stdout.startswith("moed " if argv == ["--version"] else "usage: moed")
-    assert "daemon.commands.args" in modules         # the trace was read
+    assert "daemon.commands.args" in modules         # the list was read
     assert _heavy(modules) == []
+    assert not modules & {c.module for c in COMMANDS}   # nor any command's module
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.name)
 def test_command_help_imports_nothing_heavy(command):
-    proc, modules = _imports(command, "--help")
+    proc, modules = _imports(command.name, "--help")
     assert proc.returncode == 0
-    assert proc.stdout.startswith(f"usage: moed {command}")
+    assert proc.stdout.startswith(f"usage: moed {command.name}")
     assert _heavy(modules) == []
+    assert modules & {c.module for c in COMMANDS} == {command.module}   # no other command's
 
 
 def test_a_bad_argument_exits_2_before_the_command_loads_its_modules():
