@@ -95,3 +95,17 @@ def test_the_openmp_wait_policy_is_set_before_the_kernels_load():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env=env)
     assert proc.stdout.split() == ["ACTIVE", "65536"]
+
+
+def test_every_listed_command_has_a_parser_and_every_parser_is_listed():
+    """Each command's module registers the parser of every name COMMANDS gives it, under
+    that name, and no parser that `moed --help` would not list."""
+    from daemon.commands.cli import build_parser, command_parser
+
+    parser = build_parser()
+    for command in COMMANDS:
+        sub = command_parser(parser, command.name)
+        assert sub is not parser and sub.prog == f"moed {command.name}"
+    (action,) = parser._subparsers._group_actions
+    assert sorted(action._name_parser_map) == sorted(c.name for c in COMMANDS)
+    assert [a.dest for a in action._choices_actions] == [c.name for c in COMMANDS]
