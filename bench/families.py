@@ -175,7 +175,7 @@ def hint_recall(model_dir: Path, rule_hint: bool) -> dict[str, float]:
 
 
 def recall(args: argparse.Namespace) -> dict:
-    from daemon.commands.bench import BenchConfig, run_bench
+    from daemon.commands.bench_runs import BenchConfig, run_bench
     from daemon.store.plans import plans_for
     from ext.formats.checkpoint import Checkpoint
     from ext.models.config import load_config

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 
 from daemon.commands.args import size
-from daemon.commands.bench import BenchConfig, bench_prompt, learned_usage, timed_run
+from daemon.commands.bench_runs import BenchConfig, bench_prompt, learned_usage, timed_run
 from daemon.store.plans import max_slot_bytes
 from daemon.store.reads import drop_page_cache, probe_direct_io
 from daemon.store.streaming import StreamingExpertProvider, StreamingOptions
@@ -57,7 +57,7 @@ class Subject:
         self.learned = None
 
     def model(self, learned, options: dict) -> Model:
-        """learned: daemon.commands.bench.Learned of an earlier session, or None."""
+        """learned: daemon.commands.bench_runs.Learned of an earlier session, or None."""
         opts = StreamingOptions(cache_bytes=self.bench.cache_bytes, direct=self.direct, **options)
         provider = StreamingExpertProvider(self.layout, self.config, opts,
                                            usage_counts=learned.counts if learned else None,

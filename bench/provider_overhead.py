@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon.commands.args import size                               # noqa: E402
-from daemon.commands.bench import bench_prompt, prompt_ids          # noqa: E402
+from daemon.commands.bench_runs import bench_prompt, prompt_ids          # noqa: E402
 from daemon.commands.figures import spread                          # noqa: E402
 from daemon.service.config import resolve_model_alias               # noqa: E402
 from daemon.store.streaming import StreamingExpertProvider, StreamingOptions   # noqa: E402

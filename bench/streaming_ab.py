@@ -23,7 +23,7 @@ import statistics
 import sys
 
 from daemon.commands.args import size
-from daemon.commands.bench import BenchConfig, bench_prompt, learned_usage, timed_run
+from daemon.commands.bench_runs import BenchConfig, bench_prompt, learned_usage, timed_run
 from daemon.store.reads import drop_page_cache, probe_direct_io
 from daemon.store.streaming import StreamingExpertProvider, StreamingOptions
 from ext.formats.checkpoint import Checkpoint
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     prompt = bench_prompt(config)
 
     def model(learned, options: dict) -> Model:
-        """learned: daemon.commands.bench.Learned of an earlier session, or None."""
+        """learned: daemon.commands.bench_runs.Learned of an earlier session, or None."""
         opts = StreamingOptions(cache_bytes=bench.cache_bytes, direct=direct, **options)
         provider = StreamingExpertProvider(layout, config, opts,
                                            usage_counts=learned.counts if learned else None,

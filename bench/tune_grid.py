@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from daemon.commands.args import size
-from daemon.commands.tune import TuneConfig, compare_settings
+from daemon.commands.tune_runs import TuneConfig, compare_settings
 from daemon.store.session import open_model
 from daemon.store.state import default_state_dir
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS

@@ -3,6 +3,10 @@
 Every type raises argparse.ArgumentTypeError (exit 2 with argparse's message); a value
 that argparse's types cannot check alone raises UsageError, which `main` turns into the
 same exit 2.
+
+Cheap to import, like every command module's top: `moed --help` and `moed --version` load
+only argparse and these modules; what a command needs beyond them (numpy, the model code,
+aiohttp, structlog) it imports when it runs.
 """
 from __future__ import annotations
 
@@ -11,10 +15,6 @@ import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
-
-from telemetry.logs import get_logger
-
-log = get_logger("cli")
 
 
 class Parents(NamedTuple):
@@ -203,7 +203,7 @@ NUMERICS_HELP = ("numerics of int8, int4 and MXFP4 weights: exact (dequantised e
 
 def add_numerics(parser: argparse.ArgumentParser) -> None:
     """`--numerics {exact,fast}` on a command that runs the model."""
-    from ext.kernels import NUMERICS
+    from daemon.service.config import NUMERICS
 
     parser.add_argument("--numerics", choices=NUMERICS, default="exact", help=NUMERICS_HELP)
 

@@ -13,7 +13,7 @@ CHAT_COMMANDS = "/exit (or Ctrl-D) ends the chat, /reset forgets the conversatio
 def register(sub, parents: Parents) -> None:
     """`moed chat` and its options."""
     c = sub.add_parser(
-        "chat", parents=[parents.common, parents.client], help="chat with the daemon's model on the terminal",
+        "chat", parents=[parents.common, parents.client],
         description="A chat on the terminal with the model the daemon serves: each line you type "
                     "is a user message, the answer streams back, and the conversation so far is "
                     "sent with every message (through the model's chat template). "

@@ -40,12 +40,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from daemon.commands.args import ExamplesFormatter, Parents, check_model_dir, nonempty, positive_int
 from daemon.commands.ask import client_command
-from daemon.commands.client import Client, StreamResult, completion_request
 from daemon.service.config import default_model_dir
+
+if TYPE_CHECKING:       # the client (aiohttp) is imported when the demo runs
+    from daemon.commands.client import StreamResult
 
 DEMO_PROMPT = "def fibonacci(n):\n"      # the default model completes Python code
 DEMO_CACHE_FRACTION = 0.25     # of the routed experts' bytes ...
@@ -396,6 +398,8 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
 async def _serve_and_ask(options: DemoOptions, argv: list[str], socket_path: str,
                          budget: CacheBudget, model_dir: Path, last_run: Path, out: TextIO,
                          note: Callable[[str], None]) -> int:
+    from daemon.commands.client import Client, completion_request
+
     daemon = ServeProcess(argv, child_environment(options.environ))
     t0 = time.monotonic()
     await daemon.start()
@@ -481,7 +485,6 @@ def register(sub, parents: Parents) -> None:
     """`moed demo` and its options."""
     d = sub.add_parser(
         "demo", parents=[parents.common],
-        help="try moed: start a daemon on the embedded default model and stream a completion",
         description="Show moed at work with nothing but the install: start moed serve on a "
                     "private socket with the embedded default model (a small Qwen3-MoE that "
                     "completes Python code, trained on the standard library) and an expert "

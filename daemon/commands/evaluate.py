@@ -8,16 +8,12 @@ from pathlib import Path
 
 from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, add_numerics,
                                   check_model_dir, nonempty, positive_int, read_text_file)
-from telemetry.logs import get_logger
-
-log = get_logger("eval")
 
 
 def register(sub, parents: Parents) -> None:
     """`moed eval` and its options."""
     e = sub.add_parser(
         "eval", parents=[parents.common, parents.machine],
-        help="compare a model with a reference over teacher-forced text (KL, top-1, bits/byte)",
         description="Feed the same text to a model and a reference (e.g. a repacked model and "
                     "the model it came from), in windows of --context tokens, and print JSON: "
                     "mean, p99 and max per-token KL(reference || model) in nats, top-1 "
@@ -48,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from ext.evaluate import DEFAULT_CONTEXT, EvaluationInputError, compare, token_stream
     from ext.models.model import Model
     from ext.tokenizer import Tokenizer
+    from telemetry.logs import get_logger
 
+    log = get_logger("eval")
     args.reference = resolve_model_alias(args.reference)
     check_model_dir(args.model)
     if not Path(args.reference).is_dir():

@@ -8,7 +8,7 @@ import sys
 import time
 
 from daemon.commands.args import (ExamplesFormatter, Parents, UsageError, add_numerics,
-                                  add_sampling_arguments, check_model_dir, fraction, log, nonempty,
+                                  add_sampling_arguments, check_model_dir, fraction, nonempty,
                                   sampling_params, size, utf8_prompt)
 from daemon.commands.ask import TextOut, ask, client_command, request_body, socket_path
 
@@ -17,7 +17,6 @@ def register(sub, parents: Parents) -> None:
     """`moed generate` and its options."""
     g = sub.add_parser(
         "generate", parents=[parents.common, parents.machine, parents.client],
-        help="generate text from a prompt, through the daemon (or in-process with --model)",
         description="Stream the continuation of PROMPT to stdout. Without --model, the moed "
                     "daemon (moed serve) generates it, asked over its Unix socket; with --model "
                     "DIR, this process loads the model directory and generates it, no daemon "
@@ -68,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from ext.formats.quant import quantization_label
     from ext.generate import Generation
     from ext.tokenizer import Tokenizer, stop_token_ids
+    from telemetry.logs import get_logger
 
+    log = get_logger("cli")
     sampling = sampling_params(args)
     if args.socket is not None:
         raise UsageError("--socket asks the daemon and --model runs in this process: give one")
@@ -132,6 +133,8 @@ _IN_PROCESS_ONLY = {"threads": "--threads", "io_workers": "--io-workers", "exper
 
 @client_command
 def _generate_over_socket(args: argparse.Namespace) -> int:
+    from telemetry.logs import get_logger
+
     given = [flag for dest, flag in _IN_PROCESS_ONLY.items()
              if getattr(args, dest) != args.in_process_defaults[dest]]
     if given:
@@ -153,6 +156,7 @@ def _generate_over_socket(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")      # like the in-process mode: the answer ends with a newline
     sys.stdout.flush()
     tokens = result.completion_tokens
+    log = get_logger("cli")
     log.info("generation_finished", completion_tokens=tokens, finish_reason=result.finish_reason,
              socket=socket_path(args),
              time_to_first_text_s=None if result.time_to_first_text_s is None

@@ -216,7 +216,6 @@ def register(sub, parents: Parents) -> None:
     """`moed install-service` and its options."""
     s = sub.add_parser(
         "install-service", parents=[parents.common],
-        help="install moed as a systemd service (user, config, state directory, units)",
         description="Install this moed as the systemd service moed.socket + moed.service: "
                     "link /usr/local/bin/moed to it, create the system user moed, write "
                     "/etc/moed/moed.toml (unless it exists) with --model, create "

@@ -9,16 +9,12 @@ import time
 from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
                                   check_model_dir,
                                   nonempty, size)
-from telemetry.logs import get_logger
-
-log = get_logger("iobench")
 
 
 def register(sub, parents: Parents) -> None:
     """`moed iobench` and its options."""
     io = sub.add_parser(
         "iobench", parents=[parents.common],
-        help="measure random expert-sized reads from the disk, per io path and queue depth",
         description="Read expert-sized blocks at random from the model's own shards (or a "
                     "scratch file) through the io worker pool: O_DIRECT (when the filesystem "
                     "supports it) and buffered, queue depth 1, 2, 4, 8 and 16, each cell "
@@ -44,7 +40,9 @@ def register(sub, parents: Parents) -> None:
 def run(args: argparse.Namespace) -> int:
     from daemon.store.probe import model_target, run_iobench, save_report, scratch_target
     from daemon.store.state import default_state_dir
+    from telemetry.logs import get_logger
 
+    log = get_logger("iobench")
     if (args.model is None) == (args.file is None):
         raise UsageError("give exactly one of --model DIR and --file PATH")
     if not args.seconds > 0:

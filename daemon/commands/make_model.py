@@ -22,7 +22,7 @@ def _field(text: str) -> tuple[str, object]:
 def register(sub, parents: Parents) -> None:
     """`moed make-model` and its options."""
     m = sub.add_parser(
-        "make-model", parents=[parents.common], help="write a random-weight MoE checkpoint in Hugging Face layout",
+        "make-model", parents=[parents.common],
         description="Write a checkpoint with random weights (config.json, tokenizer, sharded "
                     "safetensors with an index) that transformers and moed both load. For "
                     "tests and benchmarks: the text it generates is noise.",

@@ -10,9 +10,6 @@ from pathlib import Path
 from daemon.commands.args import (ExamplesFormatter, Parents, Progress, UsageError,
                                   check_model_dir, cpu_threads, nonempty, positive_int,
                                   read_text_file, size)
-from telemetry.logs import get_logger
-
-log = get_logger("repack")
 
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_CALIBRATION_TOKENS = 32768
@@ -22,7 +19,6 @@ def register(sub, parents: Parents) -> None:
     """`moed repack` and its options."""
     r = sub.add_parser(
         "repack", parents=[parents.common, parents.machine],
-        help="write a copy of a model with int4/int8 routed experts (lossy; see moed eval)",
         description="Quantise the routed experts of --model into moed's int4 or int8 group "
                     "format and write a new model directory that moed serves like any other "
                     "(config.json with moed's quantization_config, tokenizer and generation "
@@ -106,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     from ext.formats.repacked import QuantScheme
     from ext.models.model import Model
     from ext.quant.repack import RepackSpec, check_out_dir, repack
+    from telemetry.logs import get_logger
 
+    log = get_logger("repack")
     check_model_dir(args.model)
     if args.symmetric and args.scheme != "int4":
         raise UsageError("--symmetric applies to --scheme int4 (int8 is always symmetric)")

@@ -6,13 +6,13 @@ import json
 import os
 
 from daemon.commands.args import Parents, UsageError, fraction, positive_int
+from scheduler.policy_names import POLICY_NAMES
 
 
 def register(sub, parents: Parents) -> None:
     """`moed replay-trace` and its options."""
     r = sub.add_parser(
         "replay-trace", parents=[parents.common],
-        help="replay a routing trace through the expert cache policies (no compute)",
         description="Replay a routing trace (JSON Lines, one token per line: "
                     '{"tok": n, "layers": [[expert ids], ...]}, as `moed serve --record-trace` '
                     "and `moed generate --record-trace` write it) through the scheduler's own "
@@ -29,11 +29,10 @@ def register(sub, parents: Parents) -> None:
     r.add_argument("trace", metavar="TRACE", help="routing trace, JSON Lines")
     r.add_argument("--slots-per-layer", type=positive_int, required=True, metavar="N",
                    help="cache size in experts per MoE layer (at least top_k)")
-    from scheduler.eviction import POLICIES
     r.add_argument("--policy", action="append", metavar="P",
-                   choices=["default", *POLICIES, "belady"],
+                   choices=["default", *POLICY_NAMES, "belady"],
                    help="policy to replay, one of default (moed's), "
-                        f"{', '.join(POLICIES)}, belady (the offline optimum) "
+                        f"{', '.join(POLICY_NAMES)}, belady (the offline optimum) "
                         f"(repeatable; default: {', '.join(DEFAULT_POLICIES)})")
     r.add_argument("--warm-tokens", type=int, default=None, metavar="W",
                    help="tokens before counting starts (default: half the trace)")

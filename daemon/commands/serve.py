@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from daemon.commands.args import Parents, check_model_dir, configure_logging, log, version
+from daemon.commands.args import Parents, check_model_dir, configure_logging, version
 from daemon.service.config import add_arguments
 
 
@@ -13,7 +13,6 @@ def register(sub, parents: Parents) -> None:
     """`moed serve` and its options (every configuration key is a flag)."""
     s = sub.add_parser(
         "serve", parents=[parents.common],
-        help="run the daemon: OpenAI-compatible HTTP on a Unix socket",
         description="Serve a model to local programs over a Unix socket (OpenAI-compatible "
                     "/v1/completions and /v1/chat/completions, streaming with SSE), with the "
                     "expert cache, learned pins and prefetch. Runs until SIGTERM or Ctrl-C; "
@@ -29,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
 
     from daemon.service.config import load_config
     from daemon.service.daemon import serve
+    from telemetry.logs import get_logger
 
+    log = get_logger("cli")
     config, warnings = load_config(args, os.environ)
     configure_logging(config.log_level)
     for w in warnings:

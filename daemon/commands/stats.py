@@ -12,7 +12,6 @@ def register(sub, parents: Parents) -> None:
     """`moed stats` and `moed pins` and their options."""
     st = sub.add_parser(
         "stats", parents=[parents.common, parents.client],
-        help="print the daemon's statistics (expert cache, hit rate, tokens/s) as JSON",
         description="Ask the daemon for its own statistics (GET /v1/moed/stats): requests "
                     "running and waiting, tokens/s, the expert cache's tiers, hit rate, hits, "
                     "misses and bytes read. Prints the JSON on stdout. The cache has three "
@@ -26,7 +25,6 @@ def register(sub, parents: Parents) -> None:
 
     pn = sub.add_parser(
         "pins", parents=[parents.common, parents.client],
-        help="print the experts the daemon keeps pinned (or forget what it learned) as JSON",
         description="Ask the daemon which experts it keeps pinned in its cache, learned from "
                     "their use (GET /v1/moed/pins: layer, expert, usage score). With --reset, "
                     "make it forget the learned usage and drop the pins (POST "

@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ext.kernels import NUMERICS
-
+# The kernels' numerics modes (ext.kernels.NUMERICS; tests/ext/models/test_numerics.py checks
+# they agree), named here so that the command line can offer them without loading ext/.
+NUMERICS = ("exact", "fast")
 DEFAULT_CONFIG_PATH = "/etc/moed/moed.toml"
 ENV_PREFIX = "MOED_"
 CONFIG_ENV = "MOED_CONFIG"

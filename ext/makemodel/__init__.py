@@ -1,10 +1,27 @@
 """make-model: random-weight checkpoints in the exact Hugging Face layout, for tests and
 benchmarks (make.py; what each family holds: families.py; shards: shards.py; the
 routing-skew construction: skew.py; tokenizer files: tokenizer.py). Imports nothing of
-ext/ outside makemodel/: it shares no code with the reader it tests."""
+ext/ outside makemodel/: it shares no code with the reader it tests.
+
+The names below but ARCHITECTURES load their module (and numpy, tokenizers) when first
+asked for, so that `moed make-model --help` can offer the architectures without them."""
+import importlib
+
 from ext.makemodel.families import ARCHITECTURES
-from ext.makemodel.make import DEFAULT_SHARD_SIZE, make_model
-from ext.makemodel.tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+
+_PARTS = {"DEFAULT_SHARD_SIZE": "make", "make_model": "make",
+          "CHATML_TEMPLATE": "tokenizer", "SPECIAL_TOKENS": "tokenizer", "build_tokenizer": "tokenizer"}
 
 __all__ = ["ARCHITECTURES", "CHATML_TEMPLATE", "DEFAULT_SHARD_SIZE", "SPECIAL_TOKENS",
            "build_tokenizer", "make_model"]
+
+
+def __getattr__(name: str):
+    part = _PARTS.get(name)
+    if part is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{part}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PARTS})

@@ -6,6 +6,7 @@ import pytest
 from scheduler.eviction import (DEFAULT_POLICY, POLICIES, ARCPolicy, BeladyPolicy, LFUPolicy,
                                 LRFUPolicy, LRUPolicy, PredictivePolicy, S3FIFOPolicy, SLRUPolicy,
                                 policy_factory)
+from scheduler.policy_names import POLICY_NAMES
 
 ANY = lambda e: True  # noqa: E731
 
@@ -156,3 +157,8 @@ def test_factory_resolves_names():
     assert isinstance(policy_factory("slru", 8)(0, 4), SLRUPolicy)
     with pytest.raises(ValueError, match="known: default, lru"):
         policy_factory("fifo", 8)
+
+
+def test_the_light_list_of_names_is_the_policies():
+    """`moed replay-trace --policy` offers POLICY_NAMES (no numpy to import for --help)."""
+    assert POLICY_NAMES == tuple(POLICIES)

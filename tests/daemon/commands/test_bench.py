@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from daemon.commands.bench import BenchConfig, flops_per_token, run_bench
+from daemon.commands.bench_runs import BenchConfig, flops_per_token, run_bench
 from daemon.commands.cli import main
 from ext.makemodel import make_model
 from ext.models.config import load_config

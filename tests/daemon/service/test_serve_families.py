@@ -17,7 +17,7 @@ import pytest
 from daemon_proc import Daemon, short_dir
 from metrics_scrape import expected_series, parse, total
 
-from daemon.commands.bench import BenchConfig, run_bench
+from daemon.commands.bench_runs import BenchConfig, run_bench
 from daemon.machine.memory import MemoryReading
 from daemon.service.loading import plan_serving_memory
 from daemon.store.plans import plans_for

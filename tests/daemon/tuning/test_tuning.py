@@ -418,7 +418,7 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
 ])
 def test_the_final_comparison_confirms_only_a_clear_win(default, tuned, same, want):
     from daemon.commands.figures import compare
-    from daemon.commands.tune import confirms
+    from daemon.commands.tune_runs import confirms
     assert confirms(compare(tuned, default, "tuned", "default")["pair_ratios"], same) is want
 
 

@@ -79,3 +79,9 @@ def test_a_long_prompt_crosses_prefill_chunks_with_the_same_bits(dirs):
     parts = [model.forward(seq, prompt[i:i + 7], all_logits=True) for i in range(0, len(prompt), 7)]
     model.close()
     assert np.array_equal(np.concatenate(parts), whole)
+
+
+def test_the_configuration_names_the_kernels_modes():
+    from daemon.service import config
+    from ext import kernels
+    assert config.NUMERICS == kernels.NUMERICS == ("exact", "fast")
