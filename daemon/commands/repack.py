@@ -61,6 +61,10 @@ def register(sub, parents: Parents) -> None:
     r.add_argument("--dense", choices=["keep", "int8"], default="keep",
                    help="attention projections, shared experts and dense MLPs: keep as stored "
                         "(default) or int8 in groups of --group-size")
+    r.add_argument("--lm-head", choices=["keep", "int8"], default="keep",
+                   help="the output projection (lm_head, when not tied to the embeddings): keep "
+                        "as stored (default) or int8 like the dense weights (needs --dense int8), "
+                        "as llama.cpp's k-quant mixes quantise output.weight")
     r.add_argument("--shard-size", type=size, default=size("2G"), metavar="BYTES",
                    help="largest shard, e.g. 512M or 2G (default: 2G)")
     r.set_defaults(func=run)
@@ -114,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
     if method == "gptq" and not args.calibration_text:
         raise UsageError("--method gptq needs --calibration-text")
     experts = QuantScheme(args.scheme, args.group_size, args.scheme == "int4" and not args.symmetric)
+    if args.lm_head == "int8" and args.dense != "int8":
+        raise UsageError("--lm-head int8 takes the dense weights' scheme: give --dense int8 too")
     dense = QuantScheme("int8", args.group_size) if args.dense == "int8" else None
-    spec = RepackSpec(experts, dense=dense, method=method)
+    spec = RepackSpec(experts, dense=dense, lm_head=args.lm_head == "int8", method=method)
     out = Path(args.out)
     check_out_dir(args.model, out, args.force)     # before hours of calibration, not after
     t0 = time.perf_counter()

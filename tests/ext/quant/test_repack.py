@@ -554,3 +554,16 @@ def test_lm_head_joins_the_dense_weights_only_when_asked(source, tmp_path):
     reference.close()
     with pytest.raises(ValueError, match="lm_head is quantised with the dense scheme"):
         RepackSpec(QuantScheme("int8", 32), lm_head=True)
+
+
+def test_the_lm_head_option_of_the_command(source, tmp_path, capsys):
+    out = tmp_path / "all-int8"
+    assert main(["repack", "--model", str(source), "--scheme", "int8", "--dense", "int8",
+                 "--lm-head", "int8", "--out", str(out)]) == 0
+    with Checkpoint(out) as ckpt:
+        assert ckpt.info("lm_head.weight").dtype == "I8"
+    with pytest.raises(SystemExit) as e:
+        main(["repack", "--model", str(source), "--scheme", "int8", "--lm-head", "int8",
+              "--out", str(tmp_path / "no")])
+    assert e.value.code == 2
+    assert "--lm-head int8 takes the dense weights' scheme" in capsys.readouterr().err
