@@ -11,6 +11,8 @@ Formats and what llama.cpp runs against each:
     bf16  the make-model checkpoint            <->  BF16 GGUF (convert_hf_to_gguf.py)
     int8  `moed repack --scheme int8` of it    <->  Q8_0   (llama-quantize of the BF16 GGUF)
     int4  `moed repack --scheme int4` of it    <->  Q4_K_M (llama-quantize of the BF16 GGUF)
+    int8-all, int4-all  the same with `--dense int8 --lm-head int8` (attention, dense
+          weights and lm_head int8 too, as Q8_0 and Q4_K_M quantise every matrix)
     fp8   `moed make-model --dtype fp8`        <->  none (GGUF has no FP8 type): moed only
 
 moed's repacks quantise the routed experts only (attention stays bf16); llama.cpp's Q8_0
@@ -85,11 +87,14 @@ from served import spread  # noqa: E402
 MAKE_MODEL = ["--arch", "qwen3_moe", "--layers", "16", "--experts", "32", "--top-k", "4",
               "--hidden", "1024", "--intermediate", "512", "--vocab-size", "32000",
               "--routing-skew", "1", "--seed", "1"]
+DENSE_TOO = ["--dense", "int8", "--lm-head", "int8"]
 # format: how moed's checkpoint is made, llama.cpp's paired GGUF type (None: no pairing)
 FORMATS = {
     "bf16": {"moed": ["make-model", *MAKE_MODEL], "gguf": "BF16"},
     "int8": {"moed": ["repack", "--scheme", "int8"], "gguf": "Q8_0"},
     "int4": {"moed": ["repack", "--scheme", "int4"], "gguf": "Q4_K_M"},
+    "int8-all": {"moed": ["repack", "--scheme", "int8", *DENSE_TOO], "gguf": "Q8_0"},
+    "int4-all": {"moed": ["repack", "--scheme", "int4", *DENSE_TOO], "gguf": "Q4_K_M"},
     "fp8": {"moed": ["make-model", *MAKE_MODEL, "--dtype", "fp8"], "gguf": None},
 }
 NUMERICS = ("exact", "fast")
@@ -132,8 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per run, tg (default 64)")
     p.add_argument("--prompt", type=int, default=512,
                    help="prefill tokens per run, pp (default 512; 0 skips prefill)")
-    p.add_argument("--formats", type=csv_list(str, tuple(FORMATS)), default=list(FORMATS),
-                   help="moed formats, comma-separated (default bf16,int8,int4,fp8)")
+    p.add_argument("--formats", type=csv_list(str, tuple(FORMATS)),
+                   default=["bf16", "int8", "int4", "fp8"],
+                   help="moed formats, comma-separated, of " + ", ".join(FORMATS) +
+                        " (default bf16,int8,int4,fp8)")
     p.add_argument("--numerics", type=csv_list(str, NUMERICS), default=["exact"],
                    help="moed numerics modes, comma-separated: exact, fast (passed to "
                         "Model.load when it takes `numerics`; default exact)")
