@@ -6,7 +6,7 @@ Conventions: logits are a 1-D array [V] (V = vocab_size), float32 from the forwa
 pass; token ids are Python ints in [0, V). Ordering is fully determined: every sort is
 descending by (scaled) logit with ties broken by the lower token id (a stable sort of
 the negated values), so a given (logits, params, seed) always yields the same tokens —
-independent of thread counts or batch composition, as DESIGN.md requires.
+independent of thread counts or batch composition, as docs/design.md requires.
 
 The draw: one `Generator.random()` float64 u in [0, 1) per sampled token, from
 `numpy.random.Generator(numpy.random.PCG64(seed))`, mapped through the inverse CDF of

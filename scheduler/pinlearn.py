@@ -8,7 +8,7 @@ Pins are (layer index, expert) pairs; `share` is the share of the slots above th
 minimum (top_k per layer) that the pinned tier takes, as `StreamingOptions.pin_fraction`
 counts it.
 
-What `PinLearner` does (DESIGN.md "Usage statistics and pin set", issue 17):
+What `PinLearner` does (docs/design.md "Usage statistics and pin set", issue 17):
   - It keeps the routing of the last `history_windows` windows of `window_tokens` steps.
   - At evaluation points (after 2 windows, then at window counts doubling up to every
     `max_interval_windows`, back to often when a decision changes) it scores candidates:

@@ -8,7 +8,7 @@ Conventions (the whole module):
   Sizes are bytes (`expert_bytes`, `budget_bytes`); with the cache's uniform slots, pass
   expert_bytes=1 and a budget in slots.
 
-The value of a pin is its density: expected hits per byte. DESIGN.md "Usage statistics
+The value of a pin is its density: expected hits per byte. docs/design.md "Usage statistics
 and pin set": at start, the pin set is the experts with the highest expected hits per byte
 within the pin budget; while serving it is re-evaluated with hysteresis.
 """

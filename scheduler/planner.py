@@ -2,7 +2,7 @@
 
 Conventions (the whole module):
   Every size is a plain int in bytes. Nothing here reads the system: daemon/machine/memory.py
-  reads /proc and the cgroup tree and hands the numbers in (DESIGN.md "Memory planner",
+  reads /proc and the cgroup tree and hands the numbers in (docs/design.md "Memory planner",
   "Folders": scheduler/ is pure policy).
 
 Two steps, each one function:

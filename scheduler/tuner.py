@@ -1,6 +1,6 @@
 """The self-tuner's decisions: one knob at a time, interleaved A/B, keep only clear wins.
 
-Pure policy (DESIGN.md, "Self-tuner"): the caller applies `OnlineTuner.settings()`, runs
+Pure policy (docs/design.md, "Self-tuner"): the caller applies `OnlineTuner.settings()`, runs
 one measurement window with them, and reports the window's cost with `observe`. The
 cost is seconds per decode step per sequence (lower is better), and windows are compared
 only at equal batch size: a window run at another batch size than the trial's first is

@@ -11,7 +11,7 @@ half_life_tokens tokens a count is halved. The decay is applied lazily: values a
 divided by a global scale (the decay accumulated since the last renormalisation), so
 `advance` is O(1); the stored values are folded back before the scale underflows.
 
-Merging across processes (DESIGN.md "Usage statistics and pin set"; issue 3): each
+Merging across processes (docs/design.md "Usage statistics and pin set"; issue 3): each
 process flushes only what it gathered since its own previous flush,
 
     merged = decay(file_counts, tokens) + delta,     decay(c, n) = c * 2 ** (-n / H)

@@ -7,7 +7,7 @@ reference computes in f32 on the dtype-rounded weights, like moed), runs a greed
 generation and a teacher-forced forward, and checks the seed's margins: a clear
 top-1/top-2 logit gap at every generation step and a clear gap between the k-th and
 (k+1)-th router probabilities of every token at every MoE layer. `select_seed` takes
-seeds 0, 1, ... until one passes (DESIGN.md, "Correctness: the oracle").
+seeds 0, 1, ... until one passes (docs/design.md, "Correctness: the oracle").
 
 Shape legend: T tokens, V vocab_size, E num_experts, K num_experts_per_tok.
 """

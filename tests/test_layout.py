@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md, enforced by parsing every module's imports.
+"""The import rules of docs/design.md, enforced by parsing every module's imports.
 
 Between the top-level folders:
 

@@ -8,7 +8,7 @@ Conventions (the whole module):
   proc/meminfo, psutil being tied to the real /proc. The cgroup parsing psutil does not
   do is here. A file that is missing or unreadable makes its value
   unknown (None, or the cgroup is skipped) — reading never raises. The numbers go to the
-  pure planner, scheduler/planner.py (DESIGN.md "Memory planner").
+  pure planner, scheduler/planner.py (docs/design.md "Memory planner").
 
 Which hierarchy: the one that carries the memory controller. /proc/self/cgroup names this
 process's cgroup per hierarchy ("0::/path" for v2, "N:memory:/path" or "N:cpu,memory:/path"

@@ -1,5 +1,5 @@
 """The expert cache under memory pressure: shrink when the room moed runs in needs memory
-back, grow back slowly when it returns (DESIGN.md "Memory planner"; scheduler.planner's
+back, grow back slowly when it returns (docs/design.md "Memory planner"; scheduler.planner's
 `CacheSqueeze` decides, this module reads and applies).
 
 The room is the memory moed may use: the tightest cgroup limit over its process (v1 or

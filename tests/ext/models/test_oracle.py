@@ -5,7 +5,7 @@ classes in f32 and bf16, saved in 50 KB shards, and run by both sides: greedy
 generation must agree token for token, and logits (teacher-forced and per decode
 step) within 1e-4 × max |logit|. Seeds are taken in order until the reference's
 greedy steps and routing decisions have clear margins, so that an exact token match
-is a fair demand (DESIGN.md, "Correctness: the oracle"). Placement (threads, where
+is a fair demand (docs/design.md, "Correctness: the oracle"). Placement (threads, where
 the experts sit, how the prompt is chunked) must not change a single bit, and the
 routing kernel is checked on a 64-expert top-8 router against numpy and torch.
 """
