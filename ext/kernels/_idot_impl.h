@@ -225,8 +225,9 @@ static void moed_idot_rows_portable(const moed_weight *w, ptrdiff_t r0, int nrow
 }
 
 /* ------------------------------------------------------------ the SIMD paths */
-/* q8x2-32: the SIMD paths are not converted yet; every build runs the portable one. */
-#if 0 && defined(__AVX512VNNI__) && defined(MOED_V16_AVX512)
+/* q8x2-32: the AVX2 paths are not converted yet; builds without AVX-512 VNNI run the
+ * portable one. */
+#if defined(__AVX512VNNI__) && defined(MOED_V16_AVX512)
 #define MOED_I_AVX512 1
 #elif 0 && defined(__AVX2__) && (defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2))
 #define MOED_I_AVX2 1
@@ -317,21 +318,30 @@ static inline __attribute__((always_inline)) __m512i moed_ireduce4(const __m512i
     return _mm512_permutexvar_epi32(idx, r);
 }
 
-/* S of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes at wp,
- * q at qp, cs the bias correction. */
-static inline __attribute__((always_inline)) moed_is16
-moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
-    __m512i v[4];
+/* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes
+ * at wp, the planes at qp1 and qp2, cs1 and cs2 their bias corrections. Each weight
+ * vector is loaded and decoded once and meets both planes. */
+static inline __attribute__((always_inline)) void
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
+              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+    __m512i v1[4], v2[4];
     const __m512i zero = _mm512_setzero_si512();
     if (kind == MOED_IK_INT8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
-        __m512i p[8];
-        for (int i = 0; i < 8; i++)
-            p[i] = _mm512_dpbusd_epi32(zero, _mm512_xor_si512(moed_load64(wp + 64 * i, full, 32 * n - 64 * i), flip),
-                                       _mm512_load_si512(qp + 64 * i));
-        for (int i = 0; i < 4; i++)   /* [A | B], [C | D] (8 partials each) -> [A B C D] */
-            v[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0x88),
-                                    _mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0xDD));
+        for (int i = 0; i < 4; i++) {
+            __m512i p1[2], p2[2];
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * i + h;
+                const __m512i wv = _mm512_xor_si512(moed_load64(wp + 64 * j, full, 32 * n - 64 * j), flip);
+                p1[h] = _mm512_dpbusd_epi32(zero, wv, _mm512_load_si512(qp1 + 64 * j));
+                p2[h] = _mm512_dpbusd_epi32(zero, wv, _mm512_load_si512(qp2 + 64 * j));
+            }
+            /* [A | B], [C | D] (8 partials each) -> [A B C D] */
+            v1[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p1[0], p1[1], 0x88),
+                                     _mm512_shuffle_i64x2(p1[0], p1[1], 0xDD));
+            v2[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p2[0], p2[1], 0x88),
+                                     _mm512_shuffle_i64x2(p2[0], p2[1], 0xDD));
+        }
     } else {
         const __m512i m = _mm512_set1_epi8(15);
         const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(MOED_E2M1X2_BIASED));
@@ -342,12 +352,19 @@ moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs,
                 lo = _mm512_shuffle_epi8(tab, lo);
                 hi = _mm512_shuffle_epi8(tab, hi);
             }
-            __m512i acc = _mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp + 128 * i));
-            v[i] = _mm512_dpbusd_epi32(acc, hi, _mm512_load_si512(qp + 128 * i + 64));
+            v1[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp1 + 128 * i)),
+                                        hi, _mm512_load_si512(qp1 + 128 * i + 64));
+            v2[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp2 + 128 * i)),
+                                        hi, _mm512_load_si512(qp2 + 128 * i + 64));
         }
     }
-    __m512i r = moed_ireduce4(v);
-    return kind == MOED_IK_INT4M ? r : _mm512_sub_epi32(r, cs);
+    __m512i r1 = moed_ireduce4(v1), r2 = moed_ireduce4(v2);
+    if (kind != MOED_IK_INT4M) {
+        r1 = _mm512_sub_epi32(r1, cs1);
+        r2 = _mm512_sub_epi32(r2, cs2);
+    }
+    *S1 = r1;
+    *S2 = r2;
 }
 #else
 /* AVX2: v[i] holds 4 int32 partials of block 2i + L in 128-bit lane L (i < 4); the 8
@@ -515,13 +532,15 @@ static inline int moed_itail_overread_ok(const moed_weight *w, const int kind, p
  * single row's. */
 static inline __attribute__((always_inline)) void
 moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
-                const uint8_t *const *row, const int8_t *q, const float *d, const float *ds,
-                const int32_t *s, ptrdiff_t b0, const int full, int n, __m128 *y4, float *y1) {
+                const uint8_t *const *row, const int8_t *q1, const int8_t *q2, const float *d,
+                const float *e, const float *ds, const int32_t *s1, const int32_t *s2, ptrdiff_t b0,
+                const int full, int n, __m128 *y4, float *y1) {
     const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
     const ptrdiff_t off = b0 * bpb;
-    const moed_v16 dv = moed_v16_load(d + b0);
+    const moed_v16 dv = moed_v16_load(d + b0), ev = moed_v16_load(e + b0);
     const moed_v16 dsv = kind == MOED_IK_INT4M ? moed_v16_load(ds + b0) : moed_v16_zero();
-    const moed_is16 cs = moed_is16_times(moed_ikind_bias(kind), s + b0);
+    const moed_is16 cs1 = moed_is16_times(moed_ikind_bias(kind), s1 + b0);
+    const moed_is16 cs2 = moed_is16_times(moed_ikind_bias(kind), s2 + b0);
     float tmp[4][16] __attribute__((aligned(64)));
     moed_v16 tv[4];
     for (int k = 0; k < nrows; k++) {
@@ -530,11 +549,14 @@ moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nr
                 __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
                 moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
             }
-        moed_is16 S = moed_ichunk_S(kind, row[k] + off, q + 32 * b0, cs, full, n);
+        moed_is16 S1, S2;
+        moed_ichunk_S(kind, row[k] + off, q1 + 32 * b0, q2 + 32 * b0, cs1, cs2, full, n, &S1, &S2);
         moed_v16 sw, mv = moed_v16_zero();
         if (full) moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
         else moed_itail_scales(w, r0 + k, b0, n, &sw, &mv);
-        moed_v16 t = moed_v16_mul(moed_is16_f32(S), moed_v16_mul(sw, dv));
+        moed_v16 t = moed_v16_mul(moed_is16_f32(S1), moed_v16_mul(sw, dv));
+        const moed_v16 t2 = moed_v16_mul(moed_is16_f32(S2), moed_v16_mul(sw, ev));
+        t = moed_v16_add(t, t2);
         if (kind == MOED_IK_INT4M) t = moed_v16_add(t, moed_v16_mul(mv, dsv));
         if (nrows == 1) {
             moed_v16_store(tmp[0], t);
@@ -555,9 +577,9 @@ moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nr
 static inline __attribute__((always_inline)) void
 moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
                const moed_qact *a, ptrdiff_t t, float *out) {
-    const int8_t *q = a->q + t * a->ldq;
-    const float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
-    const int32_t *s = a->s + t * a->ldb;
+    const int8_t *q1 = a->q1 + t * a->ldq, *q2 = a->q2 + t * a->ldq;
+    const float *d = a->d + t * a->ldb, *e = a->e + t * a->ldb, *ds = a->ds + t * a->ldb;
+    const int32_t *s1 = a->s1 + t * a->ldb, *s2 = a->s2 + t * a->ldb;
     const ptrdiff_t nb = a->nb, nfull = nb / MOED_ICHUNK * MOED_ICHUNK;
     const uint8_t *row[MOED_ROWS];
     __m128 y4[MOED_ROWS / 4];
@@ -565,12 +587,12 @@ moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nro
     for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
     for (int k = 0; k < MOED_ROWS / 4; k++) y4[k] = _mm_setzero_ps();
     for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
-        moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, b0, 1, MOED_ICHUNK, y4, &y1);
+        moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, b0, 1, MOED_ICHUNK, y4, &y1);
     if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays */
         if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull))
-            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 1, (int)(nb - nfull), y4, &y1);
+            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 1, (int)(nb - nfull), y4, &y1);
         else
-            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 0, (int)(nb - nfull), y4, &y1);
+            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 0, (int)(nb - nfull), y4, &y1);
     }
     if (nrows == 1) out[0] = y1;
     else
