@@ -225,11 +225,9 @@ static void moed_idot_rows_portable(const moed_weight *w, ptrdiff_t r0, int nrow
 }
 
 /* ------------------------------------------------------------ the SIMD paths */
-/* q8x2-32: the AVX2 paths are not converted yet; builds without AVX-512 VNNI run the
- * portable one. */
 #if defined(__AVX512VNNI__) && defined(MOED_V16_AVX512)
 #define MOED_I_AVX512 1
-#elif 0 && defined(__AVX2__) && (defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2))
+#elif defined(__AVX2__) && (defined(MOED_V16_AVX512) || defined(MOED_V16_AVX2))
 #define MOED_I_AVX2 1
 #endif
 
@@ -386,54 +384,86 @@ static inline __attribute__((always_inline)) __m256i moed_ireduce4(const __m256i
 #endif
 #endif
 
-static inline __attribute__((always_inline)) moed_is16
-moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
-    __m256i v[8];
+/* The 8 block sums (blocks 8 * half .. 8 * half + 7) of each plane; see the AVX-512
+ * moed_ichunk_S. */
+static inline __attribute__((always_inline)) void
+moed_ichunk_S8(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, const int full,
+               int n, const int half, __m256i *r1, __m256i *r2) {
+    __m256i v1[4], v2[4];
     if (kind == MOED_IK_INT8) {
-        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
-            __m256i p[2];
+        for (int k = 0; k < 4; k++) {   /* blocks 2i, 2i + 1 */
+            const int i = 4 * half + k;
+            __m256i p1[2], p2[2];
             for (int h = 0; h < 2; h++) {
-                __m256i w = moed_load32(wp + 64 * i + 32 * h, full, 32 * n - 64 * i - 32 * h);
-                __m256i x = _mm256_load_si256((const __m256i *)(qp + 64 * i + 32 * h));
+                const int o = 64 * i + 32 * h;
+                __m256i w = moed_load32(wp + o, full, 32 * n - o);
+                __m256i x1 = _mm256_load_si256((const __m256i *)(qp1 + o));
+                __m256i x2 = _mm256_load_si256((const __m256i *)(qp2 + o));
 #ifdef MOED_I_VNNI256
-                p[h] = moed_dpbusd256(_mm256_setzero_si256(), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
+                w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+                p1[h] = moed_dpbusd256(_mm256_setzero_si256(), w, x1);
+                p2[h] = moed_dpbusd256(_mm256_setzero_si256(), w, x2);
 #else
                 /* |c| * sign(q, c): pair sums <= 2 * 128 * 127 < 2^15 */
-                p[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
-                                         _mm256_set1_epi16(1));
+                const __m256i aw = _mm256_abs_epi8(w), one = _mm256_set1_epi16(1);
+                p1[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x1, w)), one);
+                p2[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x2, w)), one);
 #endif
             }
-            v[i] = _mm256_add_epi32(_mm256_permute2x128_si256(p[0], p[1], 0x20),
-                                    _mm256_permute2x128_si256(p[0], p[1], 0x31));
+            v1[k] = _mm256_add_epi32(_mm256_permute2x128_si256(p1[0], p1[1], 0x20),
+                                     _mm256_permute2x128_si256(p1[0], p1[1], 0x31));
+            v2[k] = _mm256_add_epi32(_mm256_permute2x128_si256(p2[0], p2[1], 0x20),
+                                     _mm256_permute2x128_si256(p2[0], p2[1], 0x31));
         }
     } else {
         const __m256i m = _mm256_set1_epi8(15);
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_setr_epi8(MOED_E2M1X2_BIASED));
-        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
-            const int G = i >> 1, p = i & 1;
+        for (int k = 0; k < 4; k++) {   /* blocks 2i, 2i + 1 */
+            const int i = 4 * half + k, G = i >> 1, p = i & 1;
             __m256i b = moed_load32(wp + 32 * i, full, 16 * n - 32 * i);
             __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
             if (kind == MOED_IK_MXFP4) {
                 lo = _mm256_shuffle_epi8(tab, lo);
                 hi = _mm256_shuffle_epi8(tab, hi);
             }
-            const __m256i qe = _mm256_load_si256((const __m256i *)(qp + 128 * G + 32 * p));
-            const __m256i qo = _mm256_load_si256((const __m256i *)(qp + 128 * G + 64 + 32 * p));
+            const ptrdiff_t oe = 128 * G + 32 * p, oo = 128 * G + 64 + 32 * p;
+            const __m256i qe1 = _mm256_load_si256((const __m256i *)(qp1 + oe));
+            const __m256i qo1 = _mm256_load_si256((const __m256i *)(qp1 + oo));
+            const __m256i qe2 = _mm256_load_si256((const __m256i *)(qp2 + oe));
+            const __m256i qo2 = _mm256_load_si256((const __m256i *)(qp2 + oo));
 #ifdef MOED_I_VNNI256
-            v[i] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe), hi, qo);
+            v1[k] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe1), hi, qo1);
+            v2[k] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe2), hi, qo2);
 #else
             /* pair sums <= 2 * 24 * 127 each; the two products' sum stays below 2^15 */
-            v[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe), _mm256_maddubs_epi16(hi, qo)),
-                                     _mm256_set1_epi16(1));
+            const __m256i one = _mm256_set1_epi16(1);
+            v1[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe1), _mm256_maddubs_epi16(hi, qo1)),
+                                      one);
+            v2[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe2), _mm256_maddubs_epi16(hi, qo2)),
+                                      one);
 #endif
         }
     }
-    moed_is16 r = {moed_ireduce4(v), moed_ireduce4(v + 4)};
+    *r1 = moed_ireduce4(v1);
+    *r2 = moed_ireduce4(v2);
+}
+
+/* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0), in two
+ * halves of 8 blocks (the accumulators of both planes fit the 16 registers). */
+static inline __attribute__((always_inline)) void
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
+              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+    moed_is16 r1, r2;
+    moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 0, &r1.lo, &r2.lo);
+    moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 1, &r1.hi, &r2.hi);
     if (moed_ikind_bias(kind)) {
-        r.lo = _mm256_sub_epi32(r.lo, cs.lo);
-        r.hi = _mm256_sub_epi32(r.hi, cs.hi);
+        r1.lo = _mm256_sub_epi32(r1.lo, cs1.lo);
+        r1.hi = _mm256_sub_epi32(r1.hi, cs1.hi);
+        r2.lo = _mm256_sub_epi32(r2.lo, cs2.lo);
+        r2.hi = _mm256_sub_epi32(r2.hi, cs2.hi);
     }
-    return r;
+    *S1 = r1;
+    *S2 = r2;
 }
 #endif
 
