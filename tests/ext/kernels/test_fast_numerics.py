@@ -387,6 +387,21 @@ def test_quantize_activations_second_plane_at_its_limit_in_normal_blocks():
     assert (np.abs(q2.astype(np.int32)) == 127).mean() > 0.2
 
 
+def test_quantize_activations_refuses_mismatched_outputs_by_name():
+    x = np.zeros((2, 64), F32)
+    good = [np.zeros((2, 64), np.int8), np.zeros((2, 64), np.int8), np.zeros((2, 2), F32),
+            np.zeros((2, 2), F32), np.zeros((2, 2), np.int32), np.zeros((2, 2), np.int32)]
+    k.quantize_activations(x, *good)
+    for i, name, bad in ((1, "q2", np.zeros((2, 64), np.uint8)), (3, "e", np.zeros((2, 3), F32)),
+                         (5, "s2", np.zeros((2, 2), np.int64)), (0, "q1", np.zeros((2, 32), np.int8))):
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ValueError, match=name):
+            k.quantize_activations(x, *args)
+    with pytest.raises(TypeError):
+        k.quantize_activations(x, *good[:4])   # the version-1 signature (x, q, d, s)
+
+
 # -------------------------------------------------------------------- matmul
 
 @pytest.mark.parametrize("variant, C", list(_fast_cases()))
