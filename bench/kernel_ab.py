@@ -18,7 +18,9 @@ and whether both builds' outputs are bit-identical. One JSON object on stdout.
     python bench/kernel_ab.py --a ../old --b . [--formats bf16,int8,int4-mins]
         [--shapes 1024x1024,4096x4096] [--threads 2] [--rounds 12] [--tokens 1]
 
-`--tokens T` times the mat-mat of T tokens instead of the mat-vec.
+`--tokens T` times the mat-mat of T tokens instead of the mat-vec. `--fast` times both
+builds' fast numerics (`matmul(..., fast=True)`; the formats it does not change stay
+exact), e.g. two versions of the fast numerics against each other.
 """
 from __future__ import annotations
 
@@ -76,16 +78,16 @@ def compare(builds, name: str, R: int, C: int, args, rng: np.random.Generator) -
     rings = [[rewrap(m, w) for w in ring] for m in builds]
     outs = [np.empty((args.tokens, R), np.float32) for _ in builds]
     for m, ws, out in zip(builds, rings, outs):
-        m.matmul(ws[0], x, out, args.threads)
+        m.matmul(ws[0], x, out, args.threads, fast=args.fast)
     identical = bool(np.array_equal(outs[0], outs[1]))
     seconds: list[list[float]] = [[], []]
     for r in range(args.rounds):
         for i in ((0, 1) if r % 2 == 0 else (1, 0)):
             m, ws, out = builds[i], rings[i], outs[i]
-            m.matmul(ws[-1], x, out, args.threads)      # wakes the threads, untimed
+            m.matmul(ws[-1], x, out, args.threads, fast=args.fast)   # wakes the threads, untimed
             t0 = time.perf_counter()
             for w in ws:
-                m.matmul(w, x, out, args.threads)
+                m.matmul(w, x, out, args.threads, fast=args.fast)
             seconds[i].append((time.perf_counter() - t0) / len(ws))
     ratios = [a / b for a, b in zip(seconds[0], seconds[1])]
     gbs = [nbytes / statistics.median(s) / 1e9 for s in seconds]
@@ -109,6 +111,8 @@ def main() -> None:
     parser.add_argument("--stream-mib", type=int, default=96, help="ring size in MiB (default 96)")
     parser.add_argument("--tokens", type=int, default=1, help="tokens per call (default 1: mat-vec)")
     parser.add_argument("--group-size", type=int, default=32, help="int4/int8 group size (default 32)")
+    parser.add_argument("--fast", action="store_true",
+                        help="time the fast numerics (matmul(..., fast=True)) of both builds")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = sorted(set(formats) - set(matvec.FORMATS))
@@ -128,6 +132,7 @@ def main() -> None:
     print(json.dumps({"a": {"dir": args.a, "build": builds[0].build_info()},
                       "b": {"dir": args.b, "build": builds[1].build_info()},
                       "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
+                      "fast": args.fast,
                       "stream_mib": args.stream_mib, "results": results}, indent=2))
 
 

@@ -36,8 +36,9 @@ the CPU and the load average around the run (a shared machine gives noisy figure
 For one core against one core: OPENBLAS_NUM_THREADS=1 python bench/matvec.py --threads 1
 (the JSON records OPENBLAS_NUM_THREADS / OMP_NUM_THREADS as set).
 
-`--fast` also times the fast numerics (`matmul(..., fast=True)`: int8 activations per
-block of 32, integer block dots) of every int8, int4 and mxfp4 format, as "<format>-fast"
+`--fast` also times the fast numerics (`matmul(..., fast=True)`, "q8x2-32": activations
+as two int8 planes per block of 32, the codes and their residual, and integer block dots
+of each) of every int8, int4 and mxfp4 format, as "<format>-fast"
 beside the exact "<format>" in the same interleaved rounds (and in the expert FFN);
 "build"."fast" names the integer-dot path that ran.
 
@@ -359,7 +360,7 @@ def main() -> None:
                         help="time a stream of mat-vecs over a ring of at least this many MiB of "
                              "copies of each weight, threads awake (default 0: one cold call)")
     parser.add_argument("--fast", action="store_true",
-                        help="also time fast mode (int8 activations) of the int8, int4 and mxfp4 "
+                        help="also time fast mode (two int8 activation planes) of the int8, int4 and mxfp4 "
                              "formats, as <format>-fast")
     args, formats = parse_timing_args(parser, flush_mib=512, pause=0.5)
 

@@ -1,5 +1,5 @@
-"""Independent numpy reading of moed's fast numerics, version 1 ("q8-32"), for the kernel
-tests to compare with bit for bit.
+"""Independent numpy reading of moed's fast numerics, version 2 ("q8x2-32"), for the
+kernel tests to compare with bit for bit.
 
 Written from the fast-numerics specification and the weight formats' definitions (the
 element decoders of tests/quant_reference.py), never from moed's kernels. Every float
@@ -8,13 +8,19 @@ operation is one numpy float32 operation, in the order the specification writes 
 integers are exact in int32/int64; nothing is computed in float64.
 
 The specification, in short (section numbers are its own):
-  1. each activation row is quantised per block of 32 columns: d_b = max|x_i| / 127,
-     q_i = clamp(rint(x_i / d_b), -127, 127) (0 when d_b == 0), s_b = sum of the q_i;
-  2. S_rb = sum over the block of c_i * q_i, exact, with the integer weight code c_i
-     (int8 code; int4 code with mins, code - 8 without; MXFP4 twice the E2M1 value);
+  1. each activation row is quantised per block of 32 columns into two int8 planes:
+     d_b = max|x_i| / 127, e_b = d_b / 254,
+     q1_i = clamp(rint(x_i / d_b), -127, 127) (0 when d_b == 0),
+     r_i = x_i - (float)q1_i * d_b (the product rounded, then the difference),
+     q2_i = clamp(rint(r_i / e_b), -127, 127) (0 when e_b == 0),
+     s1_b, s2_b = the sums of the q1_i, of the q2_i;
+  2. S1_rb, S2_rb = sums over the block of c_i * q1_i, of c_i * q2_i, exact, with the
+     integer weight code c_i (int8 code; int4 code with mins, code - 8 without; MXFP4
+     twice the E2M1 value);
   3. the weight's block scale sw_rb (the float16 group scale, or 2^(e - 128) for an
      MXFP4 E8M0 byte e) and, for int4 with mins, the float16 group min m_rb;
-  4. t_rb = (float)S_rb * (sw_rb * d_b) [+ m_rb * (d_b * (float)s_b)] and
+  4. t_rb = (float)S1_rb * (sw_rb * d_b); t_rb = t_rb + (float)S2_rb * (sw_rb * e_b);
+     [int4 with mins: t_rb = t_rb + m_rb * (d_b * (float)s1_b + e_b * (float)s2_b)];
      y_r = (((0 + t_r0) + t_r1) + ...) + t_r,nb-1, left to right over the blocks.
 """
 from __future__ import annotations
@@ -27,13 +33,28 @@ F32 = np.float32
 BLOCK = 32  # columns per activation block (spec: "blocks are the C/32 runs of 32")
 
 
+def _plane(v: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 codes clamp(rint(v / scale), -127, 127) per block (v [T, nb, 32], scale
+    [T, nb]), 0 in the blocks whose scale is 0; v / scale one f32 division, rint half
+    to even."""
+    zero = scale == 0
+    safe = np.where(zero, F32(1.0), scale)               # only to avoid 0/0; masked below
+    ratio = v / safe[:, :, None]                         # f32 division
+    assert ratio.dtype == F32
+    r = np.clip(np.rint(ratio), F32(-127.0), F32(127.0))  # half to even, then clamp
+    return np.where(zero[:, :, None], 0, r.astype(np.int32)).astype(np.int8)
+
+
 def quantize_activations(x: np.ndarray):
     """Spec section 1: x float32 [T, C] (C a multiple of 32) ->
-    (q int8 [T, C], d float32 [T, C/32], s int32 [T, C/32]).
+    (q1 int8 [T, C], q2 int8 [T, C], d float32 [T, C/32], e float32 [T, C/32],
+     s1 int32 [T, C/32], s2 int32 [T, C/32]).
 
-    a_b = max |x_i| over the block (exact); d_b = a_b / 127.0f (one f32 division);
-    q_i = 0 if d_b == 0, else clamp(rint(x_i / d_b), -127, 127) with x_i / d_b one f32
-    division and rint rounding half to even; s_b = the exact sum of the block's q_i.
+    a_b = max |x_i| over the block (exact); d_b = a_b / 127.0f; e_b = d_b / 254.0f (f32
+    divisions); q1_i = 0 if d_b == 0, else clamp(rint(x_i / d_b), -127, 127);
+    r_i = x_i - (float)q1_i * d_b (the product rounded, then the difference);
+    q2_i = 0 if e_b == 0, else clamp(rint(r_i / e_b), -127, 127) (f32 divisions, rint
+    half to even); s1_b, s2_b = the exact sums of the block's q1_i and q2_i.
     """
     x = np.asarray(x)
     assert x.dtype == F32 and x.ndim == 2 and x.shape[1] % BLOCK == 0, (x.dtype, x.shape)
@@ -41,15 +62,17 @@ def quantize_activations(x: np.ndarray):
     xb = x.reshape(T, C // BLOCK, BLOCK)
     a = np.max(np.abs(xb), axis=2)                       # f32, exact
     d = a / F32(127.0)                                   # f32 division
-    assert d.dtype == F32
-    zero = d == 0
-    safe = np.where(zero, F32(1.0), d)                   # only to avoid 0/0; masked below
-    ratio = xb / safe[:, :, None]                        # f32 division
-    assert ratio.dtype == F32
-    r = np.clip(np.rint(ratio), F32(-127.0), F32(127.0))  # half to even, then clamp
-    q = np.where(zero[:, :, None], 0, r.astype(np.int32)).astype(np.int8)
-    s = q.astype(np.int32).sum(axis=2, dtype=np.int32)
-    return q.reshape(T, C), d.astype(F32), s
+    e = d / F32(254.0)                                   # f32 division
+    assert d.dtype == F32 and e.dtype == F32
+    q1 = _plane(xb, d)
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = q1.astype(F32) * d[:, :, None]            # f32 product (exact q1 in f32)
+        r = xb - prod                                    # f32 difference
+        assert prod.dtype == F32 and r.dtype == F32
+        q2 = _plane(r, e)
+    s1 = q1.astype(np.int32).sum(axis=2, dtype=np.int32)
+    s2 = q2.astype(np.int32).sum(axis=2, dtype=np.int32)
+    return q1.reshape(T, C), q2.reshape(T, C), d.astype(F32), e.astype(F32), s1, s2
 
 
 def weight_codes(fmt: str, codes: np.ndarray, mins=None) -> np.ndarray:
@@ -118,8 +141,10 @@ def fast_matmul(fmt: str, codes: np.ndarray, scales: np.ndarray, mins, x: np.nda
     fmt "int8" (codes int8 [R, C], scales float16 [R, C/g]), "int4" (codes uint8
     [R, C/2], scales and optional mins float16 [R, C/g]) or "mxfp4" (codes uint8
     [R, C/32, 16], scales E8M0 bytes [R, C/32]). Section 4 exactly:
-        t_rb = (float)S_rb * (sw_rb * d_b)
-        t_rb = t_rb + m_rb * (d_b * (float)s_b)        (int4 with mins only)
+        t_rb = (float)S1_rb * (sw_rb * d_b)
+        t_rb = t_rb + (float)S2_rb * (sw_rb * e_b)
+        u = d_b * (float)s1_b; v = e_b * (float)s2_b;
+        t_rb = t_rb + m_rb * (u + v)                    (int4 with mins only)
         y_r  = (((0.0f + t_r0) + t_r1) + ...) + t_r,nb-1
     the sum over blocks an explicit loop, vectorised over rows and tokens only.
     """
@@ -135,16 +160,20 @@ def fast_matmul(fmt: str, codes: np.ndarray, scales: np.ndarray, mins, x: np.nda
     assert c.shape == (R, C), (c.shape, x.shape)
     sw = block_scales(fmt, scales, C)                    # [R, nb] f32
     m = group_values(mins, C) if mins is not None else None
-    q, d, s = quantize_activations(x)
-    S = block_dots(c, q).astype(F32)                     # [T, R, nb], exact conversion
-    sf = s.astype(F32)                                   # [T, nb], exact (|s| <= 32 * 127)
+    q1, q2, d, e, s1, s2 = quantize_activations(x)
+    S1 = block_dots(c, q1).astype(F32)                   # [T, R, nb], exact conversion
+    S2 = block_dots(c, q2).astype(F32)
+    s1f, s2f = s1.astype(F32), s2.astype(F32)            # [T, nb], exact (|s| <= 32 * 127)
     y = np.zeros((T, R), F32)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         for b in range(nb):
-            scale = sw[None, :, b] * d[:, None, b]       # sw_rb * d_b          [T, R]
-            t = S[:, :, b] * scale                       # (float)S_rb * (...)
+            t = S1[:, :, b] * (sw[None, :, b] * d[:, None, b])     # (float)S1 * (sw * d)
+            t2 = S2[:, :, b] * (sw[None, :, b] * e[:, None, b])    # (float)S2 * (sw * e)
+            t = t + t2
             if m is not None:
-                t = t + m[None, :, b] * (d[:, None, b] * sf[:, None, b])
+                u = d[:, None, b] * s1f[:, None, b]
+                v = e[:, None, b] * s2f[:, None, b]
+                t = t + m[None, :, b] * (u + v)
             y = y + t                                    # left to right over blocks
-            assert y.dtype == F32
+            assert y.dtype == F32 and t.dtype == F32
     return y

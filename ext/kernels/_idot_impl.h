@@ -1,33 +1,39 @@
-/* Fast numerics ("q8-32") for ext/kernels/_kernels.pyx: activations quantised to int8 in
- * blocks of 32 columns, exact integer block dots with the weight codes, and a fixed f32
- * combination of the blocks (the rules are in the module docstring of _kernels.pyx).
+/* Fast numerics ("q8x2-32") for ext/kernels/_kernels.pyx: activations quantised per
+ * block of 32 columns into two int8 planes (the codes q1 at scale d and the residual q2
+ * at scale e = d / 254), exact integer block dots of each plane with the weight codes, and
+ * a fixed f32 combination of the blocks (the rules are in the module docstring of
+ * _kernels.pyx; one plane, "q8-32", cost 5e-4 nats of KL on the default model).
  *
  * Design:
  * - An activation row is quantised once per call (moed_qact_row) into caller-owned
- *   scratch (moed_qact): q (int8), d (f32 scale), s (int32 sum of q) and ds = d * (float)s
- *   (the f32 product the int4-with-mins term uses) per block. Rows are padded with zero
- *   blocks to a multiple of MOED_ICHUNK blocks, so every kernel step reads whole chunks.
- *   For the nibble formats (int4, mxfp4) q is stored permuted within each run of 4
- *   blocks (128 columns): bytes 16i..16i+15 hold the even columns of block i, bytes
+ *   scratch (moed_qact): the planes q1, q2 (int8), d, e (f32 scales), s1, s2 (int32 sums
+ *   of q1, q2) and ds = d * (float)s1 + e * (float)s2 (the f32 factor the int4-with-mins
+ *   term uses) per block. Rows are padded with zero blocks to a multiple of MOED_ICHUNK
+ *   blocks, so every kernel step reads whole chunks.
+ *   For the nibble formats (int4, mxfp4) both planes are stored permuted within each run
+ *   of 4 blocks (128 columns): bytes 16i..16i+15 hold the even columns of block i, bytes
  *   64+16i.. its odd columns, which is where the low and high nibbles of the weight bytes
- *   land after a mask and a shift. int8 weights meet q in column order. Integer sums do
- *   not depend on the order of their terms, so the layout changes no bit.
- * - Per weight row r and block b the kernels compute the exact int32 S_rb (any order, any
- *   width), then t = (float)S * (sw * d) (+ m * ds with int4 mins) per block, and add the
- *   blocks' t left to right in f32, from 0.0f. The SIMD paths compute S for 16 blocks of
- *   one row at a time (a chunk), then the 16 t's with 16-lane f32 multiplies (each lane
- *   one (row, block), the same two or four f32 operations as the reference), then add
- *   them to the row's sum one by one, in block order. So every path gives the bits of
- *   the portable reference (moed_idot_rows_portable), for any rows per pass, thread count
- *   or alignment.
+ *   land after a mask and a shift. int8 weights meet the planes in column order. Integer
+ *   sums do not depend on the order of their terms, so the layout changes no bit.
+ * - Per weight row r and block b the kernels compute the exact int32 S1_rb and S2_rb (any
+ *   order, any width; each weight vector is loaded and decoded once and meets both
+ *   planes), then t = (float)S1 * (sw * d), t = t + (float)S2 * (sw * e) (+ m * ds with
+ *   int4 mins) per block, and add the blocks' t left to right in f32, from 0.0f. The
+ *   SIMD paths compute S1 and S2 for 16 blocks of one row at a time (a chunk), then the
+ *   16 t's with 16-lane f32 operations (each lane one (row, block), the same f32
+ *   operations as the reference, in its order), then add them to the row's sum one by
+ *   one, in block order. So every path gives the bits of the portable reference
+ *   (moed_idot_rows_portable), for any rows per pass, thread count or alignment.
  * - Integer codes: int8 as stored; int4 with mins the nibble; int4 symmetric nibble - 8,
  *   summed as sum(nibble * q) - 8 * s; mxfp4 2 x E2M1 (-12..12), summed by the SIMD paths
  *   as sum((code + 12) * q) - 12 * s, so that the weight operand is unsigned (vpmaddubsw
  *   and vpdpbusd take unsigned x signed bytes). int8 with vpdpbusd: sum((c ^ 0x80) * q)
  *   - 128 * s; with vpmaddubsw (no VNNI): |c| * sign(q, c), whose pair sums stay below
- *   2^15 (|c| <= 128, |q| <= 127).
+ *   2^15 (|c| <= 128, |q| <= 127). Each plane's bias is taken off with its own sum
+ *   (S1 = biased1 - bias * s1, S2 = biased2 - bias * s2).
  * - Paths, chosen at compile time (moed_fast_path()):
- *     "avx512-vnni": AVX-512 with VNNI; 64 weight bytes per vpdpbusd.
+ *     "avx512-vnni": AVX-512 with VNNI; 64 weight bytes per vpdpbusd, two per weight
+ *       vector (one per plane).
  *     "avx2-vnni" / "avx2": 256-bit vectors, AVX-VNNI's vpdpbusd when compiled in, else
  *       vpmaddubsw + vpmaddwd. Also what an AVX-512 build without VNNI runs.
  *     "portable": moed_idot_rows_portable, plain loops.
@@ -42,10 +48,10 @@
 #define MOED_ICHUNK 16   /* blocks of 32 columns per kernel step */
 
 typedef struct {
-    int8_t *q;           /* row t at q + t * ldq (ldq bytes, padded with zeros) */
-    float *d;            /* row t at d + t * ldb: the block scales */
-    float *ds;           /* d * (float)s per block */
-    int32_t *s;          /* the block sums of q */
+    int8_t *q1, *q2;     /* the two planes: row t at q1 + t * ldq (ldq bytes, padded with zeros) */
+    float *d, *e;        /* row t at d + t * ldb: the planes' block scales (e = d / 254) */
+    float *ds;           /* d * (float)s1 + e * (float)s2 per block */
+    int32_t *s1, *s2;    /* the block sums of q1, q2 */
     ptrdiff_t rows, cols, nb;   /* T, C, C / 32 */
     ptrdiff_t ldq, ldb;  /* per-row strides (elements) */
     int paired;          /* q in the nibble formats' permuted order */
@@ -59,7 +65,7 @@ static inline ptrdiff_t moed_qact_padded_blocks(ptrdiff_t C) {
 /* Bytes of scratch moed_qact_init needs for T rows of C columns (C % 32 == 0). */
 static inline size_t moed_qact_bytes(ptrdiff_t T, ptrdiff_t C) {
     ptrdiff_t nbp = moed_qact_padded_blocks(C);
-    return (size_t)T * (size_t)nbp * (32 + 3 * 4) + 64;
+    return (size_t)T * (size_t)nbp * (2 * 32 + 5 * 4) + 64;
 }
 
 static inline void moed_qact_init(moed_qact *a, void *buf, ptrdiff_t T, ptrdiff_t C, int paired) {
@@ -71,10 +77,13 @@ static inline void moed_qact_init(moed_qact *a, void *buf, ptrdiff_t T, ptrdiff_
     a->ldq = nbp * 32;
     a->ldb = nbp;
     a->paired = paired;
-    a->q = (int8_t *)p;
-    a->d = (float *)(p + (size_t)T * nbp * 32);
-    a->ds = a->d + T * nbp;
-    a->s = (int32_t *)(a->ds + T * nbp);
+    a->q1 = (int8_t *)p;
+    a->q2 = a->q1 + (size_t)T * nbp * 32;   /* 64-byte aligned: nbp is a multiple of 16 */
+    a->d = (float *)(a->q2 + (size_t)T * nbp * 32);
+    a->e = a->d + T * nbp;
+    a->ds = a->e + T * nbp;
+    a->s1 = (int32_t *)(a->ds + T * nbp);
+    a->s2 = a->s1 + T * nbp;
 }
 
 /* Where column j of a row is stored in q. */
@@ -83,14 +92,39 @@ static inline ptrdiff_t moed_qact_index(int paired, ptrdiff_t j) {
     return (j & ~(ptrdiff_t)127) + ((j & 1) ? 64 : 0) + ((j & 127) >> 5) * 16 + ((j & 31) >> 1);
 }
 
+/* Block b's plane at q (column order or the nibble formats' order). */
+static inline void moed_qact_put(const moed_qact *a, int8_t *q, ptrdiff_t b, const int8_t *qb) {
+    if (a->paired) {
+        const ptrdiff_t e = moed_qact_index(1, 32 * b), o = moed_qact_index(1, 32 * b + 1);
+        for (int i = 0; i < 16; i++) {
+            q[e + i] = qb[2 * i];
+            q[o + i] = qb[2 * i + 1];
+        }
+    } else {
+        memcpy(q + 32 * b, qb, 32);
+    }
+}
+
+/* clamp(rint(v / scale), -127, 127) for a block (scale != 0): f32 division, rint half to
+ * even (the default rounding mode); v is finite or +-inf, never NaN, for finite x. */
+static inline void moed_qact_plane(const float *v, float scale, float *f, int8_t *qb) {
+    for (int i = 0; i < 32; i++) {
+        float r = rintf(v[i] / scale);
+        r = r < -127.0f ? -127.0f : r;
+        f[i] = r > 127.0f ? 127.0f : r;
+    }
+    for (int i = 0; i < 32; i++) qb[i] = (int8_t)(int)f[i];
+}
+
 /* Quantise activation row t from x[0 .. C-1] (spec section 1). */
 static void moed_qact_row(const moed_qact *a, ptrdiff_t t, const float *x) {
-    int8_t *q = a->q + t * a->ldq;
-    float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
-    int32_t *s = a->s + t * a->ldb;
+    int8_t *q1 = a->q1 + t * a->ldq, *q2 = a->q2 + t * a->ldq;
+    float *d = a->d + t * a->ldb, *e = a->e + t * a->ldb, *ds = a->ds + t * a->ldb;
+    int32_t *s1 = a->s1 + t * a->ldb, *s2 = a->s2 + t * a->ldb;
     /* the padding: from the last run of 4 blocks on (the nibble order interleaves it) */
     const ptrdiff_t pad = (32 * a->nb) & ~(ptrdiff_t)127;
-    memset(q + pad, 0, (size_t)(a->ldq - pad));
+    memset(q1 + pad, 0, (size_t)(a->ldq - pad));
+    memset(q2 + pad, 0, (size_t)(a->ldq - pad));
     for (ptrdiff_t b = 0; b < a->nb; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -98,40 +132,38 @@ static void moed_qact_row(const moed_qact *a, ptrdiff_t t, const float *x) {
             float v = fabsf(xb[i]);
             amax = v > amax ? v : amax;
         }
-        const float db = amax / 127.0f;
-        int8_t qb[32];
-        int32_t sum = 0;
+        const float db = amax / 127.0f, eb = db / 254.0f;
+        int8_t qb1[32], qb2[32];
+        float f1[32], f2[32], r[32];
+        int32_t sum1 = 0, sum2 = 0;
         if (db == 0.0f) {
-            memset(qb, 0, sizeof qb);
+            memset(qb1, 0, sizeof qb1);
         } else {
-            float f[32];
-            for (int i = 0; i < 32; i++) {
-                float v = rintf(xb[i] / db);
-                v = v < -127.0f ? -127.0f : v;
-                f[i] = v > 127.0f ? 127.0f : v;
-            }
-            for (int i = 0; i < 32; i++) {
-                qb[i] = (int8_t)(int)f[i];
-                sum += qb[i];
-            }
+            moed_qact_plane(xb, db, f1, qb1);
+            for (int i = 0; i < 32; i++) sum1 += qb1[i];
         }
-        int8_t *qo = q + moed_qact_index(a->paired, 32 * b);
-        if (a->paired) {
-            const ptrdiff_t e = moed_qact_index(1, 32 * b), o = moed_qact_index(1, 32 * b + 1);
-            for (int i = 0; i < 16; i++) {
-                q[e + i] = qb[2 * i];
-                q[o + i] = qb[2 * i + 1];
-            }
+        if (eb == 0.0f) {
+            memset(qb2, 0, sizeof qb2);
         } else {
-            memcpy(qo, qb, 32);
+            for (int i = 0; i < 32; i++) {
+                const float p = f1[i] * db;   /* the product rounded, then the difference */
+                r[i] = xb[i] - p;
+            }
+            moed_qact_plane(r, eb, f2, qb2);
+            for (int i = 0; i < 32; i++) sum2 += qb2[i];
         }
+        moed_qact_put(a, q1, b, qb1);
+        moed_qact_put(a, q2, b, qb2);
         d[b] = db;
-        s[b] = sum;
-        ds[b] = db * (float)sum;
+        e[b] = eb;
+        s1[b] = sum1;
+        s2[b] = sum2;
+        const float u = db * (float)sum1, v = eb * (float)sum2;
+        ds[b] = u + v;
     }
     for (ptrdiff_t b = a->nb; b < a->ldb; b++) {
-        d[b] = ds[b] = 0.0f;
-        s[b] = 0;
+        d[b] = e[b] = ds[b] = 0.0f;
+        s1[b] = s2[b] = 0;
     }
 }
 
@@ -166,18 +198,25 @@ static inline int moed_icode(const moed_weight *w, const uint8_t *row, ptrdiff_t
 /* out[k] = y of row r0 + k for token t of a, k < nrows: spec sections 2-4, plainly. */
 static void moed_idot_rows_portable(const moed_weight *w, ptrdiff_t r0, int nrows,
                                     const moed_qact *a, ptrdiff_t t, float *out) {
-    const int8_t *q = a->q + t * a->ldq;
-    const float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
+    const int8_t *q1 = a->q1 + t * a->ldq, *q2 = a->q2 + t * a->ldq;
+    const float *d = a->d + t * a->ldb, *e = a->e + t * a->ldb, *ds = a->ds + t * a->ldb;
     for (int k = 0; k < nrows; k++) {
         const ptrdiff_t r = r0 + k;
         const uint8_t *row = w->codes + r * w->row_bytes;
         float y = 0.0f;
         for (ptrdiff_t b = 0; b < a->nb; b++) {
-            int32_t S = 0;
-            for (ptrdiff_t j = 32 * b; j < 32 * b + 32; j++)
-                S += moed_icode(w, row, j) * q[moed_qact_index(a->paired, j)];
+            int32_t S1 = 0, S2 = 0;
+            for (ptrdiff_t j = 32 * b; j < 32 * b + 32; j++) {
+                const int c = moed_icode(w, row, j);
+                const ptrdiff_t i = moed_qact_index(a->paired, j);
+                S1 += c * q1[i];
+                S2 += c * q2[i];
+            }
             const ptrdiff_t si = r * w->scale_ld + (32 * b) / w->scale_cols;
-            float tb = (float)S * (moed_iscale_at(w, si) * d[b]);
+            const float sw = moed_iscale_at(w, si);
+            float tb = (float)S1 * (sw * d[b]);
+            const float t2 = (float)S2 * (sw * e[b]);
+            tb = tb + t2;
             if (w->mins) tb = tb + moed_min_at(w, si) * ds[b];
             y = y + tb;
         }
@@ -277,21 +316,30 @@ static inline __attribute__((always_inline)) __m512i moed_ireduce4(const __m512i
     return _mm512_permutexvar_epi32(idx, r);
 }
 
-/* S of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes at wp,
- * q at qp, cs the bias correction. */
-static inline __attribute__((always_inline)) moed_is16
-moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
-    __m512i v[4];
+/* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes
+ * at wp, the planes at qp1 and qp2, cs1 and cs2 their bias corrections. Each weight
+ * vector is loaded and decoded once and meets both planes. */
+static inline __attribute__((always_inline)) void
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
+              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+    __m512i v1[4], v2[4];
     const __m512i zero = _mm512_setzero_si512();
     if (kind == MOED_IK_INT8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
-        __m512i p[8];
-        for (int i = 0; i < 8; i++)
-            p[i] = _mm512_dpbusd_epi32(zero, _mm512_xor_si512(moed_load64(wp + 64 * i, full, 32 * n - 64 * i), flip),
-                                       _mm512_load_si512(qp + 64 * i));
-        for (int i = 0; i < 4; i++)   /* [A | B], [C | D] (8 partials each) -> [A B C D] */
-            v[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0x88),
-                                    _mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0xDD));
+        for (int i = 0; i < 4; i++) {
+            __m512i p1[2], p2[2];
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * i + h;
+                const __m512i wv = _mm512_xor_si512(moed_load64(wp + 64 * j, full, 32 * n - 64 * j), flip);
+                p1[h] = _mm512_dpbusd_epi32(zero, wv, _mm512_load_si512(qp1 + 64 * j));
+                p2[h] = _mm512_dpbusd_epi32(zero, wv, _mm512_load_si512(qp2 + 64 * j));
+            }
+            /* [A | B], [C | D] (8 partials each) -> [A B C D] */
+            v1[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p1[0], p1[1], 0x88),
+                                     _mm512_shuffle_i64x2(p1[0], p1[1], 0xDD));
+            v2[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p2[0], p2[1], 0x88),
+                                     _mm512_shuffle_i64x2(p2[0], p2[1], 0xDD));
+        }
     } else {
         const __m512i m = _mm512_set1_epi8(15);
         const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(MOED_E2M1X2_BIASED));
@@ -302,12 +350,19 @@ moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs,
                 lo = _mm512_shuffle_epi8(tab, lo);
                 hi = _mm512_shuffle_epi8(tab, hi);
             }
-            __m512i acc = _mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp + 128 * i));
-            v[i] = _mm512_dpbusd_epi32(acc, hi, _mm512_load_si512(qp + 128 * i + 64));
+            v1[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp1 + 128 * i)),
+                                        hi, _mm512_load_si512(qp1 + 128 * i + 64));
+            v2[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_load_si512(qp2 + 128 * i)),
+                                        hi, _mm512_load_si512(qp2 + 128 * i + 64));
         }
     }
-    __m512i r = moed_ireduce4(v);
-    return kind == MOED_IK_INT4M ? r : _mm512_sub_epi32(r, cs);
+    __m512i r1 = moed_ireduce4(v1), r2 = moed_ireduce4(v2);
+    if (kind != MOED_IK_INT4M) {
+        r1 = _mm512_sub_epi32(r1, cs1);
+        r2 = _mm512_sub_epi32(r2, cs2);
+    }
+    *S1 = r1;
+    *S2 = r2;
 }
 #else
 /* AVX2: v[i] holds 4 int32 partials of block 2i + L in 128-bit lane L (i < 4); the 8
@@ -329,54 +384,86 @@ static inline __attribute__((always_inline)) __m256i moed_ireduce4(const __m256i
 #endif
 #endif
 
-static inline __attribute__((always_inline)) moed_is16
-moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp, moed_is16 cs, const int full, int n) {
-    __m256i v[8];
+/* The 8 block sums (blocks 8 * half .. 8 * half + 7) of each plane; see the AVX-512
+ * moed_ichunk_S. */
+static inline __attribute__((always_inline)) void
+moed_ichunk_S8(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, const int full,
+               int n, const int half, __m256i *r1, __m256i *r2) {
+    __m256i v1[4], v2[4];
     if (kind == MOED_IK_INT8) {
-        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
-            __m256i p[2];
+        for (int k = 0; k < 4; k++) {   /* blocks 2i, 2i + 1 */
+            const int i = 4 * half + k;
+            __m256i p1[2], p2[2];
             for (int h = 0; h < 2; h++) {
-                __m256i w = moed_load32(wp + 64 * i + 32 * h, full, 32 * n - 64 * i - 32 * h);
-                __m256i x = _mm256_load_si256((const __m256i *)(qp + 64 * i + 32 * h));
+                const int o = 64 * i + 32 * h;
+                __m256i w = moed_load32(wp + o, full, 32 * n - o);
+                __m256i x1 = _mm256_load_si256((const __m256i *)(qp1 + o));
+                __m256i x2 = _mm256_load_si256((const __m256i *)(qp2 + o));
 #ifdef MOED_I_VNNI256
-                p[h] = moed_dpbusd256(_mm256_setzero_si256(), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
+                w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+                p1[h] = moed_dpbusd256(_mm256_setzero_si256(), w, x1);
+                p2[h] = moed_dpbusd256(_mm256_setzero_si256(), w, x2);
 #else
                 /* |c| * sign(q, c): pair sums <= 2 * 128 * 127 < 2^15 */
-                p[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
-                                         _mm256_set1_epi16(1));
+                const __m256i aw = _mm256_abs_epi8(w), one = _mm256_set1_epi16(1);
+                p1[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x1, w)), one);
+                p2[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x2, w)), one);
 #endif
             }
-            v[i] = _mm256_add_epi32(_mm256_permute2x128_si256(p[0], p[1], 0x20),
-                                    _mm256_permute2x128_si256(p[0], p[1], 0x31));
+            v1[k] = _mm256_add_epi32(_mm256_permute2x128_si256(p1[0], p1[1], 0x20),
+                                     _mm256_permute2x128_si256(p1[0], p1[1], 0x31));
+            v2[k] = _mm256_add_epi32(_mm256_permute2x128_si256(p2[0], p2[1], 0x20),
+                                     _mm256_permute2x128_si256(p2[0], p2[1], 0x31));
         }
     } else {
         const __m256i m = _mm256_set1_epi8(15);
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_setr_epi8(MOED_E2M1X2_BIASED));
-        for (int i = 0; i < 8; i++) {   /* blocks 2i, 2i + 1 */
-            const int G = i >> 1, p = i & 1;
+        for (int k = 0; k < 4; k++) {   /* blocks 2i, 2i + 1 */
+            const int i = 4 * half + k, G = i >> 1, p = i & 1;
             __m256i b = moed_load32(wp + 32 * i, full, 16 * n - 32 * i);
             __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
             if (kind == MOED_IK_MXFP4) {
                 lo = _mm256_shuffle_epi8(tab, lo);
                 hi = _mm256_shuffle_epi8(tab, hi);
             }
-            const __m256i qe = _mm256_load_si256((const __m256i *)(qp + 128 * G + 32 * p));
-            const __m256i qo = _mm256_load_si256((const __m256i *)(qp + 128 * G + 64 + 32 * p));
+            const ptrdiff_t oe = 128 * G + 32 * p, oo = 128 * G + 64 + 32 * p;
+            const __m256i qe1 = _mm256_load_si256((const __m256i *)(qp1 + oe));
+            const __m256i qo1 = _mm256_load_si256((const __m256i *)(qp1 + oo));
+            const __m256i qe2 = _mm256_load_si256((const __m256i *)(qp2 + oe));
+            const __m256i qo2 = _mm256_load_si256((const __m256i *)(qp2 + oo));
 #ifdef MOED_I_VNNI256
-            v[i] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe), hi, qo);
+            v1[k] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe1), hi, qo1);
+            v2[k] = moed_dpbusd256(moed_dpbusd256(_mm256_setzero_si256(), lo, qe2), hi, qo2);
 #else
             /* pair sums <= 2 * 24 * 127 each; the two products' sum stays below 2^15 */
-            v[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe), _mm256_maddubs_epi16(hi, qo)),
-                                     _mm256_set1_epi16(1));
+            const __m256i one = _mm256_set1_epi16(1);
+            v1[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe1), _mm256_maddubs_epi16(hi, qo1)),
+                                      one);
+            v2[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe2), _mm256_maddubs_epi16(hi, qo2)),
+                                      one);
 #endif
         }
     }
-    moed_is16 r = {moed_ireduce4(v), moed_ireduce4(v + 4)};
+    *r1 = moed_ireduce4(v1);
+    *r2 = moed_ireduce4(v2);
+}
+
+/* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0), in two
+ * halves of 8 blocks (the accumulators of both planes fit the 16 registers). */
+static inline __attribute__((always_inline)) void
+moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
+              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+    moed_is16 r1, r2;
+    moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 0, &r1.lo, &r2.lo);
+    moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 1, &r1.hi, &r2.hi);
     if (moed_ikind_bias(kind)) {
-        r.lo = _mm256_sub_epi32(r.lo, cs.lo);
-        r.hi = _mm256_sub_epi32(r.hi, cs.hi);
+        r1.lo = _mm256_sub_epi32(r1.lo, cs1.lo);
+        r1.hi = _mm256_sub_epi32(r1.hi, cs1.hi);
+        r2.lo = _mm256_sub_epi32(r2.lo, cs2.lo);
+        r2.hi = _mm256_sub_epi32(r2.hi, cs2.hi);
     }
-    return r;
+    *S1 = r1;
+    *S2 = r2;
 }
 #endif
 
@@ -475,13 +562,15 @@ static inline int moed_itail_overread_ok(const moed_weight *w, const int kind, p
  * single row's. */
 static inline __attribute__((always_inline)) void
 moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
-                const uint8_t *const *row, const int8_t *q, const float *d, const float *ds,
-                const int32_t *s, ptrdiff_t b0, const int full, int n, __m128 *y4, float *y1) {
+                const uint8_t *const *row, const int8_t *q1, const int8_t *q2, const float *d,
+                const float *e, const float *ds, const int32_t *s1, const int32_t *s2, ptrdiff_t b0,
+                const int full, int n, __m128 *y4, float *y1) {
     const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
     const ptrdiff_t off = b0 * bpb;
-    const moed_v16 dv = moed_v16_load(d + b0);
+    const moed_v16 dv = moed_v16_load(d + b0), ev = moed_v16_load(e + b0);
     const moed_v16 dsv = kind == MOED_IK_INT4M ? moed_v16_load(ds + b0) : moed_v16_zero();
-    const moed_is16 cs = moed_is16_times(moed_ikind_bias(kind), s + b0);
+    const moed_is16 cs1 = moed_is16_times(moed_ikind_bias(kind), s1 + b0);
+    const moed_is16 cs2 = moed_is16_times(moed_ikind_bias(kind), s2 + b0);
     float tmp[4][16] __attribute__((aligned(64)));
     moed_v16 tv[4];
     for (int k = 0; k < nrows; k++) {
@@ -490,11 +579,14 @@ moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nr
                 __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
                 moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
             }
-        moed_is16 S = moed_ichunk_S(kind, row[k] + off, q + 32 * b0, cs, full, n);
+        moed_is16 S1, S2;
+        moed_ichunk_S(kind, row[k] + off, q1 + 32 * b0, q2 + 32 * b0, cs1, cs2, full, n, &S1, &S2);
         moed_v16 sw, mv = moed_v16_zero();
         if (full) moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
         else moed_itail_scales(w, r0 + k, b0, n, &sw, &mv);
-        moed_v16 t = moed_v16_mul(moed_is16_f32(S), moed_v16_mul(sw, dv));
+        moed_v16 t = moed_v16_mul(moed_is16_f32(S1), moed_v16_mul(sw, dv));
+        const moed_v16 t2 = moed_v16_mul(moed_is16_f32(S2), moed_v16_mul(sw, ev));
+        t = moed_v16_add(t, t2);
         if (kind == MOED_IK_INT4M) t = moed_v16_add(t, moed_v16_mul(mv, dsv));
         if (nrows == 1) {
             moed_v16_store(tmp[0], t);
@@ -515,9 +607,9 @@ moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nr
 static inline __attribute__((always_inline)) void
 moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
                const moed_qact *a, ptrdiff_t t, float *out) {
-    const int8_t *q = a->q + t * a->ldq;
-    const float *d = a->d + t * a->ldb, *ds = a->ds + t * a->ldb;
-    const int32_t *s = a->s + t * a->ldb;
+    const int8_t *q1 = a->q1 + t * a->ldq, *q2 = a->q2 + t * a->ldq;
+    const float *d = a->d + t * a->ldb, *e = a->e + t * a->ldb, *ds = a->ds + t * a->ldb;
+    const int32_t *s1 = a->s1 + t * a->ldb, *s2 = a->s2 + t * a->ldb;
     const ptrdiff_t nb = a->nb, nfull = nb / MOED_ICHUNK * MOED_ICHUNK;
     const uint8_t *row[MOED_ROWS];
     __m128 y4[MOED_ROWS / 4];
@@ -525,12 +617,12 @@ moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nro
     for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
     for (int k = 0; k < MOED_ROWS / 4; k++) y4[k] = _mm_setzero_ps();
     for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
-        moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, b0, 1, MOED_ICHUNK, y4, &y1);
+        moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, b0, 1, MOED_ICHUNK, y4, &y1);
     if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays */
         if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull))
-            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 1, (int)(nb - nfull), y4, &y1);
+            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 1, (int)(nb - nfull), y4, &y1);
         else
-            moed_idot_chunk(w, kind, r0, nrows, row, q, d, ds, s, nfull, 0, (int)(nb - nfull), y4, &y1);
+            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 0, (int)(nb - nfull), y4, &y1);
     }
     if (nrows == 1) out[0] = y1;
     else

@@ -41,6 +41,15 @@ def test_a_mat_mat_of_several_tokens_runs_too():
     assert json.loads(out.stdout)["tokens"] == 3
 
 
+def test_fast_numerics_of_both_builds():
+    out = run("--a", str(ROOT), "--b", str(ROOT), "--formats", "int4-mins,mxfp4", "--shapes", "32x128",
+              "--rounds", "1", "--threads", "1", "--stream-mib", "1", "--fast")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["fast"] is True
+    assert all(r["identical_outputs"] for r in report["results"])
+
+
 def test_a_checkout_without_built_kernels_is_named(tmp_path):
     out = run("--a", str(tmp_path), "--b", str(ROOT), "--shapes", "32x128", "--rounds", "1")
     assert out.returncode != 0

@@ -1,9 +1,11 @@
-"""Fast numerics ("q8-32": int8 activations per block of 32, exact integer block dots, a
-fixed f32 combination) in the kernels, against tests/fast_reference.py, the independent
-numpy reading of the specification.
+"""Fast numerics ("q8x2-32": activations per block of 32 as two int8 planes, the codes and
+their residual, exact integer block dots of each plane, a fixed f32 combination) in the
+kernels, against tests/fast_reference.py, the independent numpy reading of the
+specification.
 
 What is checked, bit for bit: `quantize_activations` (zero blocks, ties x / d = n + 1/2,
-subnormal and huge magnitudes, one dominant element); `matmul(..., fast=True)` and
+subnormal and huge magnitudes, one dominant element, residuals the second plane clamps,
+second-plane scales that underflow to 0); `matmul(..., fast=True)` and
 `_matmul_portable(..., fast=True)` for int8, int4 with and without mins and MXFP4, group
 sizes 32, 64 and 128, row counts that fill no SIMD register, 1, 3 and 9 tokens, 1 and 2
 threads, extreme scales; the placement promises (a mat-mat row is its mat-vec, a row
@@ -11,7 +13,7 @@ does not depend on its neighbours, the thread count or the buffers' alignment, a
 kernel touches memory outside its arrays);
 `expert_ffn` and `expert_ffn_fused` in fast mode as the composition of fast matmuls;
 fast mode leaving dense and FP8 weights exact. Not the specification, a sanity bound:
-fast results stay within 1e-2 (relative, in norm) of the exact ones.
+fast results stay within 1e-4 (relative, in norm) of the exact ones.
 """
 import ctypes
 import ctypes.util
@@ -142,12 +144,17 @@ def _scalar_reading(parts, x):
             for b in range(C // 32):
                 xs = [F32(v) for v in x[t, 32 * b:32 * b + 32]]
                 d = max(abs(v) for v in xs) / F32(127.0)
-                q = [0 if d == 0 else int(min(max(np.rint(v / d), -127), 127)) for v in xs]
-                S = sum(code(r, 32 * b + i) * q[i] for i in range(32))
-                term = F32(S) * (scale(r, b) * d)
+                e = d / F32(254.0)
+                q1 = [0 if d == 0 else int(min(max(np.rint(v / d), -127), 127)) for v in xs]
+                res = [v - F32(q) * d for v, q in zip(xs, q1)]
+                q2 = [0 if e == 0 else int(min(max(np.rint(v / e), -127), 127)) for v in res]
+                S1 = sum(code(r, 32 * b + i) * q1[i] for i in range(32))
+                S2 = sum(code(r, 32 * b + i) * q2[i] for i in range(32))
+                term = F32(S1) * (scale(r, b) * d)
+                term = term + F32(S2) * (scale(r, b) * e)
                 if mins is not None:
                     m = F32(mins[r, b * 32 // (C // mins.shape[1])])
-                    term = term + m * (d * F32(sum(q)))
+                    term = term + m * (d * F32(sum(q1)) + e * F32(sum(q2)))
                 acc = acc + term
             y[t, r] = acc
     return y
@@ -162,26 +169,33 @@ def test_reference_agrees_with_a_scalar_reading_and_with_float64(variant):
     y = _reference(parts, x)
     assert y.dtype == F32 and y.shape == (2, 3)
     assert _same(y, _scalar_reading(parts, x))
-    # Loosely the exact product of the dequantised weight (about 1/254 of each term).
+    # Loosely the exact product of the dequantised weight (about 1/(254 * 254) of each
+    # block's largest term).
     fmt, codes, scales, mins = parts
     values = {"int8": lambda: ref.dequantize_int8(codes, scales),
               "int4": lambda: ref.dequantize_int4(codes, scales, mins),
               "mxfp4": lambda: ref.dequantize_mxfp4(codes, scales)}[fmt]().astype(np.float64)
     x64 = x.astype(np.float64)
-    assert np.all(np.abs(y - x64 @ values.T) <= 0.02 * (np.abs(x64) @ np.abs(values).T))
+    assert np.all(np.abs(y - x64 @ values.T) <= 1e-4 * (np.abs(x64) @ np.abs(values).T))
 
 
 def test_reference_quantisation_invariants():
     x = _rng(2).standard_normal((4, 416), dtype=F32) * F32(3.0)
-    q, d, s = fr.quantize_activations(x)
-    assert (q.dtype, d.dtype, s.dtype) == (np.int8, F32, np.int32)
-    assert q.shape == x.shape and d.shape == s.shape == (4, 13)
-    assert np.abs(q.astype(np.int32)).max() <= 127
-    blocks = q.reshape(4, 13, 32)
+    q1, q2, d, e, s1, s2 = fr.quantize_activations(x)
+    assert (q1.dtype, q2.dtype, d.dtype, e.dtype, s1.dtype, s2.dtype) == (np.int8, np.int8, F32, F32,
+                                                                          np.int32, np.int32)
+    assert q1.shape == q2.shape == x.shape and d.shape == e.shape == s1.shape == s2.shape == (4, 13)
+    assert np.abs(q1.astype(np.int32)).max() <= 127 and np.abs(q2.astype(np.int32)).max() <= 127
+    blocks = q1.reshape(4, 13, 32)
     assert np.array_equal(np.abs(blocks.astype(np.int32)).max(axis=2), np.full((4, 13), 127))
-    assert np.array_equal(blocks.sum(axis=2, dtype=np.int32), s)
-    dd = np.repeat(d, 32, axis=1)
-    assert np.all(np.abs(q * dd - x) <= 0.5001 * dd)
+    assert np.array_equal(blocks.sum(axis=2, dtype=np.int32), s1)
+    assert np.array_equal(q2.reshape(4, 13, 32).sum(axis=2, dtype=np.int32), s2)
+    assert _same(e, d / F32(254.0))
+    dd, ee = np.repeat(d, 32, axis=1).astype(np.float64), np.repeat(e, 32, axis=1).astype(np.float64)
+    assert np.all(np.abs(q1 * dd - x) <= 0.5001 * dd)
+    # The second plane holds the residual: together they are within about half a step of e.
+    assert np.all(np.abs(q1 * dd + q2 * ee - x) <= 0.51 * ee)   # up to the roundings of r
+    assert np.abs(q2.astype(np.int32)).max() >= 120
 
 
 # ------------------------------------------------------- activation quantisation
@@ -212,11 +226,27 @@ def _division_ties(rng):
 SUBNORMAL_STEPS = [190, -190, 189, -150, 128, -128, 127, 100, -64, 3, -1, 1, 0] + [2] * 19
 
 
+# Blocks of subnormal multiples k of 2^-149 (integers of that unit), whose residuals the
+# second plane clamps: the largest |k|, 127 * D, gives d = D units exactly, and e = D / 254
+# rounds down to E units, so a residual r = k - D * q1 (exact) of |r| > 127 E gives
+# r / e beyond 127 (r / E rounds half to even). The residuals stay below D / 2 (no ties
+# of x / d), around random multiples of D.
+CLAMP_UNITS = {368: (1, [150, -170, 182, -181, 100, -100, 127, 128, -128, 0, 183, -183]),
+               600: (2, [299, -298, 255, -255, 254, 253, -253, 1, 2, 3, -299, 299])}
+
+
+def _clamp_block(D, rng):
+    E, residuals = CLAMP_UNITS[D]
+    k = [127 * D] + [int(rng.integers(-120, 121)) * D + r for r in residuals]
+    k += [int(rng.integers(-126, 127)) * D + int(rng.integers(-D // 2, D // 2 + 1)) for _ in range(32 - len(k))]
+    return np.ldexp(np.array(k, F32), -149)
+
+
 def _special_activations():
-    """[3, 512] float32: every row a run of 16 blocks of 32, each exercising one rule (row 1
+    """[3, 640] float32: every row a run of 20 blocks of 32, each exercising one rule (row 1
     holds values near the top of the range, which make the products overflow)."""
     rng = _rng(3)
-    T, nb = 3, 16
+    T, nb = 3, 20
     x = rng.standard_normal((T, nb, 32)).astype(F32)
     x[:, 0] = 0                                          # d = 0: q = 0, s = 0
     x[0, 1] = -0.0                                       # negative zeros
@@ -245,33 +275,47 @@ def _special_activations():
     for t in range(T):
         x[t, 14] = _division_ties(rng) * (F32(-1.0) if t == 1 else F32(1.0))
     x[:, 15] = np.ldexp(np.array(SUBNORMAL_STEPS, F32), -149)
+    for t in range(T):                                   # the second plane clamps
+        x[t, 16] = _clamp_block(368, rng)
+        x[t, 17] = -_clamp_block(600, rng) if t == 1 else _clamp_block(600, rng)
+    # d = 100 units of 2^-149, e = 100/254 of one rounds to 0: q2 = 0 with r != 0
+    x[:, 18] = np.ldexp(rng.integers(-12700, 12701, (T, 32)).astype(F32), -149)
+    x[:, 18, 5] = np.ldexp(F32(-12700.0), -149)
+    x[:, 19] = rng.standard_normal((T, 32)).astype(F32) * F32(1e3)
     assert x.dtype == F32
     return x.reshape(T, nb * 32)
 
 
 def _quantize(x):
+    """The kernels' quantize_activations(x, q1, q2, d, e, s1, s2), into arrays filled with
+    junk first."""
     T, C = x.shape
-    q = np.full((T, C), 99, np.int8)
-    d = np.full((T, C // 32), np.nan, F32)
-    s = np.full((T, C // 32), -99999, np.int32)
-    k.quantize_activations(x, q, d, s)
-    return q, d, s
+    q1, q2 = np.full((T, C), 99, np.int8), np.full((T, C), -99, np.int8)
+    d, e = np.full((T, C // 32), np.nan, F32), np.full((T, C // 32), np.nan, F32)
+    s1, s2 = np.full((T, C // 32), -99999, np.int32), np.full((T, C // 32), 99999, np.int32)
+    k.quantize_activations(x, q1, q2, d, e, s1, s2)
+    return q1, q2, d, e, s1, s2
+
+
+def _assert_same_quantisation(got, want):
+    for name, g, w in zip(("q1", "q2", "d", "e", "s1", "s2"), got, want):
+        if g.dtype == F32:
+            assert _same(g, w), f"{name}: {_first_difference(g, w)}"
+        else:
+            assert g.dtype == w.dtype and np.array_equal(g, w), f"{name}: {np.argwhere(g != w)[:5]}"
 
 
 def _assert_quantised_equal(x):
-    q, d, s = _quantize(x)
-    rq, rd, rs = fr.quantize_activations(x)
-    assert _same(d, rd), _first_difference(d, rd)
-    assert np.array_equal(q, rq), np.argwhere(q != rq)[:5]
-    assert np.array_equal(s, rs), np.argwhere(s != rs)[:5]
+    _assert_same_quantisation(_quantize(x), fr.quantize_activations(x))
 
 
 def test_quantize_activations_special_blocks():
     x = _special_activations()
     _assert_quantised_equal(x)
-    q, d, s = fr.quantize_activations(x)
+    q, q2, d, e, s, s2 = fr.quantize_activations(x)
     # The reference does what the cases were built for.
     assert not q[:, :32].any() and not s[:, 0].any() and not d[:, 0].any()
+    assert not q2[:, :32].any() and not s2[:, 0].any() and not e[:, 0].any()
     assert not q[0, 32:64].any() and s[0, 1] == 0 and d[0, 1] == 0
     assert q[0, 64:96].tolist() == [round(v) for v in np.arange(32) - 15.5][:31] + [127]
     assert q[0, 96:104].tolist() == [0, 0, 2, -2, 2, -2, 126, -126]
@@ -279,12 +323,27 @@ def test_quantize_activations_special_blocks():
     assert not q[:, 192:224].any() and d[0, 6] == 0
     assert np.count_nonzero(q[0, 256:288]) <= 2 and q[0, 256 + 17] == 127
     assert (q[:, 384:416] == -127).all()
-    xb, qb = x.reshape(3, 16, 32), q.reshape(3, 16, 32)
+    xb, qb = x.reshape(3, 20, 32), q.reshape(3, 20, 32)
     # block 14: division, not a reciprocal; block 15: the clamp
     differs = qb[:, 14, 1:] != np.rint(xb[:, 14, 1:] * (F32(1.0) / d[:, 14:15])).astype(np.int8)
     assert differs.all()
     assert d[0, 15] == 2.0 ** -149
     assert qb[0, 15].tolist() == [127, -127, 127, -127, 127, -127, 127, 100, -64, 3, -1, 1, 0] + [2] * 19
+    # the ties of d = 1 leave residuals of exactly +-1/2: 127 steps of e = 1/254
+    assert np.abs(q2.reshape(3, 20, 32)[:, 2, :31].astype(np.int32)).tolist() == [[127] * 31] * 3
+    # e underflows to 0 while d does not (subnormal blocks): no second plane
+    q2b = q2.reshape(3, 20, 32)
+    for b in (15, 18):
+        assert (d[:, b] != 0).all() and (e[:, b] == 0).all() and not q2b[:, b].any() and not s2[:, b].any()
+    assert (xb[:, 18] != qb[:, 18] * d[:, 18:19]).any()   # residuals the second plane drops
+    # blocks 16 and 17: the residuals clamped to +-127
+    for b, D in ((16, 368), (17, 600)):
+        E, residuals = CLAMP_UNITS[D]
+        assert (d[:, b] == np.ldexp(F32(D), -149)).all() and (e[:, b] == np.ldexp(F32(E), -149)).all()
+        sign = np.array([1, -1, 1] if b == 17 else [1, 1, 1])[:, None]
+        want = sign * np.clip(np.rint(np.array(residuals) / E), -127, 127).astype(int)
+        assert np.array_equal(q2b[:, b, 1:1 + len(residuals)], want), (b, q2b[:, b, 1:1 + len(residuals)])
+        assert (np.abs(q2b[:, b].astype(np.int32)) == 127).sum(axis=1).min() >= 6
 
 
 @pytest.mark.parametrize("C", [32, 416, 4096])
@@ -305,8 +364,42 @@ def test_quantize_activations_every_tie():
     x[:, 1:] = flat.reshape(10, 31)
     x = x.reshape(1, -1)
     _assert_quantised_equal(x)
-    q = fr.quantize_activations(x)[0].reshape(10, 32)[:, 1:].reshape(-1)[:halves.size]
+    q, q2 = (v.reshape(10, 32)[:, 1:].reshape(-1)[:halves.size] for v in fr.quantize_activations(x)[:2])
     assert np.array_equal(q, np.rint(halves).astype(np.int8)) and not (q % 2).any()
+    # the residual +-1/2 is 127 steps of e = 1/254 (which rounds down: 1/2 / e rounds to 127)
+    assert np.array_equal(q2.astype(np.int32), np.where(halves > q, 127, -127))
+
+
+def test_quantize_activations_second_plane_at_its_limit_in_normal_blocks():
+    # Residuals of about +-d/2 (x / d near a tie) over the normal range: r / e lands next
+    # to +-127 (beyond it only by the roundings of d, e and r), where the clamp and the
+    # rounding decide; the kernels agree bit for bit.
+    rng = _rng(20)
+    T, nb = 4, 40
+    d = np.ldexp(F32(1.0), rng.integers(-120, 120, (T, nb))).astype(F32) * rng.uniform(1, 2, (T, nb)).astype(F32)
+    n = rng.integers(-126, 127, (T, nb, 32)).astype(F32)
+    frac = rng.choice([F32(0.5), F32(-0.5), F32(0.4999), F32(-0.49999997), F32(0.25)], (T, nb, 32))
+    x = ((n + frac) * d[:, :, None]).astype(F32)
+    x[:, :, 0] = F32(127.0) * d
+    x = x.reshape(T, nb * 32)
+    _assert_quantised_equal(x)
+    q2 = fr.quantize_activations(x)[1]
+    assert (np.abs(q2.astype(np.int32)) == 127).mean() > 0.2
+
+
+def test_quantize_activations_refuses_mismatched_outputs_by_name():
+    x = np.zeros((2, 64), F32)
+    good = [np.zeros((2, 64), np.int8), np.zeros((2, 64), np.int8), np.zeros((2, 2), F32),
+            np.zeros((2, 2), F32), np.zeros((2, 2), np.int32), np.zeros((2, 2), np.int32)]
+    k.quantize_activations(x, *good)
+    for i, name, bad in ((1, "q2", np.zeros((2, 64), np.uint8)), (3, "e", np.zeros((2, 3), F32)),
+                         (5, "s2", np.zeros((2, 2), np.int64)), (0, "q1", np.zeros((2, 32), np.int8))):
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ValueError, match=name):
+            k.quantize_activations(x, *args)
+    with pytest.raises(TypeError):
+        k.quantize_activations(x, *good[:4])   # the version-1 signature (x, q, d, s)
 
 
 # -------------------------------------------------------------------- matmul
@@ -331,7 +424,7 @@ def test_fast_matmul_bit_equal_to_reference(variant, C, fn):
 def test_fast_matmul_special_activations(variant):
     rng = _rng(6, variant)
     x = _special_activations()
-    parts = _parts(variant, 21, 512, rng)
+    parts = _parts(variant, 21, x.shape[1], rng)
     w = _weight(parts)
     with np.errstate(all="ignore"):
         want = _reference(parts, x)
@@ -472,12 +565,11 @@ def test_fast_matmul_bit_equal_at_odd_offsets(variant):
                 got = _matmul(placed, xo[:T], 2, fn)
                 assert _same(got, want[:T]), f"offset {offset} T={T}: {_first_difference(got, want[:T])}"
     xq = _at_offset(x, 5)
-    q, d, s = (_at_offset(a, o) for a, o in ((np.zeros((3, 384), np.int8), 1),
-                                             (np.zeros((3, 12), F32), 4),
-                                             (np.zeros((3, 12), np.int32), 12)))
-    k.quantize_activations(xq, q, d, s)
-    rq, rd, rs = fr.quantize_activations(x)
-    assert np.array_equal(q, rq) and _same(d, rd) and np.array_equal(s, rs)
+    got = [_at_offset(a, o) for a, o in ((np.zeros((3, 384), np.int8), 1), (np.zeros((3, 384), np.int8), 7),
+                                         (np.zeros((3, 12), F32), 4), (np.zeros((3, 12), F32), 8),
+                                         (np.zeros((3, 12), np.int32), 12), (np.zeros((3, 12), np.int32), 20))]
+    k.quantize_activations(xq, *got)
+    _assert_same_quantisation(got, fr.quantize_activations(x))
 
 
 class _GuardedPages:
@@ -522,12 +614,12 @@ def test_fast_kernels_stay_inside_their_arrays(variant, at_end):
                     out = pages.place(np.full((T, R), np.nan, F32), at_end)
                     fn(w, pages.place(x, at_end), out, 2, fast=True)
                     assert _same(out, want), f"C={C} R={R} T={T} {fn.__name__}"
-                q, d, s = (pages.place(np.zeros(shape, dtype), at_end)
-                           for shape, dtype in (((T, C), np.int8), ((T, C // 32), F32),
-                                                ((T, C // 32), np.int32)))
-                k.quantize_activations(pages.place(x, at_end), q, d, s)
-                rq, rd, rs = fr.quantize_activations(x)
-                assert np.array_equal(q, rq) and _same(d, rd) and np.array_equal(s, rs)
+                got = [pages.place(np.zeros(shape, dtype), at_end)
+                       for shape, dtype in (((T, C), np.int8), ((T, C), np.int8), ((T, C // 32), F32),
+                                            ((T, C // 32), F32), ((T, C // 32), np.int32),
+                                            ((T, C // 32), np.int32))]
+                k.quantize_activations(pages.place(x, at_end), *got)
+                _assert_same_quantisation(got, fr.quantize_activations(x))
 
 
 # ----------------------------------------------------------------- expert FFNs
@@ -697,8 +789,8 @@ def test_fast_mode_leaves_dense_expert_ffns_exact():
 
 @pytest.mark.parametrize("variant", ["int8-g128", "int4-g32", "int4-g64-mins", "mxfp4"])
 def test_fast_is_close_to_exact(variant):
-    # A sanity bound, not the specification: int8 activations per 32 lose about 1/254 of
-    # each block's largest value.
+    # A sanity bound, not the specification: two int8 planes per 32 lose about
+    # 1/(2 * 127 * 254) of each block's largest value.
     rng = _rng(17, variant)
     parts = _parts(variant, 64, 4096, rng)
     w = _weight(parts)
@@ -709,7 +801,7 @@ def test_fast_is_close_to_exact(variant):
     k.matmul(w, x, default, 2)
     assert _same(default, exact)  # and it is asked for: exact is the default
     err = np.linalg.norm((fast - exact).astype(np.float64), axis=1)
-    assert np.all(err < 1e-2 * np.linalg.norm(exact.astype(np.float64), axis=1)), err
+    assert np.all(err < 1e-4 * np.linalg.norm(exact.astype(np.float64), axis=1)), err
 
 
 def test_build_info_names_the_fast_path():
