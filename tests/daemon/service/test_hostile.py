@@ -8,7 +8,7 @@ HTTP/1.1 (header bombs, a negative Content-Length, TLS, HTTP/2) is a 400 in Open
 shape; a chat template bomb in the
 model directory is a 400; and through all of it the daemon keeps serving and every line
 it logs is JSON. A shard whose expert bytes vanish makes /health say "degraded" until a
-read succeeds again. No sleeps: each wait is for the
+read succeeds again; so do experts whose weights hold NaN, until they compute finite rows. No sleeps: each wait is for the
 daemon's answer or its close, bounded by a deadline.
 """
 from __future__ import annotations
@@ -346,6 +346,54 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
             p.write_bytes(data)
         assert serving(d)
         assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+
+
+def test_health_is_degraded_while_experts_with_nan_weights_fail_requests(tmp_path):
+    """NaN in one layer's routed experts: a request is a 500 naming the layer (not the
+    next layer's router), /health is 503 degraded naming the experts while their weights
+    stay broken, the daemon stays up, and all is well again once the file is whole."""
+    model = make_model(tmp_path / "model", arch="qwen3_moe", layers=3, experts=4, top_k=2,
+                       hidden=64, intermediate=32, dtype="bf16", seed=2)
+    with Checkpoint(model) as checkpoint:
+        infos = [checkpoint.info(f"model.layers.1.mlp.experts.{e}.down_proj.weight")
+                 for e in range(4)]
+    d = Daemon(model, short_dir(), "--threads", "1", "--no-prefetch")
+    try:
+        assert serving(d)
+        saved = []
+        for info in infos:                   # bf16 NaN (0x7fc0) in every weight of layer 1's
+            with open(info.path, "r+b") as f:
+                f.seek(info.offset)
+                saved.append(f.read(info.nbytes))
+                f.seek(info.offset)
+                f.write(b"\xc0\x7f" * (info.nbytes // 2))
+        for prompt in ("def f(x):", "hello"):
+            status, body = d.json("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 4,
+                                                               "temperature": 0})
+            assert status == 500, body
+            assert body["error"]["code"] == "engine_error"
+            assert "layer 1: routed experts" in body["error"]["message"], body
+            assert "NaN or inf" in body["error"]["message"]
+            status, health = d.json("GET", "/health")
+            assert status == 503 and health["status"] == "degraded", health
+            assert health["reason"].startswith(
+                "routed experts produce NaN or inf (broken weights): layer 1: expert"), health
+        assert d.proc.poll() is None                       # still up
+        for info, data in zip(infos, saved):  # the weights are whole again
+            with open(info.path, "r+b") as f:
+                f.seek(info.offset)
+                f.write(data)
+        # /health stays degraded until each broken expert has computed finite rows: a
+        # prompt long enough to route to all four
+        status, body = d.json("POST", "/v1/completions", {
+            "prompt": "def f(x):\n    return [x * i + 1 for i in range(10)]\n" * 4,
+            "max_tokens": 2, "temperature": 0})
+        assert status == 200, body
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert serving(d)
         assert d.stop() == 0
     finally:
         d.cleanup()
