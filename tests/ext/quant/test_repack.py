@@ -629,7 +629,7 @@ def test_a_full_disk_is_reported_naming_the_file_being_written(source, tmp_path,
     assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(out),
                  "--shard-size", "96K"]) == 1
     err = capsys.readouterr().err
-    assert f"moed repack: error: [Errno 28] No space left on device: " in err, err
+    assert "moed repack: error: [Errno 28] No space left on device: " in err, err
     assert f"{out / name}\n" in err, err
     if full_at == "copy":
         assert f"copying {source.resolve() / name} to {out / name}" in err, err
