@@ -203,13 +203,19 @@ class HttpApp:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 ok; 503 while loading or draining, and "degraded" while expert reads fail
-        (the latest read to finish failed: answers would fail too) until one succeeds."""
+        (the latest read to finish failed: answers would fail too) until one succeeds, or
+        while routed experts whose output held NaN or inf (broken weights: the requests
+        routed to them fail) have not computed finite rows again."""
         if self.state.phase == "ready":
             failing = self.state.read_failure()
             if failing is not None:
                 return web.json_response({"status": "degraded",
                                           "reason": f"expert reads are failing: {failing}"},
                                          status=503)
+            broken = self.state.weights_failure()
+            if broken is not None:
+                return web.json_response({"status": "degraded", "reason": (
+                    f"routed experts produce NaN or inf (broken weights): {broken}")}, status=503)
             return web.json_response({"status": "ok"})
         reason = "loading the model" if self.state.phase == "loading" else "shutting down"
         return web.json_response({"status": self.state.phase, "reason": reason}, status=503)

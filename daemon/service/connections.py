@@ -18,7 +18,10 @@ counted (`refused`) and logged as ``connection_refused`` — the first one, then
 one line per `REFUSAL_LOG_EVERY_S` with the count since the last.
 
 `GatedSite` is an aiohttp site (registered with its runner like `web.SockSite`, so
-`runner.cleanup()` stops it) that listens on a bound socket through a gate.
+`runner.cleanup()` stops it) that listens on a bound socket through a gate. Its
+connections are served by `ApiErrorRequestHandler`: aiohttp's own answers to what is not
+HTTP/1.1 it can parse (too many or too long headers, a bad Content-Length, TLS or HTTP/2
+sent to this listener) are in OpenAI's error shape too, as every other error of moed.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_server import Server
 
 from telemetry.logs import get_logger
 
@@ -40,6 +46,7 @@ LINGER_S = 1.0                  # a refused connection is drained at most this l
 REFUSAL_LOG_EVERY_S = 60.0      # at most one connection_refused line per this long
 BACKLOG = 1024                  # listen(2) backlog of every listener (the kernel caps it)
 OPEN_FILES_SPARE = 1024         # file descriptors besides connections: shards, pipes, ...
+ERROR_DETAIL_CHARS = 200        # aiohttp's description of a bad request, cut to this many
 
 
 def _refusal_bytes(listener: str, limit: int) -> bytes:
@@ -153,6 +160,47 @@ class ConnectionGate:
             self._logged_at, self._logged_refused = now, self.refused
 
 
+class ApiErrorRequestHandler(RequestHandler):
+    """aiohttp's protocol for one connection, answering its own errors in OpenAI's shape.
+
+    aiohttp answers a request it cannot parse (the request never reaches the application
+    and its middlewares) and an exception that escapes them with `handle_error`: plain
+    text. aiohttp has no public hook for that answer, so this subclass overrides the
+    method: aiohttp's own implementation still runs (its log line, its refusal when an
+    answer was already begun), and its plain-text response is replaced by the same status
+    with ``{"error": {...}}`` as JSON and ``Connection: close`` (aiohttp closes the
+    connection after it in any case). Checked on aiohttp 3.14.5;
+    tests/daemon/service/test_hostile.py pins the source of the two aiohttp methods this
+    relies on (`RequestHandler.handle_error`, and `Server.__call__`, which `for_server`
+    mirrors) and fails when an aiohttp version changes them.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def for_server(cls, server: Server) -> ApiErrorRequestHandler:
+        """What `server()` returns (aiohttp's `Server.__call__`), as this class."""
+        return cls(server, loop=asyncio.get_running_loop(), **server._kwargs)
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None, message: str | None = None) -> web.Response:
+        super().handle_error(request, status, exc, message)
+        detail = " ".join((message or "").split())     # aiohttp's text spans lines
+        if len(detail) > ERROR_DETAIL_CHARS:
+            detail = detail[:ERROR_DETAIL_CHARS] + "..."
+        if status < 500:
+            text = "the request is not HTTP/1.1 that moed can read"
+            kind, code = "invalid_request_error", "invalid_http_request"
+        else:
+            text = "internal error"
+            kind, code = "server_error", "internal_error"
+        body = {"error": {"message": f"{text}: {detail}" if detail else text, "type": kind,
+                          "param": None, "code": code}}
+        response = web.json_response(body, status=status, headers={"Connection": "close"})
+        response.force_close()
+        return response
+
+
 class GatedSite(web.BaseSite):
     """Serve `runner` on the bound socket `sock` (listening or not) through `gate`, which
     wraps the runner's own protocol factory. `name` is what `runner.addresses` reports."""
@@ -162,8 +210,8 @@ class GatedSite(web.BaseSite):
         super().__init__(runner, backlog=backlog)
         self._sock = sock
         self._listener = listener
-        self.gate = ConnectionGate(lambda: runner.server(), limit, listener,  # type: ignore[misc]
-                                   on_refused=on_refused)
+        self.gate = ConnectionGate(lambda: ApiErrorRequestHandler.for_server(runner.server),
+                                   limit, listener, on_refused=on_refused)
 
     @property
     def name(self) -> str:

@@ -53,6 +53,15 @@ class ServingState:
         failing = getattr(self.loaded.engine.model.experts, "failing", None)
         return failing() if failing is not None else None
 
+    def weights_failure(self) -> str | None:
+        """Which routed experts' weights produce NaN or inf, so that the requests routed to
+        them fail ("layer 1: experts 0, 3"), until they compute finite rows again; else
+        None (ext/models/model.py, Model.broken_weights)."""
+        if self.loaded is None:
+            return None
+        broken = getattr(self.loaded.engine.model, "broken_weights", None)
+        return broken() if broken is not None else None
+
     def stats_snapshot(self, loaded: Loaded) -> dict:
         """moed's own statistics (runs on the engine thread); the same reading becomes
         `last_snapshot`, which /metrics exports (daemon/service/stats.py)."""

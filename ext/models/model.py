@@ -45,20 +45,7 @@ from ext.models.weights import Weight, read_weight
 F32 = np.float32
 PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
 FAST_FORMATS = frozenset({"int8", "int4", "mxfp4"})   # what fast numerics changes
-
-
-def _check_finite(l: int, y: np.ndarray, experts_of_rows) -> None:
-    """Raise ValueError naming layer l's experts whose output rows y [N, H] hold NaN or
-    inf (experts_of_rows: the expert of each row): their weights are broken, and without
-    this the next layer's router would take the blame. One sum a layer (a NaN or inf
-    anywhere makes it non-finite); rows are looked at only when it is."""
-    if np.isfinite(y.sum()):
-        return
-    bad = sorted({int(e) for e, row in zip(experts_of_rows, y) if not np.isfinite(row).all()})
-    if bad:
-        raise ValueError(f"layer {l}: routed expert{'s' if len(bad) > 1 else ''} "
-                         f"{', '.join(map(str, bad))} produced NaN or inf (their weights "
-                         "hold NaN or inf, or values beyond float32's range)")
+BROKEN_LAYERS_SAID = 4          # broken_weights() names the experts of this many layers
 
 
 def default_threads() -> int:
@@ -182,6 +169,11 @@ class Model:
         # batch of expert FFNs, with the rows of experts[g] at group_start[g]:group_start[g+1]
         # of x; it must not modify anything (ext/quant/importance.py gathers statistics).
         self.moe_observer: Callable[..., None] | None = None
+        # Routed experts, (layer, expert), whose output last held NaN or inf, each until it
+        # computes finite rows again (its file restored under a mapping, its cached copy
+        # read anew): requests that route to them fail, and /health says so. Replaced
+        # whole, never changed in place: the event loop reads it (broken_weights()).
+        self.broken_experts: frozenset[tuple[int, int]] = frozenset()
         self.expert_ffn = self.family.experts(config, layout.transposed, fast=self.fast)
         self._load_dense()
         self.ws = _Workspace(config, PREFILL_CHUNK)
@@ -528,8 +520,8 @@ class Model:
                                 ws.hbuf(r1 - r0, c.moe_intermediate_size), y[r0:r1], nt)
             finally:
                 self.experts.release(l, batch)
-        _check_finite(l, y, [experts[g] for g in range(len(experts))
-                             for _ in range(int(group_start[g + 1] - group_start[g]))])
+        self._check_finite(l, y, [experts[g] for g in range(len(experts))
+                                  for _ in range(int(group_start[g + 1] - group_start[g]))])
         rows = np.empty(N, np.int64)
         rows[order] = np.arange(N)                               # row of y per (token, rank)
         return self._combine(layer, h, y, rows.reshape(T, K), weights)
@@ -561,10 +553,41 @@ class Model:
                 raise
             y[positions] = part[:n]                              # row g = experts[g]
         self.experts.release(l, experts)
-        _check_finite(l, y, experts)
+        self._check_finite(l, y, experts)
         rows = np.empty(K, np.int64)
         rows[order] = np.arange(K)                               # row of y per rank
         return self._combine(layer, h, y, rows.reshape(1, K), weights)
+
+    def _check_finite(self, l: int, y: np.ndarray, experts_of_rows) -> None:
+        """Raise ValueError naming layer l's experts whose output rows y [N, H] hold NaN or
+        inf (experts_of_rows: the expert of each row): their weights are broken, and without
+        this the next layer's router would take the blame. One sum a layer (a NaN or inf
+        anywhere makes it non-finite); rows are looked at only when it is. Keeps
+        `broken_experts`: the broken ones join it, those with finite rows leave it."""
+        if np.isfinite(y.sum()):
+            if self.broken_experts:
+                self.broken_experts -= {(l, int(e)) for e in experts_of_rows}
+            return
+        bad = sorted({int(e) for e, row in zip(experts_of_rows, y) if not np.isfinite(row).all()})
+        if bad:
+            self.broken_experts = ((self.broken_experts - {(l, int(e)) for e in experts_of_rows})
+                                   | {(l, e) for e in bad})
+            raise ValueError(f"layer {l}: routed expert{'s' if len(bad) > 1 else ''} "
+                             f"{', '.join(map(str, bad))} produced NaN or inf (their weights "
+                             "hold NaN or inf, or values beyond float32's range)")
+
+    def broken_weights(self) -> str | None:
+        """The routed experts whose output last held NaN or inf and has not been finite
+        since, "layer 1: experts 0, 3" (at most BROKEN_LAYERS_SAID layers named), else None."""
+        broken = self.broken_experts
+        if not broken:
+            return None
+        layers = sorted({l for l, _ in broken})
+        said = [f"layer {l}: expert{'s' if sum(1 for m, _ in broken if m == l) > 1 else ''} "
+                + ", ".join(str(e) for e in sorted(e for m, e in broken if m == l))
+                for l in layers[:BROKEN_LAYERS_SAID]]
+        more = len(layers) - BROKEN_LAYERS_SAID
+        return "; ".join(said) + (f"; and {more} more layers" if more > 0 else "")
 
     def _combine(self, layer: LayerWeights, h: np.ndarray, y: np.ndarray, rows: np.ndarray,
                  weights: np.ndarray) -> np.ndarray:

@@ -330,7 +330,8 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
     ValueError (`out_dir` is, contains or lies inside `model_dir`, is something
     `overwrite` may not replace — see check_out_dir; a model already repacked by moed, a
     weight whose shape the scheme cannot cut — naming it, importance missing), the
-    loaders' ConfigError / CheckpointError naming the file and tensor, and OSError.
+    loaders' ConfigError / CheckpointError naming the file and tensor, and OSError (one of
+    writing the output names the file as it would be in `out_dir`: see _writing).
     """
     src = Path(model_dir).resolve()
     out = Path(out_dir)
@@ -379,13 +380,16 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike, spec: Repac
             tmp.mkdir()
             shards = _plan_shards(blocks, shard_size, ALIGNMENT)
             total_in = sum(b.nbytes for b in blocks)   # progress in bytes written
-            written = _write_shards(tmp, shards, ALIGNMENT, progress, total_in, threads)
+            written = _write_shards(tmp, shards, ALIGNMENT, progress, total_in, threads, out)
             new_config = {**raw_config, "quantization_config": rc.to_json()}
-            (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
+            with _writing(out / CONFIG_NAME):
+                (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2) + "\n",
+                                               encoding="utf-8")
             for entry in sorted(src.iterdir()):
                 if (entry.is_file() and entry.name not in _COPIED_SKIP
                         and not entry.name.endswith(".safetensors")):
-                    shutil.copyfile(entry, tmp / entry.name)
+                    with _writing(out / entry.name, f"copying {entry} to"):
+                        shutil.copyfile(entry, tmp / entry.name)
             check_out_dir(src, out, overwrite)        # again: the repack may have taken hours
             if not os.path.lexists(target):
                 os.replace(tmp, target)
@@ -585,39 +589,66 @@ def _produced(blocks: list[_Block], threads: int) -> Iterator[list]:
             yield done
 
 
+@contextmanager
+def _writing(shown: Path, what: str = "writing") -> Iterator[None]:
+    """An OSError raised inside (ENOSPC, EDQUOT, EIO, ...) names the output file being
+    written as the user will find it, `shown` (its place in --out: it is written in a
+    temporary directory beside it), with its errno: "[Errno 28] No space left on device:
+    writing OUT/model-00001-of-00002.safetensors". The original is its __cause__."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:         # an OSError of ours, with a message only
+            raise OSError(f"{e}: {what} {shown}") from e
+        raise OSError(e.errno, f"{e.strerror}: {what} {shown}") from e
+
+
 def _write_shards(out: Path, shards: list[_Shard], alignment: int,
-                  progress: Callable[[int, int], None] | None, total: int, threads: int) -> int:
+                  progress: Callable[[int, int], None] | None, total: int, threads: int,
+                  shown: Path) -> int:
+    """Write the shards and their index into `out`; `shown` is the directory that errors
+    name (the output's place, `out` being its temporary copy)."""
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, done, written = {}, 0, 0
     produced = _produced([b for s in shards for b in s.blocks], threads)
     for file_name, shard in zip(names, shards):
         header = _header(shard, alignment)
-        with open(out / file_name, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
+        with _writing(shown / file_name):
+            f = open(out / file_name, "wb")
+        try:
+            with _writing(shown / file_name):
+                f.write(struct.pack("<Q", len(header)))
+                f.write(header)
             start = f.tell()
             pieces = iter(shard.entries)
             for block in shard.blocks:
-                for data in next(produced):
-                    piece = next(pieces)
-                    while piece.name.startswith(PADDING_PREFIX):
-                        f.write(bytes(piece.nbytes))
+                arrays = next(produced)     # read and quantised: its errors name the source
+                with _writing(shown / file_name):
+                    for data in arrays:
                         piece = next(pieces)
-                    buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(
-                        data, np.ndarray) else memoryview(data)
-                    if f.tell() - start != piece.offset or buf.nbytes != piece.nbytes:
-                        raise AssertionError(f"layout of {piece.name} broke")   # a bug here
-                    f.write(buf)
-                    weight_map[piece.name] = file_name
+                        while piece.name.startswith(PADDING_PREFIX):
+                            f.write(bytes(piece.nbytes))
+                            piece = next(pieces)
+                        buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(
+                            data, np.ndarray) else memoryview(data)
+                        if f.tell() - start != piece.offset or buf.nbytes != piece.nbytes:
+                            raise AssertionError(f"layout of {piece.name} broke")   # a bug here
+                        f.write(buf)
+                        weight_map[piece.name] = file_name
                 done += block.nbytes
                 if progress is not None:
                     progress(done, total)
-            written += f.tell()
-            f.flush()
-            os.fsync(f.fileno())
+            with _writing(shown / file_name):   # a full disk may show only now
+                written += f.tell()
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            with _writing(shown / file_name):   # closing flushes what is buffered
+                f.close()
     tensor_bytes = sum(p.nbytes for s in shards for p in s.entries if not p.name.startswith(PADDING_PREFIX))
     index = {"metadata": {"total_size": tensor_bytes, "format": "moed-repack"},
              "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    with _writing(shown / INDEX_NAME):
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return written

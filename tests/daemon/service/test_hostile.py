@@ -3,10 +3,12 @@
 The real daemon subprocess with short limits: a slowloris connection that trickles its
 headers is closed at header_timeout_s; a body shorter than its Content-Length is a 408 at
 body_timeout_s; a listener holding max_connections answers the next connection 503 at
-once (the Unix socket and the TCP metrics listener alike); a chat template bomb in the
+once (the Unix socket and the TCP metrics listener alike); what aiohttp cannot parse as
+HTTP/1.1 (header bombs, a negative Content-Length, TLS, HTTP/2) is a 400 in OpenAI's error
+shape; a chat template bomb in the
 model directory is a 400; and through all of it the daemon keeps serving and every line
 it logs is JSON. A shard whose expert bytes vanish makes /health say "degraded" until a
-read succeeds again. No sleeps: each wait is for the
+read succeeds again; so do experts whose weights hold NaN, until they compute finite rows. No sleeps: each wait is for the
 daemon's answer or its close, bounded by a deadline.
 """
 from __future__ import annotations
@@ -185,6 +187,63 @@ def test_a_listener_at_its_connection_cap_answers_503_and_serves_again_after(dae
         assert b'moed_connections_refused_total{listener="metrics"} 1.0' in answer
 
 
+# What aiohttp refuses before the application sees a request: too many or too long
+# headers, a negative Content-Length, a TLS ClientHello and the HTTP/2 preface.
+NOT_HTTP11 = {
+    "too_many_headers": b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                        + b"".join(b"X-%d: y\r\n" % i for i in range(1000)) + b"\r\n",
+    "header_too_long": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000
+                       + b"\r\n\r\n",
+    "negative_content_length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Type: application/json\r\nContent-Length: -1\r\n\r\n{}",
+    # a TLS 1.2 ClientHello's record and handshake headers, then a zeroed body
+    "tls_client_hello": bytes.fromhex("16030100c4010000c00303") + bytes(193),
+    "http2_preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(NOT_HTTP11))
+def test_what_aiohttp_cannot_parse_is_answered_in_openai_error_shape(daemon, attack):
+    with unix_connection(daemon) as sock:
+        sock.sendall(NOT_HTTP11[attack])
+        answer = read_all(sock)             # answered, then closed
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].split()[1] == "400", answer[:300]
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    assert headers["content-type"].startswith("application/json")
+    assert headers["connection"] == "close"
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http_request"
+    assert error["message"].startswith("the request is not HTTP/1.1 that moed can read: ")
+    assert len(error["message"]) < 400      # aiohttp's echo of the client's bytes is cut
+    assert serving(daemon)
+
+
+def test_the_aiohttp_methods_the_json_error_handler_relies_on_are_unchanged():
+    """daemon/service/connections.py's ApiErrorRequestHandler overrides aiohttp's
+    `RequestHandler.handle_error` and builds its handlers as `Server.__call__` does: when an
+    aiohttp release changes either, this fails, so that the subclass is checked against it
+    (then update the digests below and the aiohttp version in its docstring)."""
+    import hashlib
+    import inspect
+
+    import aiohttp
+    from aiohttp.web_protocol import RequestHandler
+    from aiohttp.web_server import Server
+
+    from daemon.service.connections import ApiErrorRequestHandler
+
+    checked = {"RequestHandler.handle_error": "94962ffef500c172", "Server.__call__": "c5700549e688b164"}
+    now = {f.__qualname__: hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:16]
+           for f in (RequestHandler.handle_error, Server.__call__)}
+    assert now == checked, (f"aiohttp {aiohttp.__version__} changed what ApiErrorRequestHandler "
+                            "overrides or mirrors: check it against the new source")
+    assert (inspect.signature(ApiErrorRequestHandler.handle_error).parameters.keys()
+            == inspect.signature(RequestHandler.handle_error).parameters.keys())
+
+
 def chat(d: Daemon, content: str) -> tuple[int, dict]:
     return d.json("POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0})
@@ -287,6 +346,54 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
             p.write_bytes(data)
         assert serving(d)
         assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+
+
+def test_health_is_degraded_while_experts_with_nan_weights_fail_requests(tmp_path):
+    """NaN in one layer's routed experts: a request is a 500 naming the layer (not the
+    next layer's router), /health is 503 degraded naming the experts while their weights
+    stay broken, the daemon stays up, and all is well again once the file is whole."""
+    model = make_model(tmp_path / "model", arch="qwen3_moe", layers=3, experts=4, top_k=2,
+                       hidden=64, intermediate=32, dtype="bf16", seed=2)
+    with Checkpoint(model) as checkpoint:
+        infos = [checkpoint.info(f"model.layers.1.mlp.experts.{e}.down_proj.weight")
+                 for e in range(4)]
+    d = Daemon(model, short_dir(), "--threads", "1", "--no-prefetch")
+    try:
+        assert serving(d)
+        saved = []
+        for info in infos:                   # bf16 NaN (0x7fc0) in every weight of layer 1's
+            with open(info.path, "r+b") as f:
+                f.seek(info.offset)
+                saved.append(f.read(info.nbytes))
+                f.seek(info.offset)
+                f.write(b"\xc0\x7f" * (info.nbytes // 2))
+        for prompt in ("def f(x):", "hello"):
+            status, body = d.json("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 4,
+                                                               "temperature": 0})
+            assert status == 500, body
+            assert body["error"]["code"] == "engine_error"
+            assert "layer 1: routed experts" in body["error"]["message"], body
+            assert "NaN or inf" in body["error"]["message"]
+            status, health = d.json("GET", "/health")
+            assert status == 503 and health["status"] == "degraded", health
+            assert health["reason"].startswith(
+                "routed experts produce NaN or inf (broken weights): layer 1: expert"), health
+        assert d.proc.poll() is None                       # still up
+        for info, data in zip(infos, saved):  # the weights are whole again
+            with open(info.path, "r+b") as f:
+                f.seek(info.offset)
+                f.write(data)
+        # /health stays degraded until each broken expert has computed finite rows: a
+        # prompt long enough to route to all four
+        status, body = d.json("POST", "/v1/completions", {
+            "prompt": "def f(x):\n    return [x * i + 1 for i in range(10)]\n" * 4,
+            "max_tokens": 2, "temperature": 0})
+        assert status == 200, body
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert serving(d)
         assert d.stop() == 0
     finally:
         d.cleanup()

@@ -153,3 +153,36 @@ def test_experts_with_nan_weights_are_named_not_the_next_router(tmp_path):
         with pytest.raises(ValueError, match=r"^layer 1: routed experts [0-3](, [0-3])+ produced NaN or inf"):
             model.forward(model.new_sequence(), prompt)
     model.close()
+
+
+def test_experts_that_produced_nan_stay_named_until_their_rows_are_finite_again(tmp_path):
+    """Model.broken_weights (what /health reports) names the experts whose output held NaN
+    while their weights stay broken, and forgets each once it computes finite rows."""
+    d = make_model(tmp_path / "m", arch="qwen3_moe", layers=3, experts=4, top_k=2, hidden=64,
+                   intermediate=32, dtype="bf16", seed=2)
+    with Checkpoint(d) as ckpt:
+        infos = [ckpt.info(f"model.layers.1.mlp.experts.{e}.down_proj.weight") for e in range(4)]
+    saved = []
+    for info in infos:
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset)
+            saved.append(f.read(info.nbytes))
+            f.seek(info.offset)
+            f.write(b"\xc0\x7f" * (info.nbytes // 2))
+    model = Model.load(d, n_threads=1)
+    assert model.broken_weights() is None
+    for prompt in ([1, 2, 3, 4, 5], [7], [9]):
+        with pytest.raises(ValueError, match="^layer 1: "):
+            model.forward(model.new_sequence(), prompt)
+        assert model.broken_weights().startswith("layer 1: experts ")
+    assert {l for l, _ in model.broken_experts} == {1}
+    model.close()
+    for info, data in zip(infos, saved):     # the weights are whole again
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset)
+            f.write(data)
+    model = Model.load(d, n_threads=1)
+    model.broken_experts = frozenset({(1, e) for e in range(4)})
+    model.forward(model.new_sequence(), list(range(1, 60)))     # routes to every expert
+    assert model.broken_weights() is None
+    model.close()

@@ -567,3 +567,70 @@ def test_the_lm_head_option_of_the_command(source, tmp_path, capsys):
               "--out", str(tmp_path / "no")])
     assert e.value.code == 2
     assert "--lm-head int8 takes the dense weights' scheme" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------- a disk that fills up
+
+@pytest.mark.parametrize("full_at", ["shard", "index", "config", "copy"])
+def test_a_full_disk_is_reported_naming_the_file_being_written(source, tmp_path, monkeypatch,
+                                                               capsys, full_at):
+    """ENOSPC while writing the output once said only "[Errno 28] No space left on
+    device": the error names the file as it would be in --out, keeps its errno, and the
+    repack leaves nothing behind."""
+    import builtins
+    import errno
+
+    from ext.quant import repack as repack_module
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "out"
+    if full_at == "shard":              # a write into the second shard
+        real_open = builtins.open
+
+        class Full:                     # a file that takes its first bytes only
+            def __init__(self, f):
+                self._f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._f.close()
+
+            def write(self, data):
+                if self._f.tell() > 0:
+                    no_space()
+                return self._f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+        def opening(path, mode="r", *args, **kwargs):
+            f = real_open(path, mode, *args, **kwargs)
+            return Full(f) if "w" in mode and Path(path).name.startswith("model-00002-of-") else f
+        monkeypatch.setattr(repack_module, "open", opening, raising=False)
+        name = "model-00002-of-00004.safetensors"
+    elif full_at in ("index", "config"):
+        name = "model.safetensors.index.json" if full_at == "index" else "config.json"
+        real_write_text = Path.write_text
+
+        def write_text(self, *args, **kwargs):
+            if self.name == name:
+                no_space()
+            return real_write_text(self, *args, **kwargs)
+        monkeypatch.setattr(Path, "write_text", write_text)
+    else:
+        name = "tokenizer.json"
+        real_copyfile = shutil.copyfile
+        monkeypatch.setattr(repack_module.shutil, "copyfile", lambda src, dst: (
+            no_space() if Path(dst).name == name else real_copyfile(src, dst)))
+    assert main(["repack", "--model", str(source), "--scheme", "int4", "--out", str(out),
+                 "--shard-size", "96K"]) == 1
+    err = capsys.readouterr().err
+    assert "moed repack: error: [Errno 28] No space left on device: " in err, err
+    assert f"{out / name}\n" in err, err
+    if full_at == "copy":
+        assert f"copying {source.resolve() / name} to {out / name}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []      # no output, no temporary
