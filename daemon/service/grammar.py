@@ -20,7 +20,9 @@ do not stop it. So a schema is first compiled in a worker process
 (daemon/service/grammar_worker.py, the process handling of the chat templates,
 daemon/service/workers.py) whose address space is capped at `memory_bytes`
 (grammar_compile_memory_bytes) and which is killed at `timeout_s`
-(grammar_compile_timeout_s): beyond either the request is a 400 naming the key. The
+(grammar_compile_timeout_s): beyond either the request is a 400 naming the key. A
+worker killed otherwise (SIGKILL before its deadline: the OOM killer, which takes a
+worker first, daemon/service/workers.py) is a 400 saying so, not cached. The
 worker answers only a verdict, because llguidance has no way to hand a compiled grammar
 to another process (a matcher is not picklable and its Python API serializes nothing
 compiled; the grammar text `grammar_from_json_schema` returns is the schema itself,
@@ -82,6 +84,11 @@ class GrammarError(ValueError):
 
 class GrammarLimitError(GrammarError):
     """The compile passed grammar_compile_timeout_s or grammar_compile_memory_bytes."""
+
+
+class GrammarKilledError(GrammarLimitError):
+    """The compile process was killed by a signal (SIGKILL): not a verdict on the schema
+    (the machine's or cgroup's memory ran short), so it is not cached."""
 
 
 class GrammarBusyError(GrammarError):
@@ -265,7 +272,8 @@ class Grammars:
     @staticmethod
     def _cacheable(entry: _Entry) -> bool:
         error = entry.error
-        return not isinstance(error, (GrammarBusyError, GrammarClosedError)) and not (
+        return not isinstance(error, (GrammarBusyError, GrammarClosedError,
+                                      GrammarKilledError)) and not (
             isinstance(error, GrammarLimitError) and "grammar_compile_timeout_s" in str(error))
 
     def _compile_blocking(self, grammar: str, timeout_s: float, memory_bytes: int) -> _Entry:
@@ -291,6 +299,13 @@ class Grammars:
                 return _Entry(None, GrammarLimitError(
                     f"the JSON schema did not compile within {timeout_s:g} s "
                     "(grammar_compile_timeout_s)"), 0)
+            if ended == "signal 9":
+                # Not this daemon (it kills only at the deadline) nor RLIMIT_AS (a failed
+                # allocation aborts): the kernel's OOM killer, which picks workers first.
+                return _Entry(None, GrammarKilledError(
+                    "the JSON schema's compile process was killed (signal 9) before it "
+                    "finished, probably by the memory limit of the machine or its cgroup: "
+                    "try a smaller schema, or again later"), 0)
             return _Entry(None, GrammarLimitError(
                 f"the JSON schema needed more than {memory_bytes} bytes to compile "
                 f"(grammar_compile_memory_bytes; its compile process ended with {ended})"), 0)

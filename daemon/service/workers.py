@@ -7,6 +7,12 @@ Daemon side: `WorkerProcess` starts `python -m <module> LIMIT`, waits for its
 ``{"ready": true}`` line, asks one JSON line and reads one back, and kills it.
 Worker side: `limit_memory` first (before anything is read or imported), then
 `serve_lines`, which answers each JSON request line with one JSON line.
+
+RLIMIT_AS bounds a worker, not the machine: in a memory cgroup smaller than the limit
+(or on a machine short of memory) the kernel's OOM killer acts first, and with every
+process at the same oom_score_adj it picks the largest, the daemon with its model. So
+`limit_memory` also sets the worker's oom_score_adj to 1000 (killed first): a worker
+killed that way ends with SIGKILL, which the daemon reports as such (grammar.py).
 """
 from __future__ import annotations
 
@@ -90,9 +96,19 @@ class WorkerProcess:
         return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
+OOM_SCORE_ADJ = 1000           # the most: the OOM killer takes a worker before the daemon
+
+
 def limit_memory(limit: int) -> None:
-    """Worker side, first thing: cap this process's address space at `limit` bytes."""
+    """Worker side, first thing: cap this process's address space at `limit` bytes, and
+    make it the OOM killer's first choice (best effort: without /proc, or where the
+    value may not be written, the worker runs as it is)."""
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(f"{OOM_SCORE_ADJ}\n")
+    except OSError:
+        pass
 
 
 def serve_lines(answer: Callable[[dict], dict], out_of_memory: dict) -> int:

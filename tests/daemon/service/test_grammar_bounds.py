@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 
@@ -219,5 +220,63 @@ def test_the_cache_is_bounded_and_identical_compiles_run_once(model_dir, monkeyp
         assert constraint.mask().any() and not constraint.done()
     try:
         asyncio.run(run())
+    finally:
+        grammars.close()
+
+
+def _grammars(model_dir, **kwargs):
+    from daemon.service.grammar import Grammars
+    from ext.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    return Grammars(tokenizer, tokenizer.vocab_size, frozenset(), **kwargs)
+
+
+def test_workers_are_the_oom_killers_first_choice(model_dir):
+    """Every worker (grammar compiles, chat templates) sets its oom_score_adj to 1000, so
+    that in a small memory cgroup the kernel kills a worker, not the daemon."""
+    from daemon.service.workers import WorkerProcess
+    grammars = _grammars(model_dir)
+    template = WorkerProcess([sys.executable, "-m", "daemon.service.template_worker",
+                              str(256 << 20)], 256 << 20)
+    try:
+        grammars.start()
+        assert template.wait_ready(60)
+        pids = [w.proc.pid for w in grammars._idle] + [template.proc.pid]
+        assert len(pids) == 2
+        for pid in pids:
+            with open(f"/proc/{pid}/oom_score_adj") as f:
+                assert f.read().strip() == "1000", pid
+        with open("/proc/self/oom_score_adj") as f:
+            assert f.read().strip() != "1000"                # the daemon's is its own
+    finally:
+        template.kill()
+        grammars.close()
+
+
+def test_a_worker_killed_mid_compile_is_a_400_saying_so(model_dir):
+    """A compile process killed by SIGKILL before its deadline (what the OOM killer does)
+    is reported as killed, not as grammar_compile_memory_bytes, and not cached."""
+    import signal
+    from daemon.service.grammar import GrammarKilledError
+    grammars = _grammars(model_dir, timeout_s=30.0, memory_bytes=512 << 20)
+    grammars.start()
+    [worker] = grammars._idle
+
+    async def run():
+        spec = grammars.spec(bomb(30))
+        task = asyncio.ensure_future(grammars.compile(spec))
+        await asyncio.sleep(1.0)                             # the bomb runs for 30 s
+        assert not task.done() and worker.proc.poll() is None
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        with pytest.raises(GrammarKilledError) as caught:
+            await task
+        return spec, str(caught.value)
+    try:
+        started = time.monotonic()
+        spec, message = asyncio.run(run())
+        assert time.monotonic() - started < 10.0
+        assert "killed (signal 9)" in message and "memory limit of the machine" in message
+        assert "grammar_compile_memory_bytes" not in message
+        assert spec.key not in grammars._cache
     finally:
         grammars.close()
