@@ -30,7 +30,8 @@ uncompiled). Once a worker has compiled a grammar within the limits, the daemon 
 it once more in-process (`build_matcher`, deterministic: the same library, tokenizer,
 limits and input, so it ends as the worker's did, in about the time the worker reported;
 that time is < timeout_s by construction) and keeps the matcher, by the grammar's hash,
-in a bounded cache (CACHE_ENTRIES, and CACHE_BYTES by the growth the worker measured);
+in a bounded cache (CACHE_ENTRIES, and CACHE_BYTES of memory, least recently used out
+first);
 every choice of every request with that schema is a deep copy of it, on the engine
 thread (measured: about 1 us for a small schema and 10-25 us with its JsonConstraint for
 a 300-property one, where a compile of even the small one takes 1 ms). Refusals are
@@ -38,6 +39,23 @@ cached too, except timeouts (they depend on the load), and a compile already run
 the same schema is awaited, not repeated. The worker also computes the first mask: a
 schema no value satisfies ({"$ref": "#"}) is refused there, not at the first token.
 Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley items).
+
+A cache entry is charged what its matcher holds: the worker measures the C heap before
+the compile and while the matcher is alive (daemon/service/grammar_worker.py), and the
+same compile holds the same in the daemon. Not the daemon's resident growth around its
+own compile: other threads allocate meanwhile, and memory freed by an evicted matcher is
+reused without growth. The charge is at least TEXT_BYTES_FACTOR bytes per byte of the
+grammar text (measured: 31 for a large enum, 114 for an anyOf of small objects), a floor
+for a C library without mallinfo2. Measured in one process holding the cache: 40
+distinct enum schemas of 45000 strings (630 KB of JSON, ~14.5 MB of matcher each) took
+it from 63 to 647 MiB when each was charged the worker's resident growth after the
+matcher was freed (~0: 4096, all 40 kept; 256 would have taken 3.7 GB); charged what
+they hold, 17 are kept (247 MiB charged) and it stays at ~475 MiB after 40 or 80 (the
+rest: the allocator's free memory and compile transients). A matcher larger than
+CACHE_BYTES / CACHE_ENTRY_FRACTION serves the requests that asked for it and is dropped;
+one larger than memory_bytes / COMPILED_FRACTION is refused (a 400 naming
+grammar_compile_memory_bytes) before the daemon compiles it, so one schema never holds
+more than that in the daemon.
 
 Compiles wait on the event loop (no thread held while waiting) for one of `workers`
 compile slots, each with its own thread of a pool only compiles use; a request that gets
@@ -74,7 +92,10 @@ DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_WORKERS = 2
 STARTUP_S = 60.0                # a new worker's start: interpreter, llguidance, the tokenizer
 CACHE_ENTRIES = 256             # compiled grammars (and refusals) kept
-CACHE_BYTES = 256 << 20         # their estimated memory (the workers' growth compiling them)
+CACHE_BYTES = 256 << 20         # their memory: what each matcher holds, measured by the worker
+CACHE_ENTRY_FRACTION = 8        # a matcher above CACHE_BYTES / 8 is used once, not cached
+COMPILED_FRACTION = 16          # a matcher above memory_bytes / 16 (64 MiB of 1 GiB): a 400
+TEXT_BYTES_FACTOR = 16          # the least a matcher is charged: 16 bytes a grammar text byte
 WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
 
 
@@ -264,13 +285,14 @@ class Grammars:
         if self._cacheable(entry):
             self._cache[spec.key] = entry
             self._cache_bytes += entry.cost
-            while len(self._cache) > CACHE_ENTRIES or (self._cache_bytes > CACHE_BYTES
-                                                       and len(self._cache) > 1):
+            while len(self._cache) > CACHE_ENTRIES or self._cache_bytes > CACHE_BYTES:
                 self._cache_bytes -= self._cache.popitem(last=False)[1].cost
         return entry
 
     @staticmethod
     def _cacheable(entry: _Entry) -> bool:
+        if entry.cost > CACHE_BYTES // CACHE_ENTRY_FRACTION:
+            return False
         error = entry.error
         return not isinstance(error, (GrammarBusyError, GrammarClosedError,
                                       GrammarKilledError)) and not (
@@ -322,14 +344,22 @@ class Grammars:
                     "(grammar_compile_memory_bytes)"), 64)
             return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"),
                           64 + len(error))
-        # The worker compiled it within the limits: the same compile here ends as it did.
+        # The worker compiled it within the limits: the same compile here ends as it did,
+        # and holds what the worker measured.
+        cost = max(int(answer.get("bytes", 0)), TEXT_BYTES_FACTOR * len(grammar), 4096)
+        most = memory_bytes // COMPILED_FRACTION
+        if cost > most:
+            log.info("grammar_compile_refused", bytes=cost, max_bytes=most)
+            return _Entry(None, GrammarLimitError(
+                f"the compiled JSON schema would hold {cost} bytes, more than {most} "
+                f"(1/{COMPILED_FRACTION} of grammar_compile_memory_bytes)"), 64)
         started = time.monotonic()
         matcher, error = build_matcher(self._tokenizer, grammar)
         if error is not None:          # not expected: the worker said it compiles
             return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"), 0)
-        cost = max(int(answer.get("rss_bytes", 0)), 4096)
         log.info("grammar_compiled", worker_seconds=round(float(answer.get("seconds", 0)), 6),
-                 seconds=round(time.monotonic() - started, 6), worker_rss_bytes=cost)
+                 seconds=round(time.monotonic() - started, 6), bytes=cost,
+                 cached=cost <= CACHE_BYTES // CACHE_ENTRY_FRACTION)
         return _Entry(matcher, None, cost)
 
     def _take(self, memory_bytes: int) -> WorkerProcess:

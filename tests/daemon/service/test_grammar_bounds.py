@@ -280,3 +280,71 @@ def test_a_worker_killed_mid_compile_is_a_400_saying_so(model_dir):
         assert spec.key not in grammars._cache
     finally:
         grammars.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _enum(j: int, n: int) -> dict:
+    """A distinct schema of `n` strings: ~10 bytes of JSON and ~300 bytes of matcher each."""
+    return {"type": "json_schema", "json_schema": {"name": "e", "schema": {
+        "enum": [f"w{j}_{i:06d}" for i in range(n)]}}}
+
+
+def test_the_cache_is_charged_what_its_matchers_hold(model_dir, monkeypatch):
+    """In-process (the process holding the cache is this one): distinct large enum schemas
+    are charged what their matchers hold (~1.5 MB each, not the 4096 a reused worker's
+    resident growth gave), the charged bytes stay within CACHE_BYTES by evicting the
+    least recently used, and this process's resident size stops growing near that budget
+    (before: every schema stayed, ~2 MB of resident memory each)."""
+    from daemon.service import grammar
+    budget, n = 16 << 20, 48
+    monkeypatch.setattr(grammar, "CACHE_BYTES", budget)
+    grammars = _grammars(model_dir, timeout_s=30.0)
+
+    async def run():
+        for j in range(n):
+            await grammars.compile(grammars.spec(_enum(j, 5000)))
+            assert grammars._cache_bytes <= budget
+    try:
+        grammars.start()
+        asyncio.run(grammars.compile(grammars.spec(_enum(-1, 5000))))   # allocator warm
+        before = _rss_bytes()
+        asyncio.run(run())
+        grown = _rss_bytes() - before
+        costs = [e.cost for e in grammars._cache.values()]
+        assert all(c >= 1 << 20 for c in costs), costs
+        assert sum(costs) == grammars._cache_bytes <= budget
+        assert 4 <= len(costs) <= budget // (1 << 20) < n
+        assert grown < 3 * budget, grown                     # 48 schemas cached: ~100 MB
+    finally:
+        grammars.close()
+
+
+def test_a_large_matcher_is_used_but_not_cached_and_a_larger_one_refused(model_dir,
+                                                                          monkeypatch):
+    """A matcher above CACHE_BYTES / CACHE_ENTRY_FRACTION serves its request and is not
+    kept; one above memory_bytes / COMPILED_FRACTION is a 400 naming
+    grammar_compile_memory_bytes, before the daemon compiles it."""
+    from daemon.service import grammar
+    monkeypatch.setattr(grammar, "CACHE_BYTES", 8 << 20)       # entries up to 1 MiB
+    grammars = _grammars(model_dir, timeout_s=30.0, memory_bytes=512 << 20)
+
+    async def run():
+        spec = grammars.spec(_enum(0, 5000))                    # ~1.5 MB
+        constraint = (await grammars.compile(spec))()
+        assert constraint.mask().any()
+        assert spec.key not in grammars._cache and grammars._cache_bytes == 0
+        monkeypatch.setattr(grammar, "COMPILED_FRACTION", 256)      # up to 2 MiB
+        mark = grammars.misses
+        with pytest.raises(grammar.GrammarLimitError, match="grammar_compile_memory_bytes"):
+            await grammars.compile(grammars.spec(_enum(1, 10000)))     # ~3 MB
+        with pytest.raises(grammar.GrammarLimitError, match="grammar_compile_memory_bytes"):
+            await grammars.compile(grammars.spec(_enum(1, 10000)))     # the refusal is cached
+        assert grammars.misses == mark + 1
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
