@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import ext.models.mla  # noqa: E402
 import ext.models.model  # noqa: E402
 import ext.models.rope  # noqa: E402
 import ext.models.routing  # noqa: E402
+from daemon.machine.system import cpu_model  # noqa: E402
 from ext.kernels import _kernels  # noqa: E402
 from ext.models.model import Model  # noqa: E402
 from ext.sampling import Sampler, SamplingParams  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> None:
     out = {"model": args.model, "numerics": models[threads[0]].numerics_in_force(),
            "weights": models[threads[0]].weight_formats(), "tokens": args.tokens,
            "rounds": args.rounds, "wrapper_seconds_per_call": per_call,
-           "build_info": _kernels.build_info(), "cpu": _cpu_name(), "threads": {}}
+           "build_info": _kernels.build_info(), "cpu": cpu_model(), "threads": {}}
     for t in threads:
         tps = [row["tokens_per_second"] for row in rows[t]]
         share = [row["outside_kernels_share"] for row in rows[t]]
@@ -145,16 +145,6 @@ def main() -> None:
     for m in models.values():
         m.close()
     print(json.dumps(out, indent=2))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -59,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_quality  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
+from daemon.machine.system import cpu_model  # noqa: E402
 from ext.evaluate import (Comparison, TokenStream, check_comparable, score_window,  # noqa: E402
                           summarize, window_logprobs)
 from ext.formats.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint  # noqa: E402
@@ -189,17 +189,6 @@ def measure(under: Model, exact: Model, bf16: Model, stream: TokenStream,
         print(f"  {label}: window {i + 1}/{len(windows)} ({time.perf_counter() - t0:.0f} s)",
               file=sys.stderr, flush=True)
     return summarize(fast_scores, stream), summarize(quant_scores, stream)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
