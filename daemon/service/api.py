@@ -148,7 +148,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top
 
 
-def _clip(text: str, limit: int = 20) -> str:
+def clip(text: str, limit: int = 20) -> str:
     """`text` cut to `limit` characters (with "..." when cut), for echoing client input."""
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -167,12 +167,12 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
                 raise ValueError(key)
             token = int(key)
         except ValueError:
-            raise bad(f"'logit_bias' key {_clip(key)!r} is not a token id", "logit_bias") from None
+            raise bad(f"'logit_bias' key {clip(key)!r} is not a token id", "logit_bias") from None
         if not 0 <= token < vocab:
             raise bad(f"'logit_bias' token id {token} is not in [0, {vocab})", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad(f"'logit_bias' values must be numbers in [-100, 100], got "
-                      f"{_clip(repr(value))}", "logit_bias")
+                      f"{clip(repr(value))}", "logit_bias")
         out.append((token, float(value)))
     return tuple(sorted(out))
 
@@ -269,7 +269,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model")
     if model not in model_names:
-        raise ApiError(404, f"the model '{model}' does not exist; this daemon serves "
+        raise ApiError(404, f"the model '{clip(model, 64)}' does not exist; this daemon serves "
                             f"'{model_names[0]}'", type="invalid_request_error", param="model",
                        code="model_not_found")
     _unsupported(body, chat)
@@ -331,10 +331,15 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str) for t in prompt):
             raise bad("'prompt' as a list of several prompts is not supported: send one per "
                       "request", "prompt")
-        elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
-            at = next(i for i, t in enumerate(prompt) if not isinstance(t, int) or isinstance(t, bool))
-            raise bad(f"'prompt' token ids must be integers; item {at} is "
-                      f"{_clip(repr(prompt[at]))}", "prompt")
+        elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+            where = "prompt[0] " if ids is not prompt else ""
+            at = next((i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool)), None)
+            if at is None:
+                raise bad("'prompt' as a list of token-id lists is not supported: send the ids "
+                          "as one flat list", "prompt")
+            raise bad(f"'prompt' token ids must be integers; {where}item {at} is "
+                      f"{clip(repr(ids[at]))}", "prompt")
         else:
             raise bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
         prompt_param = "prompt"

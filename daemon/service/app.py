@@ -234,7 +234,7 @@ class HttpApp:
         loaded = self._require_ready()
         model_id = request.match_info["model_id"]
         if model_id not in loaded.model_names:
-            raise ApiError(404, f"the model '{model_id}' does not exist; this daemon serves "
+            raise ApiError(404, f"the model '{api.clip(model_id, 64)}' does not exist; this daemon serves "
                                 f"'{loaded.model_names[0]}'", param="model", code="model_not_found")
         return web.json_response(self._model_card(loaded))
 

@@ -807,6 +807,8 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
     ({"prompt": [5, 1.5]}, "prompt", "'prompt' token ids must be integers; item 1 is 1.5"),
     ({"prompt": [5, True]}, "prompt", "item 1 is True"),
     ({"prompt": ["a", "b"]}, "prompt", "several prompts"),
+    ({"prompt": [[5, 1.5]]}, "prompt", "'prompt' token ids must be integers; prompt[0] item 1 is 1.5"),
+    ({"prompt": [[5, 6]]}, "prompt", "list of token-id lists is not supported"),
     ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias",
      "'logit_bias' key '99999999999999999999...' is not a token id"),
     ({"prompt": "hi", "logit_bias": {"²": 1}}, "logit_bias", "is not a token id"),
@@ -868,3 +870,14 @@ def test_an_endless_body_after_its_413_is_not_read_on(daemon):
     assert closed is not None and closed - answered < 4, (sent_after, closed)
     assert sent_after < 512 << 20                         # not gigabytes
     assert_serving(daemon)
+
+
+def test_an_unknown_model_name_is_echoed_64_characters_at_most():
+    from daemon.service import api
+
+    with pytest.raises(api.ApiError) as e:
+        api.parse_request({"prompt": [1], "model": "m" * 5000}, chat=False, model_names=("x",),
+                          tokenizer=None, stop_ids=frozenset(), context=4096,
+                          max_tokens_cap=64, request_timeout_s=60, now=0.0)
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    assert "m" * 64 + "..." in e.value.message and len(e.value.message) < 140
