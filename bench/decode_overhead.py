@@ -1,7 +1,7 @@
 """Where a decode step's time goes: inside the kernels, and everything between them.
 
     python bench/decode_overhead.py --model DIR [--threads 1,2] [--tokens 64] [--rounds 5]
-        [--numerics exact]
+        [--numerics exact] [--busy 0]
 
 Loads the model with every expert in RAM, then decodes --tokens tokens greedily from a
 4-token prompt, round after round (one round per thread count in turn, so a busy spell
@@ -12,14 +12,21 @@ total (Python, numpy glue, routing bookkeeping, sampling). The wrappers' own cos
 measured on an empty call and subtracted from the outside share (it would not be there
 without them), and reported.
 
+`--busy N` starts N processes that spin on a core (a pure-Python busy loop) for the
+whole timed part, to show how the thread counts behave when another process wants a
+core; they are stopped at the end.
+
 Prints one JSON object: per thread count, each round's tokens/s and outside share, and
-their medians and spread; the kernels' build_info() (which SIMD path ran) and the CPU.
+their medians and spread; the kernels' build_info() (which SIMD path ran), their pool's
+counters (`pool_info()`), the CPU, and the load average before and after.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,6 +117,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="timed tokens per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
     parser.add_argument("--numerics", default="exact", choices=("exact", "fast"))
+    parser.add_argument("--busy", type=int, default=0,
+                        help="processes spinning on a core while the rounds run (default 0)")
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     timed = TimedKernels()
@@ -119,14 +128,23 @@ def main() -> None:
     models = {t: Model.load(args.model, n_threads=t, experts="resident", numerics=args.numerics)
               for t in threads}
     rows: dict[int, list[dict]] = {t: [] for t in threads}
-    for r in range(args.rounds):
-        for t in threads[r % len(threads):] + threads[:r % len(threads)]:
-            rows[t].append(one_round(models[t], args.tokens, timed, per_call))
-            print(f"round {r + 1} threads {t}: {rows[t][-1]}", file=sys.stderr)
+    load_before = os.getloadavg()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        for r in range(args.rounds):
+            for t in threads[r % len(threads):] + threads[:r % len(threads)]:
+                rows[t].append(one_round(models[t], args.tokens, timed, per_call))
+                print(f"round {r + 1} threads {t}: {rows[t][-1]}", file=sys.stderr)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
     out = {"model": args.model, "numerics": models[threads[0]].numerics_in_force(),
            "weights": models[threads[0]].weight_formats(), "tokens": args.tokens,
-           "rounds": args.rounds, "wrapper_seconds_per_call": per_call,
-           "build_info": _kernels.build_info(), "cpu": cpu_model(), "threads": {}}
+           "rounds": args.rounds, "busy": args.busy, "wrapper_seconds_per_call": per_call,
+           "build_info": _kernels.build_info(), "cpu": cpu_model(),
+           "load_average": {"before": load_before, "after": os.getloadavg()}, "threads": {}}
+    out["pool"] = _kernels.pool_info()
     for t in threads:
         tps = [row["tokens_per_second"] for row in rows[t]]
         share = [row["outside_kernels_share"] for row in rows[t]]

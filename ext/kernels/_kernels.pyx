@@ -3,11 +3,13 @@
 
 Design:
 - Each kernel is a `nogil` loop over independent outputs (rows, heads, tokens)
-  parallelised with OpenMP `prange(..., num_threads=n_threads)`. No prange body
-  holds a reduction: every output is reduced inside one iteration, in an order
-  fixed by the shapes alone (see `_kernels_impl.h`). So results are bit-identical
-  for any `n_threads`, any alignment of the weight buffer, and any batch size;
-  placement may change speed, never output.
+  run on `n_threads` threads by moed's pool (`_pool.h`, `moed_pool_run`): one item
+  function per loop (`_*_item`, its arguments in a `_*Job` struct), items claimed
+  in chunks at run time. No item holds a reduction over other items: every output
+  is reduced inside one item, in an order fixed by the shapes alone (see
+  `_kernels_impl.h`). So results are bit-identical for any `n_threads`, any
+  placement of items on threads, any alignment of the weight buffer, and any batch
+  size; placement may change speed, never output.
 - Weights may be f32, f16 or bf16 (`ml_dtypes.bfloat16`) arrays or block-quantised
   (`QuantizedWeight`, below) and stay in that format; they are dequantised on the
   fly and accumulated in f32, one fused multiply-add per product. Activations, the
@@ -96,9 +98,8 @@ Fast numerics (`fast=True` of `matmul`, `matmul_heads`, `expert_ffn`,
   gate and up, and each hidden row once for down.
 """
 cimport cython
-from cython.parallel cimport prange, threadid
 from libc.math cimport expf, sqrtf, INFINITY
-from libc.stdint cimport uint16_t, int32_t, int64_t
+from libc.stdint cimport uint16_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
@@ -106,7 +107,6 @@ import numpy as np
 cimport numpy as cnp
 
 import ml_dtypes
-import os
 
 cnp.import_array()
 
@@ -140,8 +140,41 @@ cdef extern from *:
 
 
 def openmp_enabled():
-    """True when the kernels were built with OpenMP (else `n_threads` is ignored)."""
+    """True when the kernels were built with OpenMP. The kernels' threads are moed's
+    own pool (`_pool.h`) either way; this only says what the compiler accepted."""
     return bool(moed_openmp_flag())
+
+
+cdef extern from "_pool.h" nogil:
+    ctypedef void (*moed_pool_fn)(void *ctx, Py_ssize_t item, int tid) noexcept nogil
+    void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, void *ctx)
+    int moed_pool_threaded()
+    void moed_pool_set_spin_ns(long ns)
+    long moed_pool_spin_ns()
+    int moed_pool_workers()
+    void moed_pool_stats(uint64_t *out)
+
+
+def pool_info():
+    """The compute pool: {"threaded": False if built with MOED_POOL_SERIAL (every call
+    runs on the caller), "workers": threads started so far (0 until a call asks for
+    more than one thread), "spin_ns": how long a worker spins for the next call
+    before it sleeps, and counts since the process started: "jobs" (calls run on more
+    than one thread), "chunks" (their chunks), "worker_chunks" (chunks a worker ran,
+    not the caller), "sleeps" (times a worker slept)}."""
+    cdef uint64_t st[4]
+    moed_pool_stats(st)
+    return {"threaded": bool(moed_pool_threaded()), "workers": moed_pool_workers(),
+            "spin_ns": moed_pool_spin_ns(), "jobs": st[0], "chunks": st[1],
+            "worker_chunks": st[2], "sleeps": st[3]}
+
+
+def set_pool_spin(long ns) -> None:
+    """Set how long (ns, >= 0) an idle worker spins before it sleeps. Placement only.
+    Raises ValueError for ns < 0."""
+    if ns < 0:
+        raise ValueError(f"spin must be >= 0 ns, got {ns}")
+    moed_pool_set_spin_ns(ns)
 
 
 # ---------------------------------------------------------------- validation
@@ -186,26 +219,17 @@ cdef inline void _need_threads(int n_threads) except *:
         raise ValueError(f"n_threads must be >= 1, got {n_threads}")
 
 
-# Below this many multiply-adds a call runs on one thread: waking OpenMP workers
-# costs more than it saves. Results do not depend on the thread count. Workers that
-# spin while they wait (libgomp's default) wake in about a microsecond: 64 Ki
-# multiply-adds pay. Workers that sleep (OMP_WAIT_POLICY=PASSIVE, which the `moed`
-# command sets so that idle compute threads leave the CPU to the io workers and to
-# other processes) take a futex wake each region, ~60 us on the 2-core machines this
-# was measured on: a bf16 mat-vec on 2 threads beat 1 thread from 8 Mi multiply-adds
-# (276 against 325 us) and lost at 4 Mi (155 against 117 us), so below 6 Mi one thread
-# runs it. The embedded default model decoded 636-646 tokens/s on 2 passive threads
-# against 2344-2354 on 1 before this threshold.
+# Below this many multiply-adds a call runs on one thread: handing work to the pool
+# costs more than it saves. Results do not depend on the thread count. The pool's
+# workers spin for the next call while a model decodes (see `_pool.h`), so a call pays
+# for publishing a job and for one chunk's cache lines changing core, not for a wake-up;
+# it starts the computation without waiting for anyone. POOL_MIN_PARALLEL_WORK is set
+# from bf16 mat-vecs timed on 1 and 2 threads (the pool at its default spin; see the
+# commit that set it for the figures). It was 6 Mi with libgomp's passive workers (a
+# ~60 us futex wake per region) and 64 Ki with libgomp's spinning ones.
 cdef enum:
-    SPIN_MIN_PARALLEL_WORK = 65536
-    PASSIVE_MIN_PARALLEL_WORK = 6291456      # 6 Mi
-cdef Py_ssize_t _min_parallel_work = SPIN_MIN_PARALLEL_WORK
-
-
-def _wait_policy_threshold(environ) -> int:
-    """The threshold for the OpenMP wait policy `environ` gives (see above)."""
-    passive = environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
-    return PASSIVE_MIN_PARALLEL_WORK if passive and "GOMP_SPINCOUNT" not in environ else SPIN_MIN_PARALLEL_WORK
+    POOL_MIN_PARALLEL_WORK = 65536
+cdef Py_ssize_t _min_parallel_work = POOL_MIN_PARALLEL_WORK
 
 
 def parallel_threshold() -> int:
@@ -224,9 +248,6 @@ def set_parallel_threshold(Py_ssize_t work) -> None:
 
 cdef inline int _threads_for(Py_ssize_t work, int n_threads) noexcept nogil:
     return n_threads if work >= _min_parallel_work else 1
-
-
-set_parallel_threshold(_wait_policy_threshold(os.environ))   # libgomp reads the same variables
 
 
 include "_weights.pxi"
@@ -272,15 +293,28 @@ cdef void *_qact_alloc(moed_qact *a, Py_ssize_t T, Py_ssize_t C, int paired) exc
     return buf
 
 
+ctypedef struct _QactJob:
+    const moed_qact *a
+    const float *x
+    Py_ssize_t ldx
+
+
+cdef void _qact_item(void *ctx, Py_ssize_t t, int tid) noexcept nogil:
+    cdef _QactJob *j = <_QactJob *>ctx
+    moed_qact_row(j.a, t, j.x + t * j.ldx)
+
+
 cdef void _qact_rows(const moed_qact *a, const float *x, Py_ssize_t ldx, Py_ssize_t T,
                      int n_threads) noexcept nogil:
     """Quantise rows x[t * ldx] (t < T) into a, rows split between the threads."""
-    cdef Py_ssize_t t
+    cdef _QactJob j
     if T == 1:
         moed_qact_row(a, 0, x)
         return
-    for t in prange(T, num_threads=_threads_for(T * a.cols * 16, n_threads), schedule="static"):
-        moed_qact_row(a, t, x + t * ldx)
+    j.a = a
+    j.x = x
+    j.ldx = ldx
+    moed_pool_run(_threads_for(T * a.cols * 16, n_threads), T, _qact_item, &j)
 
 
 def quantize_activations(cnp.ndarray x, cnp.ndarray q1, cnp.ndarray q2, cnp.ndarray d,
@@ -350,23 +384,57 @@ cdef inline void _matmul_rows(const moed_weight *w, const float *x, Py_ssize_t T
     moed_w_matmul_rows(w, r0, nr, x, T, out + r0, w.rows, simd)
 
 
+ctypedef struct _MatmulJob:
+    # one row group (MOED_ROWS rows) of w per item
+    const moed_weight *w
+    const float *x           # [T, C], or NULL with a
+    const moed_qact *a       # the fast mode's quantised x
+    Py_ssize_t T
+    float *out               # [T, R]; dequantize: [R, C]
+    int simd
+
+
+cdef void _matmul_item(void *ctx, Py_ssize_t g, int tid) noexcept nogil:
+    cdef _MatmulJob *j = <_MatmulJob *>ctx
+    _matmul_rows(j.w, j.x, j.T, j.out, g, j.simd)
+
+
+cdef void _matmul_fast_item(void *ctx, Py_ssize_t g, int tid) noexcept nogil:
+    cdef _MatmulJob *j = <_MatmulJob *>ctx
+    cdef Py_ssize_t r0 = g * MOED_ROWS
+    cdef int nr = <int>(j.w.rows - r0) if j.w.rows - r0 < MOED_ROWS else MOED_ROWS
+    moed_imatmul_rows(j.w, r0, nr, j.a, 0, j.T, j.out + r0, j.w.rows, j.simd)
+
+
+cdef void _dequant_item(void *ctx, Py_ssize_t g, int tid) noexcept nogil:
+    cdef _MatmulJob *j = <_MatmulJob *>ctx
+    cdef Py_ssize_t r0 = g * MOED_ROWS
+    cdef int nr = <int>(j.w.rows - r0) if j.w.rows - r0 < MOED_ROWS else MOED_ROWS
+    moed_w_dequant_rows(j.w, r0, nr, j.out + r0 * j.w.cols, j.w.cols)
+
+
 cdef void _matmul(const moed_weight *w, const float *x, Py_ssize_t T, float *out,
                   int n_threads, int simd) noexcept nogil:
-    cdef Py_ssize_t g
-    for g in prange((w.rows + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
-                    schedule="static"):
-        _matmul_rows(w, x, T, out, g, simd)
+    cdef _MatmulJob j
+    j.w = w
+    j.x = x
+    j.a = NULL
+    j.T = T
+    j.out = out
+    j.simd = simd
+    moed_pool_run(n_threads, (w.rows + MOED_ROWS - 1) // MOED_ROWS, _matmul_item, &j)
 
 
 cdef void _matmul_fast(const moed_weight *w, const moed_qact *a, Py_ssize_t T, float *out,
                        int n_threads, int simd) noexcept nogil:
-    cdef Py_ssize_t g, r0
-    cdef int nr
-    for g in prange((w.rows + MOED_ROWS - 1) // MOED_ROWS, num_threads=n_threads,
-                    schedule="static"):
-        r0 = g * MOED_ROWS
-        nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
-        moed_imatmul_rows(w, r0, nr, a, 0, T, out + r0, w.rows, simd)
+    cdef _MatmulJob j
+    j.w = w
+    j.x = NULL
+    j.a = a
+    j.T = T
+    j.out = out
+    j.simd = simd
+    moed_pool_run(n_threads, (w.rows + MOED_ROWS - 1) // MOED_ROWS, _matmul_fast_item, &j)
 
 
 cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, int simd,
@@ -443,14 +511,12 @@ def dequantize(object w, cnp.ndarray out=None, int n_threads=1):
     _need_writable(out, "out")
     if out.shape[0] != d.rows or out.shape[1] != d.cols:
         raise ValueError(f"out: shape {_shape(out)}, expected {(d.rows, d.cols)}")
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t g, r0
-    cdef int nr
-    for g in prange((d.rows + MOED_ROWS - 1) // MOED_ROWS, nogil=True, schedule="static",
-                    num_threads=_threads_for(d.rows * d.cols, n_threads)):
-        r0 = g * MOED_ROWS
-        nr = <int>(d.rows - r0) if d.rows - r0 < MOED_ROWS else MOED_ROWS
-        moed_w_dequant_rows(&d, r0, nr, op + r0 * d.cols, d.cols)
+    cdef _MatmulJob j
+    j.w = &d
+    j.out = <float *>cnp.PyArray_DATA(out)
+    with nogil:
+        moed_pool_run(_threads_for(d.rows * d.cols, n_threads),
+                      (d.rows + MOED_ROWS - 1) // MOED_ROWS, _dequant_item, &j)
     return out
 
 
@@ -508,6 +574,38 @@ cdef void _head_rows_fast(const moed_weight *w, Py_ssize_t r0, Py_ssize_t nr, co
             out[t * out_stride + q] = o[q]
 
 
+ctypedef struct _HeadsJob:
+    const moed_weight *w
+    const float *x
+    const moed_qact *a
+    float *out
+    Py_ssize_t T, NH, G, C, row0, rows, ngroups
+
+
+cdef void _heads_fast_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    """Row group f % ngroups of head f // ngroups, fast mode."""
+    cdef _HeadsJob *j = <_HeadsJob *>ctx
+    cdef Py_ssize_t h = f // j.ngroups, g = f % j.ngroups
+    _head_rows_fast(j.w, h * j.G + j.row0 + g * MOED_ROWS, j.rows - g * MOED_ROWS, j.a, h,
+                    j.NH, j.T, j.out + h * j.rows + g * MOED_ROWS, j.NH * j.rows)
+
+
+cdef void _heads_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    """Row group f % ngroups of head f // ngroups."""
+    cdef _HeadsJob *j = <_HeadsJob *>ctx
+    cdef Py_ssize_t h = f // j.ngroups, g = f % j.ngroups
+    _head_rows(j.w, h * j.G + j.row0 + g * MOED_ROWS, j.rows - g * MOED_ROWS, j.x + h * j.C,
+               j.NH * j.C, j.T, j.out + h * j.rows + g * MOED_ROWS, j.NH * j.rows, 1)
+
+
+cdef void _heads_t_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    """Head f % NH of token f // NH, transposed."""
+    cdef _HeadsJob *j = <_HeadsJob *>ctx
+    cdef Py_ssize_t h = f % j.NH, t = f // j.NH
+    _head_rows_t(j.w, h * j.G + j.row0, j.rows, j.x + (t * j.NH + h) * j.rows,
+                 j.out + (t * j.NH + h) * j.C)
+
+
 def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
                  cnp.ndarray out, bint transpose, int n_threads=1, bint fast=False):
     """Per-head products with one row block of each head's rows of a weight.
@@ -545,37 +643,31 @@ def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
     if x.shape[2] != cin or out.shape[0] != T or out.shape[1] != NH or out.shape[2] != cout:
         raise ValueError(f"matmul_heads: w {(R, C)}, x {_shape(x)}, out {_shape(out)}, "
                          f"rows {rows}, transpose {bool(transpose)}")
-    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t ngroups = (rows + MOED_ROWS - 1) // MOED_ROWS
-    cdef Py_ssize_t f, h, g, t
+    cdef _HeadsJob j
+    j.w = &d
+    j.x = <const float *>cnp.PyArray_DATA(x)
+    j.a = NULL
+    j.out = <float *>cnp.PyArray_DATA(out)
+    j.T, j.NH, j.G, j.C, j.row0, j.rows = T, NH, G, C, row0, rows
+    j.ngroups = (rows + MOED_ROWS - 1) // MOED_ROWS
     n_threads = _threads_for(T * NH * rows * C, n_threads)
     cdef moed_qact a
     cdef void *buf
     if fast and not transpose and moed_fast_applies(&d) and T > 0:
         buf = _qact_alloc(&a, T * NH, C, moed_fast_paired(d.fmt))
+        j.a = &a
         try:
             with nogil:
-                _qact_rows(&a, xp, C, T * NH, n_threads)
-                for f in prange(NH * ngroups, num_threads=n_threads, schedule="static"):
-                    h = f // ngroups
-                    g = f % ngroups
-                    _head_rows_fast(&d, h * G + row0 + g * MOED_ROWS, rows - g * MOED_ROWS, &a, h,
-                                    NH, T, op + h * rows + g * MOED_ROWS, NH * rows)
+                _qact_rows(&a, j.x, C, T * NH, n_threads)
+                moed_pool_run(n_threads, NH * j.ngroups, _heads_fast_item, &j)
         finally:
             free(buf)
     elif not transpose:
-        for f in prange(NH * ngroups, nogil=True, num_threads=n_threads, schedule="static"):
-            h = f // ngroups
-            g = f % ngroups
-            _head_rows(&d, h * G + row0 + g * MOED_ROWS, rows - g * MOED_ROWS, xp + h * C,
-                       NH * C, T, op + h * rows + g * MOED_ROWS, NH * rows, 1)
+        with nogil:
+            moed_pool_run(n_threads, NH * j.ngroups, _heads_item, &j)
     else:
-        for f in prange(NH * T, nogil=True, num_threads=n_threads, schedule="static"):
-            h = f % NH
-            t = f // NH
-            _head_rows_t(&d, h * G + row0, rows, xp + (t * NH + h) * rows,
-                         op + (t * NH + h) * C)
+        with nogil:
+            moed_pool_run(n_threads, NH * T, _heads_t_item, &j)
 
 
 def dequantize_rows(object w, cnp.ndarray ids, cnp.ndarray out):
@@ -609,6 +701,24 @@ def dequantize_rows(object w, cnp.ndarray ids, cnp.ndarray out):
 
 # ------------------------------------------------------------------ rmsnorm
 
+ctypedef struct _NormJob:
+    const float *x
+    const float *w
+    float *out
+    Py_ssize_t H
+    float eps
+
+
+cdef void _rmsnorm_item(void *ctx, Py_ssize_t t, int tid) noexcept nogil:
+    cdef _NormJob *j = <_NormJob *>ctx
+    cdef Py_ssize_t H = j.H, i
+    cdef const float *x = j.x + t * H
+    cdef float ss = moed_dot(MOED_F32, x, x, H)
+    cdef float r = 1.0 / sqrtf(ss / H + j.eps)
+    for i in range(H):
+        j.out[t * H + i] = j.w[i] * (x[i] * r)
+
+
 def rmsnorm(cnp.ndarray x, cnp.ndarray weight, float eps, cnp.ndarray out,
             int n_threads=1):
     """out = weight * (x / sqrt(mean(x**2) + eps)) row by row.
@@ -627,17 +737,14 @@ def rmsnorm(cnp.ndarray x, cnp.ndarray weight, float eps, cnp.ndarray out,
     cdef Py_ssize_t T = x.shape[0], H = x.shape[1]
     if weight.shape[0] != H or out.shape[0] != T or out.shape[1] != H:
         raise ValueError(f"rmsnorm: x {_shape(x)}, weight {_shape(weight)}, out {_shape(out)}")
-    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
-    cdef const float *wp = <const float *>cnp.PyArray_DATA(weight)
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t t, j
-    cdef float ss, r
-    n_threads = _threads_for(T * H * 8, n_threads)
-    for t in prange(T, nogil=True, num_threads=n_threads, schedule="static"):
-        ss = moed_dot(MOED_F32, xp + t * H, xp + t * H, H)
-        r = 1.0 / sqrtf(ss / H + eps)
-        for j in range(H):
-            op[t * H + j] = wp[j] * (xp[t * H + j] * r)
+    cdef _NormJob j
+    j.x = <const float *>cnp.PyArray_DATA(x)
+    j.w = <const float *>cnp.PyArray_DATA(weight)
+    j.out = <float *>cnp.PyArray_DATA(out)
+    j.H = H
+    j.eps = eps
+    with nogil:
+        moed_pool_run(_threads_for(T * H * 8, n_threads), T, _rmsnorm_item, &j)
 
 
 # --------------------------------------------------------------------- rope
@@ -734,6 +841,36 @@ cdef void _attend_one(const float *q, const float *k, Py_ssize_t ks, const float
         moed_axpy(p, v + s * vs, out, Dv)
 
 
+ctypedef struct _AttnJob:
+    # one (token, head) pair per item: f = t * NH + h
+    const float *q
+    const float *k
+    const float *v
+    const float *sinks       # or NULL
+    float *out
+    float *scratch           # [n_threads, sstride]: row tid is the running thread's
+    Py_ssize_t NH, group, S, Dk, Dv, pos0, window, sstride
+    float scale
+
+
+cdef void _attention_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _AttnJob *j = <_AttnJob *>ctx
+    cdef Py_ssize_t D = j.Dk, t = f // j.NH, h = f % j.NH
+    cdef Py_ssize_t kvh = h // j.group, p = j.pos0 + t, lo = 0
+    if j.window > 0 and p - j.window + 1 > 0:
+        lo = p - j.window + 1
+    _attend_one(j.q + f * D, j.k + kvh * j.S * D, D, j.v + kvh * j.S * D, D, D, D, lo, p + 1,
+                j.scale, (j.sinks + h) if j.sinks != NULL else NULL,
+                j.scratch + tid * j.sstride, j.out + f * D)
+
+
+cdef void _latent_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _AttnJob *j = <_AttnJob *>ctx
+    cdef Py_ssize_t t = f // j.NH
+    _attend_one(j.q + f * j.Dk, j.k, j.Dk, j.k, j.Dk, j.Dk, j.Dv, 0, j.pos0 + t + 1, j.scale,
+                NULL, j.scratch + tid * j.sstride, j.out + f * j.Dv)
+
+
 cdef inline void _need_scratch(cnp.ndarray scratch, int n_threads, Py_ssize_t S) except *:
     _need_f32(scratch, "scratch", 2)
     _need_writable(scratch, "scratch")
@@ -787,26 +924,19 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
         if sinks.shape[0] != NH:
             raise ValueError(f"sinks: shape {_shape(sinks)}, expected ({NH},)")
         sinkp = <const float *>cnp.PyArray_DATA(sinks)
-    cdef const float *qp = <const float *>cnp.PyArray_DATA(q)
-    cdef const float *kp = <const float *>cnp.PyArray_DATA(k_cache)
-    cdef const float *vp = <const float *>cnp.PyArray_DATA(v_cache)
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef float *sp = <float *>cnp.PyArray_DATA(scratch)
-    cdef Py_ssize_t sstride = scratch.shape[1]
-    cdef Py_ssize_t group = NH // NKV
-    cdef Py_ssize_t f, t, h, kvh, p, lo
-    n_threads = _threads_for(T * NH * (pos0 + T) * D * 2, n_threads)
-    for f in prange(T * NH, nogil=True, num_threads=n_threads, schedule="static"):
-        t = f // NH
-        h = f % NH
-        kvh = h // group
-        p = pos0 + t
-        lo = 0
-        if window > 0 and p - window + 1 > 0:
-            lo = p - window + 1
-        _attend_one(qp + f * D, kp + kvh * S * D, D, vp + kvh * S * D, D, D, D, lo, p + 1,
-                    scale, (sinkp + h) if sinkp != NULL else NULL,
-                    sp + threadid() * sstride, op + f * D)
+    cdef _AttnJob j
+    j.q = <const float *>cnp.PyArray_DATA(q)
+    j.k = <const float *>cnp.PyArray_DATA(k_cache)
+    j.v = <const float *>cnp.PyArray_DATA(v_cache)
+    j.sinks = sinkp
+    j.out = <float *>cnp.PyArray_DATA(out)
+    j.scratch = <float *>cnp.PyArray_DATA(scratch)
+    j.NH, j.group, j.S, j.Dk, j.Dv, j.pos0, j.window = NH, NH // NKV, S, D, D, pos0, window
+    j.sstride = scratch.shape[1]
+    j.scale = scale
+    with nogil:
+        moed_pool_run(_threads_for(T * NH * (pos0 + T) * D * 2, n_threads), T * NH,
+                      _attention_item, &j)
 
 
 def latent_attention(cnp.ndarray q, cnp.ndarray cache, Py_ssize_t pos0, float scale,
@@ -841,17 +971,18 @@ def latent_attention(cnp.ndarray q, cnp.ndarray cache, Py_ssize_t pos0, float sc
     if pos0 < 0 or pos0 + T > S:
         raise ValueError(f"latent_attention: positions {pos0}..{pos0 + T} exceed cache {S}")
     _need_scratch(scratch, n_threads, S)
-    cdef const float *qp = <const float *>cnp.PyArray_DATA(q)
-    cdef const float *cp = <const float *>cnp.PyArray_DATA(cache)
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef float *sp = <float *>cnp.PyArray_DATA(scratch)
-    cdef Py_ssize_t sstride = scratch.shape[1]
-    cdef Py_ssize_t f, t
-    n_threads = _threads_for(T * NH * (pos0 + T) * (Dk + Dv), n_threads)
-    for f in prange(T * NH, nogil=True, num_threads=n_threads, schedule="static"):
-        t = f // NH
-        _attend_one(qp + f * Dk, cp, Dk, cp, Dk, Dk, Dv, 0, pos0 + t + 1, scale, NULL,
-                    sp + threadid() * sstride, op + f * Dv)
+    cdef _AttnJob j
+    j.q = <const float *>cnp.PyArray_DATA(q)
+    j.k = j.v = <const float *>cnp.PyArray_DATA(cache)
+    j.sinks = NULL
+    j.out = <float *>cnp.PyArray_DATA(out)
+    j.scratch = <float *>cnp.PyArray_DATA(scratch)
+    j.NH, j.group, j.S, j.Dk, j.Dv, j.pos0, j.window = NH, 1, S, Dk, Dv, pos0, 0
+    j.sstride = scratch.shape[1]
+    j.scale = scale
+    with nogil:
+        moed_pool_run(_threads_for(T * NH * (pos0 + T) * (Dk + Dv), n_threads), T * NH,
+                      _latent_item, &j)
 
 
 # ------------------------------------------------------------------ routing
@@ -1118,6 +1249,88 @@ cdef void _down_rows_fast(const moed_weight *w, Py_ssize_t g, const moed_qact *a
     moed_imatmul_rows(w, r0, nr, a, t0, n, out + r0, w.rows, 1)
 
 
+ctypedef struct _FfnJob:
+    # expert_ffn / expert_ffn_fused. Item f of the first projection is row (or column)
+    # group f % G1 of expert f // G1; of the second, group f % G2 of expert f // G2.
+    const moed_weight *wg    # gates (expert_ffn) or gate_ups (fused), K of them
+    const moed_weight *wu    # ups (expert_ffn) or NULL
+    const moed_weight *wdn   # downs
+    const int64_t *gs        # group_start [K + 1]
+    const float *x           # [N, H]
+    const moed_qact *ax      # fast mode: x quantised
+    const moed_qact *ah      # fast mode: hbuf quantised
+    const float *b1          # fused: gate_up_bias [K, 2I]
+    const float *b2          # fused: down_bias [K, H]
+    float *h                 # hbuf [N, I]
+    float *out               # [N, H]
+    Py_ssize_t hidden, inter, G1, G2   # H, I (`I` is a macro of complex.h)
+    float alpha, limit
+    bint transposed
+
+
+cdef void _ffn_gate_up_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G1, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0:
+        _gate_up_rows(j.wg + k, j.wu + k, f % j.G1, j.x + row0 * j.hidden, n, j.h + row0 * j.inter)
+
+
+cdef void _ffn_gate_up_fast_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G1, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0:
+        _gate_up_rows_fast(j.wg + k, j.wu + k, f % j.G1, j.ax, row0, n, j.h + row0 * j.inter)
+
+
+cdef void _ffn_down_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G2, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0:
+        _matmul_rows(j.wdn + k, j.h + row0 * j.inter, n, j.out + row0 * j.hidden, f % j.G2, 1)
+
+
+cdef void _ffn_down_fast_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G2, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0:
+        _down_rows_fast(j.wdn + k, f % j.G2, j.ah, row0, n, j.out + row0 * j.hidden)
+
+
+cdef void _fused_gate_up_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G1, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0 and j.transposed:
+        _fused_gate_up_cols(j.wg + k, j.b1 + k * 2 * j.inter, f % j.G1, j.x + row0 * j.hidden, n,
+                            j.h + row0 * j.inter, j.alpha, j.limit)
+    elif n > 0:
+        _fused_gate_up_rows(j.wg + k, j.b1 + k * 2 * j.inter, f % j.G1, j.x + row0 * j.hidden, n,
+                            j.h + row0 * j.inter, j.alpha, j.limit)
+
+
+cdef void _fused_gate_up_fast_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G1, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0:
+        _fused_gate_up_rows_fast(j.wg + k, j.b1 + k * 2 * j.inter, f % j.G1, j.ax, row0, n,
+                                 j.h + row0 * j.inter, j.alpha, j.limit)
+
+
+cdef void _fused_down_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G2, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0 and j.transposed:
+        _down_cols(j.wdn + k, j.b2 + k * j.hidden, f % j.G2, j.h + row0 * j.inter, n, j.out + row0 * j.hidden)
+    elif n > 0:
+        _down_rows(j.wdn + k, j.b2 + k * j.hidden, f % j.G2, j.h + row0 * j.inter, n, j.out + row0 * j.hidden)
+
+
+cdef void _fused_down_fast_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
+    cdef _FfnJob *j = <_FfnJob *>ctx
+    cdef Py_ssize_t k = f // j.G2, row0 = j.gs[k], n = j.gs[k + 1] - row0
+    if n > 0:
+        _down_rows_fast_bias(j.wdn + k, j.b2 + k * j.hidden, f % j.G2, j.ah, row0, n, j.out + row0 * j.hidden)
+
+
 cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray group_start,
                            cnp.ndarray hbuf, cnp.ndarray out, int n_threads) except -1:
     """Check an expert FFN's token rows, groups and buffers; 1 when there is nothing to
@@ -1182,8 +1395,9 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t f, n, row0, I, GI, GH
+    cdef Py_ssize_t I
     cdef int k
+    cdef _FfnJob j
     cdef moed_qact ax, ah
     cdef void *bx = NULL
     cdef void *bh = NULL
@@ -1201,41 +1415,27 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
             _check_expert(wg + k, wg, f"gates[{k}]", I, H)
             _check_expert(wu + k, wg, f"ups[{k}]", I, H)
             _check_expert(wdn + k, wg, f"downs[{k}]", H, I)
-        GI = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
-        GH = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
+        j.wg, j.wu, j.wdn, j.gs, j.x, j.h, j.out = wg, wu, wdn, &gs[0], xp, hp, op
+        j.ax = j.ah = NULL
+        j.b1 = j.b2 = NULL
+        j.hidden, j.inter = H, I
+        j.G1 = (I + MOED_ROWS - 1) // MOED_ROWS  # row groups of gate/up
+        j.G2 = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
+        j.transposed = False
         n_threads = _threads_for(3 * N * H * I, n_threads)
         if fast and moed_fast_applies(wg) and N > 0:
             bx = _qact_alloc(&ax, N, H, moed_fast_paired(wg.fmt))
             bh = _qact_alloc(&ah, N, I, moed_fast_paired(wg.fmt))
+            j.ax, j.ah = &ax, &ah
             with nogil:
                 _qact_rows(&ax, xp, H, N, n_threads)
-                for f in prange(K * GI, num_threads=n_threads, schedule="static"):
-                    k = <int>(f // GI)
-                    row0 = gs[k]
-                    n = gs[k + 1] - row0
-                    if n > 0:
-                        _gate_up_rows_fast(wg + k, wu + k, f % GI, &ax, row0, n, hp + row0 * I)
+                moed_pool_run(n_threads, K * j.G1, _ffn_gate_up_fast_item, &j)
                 _qact_rows(&ah, hp, I, N, n_threads)
-                for f in prange(K * GH, num_threads=n_threads, schedule="static"):
-                    k = <int>(f // GH)
-                    row0 = gs[k]
-                    n = gs[k + 1] - row0
-                    if n > 0:
-                        _down_rows_fast(wdn + k, f % GH, &ah, row0, n, op + row0 * H)
+                moed_pool_run(n_threads, K * j.G2, _ffn_down_fast_item, &j)
             return
         with nogil:
-            for f in prange(K * GI, num_threads=n_threads, schedule="static"):
-                k = <int>(f // GI)
-                row0 = gs[k]
-                n = gs[k + 1] - row0
-                if n > 0:
-                    _gate_up_rows(wg + k, wu + k, f % GI, xp + row0 * H, n, hp + row0 * I)
-            for f in prange(K * GH, num_threads=n_threads, schedule="static"):
-                k = <int>(f // GH)
-                row0 = gs[k]
-                n = gs[k + 1] - row0
-                if n > 0:
-                    _matmul_rows(wdn + k, hp + row0 * I, n, op + row0 * H, f % GH, 1)
+            moed_pool_run(n_threads, K * j.G1, _ffn_gate_up_item, &j)
+            moed_pool_run(n_threads, K * j.G2, _ffn_down_item, &j)
     finally:
         free(wd)
         free(bx)
@@ -1405,8 +1605,9 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
     cdef const float *b2 = <const float *>cnp.PyArray_DATA(down_bias)
     cdef float *hp = <float *>cnp.PyArray_DATA(hbuf)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t f, n, row0, I, G1, G2
+    cdef Py_ssize_t I
     cdef int k
+    cdef _FfnJob j
     cdef moed_qact ax, ah
     cdef void *bx = NULL
     cdef void *bh = NULL
@@ -1432,52 +1633,32 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
             else:
                 _check_expert(wg + k, wg, f"gate_ups[{k}]", 2 * I, H)
                 _check_expert(wdn + k, wg, f"downs[{k}]", H, I)
+        j.wg, j.wu, j.wdn, j.gs, j.x, j.h, j.out = wg, NULL, wdn, &gs[0], xp, hp, op
+        j.ax = j.ah = NULL
+        j.b1, j.b2 = b1, b2
+        j.hidden, j.inter = H, I
+        j.alpha, j.limit = alpha, limit
+        j.transposed = transposed
         if transposed:
-            G1 = (2 * I + FUSED_COLUMNS - 1) // FUSED_COLUMNS
-            G2 = (H + FUSED_COLUMNS - 1) // FUSED_COLUMNS
+            j.G1 = (2 * I + FUSED_COLUMNS - 1) // FUSED_COLUMNS
+            j.G2 = (H + FUSED_COLUMNS - 1) // FUSED_COLUMNS
         else:
-            G1 = (2 * I + MOED_ROWS - 1) // MOED_ROWS
-            G2 = (H + MOED_ROWS - 1) // MOED_ROWS
+            j.G1 = (2 * I + MOED_ROWS - 1) // MOED_ROWS
+            j.G2 = (H + MOED_ROWS - 1) // MOED_ROWS
         n_threads = _threads_for(3 * N * H * I, n_threads)
         if fast and not transposed and moed_fast_applies(wg) and N > 0:
             bx = _qact_alloc(&ax, N, H, moed_fast_paired(wg.fmt))
             bh = _qact_alloc(&ah, N, I, moed_fast_paired(wg.fmt))
+            j.ax, j.ah = &ax, &ah
             with nogil:
                 _qact_rows(&ax, xp, H, N, n_threads)
-                for f in prange(K * G1, num_threads=n_threads, schedule="static"):
-                    k = <int>(f // G1)
-                    row0 = gs[k]
-                    n = gs[k + 1] - row0
-                    if n > 0:
-                        _fused_gate_up_rows_fast(wg + k, b1 + k * 2 * I, f % G1, &ax, row0, n,
-                                                 hp + row0 * I, alpha, limit)
+                moed_pool_run(n_threads, K * j.G1, _fused_gate_up_fast_item, &j)
                 _qact_rows(&ah, hp, I, N, n_threads)
-                for f in prange(K * G2, num_threads=n_threads, schedule="static"):
-                    k = <int>(f // G2)
-                    row0 = gs[k]
-                    n = gs[k + 1] - row0
-                    if n > 0:
-                        _down_rows_fast_bias(wdn + k, b2 + k * H, f % G2, &ah, row0, n, op + row0 * H)
+                moed_pool_run(n_threads, K * j.G2, _fused_down_fast_item, &j)
             return
         with nogil:
-            for f in prange(K * G1, num_threads=n_threads, schedule="static"):
-                k = <int>(f // G1)
-                row0 = gs[k]
-                n = gs[k + 1] - row0
-                if n > 0 and transposed:
-                    _fused_gate_up_cols(wg + k, b1 + k * 2 * I, f % G1, xp + row0 * H, n,
-                                        hp + row0 * I, alpha, limit)
-                elif n > 0:
-                    _fused_gate_up_rows(wg + k, b1 + k * 2 * I, f % G1, xp + row0 * H, n,
-                                        hp + row0 * I, alpha, limit)
-            for f in prange(K * G2, num_threads=n_threads, schedule="static"):
-                k = <int>(f // G2)
-                row0 = gs[k]
-                n = gs[k + 1] - row0
-                if n > 0 and transposed:
-                    _down_cols(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
-                elif n > 0:
-                    _down_rows(wdn + k, b2 + k * H, f % G2, hp + row0 * I, n, op + row0 * H)
+            moed_pool_run(n_threads, K * j.G1, _fused_gate_up_item, &j)
+            moed_pool_run(n_threads, K * j.G2, _fused_down_item, &j)
     finally:
         free(wd)
         free(bx)
