@@ -1,11 +1,13 @@
 """Build the Cython kernels in ext/kernels/.
 
-OpenMP is used when the compiler accepts ``-fopenmp``; otherwise the kernels build
-sequentially (prange degrades to a plain loop). By default the code is compiled for
+The kernels' threads are moed's own pool (``ext/kernels/_pool.h``, pthreads); OpenMP is
+still passed when the compiler accepts ``-fopenmp`` (``build_info()["openmp"]``) but
+no kernel needs it, and ``MOED_OPENMP=0`` leaves it out. ``MOED_EXTRA_CFLAGS=
+-DMOED_POOL_SERIAL`` builds kernels that run every call on the calling thread. By default the code is compiled for
 the machine it is installed on (``-march=native``); set ``MOED_PORTABLE=1`` for a
 build that runs on any CPU of the architecture. ``MOED_EXTRA_CFLAGS`` is appended to
 the compiler flags (e.g. ``-mno-avx512f`` builds the AVX2 path on an AVX-512 machine,
-as the tests do). ``MOED_OPENMP=0`` forces the sequential build. ``MOED_DEBUG=1`` turns on Cython's bounds and wraparound checks.
+as the tests do). ``MOED_DEBUG=1`` turns on Cython's bounds and wraparound checks.
 """
 import os
 import shutil
@@ -39,12 +41,12 @@ elif _compiler_accepts(["-march=native"]):
     compile_args.append("-march=native")
 compile_args += os.environ.get("MOED_EXTRA_CFLAGS", "").split()
 if os.environ.get("MOED_OPENMP", "1") == "0":
-    print("moed: MOED_OPENMP=0; building sequential kernels", file=sys.stderr)
+    print("moed: MOED_OPENMP=0; building without OpenMP", file=sys.stderr)
 elif _compiler_accepts(["-fopenmp"]):
     compile_args.append("-fopenmp")
     link_args.append("-fopenmp")
 else:
-    print("moed: compiler lacks OpenMP; building sequential kernels", file=sys.stderr)
+    print("moed: compiler lacks OpenMP; building without it", file=sys.stderr)
 
 debug = os.environ.get("MOED_DEBUG", "") not in ("", "0")
 directives = {

@@ -29,9 +29,9 @@ from typing import NamedTuple
 # experts fell from ~150 to ~5 tokens/s (moed generate, demo model, 4.7 MiB cache, a
 # second process loading the CPU), and passive waiting kept it at 137-156. Set before
 # libgomp loads (the kernels import it lazily, and only a running command imports the
-# kernels); OMP_WAIT_POLICY=ACTIVE overrides. A passive worker takes ~60 us to wake, so
-# the kernels then run calls of fewer than 6 Mi multiply-adds on one thread
-# (ext/kernels/_kernels.pyx, parallel_threshold).
+# kernels); OMP_WAIT_POLICY=ACTIVE overrides. The kernels' own threads are moed's pool
+# (ext/kernels/_pool.h), which spins a bounded 50 us and then sleeps whatever this says;
+# it stays for any OpenMP code a library loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from daemon.commands.args import (Parents, UsageError, configure_logging, parents,  # noqa: E402

@@ -161,12 +161,13 @@ def pool_info():
     more than one thread), "spin_ns": how long a worker spins for the next call
     before it sleeps, and counts since the process started: "jobs" (calls run on more
     than one thread), "chunks" (their chunks), "worker_chunks" (chunks a worker ran,
-    not the caller), "sleeps" (times a worker slept)}."""
-    cdef uint64_t st[4]
+    not the caller), "sleeps" (times a worker slept), "stalls" (times the caller
+    waited long for a worker that had lost its core, and ran the next calls alone)}."""
+    cdef uint64_t st[5]
     moed_pool_stats(st)
     return {"threaded": bool(moed_pool_threaded()), "workers": moed_pool_workers(),
             "spin_ns": moed_pool_spin_ns(), "jobs": st[0], "chunks": st[1],
-            "worker_chunks": st[2], "sleeps": st[3]}
+            "worker_chunks": st[2], "sleeps": st[3], "stalls": st[4]}
 
 
 def set_pool_spin(long ns) -> None:

@@ -45,7 +45,7 @@ static int moed_pool_threaded(void) { return 0; }
 static void moed_pool_set_spin_ns(long ns) { (void)ns; }
 static long moed_pool_spin_ns(void) { return 0; }
 static int moed_pool_workers(void) { return 0; }
-static void moed_pool_stats(uint64_t *out) { out[0] = out[1] = out[2] = out[3] = 0; }
+static void moed_pool_stats(uint64_t *out) { out[0] = out[1] = out[2] = out[3] = out[4] = 0; }
 static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, void *ctx)
 {
     (void)n_threads;
@@ -77,6 +77,16 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
 
 #define MOED_POOL_MAX_WORKERS 255
 #define MOED_POOL_YIELD_NS 20000
+/* A stall: the caller, done with its own chunks, waited more than MOED_POOL_STALL_NS
+   and longer than it took to run them, for a chunk a worker holds (a worker that lost
+   its core to another process mid-chunk; the wait is up to the kernel's time slice).
+   After a stall the pool runs the next `backoff` jobs on the caller alone (backoff
+   doubles with each stall from MOED_POOL_BACKOFF_MIN up to MOED_POOL_BACKOFF_MAX jobs,
+   and halves with each job that does not stall), so a loaded machine costs about what
+   one thread costs. */
+#define MOED_POOL_STALL_NS 50000
+#define MOED_POOL_BACKOFF_MIN 16
+#define MOED_POOL_BACKOFF_MAX 4096
 
 /* Chunks per thread: enough that a late or descheduled thread's share is taken by the
    others, few enough that claiming (one compare-and-swap each) stays out of sight. */
@@ -89,19 +99,25 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
 #define MOED_POOL_IDX(w) ((uint32_t)(w))
 
 typedef struct {
-    _Alignas(64) _Atomic uint64_t word;    /* seq << 32 | next chunk */
-    _Atomic uint32_t seq;                  /* futex word: the latest job's seq */
+    /* Written when a job is published, read by spinning workers. */
+    _Alignas(64) _Atomic uint32_t seq;     /* futex word: the latest job's seq */
+    _Atomic int stop;
     _Atomic(moed_pool_fn) fn;
     _Atomic(void *) ctx;
     _Atomic Py_ssize_t n_items;
     _Atomic Py_ssize_t grain;              /* items per chunk */
     _Atomic int n_helpers;                 /* workers with index < this join the job */
-    _Alignas(64) _Atomic uint32_t done;    /* chunks finished by workers */
-    _Alignas(64) _Atomic int sleepers;
-    _Atomic int stop;
-    _Atomic int busy;                      /* a caller owns the pool */
+    /* Claims (caller and workers). */
+    _Alignas(64) _Atomic uint64_t word;    /* seq << 32 | next chunk */
+    /* Written by workers. */
+    _Alignas(64) _Atomic uint32_t done;    /* chunks of the job finished by workers */
+    _Atomic int sleepers;
+    _Atomic uint64_t stat_worker_chunks, stat_sleeps;
+    /* The caller's (the owner of `busy`). */
+    _Alignas(64) _Atomic int busy;
+    int solo_left, backoff;                /* see MOED_POOL_STALL_NS */
+    _Atomic uint64_t stat_jobs, stat_chunks, stat_stalls;
     _Atomic long spin_ns;
-    _Atomic uint64_t stat_jobs, stat_chunks, stat_worker_chunks, stat_sleeps;   /* counts */
     int n_workers;
     pid_t pid;
     pthread_t threads[MOED_POOL_MAX_WORKERS];
@@ -121,9 +137,10 @@ static void moed_pool_set_spin_ns(long ns) { atomic_store(&moed_pool_state.spin_
 static long moed_pool_spin_ns(void) { return atomic_load(&moed_pool_state.spin_ns); }
 static int moed_pool_workers(void) { return moed_pool_state.n_workers; }
 /* Since start: [0] jobs run on more than one thread, [1] their chunks, [2] chunks
-   workers ran, [3] times a worker went to sleep. */
+   workers ran, [3] times a worker went to sleep, [4] stalls (see moed_pool_run). */
 static void moed_pool_stats(uint64_t *out)
 {
+    out[4] = atomic_load(&moed_pool_state.stat_stalls);
     out[0] = atomic_load(&moed_pool_state.stat_jobs);
     out[1] = atomic_load(&moed_pool_state.stat_chunks);
     out[2] = atomic_load(&moed_pool_state.stat_worker_chunks);
@@ -252,6 +269,7 @@ static void moed_pool_after_fork_child(void)
     atomic_store(&p->busy, 0);
     atomic_store(&p->sleepers, 0);
     atomic_store(&p->stop, 0);
+    p->solo_left = p->backoff = 0;
 #ifndef __linux__
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->cond, NULL);
@@ -305,6 +323,13 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
             fn(ctx, i, 0);
         return;
     }
+    if (p->solo_left > 0) {
+        p->solo_left--;
+        atomic_store_explicit(&p->busy, 0, memory_order_release);
+        for (Py_ssize_t i = 0; i < n_items; i++)
+            fn(ctx, i, 0);
+        return;
+    }
     int helpers = n_threads - 1;
     if (p->n_workers < helpers) {
         int have = moed_pool_grow(helpers);
@@ -327,7 +352,9 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
     atomic_store(&p->seq, seq);
     if (atomic_load(&p->sleepers) > 0)
         moed_pool_wake_all(p);   /* a futex cannot pick which sleepers wake */
+    int64_t t0 = moed_pool_now_ns();
     uint32_t mine = moed_pool_drain(p, seq, fn, ctx, n_items, grain, 0);
+    int64_t t1 = moed_pool_now_ns();
     /* Every chunk is claimed; wait for those a worker is still running. Past
        MOED_POOL_YIELD_NS, yield between looks: the worker may be waiting for this core. */
     uint32_t spins = 0;
@@ -341,6 +368,19 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
             else if (now > yield_at)
                 sched_yield();
         }
+    }
+    if (yield_at != 0) {
+        int64_t waited = moed_pool_now_ns() - t1;
+        if (waited > MOED_POOL_STALL_NS && waited > t1 - t0) {
+            p->backoff = p->backoff < MOED_POOL_BACKOFF_MIN ? MOED_POOL_BACKOFF_MIN
+                       : p->backoff < MOED_POOL_BACKOFF_MAX ? 2 * p->backoff : MOED_POOL_BACKOFF_MAX;
+            p->solo_left = p->backoff;
+            atomic_fetch_add_explicit(&p->stat_stalls, 1, memory_order_relaxed);
+        } else {
+            p->backoff /= 2;
+        }
+    } else {
+        p->backoff /= 2;
     }
     atomic_fetch_add_explicit(&p->stat_jobs, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->stat_chunks, n, memory_order_relaxed);

@@ -110,6 +110,7 @@ def _run(cwd: Path, out: Path) -> tuple[str, set[str], dict[str, np.ndarray]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("label, env", [
     ("sequential", {"MOED_OPENMP": "0"}),
+    ("pool-serial", {"MOED_EXTRA_CFLAGS": "-DMOED_POOL_SERIAL"}),
     ("portable", {"MOED_PORTABLE": "1"}),
     ("avx2", {"MOED_EXTRA_CFLAGS": "-mno-avx512f"}),
     ("avx2-without-vnni", {"MOED_EXTRA_CFLAGS": "-mno-avx512f -mno-avxvnni"}),
@@ -127,6 +128,7 @@ def test_other_builds_match_the_native_openmp_build(tmp_path, label, env):
         pytest.skip(f"the native build ({native_info}) has no such narrower build to compare")
     expected_info = {
         "sequential": f"{simd} {fast} False {' '.join(vbmi)}",
+        "pool-serial": f"{simd} {fast} True {' '.join(vbmi)}",
         "portable": "portable portable True",
         "avx2": f"avx2 {'avx2-vnni' if 'avxvnni' in features else 'avx2'} True",
         "avx2-without-vnni": "avx2 avx2 True",

@@ -49,8 +49,9 @@ def test_the_pool_counts_jobs_and_refuses_a_negative_spin(spin):
     before = _kernels.pool_info()
     _kernels.matmul(w, x, np.empty_like(ref), 2)
     after = _kernels.pool_info()
-    if after["threaded"]:
-        assert after["jobs"] == before["jobs"] + 1
+    # one job on 2 threads (or none: after a stall the pool runs a few calls alone)
+    assert after["jobs"] - before["jobs"] == (after["chunks"] - before["chunks"]) // 19 <= 1
+    if after["threaded"] and after["stalls"] == 0:
         # 38 row groups of 8 rows in chunks of 38 // (2 threads x 8) = 2 groups: 19 chunks
         assert after["chunks"] - before["chunks"] == 19
     with pytest.raises(ValueError, match="must be >= 0"):
