@@ -162,12 +162,14 @@ def pool_info():
     before it sleeps, and counts since the process started: "jobs" (calls run on more
     than one thread), "chunks" (their chunks), "worker_chunks" (chunks a worker ran,
     not the caller), "sleeps" (times a worker slept), "stalls" (times the caller
-    waited long for a worker that had lost its core, and ran the next calls alone)}."""
-    cdef uint64_t st[5]
+    waited long for a worker that had lost its core, and ran the next calls alone),
+    "wait_seconds" (time callers spent waiting for chunks workers held)}."""
+    cdef uint64_t st[6]
     moed_pool_stats(st)
     return {"threaded": bool(moed_pool_threaded()), "workers": moed_pool_workers(),
             "spin_ns": moed_pool_spin_ns(), "jobs": st[0], "chunks": st[1],
-            "worker_chunks": st[2], "sleeps": st[3], "stalls": st[4]}
+            "worker_chunks": st[2], "sleeps": st[3], "stalls": st[4],
+            "wait_seconds": st[5] * 1e-9}
 
 
 def set_pool_spin(long ns) -> None:
@@ -229,7 +231,7 @@ cdef inline void _need_threads(int n_threads) except *:
 # commit that set it for the figures). It was 6 Mi with libgomp's passive workers (a
 # ~60 us futex wake per region) and 64 Ki with libgomp's spinning ones.
 cdef enum:
-    POOL_MIN_PARALLEL_WORK = 65536
+    POOL_MIN_PARALLEL_WORK = 32768
 cdef Py_ssize_t _min_parallel_work = POOL_MIN_PARALLEL_WORK
 
 

@@ -45,7 +45,7 @@ static int moed_pool_threaded(void) { return 0; }
 static void moed_pool_set_spin_ns(long ns) { (void)ns; }
 static long moed_pool_spin_ns(void) { return 0; }
 static int moed_pool_workers(void) { return 0; }
-static void moed_pool_stats(uint64_t *out) { out[0] = out[1] = out[2] = out[3] = out[4] = 0; }
+static void moed_pool_stats(uint64_t *out) { out[0] = out[1] = out[2] = out[3] = out[4] = out[5] = 0; }
 static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, void *ctx)
 {
     (void)n_threads;
@@ -82,9 +82,11 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
    its core to another process mid-chunk; the wait is up to the kernel's time slice).
    After a stall the pool runs the next `backoff` jobs on the caller alone (backoff
    doubles with each stall from MOED_POOL_BACKOFF_MIN up to MOED_POOL_BACKOFF_MAX jobs,
-   and halves with each job that does not stall), so a loaded machine costs about what
+   and shrinks by one with each job that does not stall), so a loaded machine costs about what
    one thread costs. */
+#ifndef MOED_POOL_STALL_NS
 #define MOED_POOL_STALL_NS 50000
+#endif
 #define MOED_POOL_BACKOFF_MIN 16
 #define MOED_POOL_BACKOFF_MAX 4096
 
@@ -116,7 +118,7 @@ typedef struct {
     /* The caller's (the owner of `busy`). */
     _Alignas(64) _Atomic int busy;
     int solo_left, backoff;                /* see MOED_POOL_STALL_NS */
-    _Atomic uint64_t stat_jobs, stat_chunks, stat_stalls;
+    _Atomic uint64_t stat_jobs, stat_chunks, stat_stalls, stat_wait_ns;
     _Atomic long spin_ns;
     int n_workers;
     pid_t pid;
@@ -137,10 +139,12 @@ static void moed_pool_set_spin_ns(long ns) { atomic_store(&moed_pool_state.spin_
 static long moed_pool_spin_ns(void) { return atomic_load(&moed_pool_state.spin_ns); }
 static int moed_pool_workers(void) { return moed_pool_state.n_workers; }
 /* Since start: [0] jobs run on more than one thread, [1] their chunks, [2] chunks
-   workers ran, [3] times a worker went to sleep, [4] stalls (see moed_pool_run). */
+   workers ran, [3] times a worker went to sleep, [4] stalls (see moed_pool_run), [5] ns
+   callers waited for workers' chunks. */
 static void moed_pool_stats(uint64_t *out)
 {
     out[4] = atomic_load(&moed_pool_state.stat_stalls);
+    out[5] = atomic_load(&moed_pool_state.stat_wait_ns);
     out[0] = atomic_load(&moed_pool_state.stat_jobs);
     out[1] = atomic_load(&moed_pool_state.stat_chunks);
     out[2] = atomic_load(&moed_pool_state.stat_worker_chunks);
@@ -371,16 +375,17 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
     }
     if (yield_at != 0) {
         int64_t waited = moed_pool_now_ns() - t1;
+        atomic_fetch_add_explicit(&p->stat_wait_ns, (uint64_t)waited, memory_order_relaxed);
         if (waited > MOED_POOL_STALL_NS && waited > t1 - t0) {
             p->backoff = p->backoff < MOED_POOL_BACKOFF_MIN ? MOED_POOL_BACKOFF_MIN
                        : p->backoff < MOED_POOL_BACKOFF_MAX ? 2 * p->backoff : MOED_POOL_BACKOFF_MAX;
             p->solo_left = p->backoff;
             atomic_fetch_add_explicit(&p->stat_stalls, 1, memory_order_relaxed);
-        } else {
-            p->backoff /= 2;
+        } else if (p->backoff > 0) {
+            p->backoff--;
         }
-    } else {
-        p->backoff /= 2;
+    } else if (p->backoff > 0) {
+        p->backoff--;
     }
     atomic_fetch_add_explicit(&p->stat_jobs, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->stat_chunks, n, memory_order_relaxed);

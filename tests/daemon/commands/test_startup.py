@@ -90,11 +90,11 @@ def test_the_openmp_wait_policy_is_set_before_the_kernels_load():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["PASSIVE", "65536"]
+    assert proc.stdout.split() == ["PASSIVE", "32768"]
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env=env)
-    assert proc.stdout.split() == ["ACTIVE", "65536"]
+    assert proc.stdout.split() == ["ACTIVE", "32768"]
 
 
 def test_every_listed_command_has_a_parser_and_every_parser_is_listed():

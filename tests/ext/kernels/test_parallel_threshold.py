@@ -27,7 +27,7 @@ def test_the_threshold_ignores_the_openmp_wait_policy(policy):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert int(proc.stdout) == 65536
+    assert int(proc.stdout) == 32768
 
 
 def test_set_and_read_the_threshold_and_refuse_nonsense():
