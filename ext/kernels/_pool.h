@@ -84,6 +84,12 @@ static void moed_pool_run(int n_threads, Py_ssize_t n_items, moed_pool_fn fn, vo
    doubles with each stall from MOED_POOL_BACKOFF_MIN up to MOED_POOL_BACKOFF_MAX jobs,
    and shrinks by one with each job that does not stall), so a loaded machine costs about what
    one thread costs. */
+/* A waiting worker spins with `pause` for this long, then calls sched_yield() between
+   looks: on an idle core that returns at once (the worker still sees a job within a
+   microsecond or so), and when another thread wants the core it gets it. */
+#ifndef MOED_POOL_SPIN_YIELD_NS
+#define MOED_POOL_SPIN_YIELD_NS 5000
+#endif
 #ifndef MOED_POOL_STALL_NS
 #define MOED_POOL_STALL_NS 50000
 #endif
@@ -212,21 +218,28 @@ static void *moed_pool_worker(void *arg)
         /* Wait for a new job: spin for spin_ns, then sleep until woken. */
         uint32_t seq = atomic_load_explicit(&p->seq, memory_order_acquire);
         if (seq == seen && !atomic_load_explicit(&p->stop, memory_order_relaxed)) {
-            int64_t until = moed_pool_now_ns() + atomic_load_explicit(&p->spin_ns, memory_order_relaxed);
+            int64_t start = moed_pool_now_ns(), now = start;
+            int64_t until = start + atomic_load_explicit(&p->spin_ns, memory_order_relaxed);
             for (;;) {
-                for (int i = 0; i < 16; i++)
-                    MOED_POOL_PAUSE();
+                if (now - start < MOED_POOL_SPIN_YIELD_NS) {
+                    for (int i = 0; i < 16; i++)
+                        MOED_POOL_PAUSE();
+                } else {
+                    sched_yield();
+                }
                 seq = atomic_load_explicit(&p->seq, memory_order_acquire);
                 if (seq != seen || atomic_load_explicit(&p->stop, memory_order_relaxed))
                     break;
-                if (moed_pool_now_ns() > until) {
+                now = moed_pool_now_ns();
+                if (now > until) {
                     /* seq_cst: pairs with the caller's store of seq, then load of sleepers */
                     atomic_fetch_add(&p->sleepers, 1);
                     atomic_fetch_add_explicit(&p->stat_sleeps, 1, memory_order_relaxed);
                     if (atomic_load(&p->seq) == seen && !atomic_load(&p->stop))
                         moed_pool_sleep(p, seen);
                     atomic_fetch_sub(&p->sleepers, 1);
-                    until = moed_pool_now_ns() + atomic_load_explicit(&p->spin_ns, memory_order_relaxed);
+                    start = now = moed_pool_now_ns();
+                    until = start + atomic_load_explicit(&p->spin_ns, memory_order_relaxed);
                 }
             }
         }
