@@ -14,11 +14,14 @@
      atomic counter, by the caller too; the caller then waits only for chunks a worker
      has claimed and not finished, so a worker that never woke or lost its core costs
      nothing but the chunk it holds;
-   - a worker that finishes spins (`pause`) for spin_ns (MOED_POOL_SPIN_NS) looking for
-     the next job, then sleeps on a futex (a condition variable off Linux); the caller
-     makes the wake-up system call only when a worker sleeps. Decode issues a kernel
-     call every few microseconds, so while a model decodes the workers rarely sleep, and
-     once it stops they leave the CPU after spin_ns;
+   - a worker that finishes looks for the next job for spin_ns (MOED_POOL_SPIN_NS, 50 us;
+     `pause` for the first 5 us, then sched_yield() between looks so that another
+     thread that wants the core gets it), then sleeps on a futex (a condition variable
+     off Linux); the caller makes the wake-up system call only when a worker sleeps.
+     Decode issues a kernel call every few microseconds, so while a model decodes the
+     workers rarely sleep, and once it stops they leave the CPU after spin_ns;
+   - a caller that waited long for a worker that lost its core mid-chunk runs the next
+     jobs alone, for longer the more often it happens (MOED_POOL_STALL_NS);
    - one job at a time: a caller that finds the pool busy (another Python thread's
      kernel call) runs its items alone.
    The pool starts lazily with max(n_threads) - 1 workers (grown on demand), forgets its
