@@ -1,6 +1,6 @@
 """The documentation: docs/ builds with mkdocs in strict mode, and the pages name what the
-code has (every configuration key, every make-model architecture, every command), so
-docs cannot go stale without a failing test."""
+code has (every configuration key, metric family, make-model architecture, command and
+Debian package of the test run), so docs cannot go stale without a failing test."""
 from __future__ import annotations
 
 import re
@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from daemon.commands.cli import COMMANDS
 from daemon.service.config import KEYS
 from ext.makemodel import ARCHITECTURES
 from telemetry.metrics import DaemonMetrics
+
+import tools  # tests/tools.py: conftest.py puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -81,3 +81,10 @@ def test_metrics_page_names_every_family():
     rows = re.findall(r"^\| `(moed_[a-z_]+)` \|", _read("docs/metrics.md"), re.M)
     base = {re.sub(r"_(total|info)$", "", row) for row in rows}
     assert base == names, (sorted(names - base), sorted(base - names))
+
+
+def test_testing_page_names_every_package_the_test_run_installs():
+    page = _read("docs/testing.md")
+    missing = sorted(p for p in set(tools.PACKAGES.values())
+                     if not re.search(rf"(?<![\w-]){re.escape(p)}(?![\w-])", page))
+    assert not missing
