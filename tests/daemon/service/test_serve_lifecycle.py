@@ -331,6 +331,7 @@ def read_only_launcher(directory: str) -> tuple[str, ...]:
             f'{mount} --bind -o ro "$0" "$0" && exec "$@"', directory)
 
 
+@pytest.mark.slow     # ~10 s: two daemons, one in a read-only mount namespace
 @pytest.mark.tools("unshare", "mount")
 def test_a_read_only_state_directory_is_read_and_used_and_warned_about_once(model_dir, workdir):
     args = ("--expert-cache-bytes", str(CACHE_BYTES), "--no-prefetch")
@@ -473,6 +474,7 @@ def test_sighup_reloads_limits_and_cache_and_keeps_the_old_config_when_the_new_i
 # ---------------------------------------------------------------------------- 4. sockets
 
 
+@pytest.mark.slow     # ~13 s: a daemon per socket case
 def test_stale_socket_is_replaced_and_a_live_one_or_a_file_is_refused(model_dir, workdir):
     args = ("--expert-cache-bytes", str(CACHE_BYTES))
     with serving(model_dir, workdir, *args) as first:
