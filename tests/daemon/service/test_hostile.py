@@ -14,8 +14,10 @@ daemon's answer or its close, bounded by a deadline.
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -348,6 +350,72 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
         assert d.json("GET", "/health") == (200, {"status": "ok"})
         assert d.stop() == 0
     finally:
+        d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def wide_sharded_model(tmp_path_factory) -> Path:
+    """Experts of 384 KiB: their reads take long enough for a cut to fall inside them."""
+    return make_model(tmp_path_factory.mktemp("wide") / "model", arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=256, intermediate=256, dtype="bf16", seed=2,
+                      shard_size=256 << 10)
+
+
+def test_mapped_experts_survive_shards_cut_and_restored_while_they_are_read(wide_sharded_model):
+    """A thread cuts every shard to its header and writes its tail back, over and over,
+    while memory-mapped experts serve: the cut can fall between the acquire's size check
+    and the kernels' reads (SIGBUS for a plain mapping). The daemon stays up, and each
+    answer is either the tokens of an undisturbed run or a 500 naming a shard."""
+    sharded_model = wide_sharded_model
+    shards = sorted(sharded_model.glob("model-*.safetensors"))
+    saved = {p: p.read_bytes() for p in shards}
+    headers = {p: 8 + int.from_bytes(saved[p][:8], "little") for p in shards}
+    request = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0}
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--no-prefetch")
+    stop = threading.Event()
+
+    def cut_and_restore() -> None:
+        fds = {p: os.open(p, os.O_RDWR) for p in shards}
+        try:
+            while not stop.is_set():
+                for p, fd in fds.items():
+                    os.ftruncate(fd, headers[p])
+                    os.pwrite(fd, saved[p][headers[p]:], headers[p])
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    cutter = threading.Thread(target=cut_and_restore)
+    try:
+        status, reference = d.json("POST", "/v1/completions", request)
+        assert status == 200 and reference["usage"]["completion_tokens"] >= 1
+        answers = []
+        cutter.start()
+        try:
+            for _ in range(300):
+                status, body = d.json("POST", "/v1/completions", request)
+                answers.append(status)
+                if status == 200:
+                    assert body["choices"][0]["text"] == reference["choices"][0]["text"]
+                else:
+                    assert status == 500, body
+                    message = body["error"]["message"]
+                    assert "truncated while served" in message
+                    assert any(str(p) in message for p in shards), message
+        finally:
+            stop.set()
+            cutter.join()
+        assert d.proc.poll() is None                       # still up
+        assert 500 in answers, answers                     # the cuts were seen
+        assert serving(d)                                  # the files are whole again
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        stop.set()
+        if cutter.is_alive():
+            cutter.join()
+        for p, data in saved.items():
+            p.write_bytes(data)
         d.cleanup()
 
 
