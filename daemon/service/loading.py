@@ -19,6 +19,7 @@ from daemon.service.engine import Engine, RequestHandle
 from daemon.service.grammar import Grammars
 from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
+from daemon.store.probe import probe_memory_bytes
 from daemon.store.session import open_model
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
 from daemon.tuning.live import start_live_tuning
@@ -197,13 +198,16 @@ def workspace_bytes(config, *, threads: int, context: int, sequences: int) -> in
     return 4 * floats
 
 
-def runtime_bytes(config, *, threads: int, context: int, sequences: int) -> int:
-    """What the process adds to itself at load besides the dense weights, KV and caches:
-    LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` (the
-    interpreter and the libraries imported before the plan are in the memory reading
-    already)."""
+def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_bytes: int) -> int:
+    """What the process adds to itself besides the dense weights, KV and caches:
+    LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` + the
+    idle storage probe's buffers and workers over expert slots of `slot_bytes`
+    (daemon/store/probe.py `probe_memory_bytes`; the daemon runs it after READY when the
+    experts stream, with every cache already full). The interpreter and the libraries
+    imported before the plan are in the memory reading already."""
     return (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
-            + workspace_bytes(config, threads=threads, context=context, sequences=sequences))
+            + workspace_bytes(config, threads=threads, context=context, sequences=sequences)
+            + probe_memory_bytes(slot_bytes))
 
 
 @dataclass(frozen=True)
@@ -231,8 +235,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
 
       dense     every tensor that is not a routed expert, nor of a multi-token-prediction
                 layer the decoder does not use;
-      runtime   `runtime_bytes`: a measured base, a share per vocabulary token and the
-                workspaces, sized from the config;
+      runtime   `runtime_bytes`: a measured base, a share per vocabulary token, the
+                workspaces, sized from the config, and the idle storage probe's buffers;
       KV        f32, in the layout of the model's attention kind, every layer, for
                 max_concurrent_sequences sequences of the context allowed: the wanted
                 context (max_context_tokens, else PLANNED_CONTEXT; at most the model's),
@@ -263,7 +267,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_token=kv_bytes_per_token(config),
                        max_concurrent_sequences=max_concurrent_sequences, context_tokens=wanted,
                        runtime_bytes=runtime_bytes(config, threads=threads, context=wanted,
-                                                   sequences=max_concurrent_sequences),
+                                                   sequences=max_concurrent_sequences,
+                                                   slot_bytes=slot),
                        slot_bytes=slot, min_dynamic_slots=config.top_k * sum(config.moe_layers),
                        prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
                        pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,
