@@ -4,12 +4,14 @@ The real daemon subprocess with short limits: a slowloris connection that trickl
 headers is closed at header_timeout_s; a body shorter than its Content-Length is a 408 at
 body_timeout_s; a listener holding max_connections answers the next connection 503 at
 once (the Unix socket and the TCP metrics listener alike); what aiohttp cannot parse as
-HTTP/1.1 (header bombs, a negative Content-Length, TLS, HTTP/2) is a 400 in OpenAI's error
-shape; a chat template bomb in the
-model directory is a 400; and through all of it the daemon keeps serving and every line
-it logs is JSON. A shard whose expert bytes vanish makes /health say "degraded" until a
-read succeeds again; so do experts whose weights hold NaN, until they compute finite rows. No sleeps: each wait is for the
-daemon's answer or its close, bounded by a deadline.
+HTTP/1.1 (header bombs, a NUL byte in a header, a negative Content-Length, TLS, HTTP/2) is
+a 400 in OpenAI's error shape and at most one warning line, without traceback; a chat
+template bomb in the model directory is a 400; and through all of it the daemon keeps
+serving and every line it logs is JSON. A shard whose expert bytes vanish makes /health
+say "degraded" until a read succeeds again, and memory-mapped experts survive shards cut
+and restored while they are read; experts whose weights hold NaN degrade /health too,
+until they compute finite rows. No sleeps: each wait is for the daemon's answer or its
+close, bounded by a deadline.
 """
 from __future__ import annotations
 
@@ -201,6 +203,7 @@ NOT_HTTP11 = {
     # a TLS 1.2 ClientHello's record and handshake headers, then a zeroed body
     "tls_client_hello": bytes.fromhex("16030100c4010000c00303") + bytes(193),
     "http2_preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"),
+    "nul_in_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
 }
 
 
@@ -221,6 +224,24 @@ def test_what_aiohttp_cannot_parse_is_answered_in_openai_error_shape(daemon, att
     assert error["message"].startswith("the request is not HTTP/1.1 that moed can read: ")
     assert len(error["message"]) < 400      # aiohttp's echo of the client's bytes is cut
     assert serving(daemon)
+
+
+@pytest.mark.parametrize("attack", sorted(NOT_HTTP11))
+def test_what_aiohttp_cannot_parse_is_at_most_one_warning_line_without_traceback(daemon, attack):
+    """The client's bytes are at fault, not the daemon: no error line, no traceback."""
+    start = daemon.mark()
+    with unix_connection(daemon) as sock:
+        sock.sendall(NOT_HTTP11[attack])
+        read_all(sock)
+    assert serving(daemon)
+    finished = daemon.wait_event("request_finished", from_index=start)
+    lines = daemon.events[start:daemon.events.index(finished)]
+    assert [e for e in lines if e["level"] not in ("info", "warning") or "exception" in e] == []
+    unreadable = [e for e in lines if e["event"] == "http_request_unreadable"]
+    assert len(unreadable) <= 1 and all(e["level"] == "warning" for e in unreadable)
+    if attack == "nul_in_header":
+        assert unreadable[0]["status"] == 400
+        assert unreadable[0]["error"].startswith("Invalid header value char")
 
 
 def test_the_aiohttp_methods_the_json_error_handler_relies_on_are_unchanged():
