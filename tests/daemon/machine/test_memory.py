@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.machine.memory import MemoryReading, read_memory
+from daemon.machine.memory import MemoryReading, read_available_bytes, read_memory
 from daemon.service.loading import (LOAD_BASE_BYTES, LOAD_BYTES_PER_VOCAB_TOKEN,
                                     plan_serving_memory, runtime_bytes, workspace_bytes)
 from daemon.store.probe import model_target, probe_memory_bytes, run_iobench
@@ -111,6 +111,23 @@ def test_container_host_has_far_more_memory_than_the_limit(tmp_path):
     reading = read_memory(tmp_path)
     assert reading.mem_available_bytes == 500 * GiB
     assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 1536 * MiB
+
+
+def test_the_available_figure_of_the_stats_is_bounded_by_the_cgroup(tmp_path):
+    """/v1/moed/stats' memory.available_bytes: the host's MemAvailable, or the cgroup's
+    headroom (limit - (usage - inactive_file)) when that is tighter; None when neither is
+    known."""
+    v1 = "4:memory:/moed.service\n"
+    proc(tmp_path, v1, MOUNT_V1_MEMORY, mem_available_kb=64 * 1024 * 1024)
+    v1_cgroup(tmp_path, "moed.service", str(320 * MiB), usage=250 * MiB,
+              total_inactive_file=10 * MiB)
+    assert read_available_bytes(tmp_path) == 80 * MiB
+    proc(tmp_path, v1, MOUNT_V1_MEMORY, mem_available_kb=50 * 1024)      # the host is tighter
+    assert read_available_bytes(tmp_path) == 50 * MiB
+    bare = tmp_path / "bare"
+    proc(bare, "0::/\n", "")
+    (bare / "proc/meminfo").write_text("MemTotal: 1 kB\n")
+    assert read_available_bytes(bare) is None
 
 
 def test_reclaimable_page_cache_is_not_counted_as_used(tmp_path):
