@@ -17,6 +17,9 @@ Design:
   `faults` after the reads it cares about, treats a nonzero count as a failed read (the
   bytes it computed with may be zeros), and drops the map for a new one (a map that
   faulted stays part zeros even when the file is restored).
+- The handler is installed once, with the first map. A SIGBUS handler installed after it
+  (faulthandler.enable() in a running process) would see the fault first; moed installs
+  none, and faulthandler enabled at start (PYTHONFAULTHANDLER, pytest) comes before.
 - The handler uses only atomic loads and stores, mmap(2) and errno; the table is
   written under the GIL. A range leaves the table before it is unmapped, in
   `__dealloc__`, which runs when the last buffer exported from the map is released.
