@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ext.formats._guarded_map import GuardedMap
+from ext.formats._guarded_map import GuardedMap, faults_total
 from ext.formats.checkpoint import (Checkpoint, MissingTensorError, TensorInfo, TensorRangeError,
                                     TruncatedFileError, UnsupportedDtypeError)
 from ext.formats.quant import (EXPERT, LAYOUTS, MXFP4, PLAIN_FORMATS, FormatMismatchError,
@@ -342,6 +342,8 @@ class MmapExpertProvider(ExpertProvider):
         self._views: dict[tuple[int, int], ExpertWeights] = {}
         self._ends: dict[tuple[int, int], dict[str, int]] = {}   # per expert: file -> its end
         self._failing: dict[str, tuple[int, str]] = {}           # file -> (end needed, why)
+        self._faults_seen = faults_total()      # every map made since holds no fault
+        self._faults_at: dict[int, int] = {}    # layer -> faults_total() at its acquire
         self._file_ends: dict[str, int] = {}                     # file -> its last expert's end
         for loc in layout:
             for info in loc.pieces():
@@ -405,11 +407,15 @@ class MmapExpertProvider(ExpertProvider):
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         self._check_sizes(layer, experts)
-        faulted = [p for p in self._paths(layer, experts) if p in self._maps and self._maps[p].faults]
-        if faulted:                     # part zeros since a truncation: map those files again
+        total = faults_total()
+        if total != self._faults_seen:  # some map faulted: it is part zeros, map its file again
+            faulted = [path for path, m in self._maps.items() if m.faults]
             for path in faulted:
                 del self._maps[path]
-            self._views.clear()         # (a view keeps its old map alive until it is dropped)
+            if faulted:
+                self._views.clear()     # (a view keeps its old map alive until it is dropped)
+            self._faults_seen = total
+        self._faults_at[layer] = total
         out = []
         for e in experts:
             key = (layer, int(e))
@@ -426,6 +432,8 @@ class MmapExpertProvider(ExpertProvider):
         """Raises TruncatedFileError when a shard of the call was cut while its experts
         were read (their maps counted a fault): the rows computed since `acquire` may
         come from zeros."""
+        if faults_total() == self._faults_at.pop(layer, None):
+            return                      # no map of the process faulted since the acquire
         for path in sorted(self._paths(layer, experts)):
             m = self._maps.get(path)
             if m is not None and m.faults:
