@@ -153,14 +153,16 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                state_dir: str | Path | None = None,
                environ: Mapping[str, str] = {},
                record_trace: str | Path | None = None, numerics: str = "exact",
-               **streaming_options) -> tuple[Model, ExpertSession | None]:
+               learned_state: bool = True, **streaming_options) -> tuple[Model, ExpertSession | None]:
     """Load `model_dir`; (model, session) — session is None without a cache budget.
 
     experts: without cache_bytes, "mmap" or "resident". state_dir: where learned usage
     lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
     unusable state directory is a warning, never an error: learning is only speed.
     record_trace: a file the decode routing is appended to, in the replay format
-    (daemon/store/trace.py). numerics: "exact" or "fast" (`Model.load`).
+    (daemon/store/trace.py). numerics: "exact" or "fast" (`Model.load`). learned_state
+    False: no state directory is read or written (the naive baseline starts cold and
+    leaves nothing behind).
     streaming_options: other StreamingOptions fields.
     Raises the model's load errors (ConfigError / CheckpointError, naming the file,
     tensor or field), CacheBudgetError (message gives the minimum) and OSError when
@@ -181,6 +183,10 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
         fingerprint = checkpoint.fingerprint()
         moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
         counts, learned, store = None, None, None
+        if not learned_state:
+            provider = StreamingExpertProvider(layout, config, options)
+            built.append((provider, None, fingerprint))
+            return provider
         try:
             store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint)
             state = load_usage_state(store, moe_layers, config.num_experts, fingerprint,
