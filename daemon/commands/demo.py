@@ -4,24 +4,29 @@ installed moed.
 What it does, in order:
 1. Takes the embedded default model (`default_model_dir`: a small Qwen3-MoE trained on
    the Python standard library, shipped as package data; see its README.md) or the model
-   directory given with ``--model``, and checks that it can be served.
-2. Starts `moed serve` as a child process on a private socket in a new temporary
-   directory, with an expert cache of `DEMO_CACHE_FRACTION` of the routed experts' bytes
-   (never below the daemon's minimum plus room for pins), a state directory inside the
-   cache directory (``$XDG_CACHE_HOME/moed``, else ``~/.cache/moed``, or ``--dir``; so
-   the next run starts with the pins this one learned), and metrics on a free loopback
-   port. Its JSON log lines on stderr are read as they arrive: readiness is its ``ready``
-   event.
-3. Streams a completion of `DEMO_PROMPT` (a chat message; the default model's template
-   hands it over as code to continue) through the socket to stdout.
-4. Prints what the cache did (hit rate, against the previous run's on the same model;
-   bytes read, tokens/s, pins, metrics URL) on stdout, stops the daemon with SIGTERM and
-   requires exit code 0. With ``--keep`` the daemon keeps serving until Ctrl-C (or
-   SIGTERM) first.
+   directory given with ``--model``, checks that it can be served and says what it is.
+2. Gives the expert cache `DEMO_CACHE_FRACTION` of the routed experts' bytes (never
+   below the daemon's minimum plus room for pins), so the experts do not fit, and starts
+   `moed serve` three times on a private socket, each time after dropping the shards'
+   page cache (POSIX_FADV_DONTNEED; no root needed), so every expert the daemon reads
+   comes from disk (it reads with O_DIRECT, or drops what it read):
+   a. the naive cache (``expert_cache_mode = "naive"``: LRU, no pins, no prefetch,
+      nothing learned), cold, completing `DEMO_PROMPT`;
+   b. moed's cache from an emptied state directory, completing `LEARN_PROMPT` (longer,
+      so that the pin learner can decide); it saves what it learned on SIGTERM;
+   c. moed's cache again: the state is found by the model's fingerprint; it completes
+      `DEMO_PROMPT`, and its answer is streamed to stdout.
+3. Prints each start's figures, as the daemon counted them (tokens/s, expert bytes read
+   per token, hit rate, hit rate up to the first token, pins), and in words how (c)
+   compared with (a) and with (b), whichever way it came out: nothing is expected. The
+   page-cache (mmap) mode is not compared: without a memory cgroup nothing holds the page
+   cache to the same budget.
+4. Stops each daemon with SIGTERM and requires exit code 0. With ``--keep`` the last one
+   keeps serving until Ctrl-C (or SIGTERM) first.
 
 Progress goes to stderr; the daemon's own log stays hidden unless it fails, then its last
 lines are shown. The learned usage lives in ``<dir>/demo-state`` (keyed by the model's
-fingerprint), the last run's figures in ``<dir>/demo-last-run.json``.
+fingerprint), emptied when a demo starts.
 """
 from __future__ import annotations
 
@@ -40,14 +45,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from daemon.commands.args import ExamplesFormatter, Parents, check_model_dir, nonempty, positive_int
 from daemon.commands.ask import client_command
 from daemon.service.config import default_model_dir
-
-if TYPE_CHECKING:       # the client (aiohttp) is imported when the demo runs
-    from daemon.commands.client import StreamResult
 
 # The default model completes Python code: the first start learns on one function, the
 # second (and the naive cache) complete another.
@@ -59,6 +61,9 @@ DEMO_CACHE_FRACTION = 0.25     # of the routed experts' bytes ...
 # layer is top_k 4 + 4 spare, so a quarter it is).
 DEMO_SPARE_SLOTS_PER_LAYER = 2
 DEMO_MAX_TOKENS = 96
+# The first start answers this many times as many tokens: pin learning decides after two
+# windows of 32 tokens at the earliest, and only when learning stays a small share of the time.
+LEARN_TOKENS_FACTOR = 4
 DEMO_TEMPERATURE = 0.7
 DEMO_SEED = 0                  # the same text every run: only the cache changes between runs
 STATE_DIR_NAME = "demo-state"
@@ -270,6 +275,7 @@ class RunSpec:
     name: str
     mode: str                 # ServeConfig.expert_cache_mode: "moed" or "naive"
     prompt: str
+    max_tokens: int
     shown: bool               # stream the completion to stdout
 
 
@@ -295,6 +301,7 @@ class RunFigures:
     start_misses: int
     pins_at_start: int
     pins_at_end: int
+    start_bytes_read: int     # read before the request: pins and the warm start's experts
 
     @property
     def tokens_per_s(self) -> float:
@@ -318,10 +325,12 @@ def _rate(hits: int, misses: int) -> float | None:
 
 
 def demo_runs(max_tokens: int) -> list[RunSpec]:
-    """The demo's three daemon starts, in order (see the module doc)."""
-    return [RunSpec("moed, first start", "moed", LEARN_PROMPT, shown=False),
-            RunSpec("moed, second start", "moed", DEMO_PROMPT, shown=True),
-            RunSpec("naive LRU, cold", "naive", DEMO_PROMPT, shown=False)]
+    """The demo's three daemon starts, in order (see the module doc); the last one's answer
+    is shown, and with --keep that daemon keeps serving."""
+    return [RunSpec("naive LRU, cold", "naive", DEMO_PROMPT, max_tokens, shown=False),
+            RunSpec("moed, first start", "moed", LEARN_PROMPT, LEARN_TOKENS_FACTOR * max_tokens,
+                    shown=False),
+            RunSpec("moed, second start", "moed", DEMO_PROMPT, max_tokens, shown=True)]
 
 
 def _mib(n: float) -> str:
@@ -352,7 +361,7 @@ def model_line(model_dir: Path, embedded: bool) -> str:
 def summary_lines(runs: list[RunFigures], budget: CacheBudget, io_path: str | None) -> list[str]:
     """The comparison printed on stdout after the answer: every figure measured in this
     demo, one run each, and what they say in words, whichever way they came out."""
-    first, warm, naive = runs
+    naive, first, warm = runs
     lines = [
         f"expert cache budget: {_mib(budget.cache_bytes)} for {_mib(budget.expert_bytes)} of "
         f"routed experts ({100 * budget.cache_bytes / budget.expert_bytes:.0f} %); the shards' "
@@ -402,8 +411,10 @@ def _warm_start_line(first: RunFigures, warm: RunFigures, naive: RunFigures) -> 
     """Whether the first start's learned state made the second start warm."""
     gain = ("n/a" if warm.start_hit_rate is None or first.start_hit_rate is None
             else f"{100 * (warm.start_hit_rate - first.start_hit_rate):+.1f} points")
-    return (f"warm start: the second start read the state the first one saved (found by the "
-            f"model's fingerprint) and pinned {warm.pins_at_start} experts before the request; "
+    return (f"warm start: the second start found the state the first one saved by the model's "
+            f"fingerprint, pinned {warm.pins_at_start} experts (the first start ended with "
+            f"{first.pins_at_end}) and read {_kib(warm.start_bytes_read)} of its most used "
+            "experts before the request; "
             f"hit rate up to the first token {_percent(warm.start_hit_rate)}, against "
             f"{_percent(first.start_hit_rate)} for the first start (another prompt, {gain}) and "
             f"{_percent(naive.start_hit_rate)} for the naive cache on the same prompt")
@@ -450,27 +461,30 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
              f"{_mib(budget.expert_bytes)} in all) and the shards' page cache dropped first: "
              f"moed learning (state in {state_dir}, emptied now), moed restarted with what it "
              "learned, and the naive cache (LRU, no pins, no prefetch, nothing learned)")
-        figures, io_path, metrics_url = [], None, ""
-        for spec in demo_runs(options.max_tokens):
+        figures: list[RunFigures] = []
+        specs = demo_runs(options.max_tokens)
+
+        def finish(last: RunFigures, io_path: str | None) -> None:
+            figures.append(last)
+            if figures[0].text != last.text:
+                note("note: the naive cache's answer differed from moed's (same prompt and seed)")
+            for line in summary_lines(figures, budget, io_path):
+                out.write(line + "\n")
+            out.flush()
+
+        for spec in specs:
             try:
                 drop_page_cache(shards)
             except OSError as e:
                 raise DemoError(f"cannot drop the page cache of the model's shards: {e}") from None
             argv = serve_command(model_dir, socket_path, state_dir, config_path,
                                  budget.cache_bytes, spec.mode)
-            run, io_path_now, metrics_url = asyncio.run(
-                _serve_and_ask(options, spec, argv, socket_path, out, note))
-            io_path = io_path or io_path_now
-            figures.append(run)
-        if figures[1].text != figures[2].text:
-            note("note: the naive cache's answer differed from moed's (same prompt and seed)")
-        for line in summary_lines(figures, budget, io_path):
-            out.write(line + "\n")
-        out.flush()
-        if options.keep:
-            argv = serve_command(model_dir, socket_path, state_dir, config_path,
-                                 budget.cache_bytes, "moed")
-            asyncio.run(_keep_serving(options, argv, socket_path, note))
+            last = spec is specs[-1]
+            run = asyncio.run(_serve_and_ask(options, spec, argv, socket_path, out, note,
+                                             finish=finish if last else None,
+                                             keep=options.keep and last))
+            if not last:
+                figures.append(run)
         note("done")
         return 0
     finally:
@@ -478,9 +492,12 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
 
 
 async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], socket_path: str,
-                         out: TextIO, note: Callable[[str], None]) -> tuple[RunFigures, str | None, str]:
-    """Start the daemon, ask `spec.prompt`, read its counters, stop it (exit code 0 required).
-    Returns the figures, the io path it used ("direct" / "buffered") and its metrics URL."""
+                         out: TextIO, note: Callable[[str], None],
+                         finish: Callable[[RunFigures, str | None], None] | None = None,
+                         keep: bool = False) -> RunFigures:
+    """Start the daemon, ask `spec.prompt`, read its counters, call `finish(figures, io
+    path)` when given, keep serving until a signal when `keep`, and stop the daemon (exit
+    code 0 required). Returns the figures."""
     from daemon.commands.client import Client, completion_request
 
     daemon = ServeProcess(argv, child_environment(options.environ))
@@ -504,7 +521,7 @@ async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], s
                     out.write(piece)
                     out.flush()
 
-            body = completion_request(prompt=spec.prompt, max_tokens=options.max_tokens,
+            body = completion_request(prompt=spec.prompt, max_tokens=spec.max_tokens,
                                       temperature=DEMO_TEMPERATURE, seed=DEMO_SEED)
             if spec.shown:
                 out.write(spec.prompt)
@@ -515,42 +532,29 @@ async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], s
             first = await at_first[0] if at_first else before
             stats = await client.get("/v1/moed/stats")
             pins_at_end = len((await client.get("/v1/moed/pins")).get("pins") or ())
+        experts = stats.get("experts") or {}
+        first_experts = first.get("experts") or {}
+        figures = RunFigures(
+            name=spec.name, text=result.text, tokens=result.completion_tokens or 0,
+            duration_s=result.duration_s, bytes_read=int(experts.get("bytes_read", 0)),
+            hits=int(experts.get("hits", 0)) + int(experts.get("prefetch_hits", 0)),
+            misses=int(experts.get("misses", 0)),
+            start_hits=int(first_experts.get("hits", 0)) + int(first_experts.get("prefetch_hits", 0)),
+            start_misses=int(first_experts.get("misses", 0)),
+            pins_at_start=pins_at_start, pins_at_end=pins_at_end,
+            start_bytes_read=int((before.get("experts") or {}).get("bytes_read", 0)))
+        if finish is not None:
+            finish(figures, experts.get("io_path"))
+        if keep:
+            await _serve_until_signal(daemon, socket_path, metrics_url, note)
+        elif spec.shown:
+            note(f"{spec.name}: metrics were at {metrics_url} while it ran (--keep keeps the "
+                 "last one serving)")
         note(f"{spec.name}: stopping the daemon (SIGTERM)")
         code = await daemon.stop()
         if code != 0:
             raise DemoError(f"moed serve exited with code {code} after SIGTERM" + daemon.log_tail())
-    except BaseException:
-        if daemon.running:
-            with contextlib.suppress(DemoError):
-                await daemon.stop()
-        raise
-    experts = stats.get("experts") or {}
-    first_experts = first.get("experts") or {}
-    figures = RunFigures(
-        name=spec.name, text=result.text, tokens=result.completion_tokens or 0,
-        duration_s=result.duration_s, bytes_read=int(experts.get("bytes_read", 0)),
-        hits=int(experts.get("hits", 0)) + int(experts.get("prefetch_hits", 0)),
-        misses=int(experts.get("misses", 0)),
-        start_hits=int(first_experts.get("hits", 0)) + int(first_experts.get("prefetch_hits", 0)),
-        start_misses=int(first_experts.get("misses", 0)),
-        pins_at_start=pins_at_start, pins_at_end=pins_at_end)
-    return figures, experts.get("io_path"), metrics_url
-
-
-async def _keep_serving(options: DemoOptions, argv: list[str], socket_path: str,
-                        note: Callable[[str], None]) -> None:
-    """--keep: one more start of moed, with what it learned, serving until Ctrl-C."""
-    daemon = ServeProcess(argv, child_environment(options.environ))
-    await daemon.start()
-    try:
-        await daemon.wait_event("ready", READY_TIMEOUT_S)
-        metrics = daemon.find("metrics_listening")
-        metrics_url = f"http://{metrics['address']}/metrics" if metrics else "(not served)"
-        await _serve_until_signal(daemon, socket_path, metrics_url, note)
-        note("stopping the daemon (SIGTERM)")
-        code = await daemon.stop()
-        if code != 0:
-            raise DemoError(f"moed serve exited with code {code} after SIGTERM" + daemon.log_tail())
+        return figures
     except BaseException:
         if daemon.running:
             with contextlib.suppress(DemoError):
@@ -591,15 +595,17 @@ def register(sub, parents: Parents) -> None:
     """`moed demo` and its options."""
     d = sub.add_parser(
         "demo", parents=[parents.common],
-        description="Show moed at work with nothing but the install: start moed serve on a "
-                    "private socket with the embedded default model (a small Qwen3-MoE that "
-                    "completes Python code, trained on the standard library) and an expert "
-                    "cache of a quarter of its experts, stream a completion of a Python "
-                    "prompt from it, print what the cache did (hit rate, bytes read from disk, "
-                    "tokens/s, pinned experts, metrics address) and stop the daemon. The "
-                    "daemon remembers which experts were used: run the demo again and it "
-                    "starts with them pinned, and prints the hit rate next to the previous "
-                    "run's. Progress goes to stderr; the completion and the summary to stdout.",
+        description="Show moed at work with nothing but the install: with the embedded "
+                    "default model (a small Qwen3-MoE that completes Python code, trained on "
+                    "the standard library) and an expert cache of a quarter of its experts, "
+                    "start moed serve three times on a private socket, each time after "
+                    "dropping the model files' page cache so that experts are read from disk: "
+                    "the naive cache (LRU, no pins, no prefetch), moed learning which experts "
+                    "are hot, and moed restarted with what it learned, which streams a code "
+                    "completion. Then print what each measured (tokens/s, bytes read from "
+                    "disk per token, hit rate, hit rate at start, pins) and how they compare, "
+                    "whichever way that came out. Progress goes to stderr; the completion "
+                    "and the figures to stdout.",
         epilog="examples:\n"
                "  moed demo\n"
                "  moed demo --keep          (then: moed chat --socket PATH, as it prints)\n"
