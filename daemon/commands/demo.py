@@ -284,10 +284,11 @@ class RunFigures:
     """What one daemon start measured (all from the daemon's own counters).
 
     tokens: completion tokens; duration_s: request sent to answer done (prompt included).
-    bytes_read: expert bytes read from the shards, start-up reads (pins, warm start)
-    included; hits / misses: expert cache lookups over the whole run; start_hits /
-    start_misses: the same up to the first token of the answer (the prompt and the first
-    decode step); pins_at_start: experts pinned before the request.
+    bytes_read: expert bytes read from the shards, the reads before the request (pins, the
+    warm start's experts: start_bytes_read) included. prompt_hits / prompt_misses: expert
+    cache lookups of the prompt's prefill; answer_hits / answer_misses: of the decode
+    steps (a lookup served by a prefetch already under way counts as a hit).
+    pins_at_start / pins_at_end: experts pinned before and after the request.
     """
 
     name: str
@@ -295,13 +296,13 @@ class RunFigures:
     tokens: int
     duration_s: float
     bytes_read: int
-    hits: int
-    misses: int
-    start_hits: int
-    start_misses: int
+    start_bytes_read: int
+    prompt_hits: int
+    prompt_misses: int
+    answer_hits: int
+    answer_misses: int
     pins_at_start: int
     pins_at_end: int
-    start_bytes_read: int     # read before the request: pins and the warm start's experts
 
     @property
     def tokens_per_s(self) -> float:
@@ -312,12 +313,31 @@ class RunFigures:
         return self.bytes_read / max(1, self.tokens)
 
     @property
-    def hit_rate(self) -> float | None:
-        return _rate(self.hits, self.misses)
+    def answer_hit_rate(self) -> float | None:
+        return _rate(self.answer_hits, self.answer_misses)
 
     @property
-    def start_hit_rate(self) -> float | None:
-        return _rate(self.start_hits, self.start_misses)
+    def prompt_hit_rate(self) -> float | None:
+        return _rate(self.prompt_hits, self.prompt_misses)
+
+
+def figures_from_stats(name: str, text: str, tokens: int, duration_s: float, before: dict,
+                       after: dict, pins_at_start: int, pins_at_end: int) -> RunFigures:
+    """RunFigures from /v1/moed/stats read before and after the request (one request per
+    daemon start, so the counters after it are the run's)."""
+    experts = after.get("experts") or {}
+    lookups = experts.get("lookups") or {}
+
+    def count(phase: str, *kinds: str) -> int:
+        return sum(int((lookups.get(phase) or {}).get(kind, 0)) for kind in kinds)
+
+    return RunFigures(
+        name=name, text=text, tokens=tokens, duration_s=duration_s,
+        bytes_read=int(experts.get("bytes_read", 0)),
+        start_bytes_read=int((before.get("experts") or {}).get("bytes_read", 0)),
+        prompt_hits=count("prefill", "hit", "prefetch_hit"), prompt_misses=count("prefill", "miss"),
+        answer_hits=count("decode", "hit", "prefetch_hit"), answer_misses=count("decode", "miss"),
+        pins_at_start=pins_at_start, pins_at_end=pins_at_end)
 
 
 def _rate(hits: int, misses: int) -> float | None:
@@ -368,16 +388,17 @@ def summary_lines(runs: list[RunFigures], budget: CacheBudget, io_path: str | No
         "page cache was dropped (POSIX_FADV_DONTNEED) before each start and the daemon reads "
         f"experts {'with O_DIRECT' if io_path == 'direct' else 'dropping what it read'}, so "
         "every miss is read from disk",
-        f"{'':20} {'tokens/s':>9} {'read/token':>11} {'hit rate':>9} {'at start':>9} "
-        f"{'pins at start':>14}",
+        f"{'':20} {'tokens/s':>9} {'read/token':>11} {'hit rate':>9} {'prompt':>8} "
+        f"{'read before request':>20}",
     ]
     for r in runs:
         lines.append(f"{r.name:20} {r.tokens_per_s:9.1f} {_kib(r.bytes_per_token):>11} "
-                     f"{_percent(r.hit_rate):>9} {_percent(r.start_hit_rate):>9} "
-                     f"{r.pins_at_start:>14}")
-    lines.append("(one run each, prompt included in tokens/s; 'read/token': expert bytes read "
-                 "from disk per answer token, start-up reads included; 'at start': hit rate up "
-                 "to the answer's first token)")
+                     f"{_percent(r.answer_hit_rate):>9} {_percent(r.prompt_hit_rate):>8} "
+                     f"{_kib(r.start_bytes_read):>20}")
+    lines.append(f"(one run each of {warm.tokens} tokens, {first.tokens} for the first start; "
+                 "tokens/s with the prompt; 'read/token': expert bytes read from disk per "
+                 "answer token, the reads before the request included; 'hit rate': the expert "
+                 "cache lookups of the answer's tokens; 'prompt': those of the prompt)")
     lines.append(_verdict_line(warm, naive))
     lines.append(_warm_start_line(first, warm, naive))
     lines.append("not compared: the page-cache (mmap) mode, since nothing here can hold the "
@@ -387,7 +408,7 @@ def summary_lines(runs: list[RunFigures], budget: CacheBudget, io_path: str | No
 
 
 def _compare(ours: float, theirs: float, more: str, less: str) -> str:
-    """'1.31x ... (more)' in words; within 10 % of each other is called a draw."""
+    """'1.31x (more)' in words; within 10 % of each other is called a draw."""
     if theirs <= 0:
         return "n/a"
     ratio = ours / theirs
@@ -396,28 +417,29 @@ def _compare(ours: float, theirs: float, more: str, less: str) -> str:
     return f"{ratio:.2f}x ({more if ratio > 1 else less})"
 
 
+def _points(ours: float | None, theirs: float | None) -> str:
+    return "n/a" if ours is None or theirs is None else f"{100 * (ours - theirs):+.1f} points"
+
+
 def _verdict_line(warm: RunFigures, naive: RunFigures) -> str:
     """moed after a restart with learned state against the cold naive cache, same prompt."""
     speed = _compare(warm.tokens_per_s, naive.tokens_per_s, "faster", "SLOWER on this machine")
     reads = _compare(warm.bytes_per_token, naive.bytes_per_token, "MORE read on this machine",
                      "less read")
-    points = ("n/a" if warm.hit_rate is None or naive.hit_rate is None
-              else f"{100 * (warm.hit_rate - naive.hit_rate):+.1f} points")
     return (f"moed with what it learned, against the naive cache on the same prompt and budget: "
-            f"tokens/s {speed}; bytes read per token {reads}; hit rate {points}")
+            f"tokens/s {speed}; bytes read per token {reads}; hit rate "
+            f"{_points(warm.answer_hit_rate, naive.answer_hit_rate)}")
 
 
 def _warm_start_line(first: RunFigures, warm: RunFigures, naive: RunFigures) -> str:
     """Whether the first start's learned state made the second start warm."""
-    gain = ("n/a" if warm.start_hit_rate is None or first.start_hit_rate is None
-            else f"{100 * (warm.start_hit_rate - first.start_hit_rate):+.1f} points")
     return (f"warm start: the second start found the state the first one saved by the model's "
             f"fingerprint, pinned {warm.pins_at_start} experts (the first start ended with "
-            f"{first.pins_at_end}) and read {_kib(warm.start_bytes_read)} of its most used "
-            "experts before the request; "
-            f"hit rate up to the first token {_percent(warm.start_hit_rate)}, against "
-            f"{_percent(first.start_hit_rate)} for the first start (another prompt, {gain}) and "
-            f"{_percent(naive.start_hit_rate)} for the naive cache on the same prompt")
+            f"{first.pins_at_end}) and read {_kib(warm.start_bytes_read)} of the experts it had "
+            f"used most before the request; the prompt's lookups hit "
+            f"{_percent(warm.prompt_hit_rate)}, against {_percent(naive.prompt_hit_rate)} for "
+            f"the naive cache on the same prompt and {_percent(first.prompt_hit_rate)} for the "
+            "first start (another prompt)")
 
 
 def _reset_state_dir(state_dir: Path) -> None:
@@ -509,14 +531,11 @@ async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], s
         metrics_url = f"http://{metrics['address']}/metrics" if metrics else "(not served)"
         note(f"{spec.name}: daemon ready in {time.monotonic() - t0:.1f} s; asking it to "
              f"complete {spec.prompt!r}")
-        async with Client(socket_path) as client, Client(socket_path) as probe:
+        async with Client(socket_path) as client:
             before = await client.get("/v1/moed/stats")
             pins_at_start = len((await client.get("/v1/moed/pins")).get("pins") or ())
-            at_first: list[asyncio.Future] = []
 
             def write(piece: str) -> None:
-                if not at_first:      # the counters as the first token arrives
-                    at_first.append(asyncio.ensure_future(probe.get("/v1/moed/stats")))
                 if spec.shown:
                     out.write(piece)
                     out.flush()
@@ -529,22 +548,12 @@ async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], s
             if spec.shown:
                 out.write("\n\n")
                 out.flush()
-            first = await at_first[0] if at_first else before
             stats = await client.get("/v1/moed/stats")
             pins_at_end = len((await client.get("/v1/moed/pins")).get("pins") or ())
-        experts = stats.get("experts") or {}
-        first_experts = first.get("experts") or {}
-        figures = RunFigures(
-            name=spec.name, text=result.text, tokens=result.completion_tokens or 0,
-            duration_s=result.duration_s, bytes_read=int(experts.get("bytes_read", 0)),
-            hits=int(experts.get("hits", 0)) + int(experts.get("prefetch_hits", 0)),
-            misses=int(experts.get("misses", 0)),
-            start_hits=int(first_experts.get("hits", 0)) + int(first_experts.get("prefetch_hits", 0)),
-            start_misses=int(first_experts.get("misses", 0)),
-            pins_at_start=pins_at_start, pins_at_end=pins_at_end,
-            start_bytes_read=int((before.get("experts") or {}).get("bytes_read", 0)))
+        figures = figures_from_stats(spec.name, result.text, result.completion_tokens or 0,
+                                     result.duration_s, before, stats, pins_at_start, pins_at_end)
         if finish is not None:
-            finish(figures, experts.get("io_path"))
+            finish(figures, (stats.get("experts") or {}).get("io_path"))
         if keep:
             await _serve_until_signal(daemon, socket_path, metrics_url, note)
         elif spec.shown:

@@ -267,12 +267,13 @@ def test_stats_and_pins_print_the_daemons_json(daemon, model_dir, capsys):
 
 
 ROW = re.compile(r"^(naive LRU, cold|moed, first start|moed, second start) +(\d+\.\d) +(\d+) KiB +"
-                 r"(\d+\.\d) % +(\d+\.\d) % +(\d+)$", re.M)
+                 r"(\d+\.\d) % +(\d+\.\d) % +(\d+) KiB$", re.M)
 SOCKET = re.compile(r"three starts of moed serve on (\S+),")
 
 
 def demo_rows(stdout: str) -> dict[str, tuple[float, int, float, float, int]]:
-    """name -> (tokens/s, KiB read per token, hit rate %, hit rate at start %, pins at start)."""
+    """name -> (tokens/s, KiB read per token, answer hit rate %, prompt hit rate %, KiB read
+    before the request)."""
     return {m[0]: (float(m[1]), int(m[2]), float(m[3]), float(m[4]), int(m[5]))
             for m in ROW.findall(stdout)}
 
@@ -301,29 +302,34 @@ def test_demo_compares_moed_restarted_with_its_learned_state_against_the_naive_c
     rows = demo_rows(out)
     assert list(rows) == ["naive LRU, cold", "moed, first start", "moed, second start"]
     naive, first, warm = rows.values()
-    for tokens_per_s, read_kib, hit, at_start, _ in rows.values():
-        assert tokens_per_s > 0 and read_kib > 0 and 0 < hit < 100 and 0 <= at_start <= 100
-    assert naive[4] == 0 and first[4] == 0                      # nothing learned before them
+    for tokens_per_s, read_kib, hit, prompt_hit, _ in rows.values():
+        assert tokens_per_s > 0 and read_kib > 0 and 0 < hit < 100 and 0 <= prompt_hit <= 100
+    assert naive[3] == 0.0                    # a cold cache: the prompt's lookups all miss
+    assert naive[4] == 0 and first[4] == 0    # nothing learned before them: nothing read early
+    assert warm[4] > 0                        # the learned state was read back and used
+    assert "of 32 tokens, 128 for the first start" in out
     # the verdict line agrees with the table (rounding of the shown figures aside)
     verdict = re.search(r"^moed with what it learned, against the naive cache on the same prompt "
                         r"and budget: tokens/s (.*); bytes read per token (.*); hit rate "
                         r"([+-]\d+\.\d) points$", out, re.M)
     assert verdict, out
-    ratio = warm[0] / naive[0]
-    speed = verdict.group(1)
-    if abs(ratio - 1) < 0.09:
-        assert speed.startswith("about the same"), (ratio, speed)
-    elif abs(ratio - 1) > 0.11:
-        assert speed.endswith("(faster)" if ratio > 1 else "(SLOWER on this machine)"), (ratio, speed)
+    for (ours, theirs), said, up, down in (
+            ((warm[0], naive[0]), verdict.group(1), "(faster)", "(SLOWER on this machine)"),
+            ((warm[1], naive[1]), verdict.group(2), "(MORE read on this machine)", "(less read)")):
+        ratio = ours / theirs
+        if abs(ratio - 1) < 0.09:
+            assert said.startswith("about the same"), (ratio, said)
+        elif abs(ratio - 1) > 0.11:
+            assert said.endswith(up if ratio > 1 else down), (ratio, said)
     assert abs(float(verdict.group(3)) - (warm[2] - naive[2])) <= 0.11
     warm_line = re.search(r"^warm start: the second start found the state the first one saved by "
                           r"the model's fingerprint, pinned (\d+) experts \(the first start ended "
-                          r"with (\d+)\) and read (\d+) KiB of its most used experts before the "
-                          r"request; hit rate up to the first token (\d+\.\d) %", out, re.M)
+                          r"with (\d+)\) and read (\d+) KiB of the experts it had used most "
+                          r"before the request; the prompt's lookups hit (\d+\.\d) %, against "
+                          r"(\d+\.\d) % for the naive cache", out, re.M)
     assert warm_line, out
-    assert int(warm_line.group(1)) == warm[4]
-    assert int(warm_line.group(3)) > 0                          # the learned state was read
-    assert float(warm_line.group(4)) == warm[3]
+    assert int(warm_line.group(3)) == warm[4]
+    assert (float(warm_line.group(4)), float(warm_line.group(5))) == (warm[3], naive[3])
     assert re.search(r"^not compared: the page-cache \(mmap\) mode", out, re.M)
     assert not os.path.exists(SOCKET.search(proc.stderr).group(1))    # the daemons are gone
     assert '"event"' not in proc.stderr                                 # their logs stayed quiet
