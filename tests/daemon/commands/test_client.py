@@ -398,3 +398,34 @@ def test_the_default_cache_dir():
     assert default_cache_dir({"XDG_CACHE_HOME": "/c", "HOME": "/h"}) == Path("/c/moed")
     assert default_cache_dir({"XDG_CACHE_HOME": "relative", "HOME": "/h"}) == Path("/h/.cache/moed")
     assert default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/moed")
+
+
+def _figures(name, tokens_per_s, bytes_per_token, answer_hits, start_bytes=0):
+    from daemon.commands.demo import RunFigures
+    return RunFigures(name=name, text="", tokens=100, duration_s=100 / tokens_per_s,
+                      bytes_read=100 * bytes_per_token, start_bytes_read=start_bytes,
+                      prompt_hits=0, prompt_misses=10, answer_hits=answer_hits,
+                      answer_misses=100 - answer_hits, pins_at_start=0, pins_at_end=0)
+
+
+@pytest.mark.parametrize("warm_speed, warm_bytes, said_speed, said_bytes", [
+    (150.0, 5000, "tokens/s 1.50x (faster)", "bytes read per token 0.50x (less read)"),
+    (50.0, 20000, "tokens/s 0.50x (SLOWER on this machine)",
+     "bytes read per token 2.00x (MORE read on this machine)"),
+    (105.0, 10000, "tokens/s about the same (1.05x, within what one run can tell)",
+     "bytes read per token about the same (1.00x, within what one run can tell)"),
+])
+def test_the_demo_says_what_it_measured_whichever_way(warm_speed, warm_bytes, said_speed,
+                                                       said_bytes):
+    from daemon.commands.demo import CacheBudget, summary_lines
+    runs = [_figures("naive LRU, cold", 100.0, 10000, 40),
+            _figures("moed, first start", 100.0, 10000, 45),
+            _figures("moed, second start", warm_speed, warm_bytes, 47, start_bytes=4096)]
+    budget = CacheBudget(cache_bytes=2**20, expert_bytes=2**22, minimum_bytes=2**19, slots=4,
+                         experts=16)
+    lines = summary_lines(runs, budget, "direct")
+    verdict = next(line for line in lines if line.startswith("moed with what it learned"))
+    assert verdict == ("moed with what it learned, against the naive cache on the same prompt "
+                       f"and budget: {said_speed}; {said_bytes}; hit rate +7.0 points")
+    assert "experts with O_DIRECT, so every miss is read from disk" in lines[0]
+    assert "read 4 KiB of the experts it had used most" in "\n".join(lines)
