@@ -119,3 +119,4 @@ def test_generate_through_the_daemon_imports_no_numpy_nor_model_code(tmp_path):
     assert "aiohttp" in modules                                      # the client ran
     assert [m for m in _heavy(modules) if m.split(".")[0] != "aiohttp" and
             not m.startswith(("structlog",))] == []
+    assert "importlib.metadata" not in modules       # the version is looked up for --version only
