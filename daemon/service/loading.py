@@ -113,16 +113,13 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             cache_bytes = p.expert_cache_bytes
         prefix_bytes, context = p.prefix_cache_bytes, p.context_tokens
         sequences = p.max_concurrent_sequences
-    naive = config.expert_cache_mode == "naive"   # the baseline, as `moed bench` runs it
-    cache_options = (dict(prefetch=False, pin_fraction=0.0, policy="lru", learn_pins=False,
-                          referee=False, learned_state=False) if naive else
-                     dict(prefetch=config.prefetch, pin_fraction=config.pin_fraction))
     model, session = open_model(model_dir, threads=config.threads, cache_bytes=cache_bytes,
-                                io_workers=config.io_workers,
+                                io_workers=config.io_workers, prefetch=config.prefetch,
+                                pin_fraction=config.pin_fraction,
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ,
                                 record_trace=config.record_trace, numerics=config.numerics,
-                                **cache_options)
+                                baseline=config.expert_cache_mode == "naive")
     engine = Engine(model, tokenizer, max_concurrent_sequences=sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=prefix_bytes,
                     context_tokens=min(context or model.config.max_position_embeddings,

@@ -14,8 +14,6 @@ from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 
-NAIVE = dict(prefetch=False, pin_fraction=0.0, policy="lru", learn_pins=False, referee=False,
-             learned_state=False)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +32,8 @@ class _Opened(Exception):
 
 
 @pytest.mark.parametrize("mode, expected", [
-    ("naive", NAIVE),
-    ("moed", dict(prefetch=True, pin_fraction=0.5)),
+    ("naive", dict(baseline=True)),
+    ("moed", dict(baseline=False, prefetch=True, pin_fraction=0.5)),
 ])
 def test_the_mode_picks_the_cache_options(model_dir, monkeypatch, mode, expected):
     seen = {}
@@ -50,13 +48,12 @@ def test_the_mode_picks_the_cache_options(model_dir, monkeypatch, mode, expected
     with pytest.raises(_Opened):
         loading.load_for_serving(config, {})
     assert {k: seen.get(k) for k in expected} == expected
-    if mode == "moed":
-        assert "policy" not in seen and "learned_state" not in seen
 
 
 def test_the_naive_cache_learns_nothing_and_saves_nothing(model_dir, tmp_path):
     model, session = open_model(model_dir, threads=1, cache_bytes=5 * _slot(model_dir),
-                                state_dir=tmp_path, **NAIVE)
+                                state_dir=tmp_path, prefetch=True, pin_fraction=0.5,
+                                baseline=True)
     try:
         assert session.store is None
         cache = session.provider.cache
@@ -67,6 +64,10 @@ def test_the_naive_cache_learns_nothing_and_saves_nothing(model_dir, tmp_path):
             logits = model.forward(seq, [int(np.argmax(logits[-1]))])
         assert session.provider.cache.snapshot().hit_rate < 1.0    # it streamed experts
         assert session.flush() is False                  # what a daemon does on SIGTERM
+        session.rebuild(cache_bytes=6 * _slot(model_dir), pin_fraction=1.0, prefetch=True)
+        cache = session.provider.cache                   # a new budget, still naive
+        assert cache.policy_name == "lru" and cache.pinned_slots == 0 and cache.staging_slots == 0
+        assert (session.options.cache_bytes, session.options.prefetch) == (6 * _slot(model_dir), False)
     finally:
         model.close()
     assert list(tmp_path.iterdir()) == []
