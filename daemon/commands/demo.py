@@ -85,7 +85,7 @@ class DemoError(Exception):
 class DemoOptions:
     """What `moed demo` was asked to do, built at the edge (the CLI).
 
-    cache_dir: where the learned state and the last run's figures live.
+    cache_dir: where the learned state lives (its demo-state directory is emptied at start).
     model_dir: the model to serve (None: the embedded default model).
     keep: keep the daemon serving after the demo until SIGINT/SIGTERM.
     environ: the environment the daemon child starts from (MOED_* keys are dropped).
@@ -621,15 +621,17 @@ def register(sub, parents: Parents) -> None:
                "  moed demo --dir ./moed-demo --model ./my-model",
         formatter_class=ExamplesFormatter)
     d.add_argument("--dir", default=None, metavar="DIR", type=nonempty,
-                   help="where the demo keeps its learned state and last run's figures "
+                   help="where the demo keeps the state its runs learn, emptied when it starts "
                         "(default: $XDG_CACHE_HOME/moed, else ~/.cache/moed)")
     d.add_argument("--model", default=None, metavar="DIR", type=nonempty,
                    help="serve this Hugging Face model directory instead of the embedded "
                         "default model")
     d.add_argument("--keep", action="store_true",
-                   help="keep the daemon serving after the demo, until Ctrl-C")
-    d.add_argument("--max-tokens", type=positive_int, default=96, metavar="N",
-                   help="most tokens of the answer (default: 96)")
+                   help="keep the last daemon (moed with what it learned) serving after the "
+                        "demo, until Ctrl-C")
+    d.add_argument("--max-tokens", type=positive_int, default=DEMO_MAX_TOKENS, metavar="N",
+                   help=f"most tokens of each answer; the learning start answers "
+                        f"{LEARN_TOKENS_FACTOR} times as many (default: {DEMO_MAX_TOKENS})")
     d.set_defaults(func=run)
 
 
