@@ -481,8 +481,8 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
         note(f"three starts of moed serve on {socket_path}, each with an expert cache of "
              f"{_mib(budget.cache_bytes)} ({budget.slots} of {budget.experts} experts, "
              f"{_mib(budget.expert_bytes)} in all) and the shards' page cache dropped first: "
-             f"moed learning (state in {state_dir}, emptied now), moed restarted with what it "
-             "learned, and the naive cache (LRU, no pins, no prefetch, nothing learned)")
+             "the naive cache (LRU, no pins, no prefetch, nothing learned), moed learning "
+             f"(state in {state_dir}, emptied now), and moed restarted with what it learned")
         figures: list[RunFigures] = []
         specs = demo_runs(options.max_tokens)
 
