@@ -119,7 +119,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 pin_fraction=config.pin_fraction,
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ,
-                                record_trace=config.record_trace, numerics=config.numerics)
+                                record_trace=config.record_trace, numerics=config.numerics,
+                                baseline=config.expert_cache_mode == "naive")
     engine = Engine(model, tokenizer, max_concurrent_sequences=sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=prefix_bytes,
                     context_tokens=min(context or model.config.max_position_embeddings,
