@@ -38,6 +38,10 @@ a 300-property one, where a compile of even the small one takes 1 ms). Refusals 
 cached too, except timeouts (they depend on the load), and a compile already running for
 the same schema is awaited, not repeated. The worker also computes the first mask: a
 schema no value satisfies ({"$ref": "#"}) is refused there, not at the first token.
+And it consumes the tokens the grammar forces and a few more of one path
+(grammar_worker.first_steps_error): llguidance checks its row limit (max_items_in_row,
+2000) only when a token is consumed, so an anyOf of 4000 objects is refused there with
+llguidance's message, not at the first token of its request.
 Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley items).
 
 A cache entry is charged what its matcher holds: the worker measures the C heap before

@@ -348,3 +348,32 @@ def test_a_large_matcher_is_used_but_not_cached_and_a_larger_one_refused(model_d
         asyncio.run(run())
     finally:
         grammars.close()
+
+
+
+def test_an_anyof_past_llguidances_row_limit_is_a_400_at_validation(model_dir):
+    """In-process, the default limits: an anyOf of 4000 objects (a ~37 MB matcher, within
+    1/16 of the default 1 GiB). Its first mask is fine, and llguidance's row limit (2000
+    items) fails only when a token is consumed; the worker consumes the first tokens, so
+    the compile is refused with llguidance's message (a 400), not a 500 at the first
+    token. The refusal is a verdict on the schema: cached."""
+    from daemon.service.grammar import GrammarError, GrammarLimitError
+    grammars = _grammars(model_dir)
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": {"anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(4000)]}}}
+
+    async def run():
+        spec = grammars.spec(fmt)
+        for _ in range(2):
+            with pytest.raises(GrammarError) as caught:
+                await grammars.compile(spec)
+            assert not isinstance(caught.value, GrammarLimitError)
+            message = str(caught.value)
+            assert "Current row has 4000 items; max is 2000" in message, message
+            assert "<non-verbose/>" not in message
+        assert (grammars.misses, grammars.hits) == (1, 1)
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
