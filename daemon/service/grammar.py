@@ -65,8 +65,13 @@ Compiles wait on the event loop (no thread held while waiting) for one of `worke
 compile slots, each with its own thread of a pool only compiles use; a request that gets
 no slot within timeout_s is a 429 (GrammarBusyError). So clients sending costly schemas
 wait for each other and nothing else: the default thread pool (templates, tokenizing)
-and the engine are not theirs to fill. `close()` (shutdown) kills the workers: a waiting
-compile ends at once with GrammarClosedError.
+and the engine are not theirs to fill. The slots are shared fairly
+(daemon/service/compile_slots.py): a client holds one at a time, its other compiles wait
+(a few; beyond, a 429 at once) while other clients take the free ones, so one client
+sending bombs does not make every other client's compile a 429. A schema whose compile
+ran out of time within TIMED_OUT_S is refused at once with the same 400 (a bounded
+record, TIMED_OUT_ENTRIES keys), not compiled for another timeout_s. `close()`
+(shutdown) kills the workers: a waiting compile ends at once with GrammarClosedError.
 """
 from __future__ import annotations
 
@@ -77,12 +82,14 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 
+from daemon.service.compile_slots import CompileSlots, SlotRefused
 from daemon.service.grammar_worker import build_matcher
 from daemon.service.workers import WorkerProcess
 from ext.tokenizer import Tokenizer
@@ -100,6 +107,8 @@ CACHE_BYTES = 256 << 20         # their memory: what each matcher holds, measure
 CACHE_ENTRY_FRACTION = 8        # a matcher above CACHE_BYTES / 8 is used once, not cached
 COMPILED_FRACTION = 16          # a matcher above memory_bytes / 16 (64 MiB of 1 GiB): a 400
 TEXT_BYTES_FACTOR = 16          # the least a matcher is charged: 16 bytes a grammar text byte
+TIMED_OUT_S = 60.0              # a schema whose compile timed out is refused at once this long
+TIMED_OUT_ENTRIES = 1024        # timed-out schemas remembered (the oldest out first)
 WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
 
 
@@ -109,6 +118,10 @@ class GrammarError(ValueError):
 
 class GrammarLimitError(GrammarError):
     """The compile passed grammar_compile_timeout_s or grammar_compile_memory_bytes."""
+
+
+class GrammarTimeoutError(GrammarLimitError):
+    """The compile passed grammar_compile_timeout_s (its worker was killed at the deadline)."""
 
 
 class GrammarKilledError(GrammarLimitError):
@@ -175,12 +188,12 @@ class Grammars:
     (the grammar allows them once the JSON is complete). timeout_s, memory_bytes: the
     bounds of one compile (grammar_compile_timeout_s, grammar_compile_memory_bytes;
     `set_limits` changes them). workers: compiles at once (processes, started on first
-    use and again after one is killed).
+    use and again after one is killed). clock: monotonic seconds (of the timed-out record).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: frozenset[int], *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 workers: int = DEFAULT_WORKERS):
+                 workers: int = DEFAULT_WORKERS, clock=time.monotonic):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         eos = sorted(eos_ids) or None
@@ -190,7 +203,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
-        self._slots = asyncio.Semaphore(workers)
+        self._slots = CompileSlots(workers)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._idle: list[WorkerProcess] = []
         self._all: set[WorkerProcess] = set()
@@ -200,6 +213,8 @@ class Grammars:
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._cache_bytes = 0
         self._pending: dict[str, asyncio.Future] = {}
+        self._timed_out: OrderedDict[str, tuple[float, GrammarLimitError]] = OrderedDict()
+        self._clock = clock
         self.hits = self.misses = self.killed = 0
 
     def set_limits(self, timeout_s: float, memory_bytes: int) -> None:
@@ -208,6 +223,7 @@ class Grammars:
             self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
             self._cache.clear()
             self._cache_bytes = 0
+            self._timed_out.clear()
 
     def spec(self, response_format: dict) -> GrammarSpec | None:
         """What to compile for `response_format` (OpenAI's shape), or None for {"type":
@@ -237,12 +253,22 @@ class Grammars:
         return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
                            .hexdigest())
 
-    async def compile(self, spec: GrammarSpec):
-        """A factory of JsonConstraint for `spec` (call on the event loop). Raises
+    async def compile(self, spec: GrammarSpec, client: Hashable = ("unknown",)):
+        """A factory of JsonConstraint for `spec` (call on the event loop). client: who
+        asks (compile_slots.client_of), for the fair share of the slots. Raises
         GrammarError (the schema cannot be used), GrammarLimitError (a bound stopped its
-        compile), GrammarBusyError (no compile slot in time), GrammarClosedError."""
+        compile, or did within TIMED_OUT_S), GrammarBusyError (no compile slot in time, or
+        too many of the client's compiles wait), GrammarClosedError."""
         if self._closed:
             raise GrammarClosedError("moed is shutting down")
+        timed_out = self._timed_out.get(spec.key)
+        if timed_out is not None:
+            if self._clock() - timed_out[0] < TIMED_OUT_S:
+                self.hits += 1
+                ago = self._clock() - timed_out[0]
+                raise GrammarTimeoutError(f"{timed_out[1]} {ago:.0f} s ago, and is not tried "
+                                          f"again within {TIMED_OUT_S:g} s")
+            del self._timed_out[spec.key]
         entry = self._cache.get(spec.key)
         if entry is not None:
             self.hits += 1
@@ -251,7 +277,8 @@ class Grammars:
             pending = self._pending.get(spec.key)
             if pending is None:
                 self.misses += 1
-                pending = self._pending[spec.key] = asyncio.ensure_future(self._compile(spec))
+                pending = self._pending[spec.key] = asyncio.ensure_future(
+                    self._compile(spec, client))
                 pending.add_done_callback(lambda _: self._pending.pop(spec.key, None))
             entry = await asyncio.shield(pending)
         if entry.error is not None:         # a fresh one: a cached error keeps no traceback
@@ -259,13 +286,18 @@ class Grammars:
         template, vocab = entry.matcher, self.vocab_size
         return lambda: JsonConstraint(template.deep_copy(), vocab)
 
-    async def _compile(self, spec: GrammarSpec) -> _Entry:
+    async def _compile(self, spec: GrammarSpec, client: Hashable) -> _Entry:
         timeout_s = self.timeout_s
-        acquire = asyncio.ensure_future(self._slots.acquire())
+        acquire = asyncio.ensure_future(self._slots.acquire(client))
         closing = asyncio.ensure_future(self._closing.wait())
         await asyncio.wait({acquire, closing}, timeout=timeout_s,
                            return_when=asyncio.FIRST_COMPLETED)
         closing.cancel()
+        if acquire.done() and not acquire.cancelled() and isinstance(acquire.exception(),
+                                                                       SlotRefused):
+            return _Entry(None, GrammarBusyError(
+                f"this client's grammar compiles hold their share of the compile slots and "
+                f"{acquire.exception()}: try again later"), 0)
         if not acquire.done() or self._closed:
             acquire.cancel()
             try:
@@ -273,7 +305,7 @@ class Grammars:
             except asyncio.CancelledError:
                 pass
             else:
-                self._slots.release()
+                self._slots.release(client)
             if self._closed:
                 return _Entry(None, GrammarClosedError("moed is shutting down"), 0)
             return _Entry(None, GrammarBusyError(
@@ -285,7 +317,12 @@ class Grammars:
         except RuntimeError:           # the executor was shut down: closing
             entry = _Entry(None, GrammarClosedError("moed is shutting down"), 0)
         finally:
-            self._slots.release()
+            self._slots.release(client)
+        if self._timed_out_error(entry.error):
+            self._timed_out[spec.key] = (self._clock(), entry.error)
+            self._timed_out.move_to_end(spec.key)
+            while len(self._timed_out) > TIMED_OUT_ENTRIES:
+                self._timed_out.popitem(last=False)
         if self._cacheable(entry):
             self._cache[spec.key] = entry
             self._cache_bytes += entry.cost
@@ -299,8 +336,11 @@ class Grammars:
             return False
         error = entry.error
         return not isinstance(error, (GrammarBusyError, GrammarClosedError,
-                                      GrammarKilledError)) and not (
-            isinstance(error, GrammarLimitError) and "grammar_compile_timeout_s" in str(error))
+                                      GrammarKilledError)) and not Grammars._timed_out_error(error)
+
+    @staticmethod
+    def _timed_out_error(error: GrammarError | None) -> bool:
+        return isinstance(error, GrammarTimeoutError)
 
     def _compile_blocking(self, grammar: str, timeout_s: float, memory_bytes: int) -> _Entry:
         """On a compile thread: the worker's verdict, then the in-process compile."""
@@ -322,7 +362,7 @@ class Grammars:
                         timeout_s=timeout_s, memory_bytes=memory_bytes,
                         effect="the request gets a 400; a new worker starts")
             if waited >= timeout_s:
-                return _Entry(None, GrammarLimitError(
+                return _Entry(None, GrammarTimeoutError(
                     f"the JSON schema did not compile within {timeout_s:g} s "
                     "(grammar_compile_timeout_s)"), 0)
             if ended == "signal 9":

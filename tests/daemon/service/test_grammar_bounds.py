@@ -108,9 +108,10 @@ def test_a_schema_no_value_satisfies_is_a_400_at_validation(daemon):
 
 
 def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
-    """Eight different bombs at once (more than asyncio's default pool has threads here):
-    two compile, the others wait on the event loop; a plain completion sent while both
-    compiles run is answered before any bomb is."""
+    """Eight different bombs at once (more than asyncio's default pool has threads here),
+    from one client: one compiles (a client holds one slot at a time), a few wait on the
+    event loop, the rest are refused at once; a plain completion sent while a compile runs
+    is answered before any bomb that waited is."""
     mark = daemon.mark()
     answers: list[tuple[str, int, dict]] = []
     lock = threading.Lock()
@@ -126,21 +127,32 @@ def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
         t.start()
     with daemon._cond:
         assert daemon._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
-                                                 for e in daemon.events[mark:]) >= 2, 30)
+                                                 for e in daemon.events[mark:]) >= 1, 30)
     plain = threading.Thread(target=send, args=("plain", None))
     plain.start()
     plain.join(60)
     for t in bombs:
         t.join(60)
     assert len(answers) == 9
-    assert answers[0][:2] == ("plain", 200), answers       # before every bomb's answer
-    for name, status, body in answers[1:]:
+    names = [name for name, _, _ in answers]
+    at = names.index("plain")
+    assert answers[at][1] == 200, answers
+    waited = 0
+    for i, (name, status, body) in enumerate(answers):
+        if name == "plain":
+            continue
         assert status in (400, 429), (name, body)         # the timeout, or no slot in time
-        assert "grammar_compile_timeout_s" in body["error"]["message"]
-
+        message = body["error"]["message"]
+        if "compiles of this client wait" in message:     # refused at once: not waiting
+            continue
+        assert "grammar_compile_timeout_s" in message, message
+        assert i > at, answers                              # plain before each that waited
+        waited += 1
+    assert waited >= 2
 
 def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
-    """Three bombs whose compiles would run 60 s: two compile, one waits for a slot.
+    """Three bombs whose compiles would run 60 s, from one client: one compiles, two wait
+    for a slot (a client holds one at a time).
     SIGTERM ends the daemon at once, the workers with it, and every client is answered
     503 (or sees its connection close)."""
     d = _start(model_dir, "--grammar-compile-timeout-s", "60")
@@ -158,7 +170,7 @@ def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
             c.start()
         with d._cond:
             assert d._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
-                                                for e in d.events[mark:]) >= 2, 30)
+                                                for e in d.events[mark:]) >= 1, 30)
         pids = [e["pid"] for e in d.events[mark:] if e["event"] == "grammar_compile_started"]
         started = time.monotonic()
         assert d.stop(timeout=30) == 0
@@ -373,6 +385,76 @@ def test_an_anyof_past_llguidances_row_limit_is_a_400_at_validation(model_dir):
             assert "Current row has 4000 items; max is 2000" in message, message
             assert "<non-verbose/>" not in message
         assert (grammars.misses, grammars.hits) == (1, 1)
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
+
+
+def test_a_clients_bombs_hold_one_slot_and_another_clients_schema_compiles_promptly(
+        model_dir):
+    """In-process, two slots: client A sends three bombs at once, then client B a small
+    schema. A holds one slot (its other bombs wait), so B's compile takes the other at once
+    and is done long before A's first bomb times out (before: A's bombs held both slots
+    and B's compile waited out timeout_s, a 429)."""
+    from daemon.service.grammar import GrammarError
+    timeout_s = 6.0
+    grammars = _grammars(model_dir, timeout_s=timeout_s, workers=2)
+    small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1, 2]}}}
+
+    async def run():
+        await asyncio.get_running_loop().run_in_executor(None, grammars.start)
+        await asyncio.get_running_loop().run_in_executor(None, grammars.start)   # 2 idle
+        bombs = [asyncio.ensure_future(grammars.compile(grammars.spec(bomb(30, salt=str(i))),
+                                                        ("ip", "192.0.2.1")))
+                 for i in range(3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert grammars._slots.held(("ip", "192.0.2.1")) == 1
+        assert grammars._slots.waiting(("ip", "192.0.2.1")) == 2
+        started = time.monotonic()
+        factory = await grammars.compile(grammars.spec(small), ("ip", "192.0.2.2"))
+        took = time.monotonic() - started
+        assert factory().mask().any()
+        assert not any(b.done() for b in bombs)             # A's first bomb still runs
+        grammars.close()
+        outcomes = await asyncio.gather(*bombs, return_exceptions=True)
+        assert all(isinstance(o, GrammarError) for o in outcomes), outcomes
+        return took
+    try:
+        took = asyncio.run(run())
+        assert took < timeout_s / 2, took
+    finally:
+        grammars.close()
+
+
+def test_a_schema_that_timed_out_is_refused_at_once_for_a_while(model_dir, monkeypatch):
+    """In-process, with a clock of its own: a bomb that ran out of time is refused again at
+    once (no second compile) until TIMED_OUT_S have passed, then compiled again; the record
+    keeps TIMED_OUT_ENTRIES schemas."""
+    from daemon.service import grammar
+    monkeypatch.setattr(grammar, "TIMED_OUT_ENTRIES", 1)
+    now = [1000.0]
+    grammars = _grammars(model_dir, timeout_s=1.0, clock=lambda: now[0])
+
+    async def run():
+        spec = grammars.spec(bomb(30))
+        with pytest.raises(grammar.GrammarTimeoutError, match="grammar_compile_timeout_s"):
+            await grammars.compile(spec)
+        assert grammars.misses == 1
+        now[0] += grammar.TIMED_OUT_S - 1
+        started = time.monotonic()
+        with pytest.raises(grammar.GrammarTimeoutError, match="not tried again"):
+            await grammars.compile(spec)
+        assert time.monotonic() - started < 0.5 and grammars.misses == 1
+        now[0] += 1
+        with pytest.raises(grammar.GrammarTimeoutError, match="grammar_compile_timeout_s"):
+            await grammars.compile(spec)                    # compiled (and timed out) again
+        assert grammars.misses == 2
+        other = grammars.spec(bomb(30, salt="o"))
+        with pytest.raises(grammar.GrammarTimeoutError):
+            await grammars.compile(other)
+        assert list(grammars._timed_out) == [other.key]     # the oldest went
     try:
         asyncio.run(run())
     finally:
