@@ -44,6 +44,13 @@ And it consumes the tokens the grammar forces and a few more of one path
 llguidance's message, not at the first token of its request.
 Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley items).
 
+The address-space cap of a worker is `memory_bytes`: grammar_compile_memory_bytes, or
+less where the memory left free for the compiles (`memory_room_bytes`, which loading.py
+takes from the memory plan: the margin it keeps free under the cgroup's or the host's
+limit) split between the `workers` compile slots is less (`effective_memory_bytes`): in
+a 400 MiB cgroup two workers of 1 GiB each would take memory the daemon was planned to
+have. Errors name that effective cap, and the configured one when it was lowered.
+
 A cache entry is charged what its matcher holds: the worker measures the C heap before
 the compile and while the matcher is alive (daemon/service/grammar_worker.py), and the
 same compile holds the same in the daemon. Not the daemon's resident growth around its
@@ -110,6 +117,15 @@ TEXT_BYTES_FACTOR = 16          # the least a matcher is charged: 16 bytes a gra
 TIMED_OUT_S = 60.0              # a schema whose compile timed out is refused at once this long
 TIMED_OUT_ENTRIES = 1024        # timed-out schemas remembered (the oldest out first)
 WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
+
+
+def effective_memory_bytes(configured: int, room_bytes: int | None, workers: int) -> int:
+    """The address-space cap of one compile worker: `configured` (grammar_compile_memory_bytes)
+    or, when less, `room_bytes` (the memory free for all the compile workers; None =
+    unknown) split between the `workers` slots that may compile at once."""
+    if room_bytes is None:
+        return configured
+    return max(0, min(configured, room_bytes // workers))
 
 
 class GrammarError(ValueError):
@@ -187,13 +203,17 @@ class Grammars:
     tokenizer does not know are never allowed). eos_ids: the ids that end an answer
     (the grammar allows them once the JSON is complete). timeout_s, memory_bytes: the
     bounds of one compile (grammar_compile_timeout_s, grammar_compile_memory_bytes;
-    `set_limits` changes them). workers: compiles at once (processes, started on first
+    `set_limits` changes them). memory_room_bytes: the memory free for all the compile
+    workers together, or None (unknown: memory_bytes stands); the cap of each worker is
+    `effective_memory_bytes` (the attribute `memory_bytes`; the configured one is
+    `configured_memory_bytes`). workers: compiles at once (processes, started on first
     use and again after one is killed). clock: monotonic seconds (of the timed-out record).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: frozenset[int], *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 workers: int = DEFAULT_WORKERS, clock=time.monotonic):
+                 workers: int = DEFAULT_WORKERS, memory_room_bytes: int | None = None,
+                 clock=time.monotonic):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         eos = sorted(eos_ids) or None
@@ -202,7 +222,13 @@ class Grammars:
         self._init = {"tokenizer": text, "vocab_size": vocab_size, "eos": eos or []}
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        self.memory_bytes = memory_bytes
+        self.memory_room_bytes = memory_room_bytes
+        self._workers = workers
+        self.configured_memory_bytes = memory_bytes
+        self.memory_bytes = effective_memory_bytes(memory_bytes, memory_room_bytes, workers)
+        log.info("grammar_compile_memory", memory_bytes=self.memory_bytes,
+                 configured_memory_bytes=memory_bytes, room_bytes=memory_room_bytes,
+                 workers=workers)
         self._slots = CompileSlots(workers)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._idle: list[WorkerProcess] = []
@@ -218,9 +244,15 @@ class Grammars:
         self.hits = self.misses = self.killed = 0
 
     def set_limits(self, timeout_s: float, memory_bytes: int) -> None:
-        """New bounds (SIGHUP); the refusals cached under the old ones are forgotten."""
-        if (timeout_s, memory_bytes) != (self.timeout_s, self.memory_bytes):
-            self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
+        """New bounds (SIGHUP; memory_bytes: grammar_compile_memory_bytes, capped as at the
+        start); the refusals cached under the old ones are forgotten."""
+        effective = effective_memory_bytes(memory_bytes, self.memory_room_bytes, self._workers)
+        self.configured_memory_bytes = memory_bytes
+        if (timeout_s, effective) != (self.timeout_s, self.memory_bytes):
+            self.timeout_s, self.memory_bytes = timeout_s, effective
+            log.info("grammar_compile_memory", memory_bytes=effective,
+                     configured_memory_bytes=memory_bytes, room_bytes=self.memory_room_bytes,
+                     workers=self._workers)
             self._cache.clear()
             self._cache_bytes = 0
             self._timed_out.clear()
@@ -330,6 +362,15 @@ class Grammars:
                 self._cache_bytes -= self._cache.popitem(last=False)[1].cost
         return entry
 
+    def _memory_key(self, memory_bytes: int) -> str:
+        """The key that set `memory_bytes`, for messages: the configured value, and why it
+        was lowered when it was."""
+        if memory_bytes >= self.configured_memory_bytes:
+            return "grammar_compile_memory_bytes"
+        return (f"grammar_compile_memory_bytes {self.configured_memory_bytes}, lowered to "
+                f"{memory_bytes} by the memory free for {self._workers} compile workers "
+                "under the machine's or cgroup's limit")
+
     @staticmethod
     def _cacheable(entry: _Entry) -> bool:
         if entry.cost > CACHE_BYTES // CACHE_ENTRY_FRACTION:
@@ -374,7 +415,8 @@ class Grammars:
                     "try a smaller schema, or again later"), 0)
             return _Entry(None, GrammarLimitError(
                 f"the JSON schema needed more than {memory_bytes} bytes to compile "
-                f"(grammar_compile_memory_bytes; its compile process ended with {ended})"), 0)
+                f"({self._memory_key(memory_bytes)}; its compile process ended with "
+                f"{ended})"), 0)
         with self._lock:
             if self._closed:
                 worker.kill()
@@ -385,7 +427,7 @@ class Grammars:
             if answer.get("limit"):
                 return _Entry(None, GrammarLimitError(
                     f"the JSON schema needed more than {memory_bytes} bytes to compile "
-                    "(grammar_compile_memory_bytes)"), 64)
+                    f"({self._memory_key(memory_bytes)})"), 64)
             return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"),
                           64 + len(error))
         # The worker compiled it within the limits: the same compile here ends as it did,
@@ -396,7 +438,8 @@ class Grammars:
             log.info("grammar_compile_refused", bytes=cost, max_bytes=most)
             return _Entry(None, GrammarLimitError(
                 f"the compiled JSON schema would hold {cost} bytes, more than {most} "
-                f"(1/{COMPILED_FRACTION} of grammar_compile_memory_bytes)"), 64)
+                f"(1/{COMPILED_FRACTION} of {memory_bytes}, {self._memory_key(memory_bytes)})"),
+                64)
         started = time.monotonic()
         matcher, error = build_matcher(self._tokenizer, grammar)
         if error is not None:          # not expected: the worker said it compiles
@@ -429,8 +472,8 @@ class Grammars:
                 raise GrammarClosedError("moed is shutting down")
             raise GrammarLimitError(
                 f"a grammar compile process did not start within {STARTUP_S:g} s ({ended}; "
-                f"grammar_compile_memory_bytes {memory_bytes} may be too small for this "
-                "tokenizer)")
+                f"a cap of {memory_bytes} bytes, {self._memory_key(memory_bytes)}, may be too "
+                "small for this tokenizer)")
         return worker
 
     def _discard(self, worker: WorkerProcess) -> str:

@@ -77,7 +77,10 @@ def test_the_bomb_is_a_400_naming_the_limit_within_the_timeout(daemon):
     assert "grammar_compile_timeout_s" in error["message"]
     assert took < TIMEOUT_S + MARGIN_S
     killed = daemon.wait_event("grammar_compile_killed", from_index=mark)
-    assert killed["memory_bytes"] == 512 << 20 and killed["ended"] == "signal 9"
+    capped = daemon.wait_event("grammar_compile_memory")         # logged at the start
+    assert capped["configured_memory_bytes"] == 512 << 20 and capped["workers"] == 2
+    assert 0 < capped["memory_bytes"] <= 512 << 20 and capped["room_bytes"] is not None
+    assert killed["memory_bytes"] == capped["memory_bytes"] and killed["ended"] == "signal 9"
     assert _complete(daemon)[0] == 200                     # the daemon goes on
 
 
@@ -457,5 +460,56 @@ def test_a_schema_that_timed_out_is_refused_at_once_for_a_while(model_dir, monke
         assert list(grammars._timed_out) == [other.key]     # the oldest went
     try:
         asyncio.run(run())
+    finally:
+        grammars.close()
+
+
+def test_the_workers_memory_cap_is_what_the_memory_plan_leaves_free(model_dir, monkeypatch):
+    """In-process load, with a reading of a 400 MiB memory cgroup (faked through the
+    function the planner reads the machine with): the plan keeps its margin free (5%:
+    20 MiB), and each of the two compile workers gets half of it, not
+    grammar_compile_memory_bytes (1 GiB: two of them would take more than the cgroup
+    has). An error names that cap and the key it lowered."""
+    from daemon.machine.memory import MemoryReading
+    from daemon.service import loading
+    from daemon.service.config import ServeConfig
+    from daemon.service.grammar import GrammarLimitError
+    from scheduler.planner import CgroupLimit
+    limit = 400 << 20
+    reading = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, limit, 0, 0),))
+    monkeypatch.setattr(loading, "read_memory", lambda: reading)
+    config = ServeConfig(model=str(model_dir), tuner="off", threads=1,
+                         prefix_cache_bytes=16 << 20)
+    loaded = loading.load_for_serving(config, {})
+    try:
+        grammars = loaded.grammars
+        margin = int(loading.MARGIN_FRACTION * limit)
+        assert grammars.configured_memory_bytes == 1 << 30
+        assert grammars.memory_room_bytes == margin
+        assert grammars.memory_bytes == margin // 2 == 10 << 20
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1]}}}
+        with pytest.raises(GrammarLimitError) as caught:      # 10 MiB: no worker starts
+            asyncio.run(grammars.compile(grammars.spec(fmt)))
+        message = str(caught.value)
+        assert f"a cap of {10 << 20} bytes" in message, message
+        assert f"grammar_compile_memory_bytes {1 << 30}, lowered to {10 << 20}" in message
+        grammars.set_limits(grammars.timeout_s, 4 << 20)      # SIGHUP: below the room's share
+        assert grammars.memory_bytes == 4 << 20
+    finally:
+        loaded.close()
+
+
+def test_a_memory_error_names_the_lowered_cap(model_dir):
+    """A bomb in a worker capped at half of a 400 MiB room (not the configured 1 GiB): the
+    400 names the 200 MiB it ran into, and the configured value it replaced."""
+    from daemon.service.grammar import GrammarLimitError
+    grammars = _grammars(model_dir, timeout_s=30.0, memory_room_bytes=400 << 20)
+    assert grammars.memory_bytes == 200 << 20
+    try:
+        with pytest.raises(GrammarLimitError) as caught:
+            asyncio.run(grammars.compile(grammars.spec(bomb(30))))
+        message = str(caught.value)
+        assert f"needed more than {200 << 20} bytes" in message, message
+        assert f"grammar_compile_memory_bytes {1 << 30}, lowered to {200 << 20}" in message
     finally:
         grammars.close()
