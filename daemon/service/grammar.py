@@ -44,12 +44,12 @@ And it consumes the tokens the grammar forces and a few more of one path
 llguidance's message, not at the first token of its request.
 Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley items).
 
-The address-space cap of a worker is `memory_bytes`: grammar_compile_memory_bytes, or
-less where the memory left free for the compiles (`memory_room_bytes`, which loading.py
-takes from the memory plan: the margin it keeps free under the cgroup's or the host's
-limit) split between the `workers` compile slots is less (`effective_memory_bytes`): in
-a 400 MiB cgroup two workers of 1 GiB each would take memory the daemon was planned to
-have. Errors name that effective cap, and the configured one when it was lowered.
+The address-space cap of a worker (`memory_bytes`, `effective_memory_bytes`) is the
+smaller of grammar_compile_memory_bytes and its share of the memory left free for the
+compiles (`memory_room_bytes`, split between the `workers` slots; loading.py takes it
+from the memory plan: the margin the plan keeps free under the cgroup's or the host's
+limit). In a 400 MiB cgroup, two workers of 1 GiB each would take memory the daemon was
+planned to have. Errors name the cap in force, and the configured one it lowered.
 
 A cache entry is charged what its matcher holds: the worker measures the C heap before
 the compile and while the matcher is alive (daemon/service/grammar_worker.py), and the
@@ -295,9 +295,9 @@ class Grammars:
             raise GrammarClosedError("moed is shutting down")
         timed_out = self._timed_out.get(spec.key)
         if timed_out is not None:
-            if self._clock() - timed_out[0] < TIMED_OUT_S:
+            ago = self._clock() - timed_out[0]
+            if ago < TIMED_OUT_S:
                 self.hits += 1
-                ago = self._clock() - timed_out[0]
                 raise GrammarTimeoutError(f"{timed_out[1]} {ago:.0f} s ago, and is not tried "
                                           f"again within {TIMED_OUT_S:g} s")
             del self._timed_out[spec.key]
@@ -350,7 +350,7 @@ class Grammars:
             entry = _Entry(None, GrammarClosedError("moed is shutting down"), 0)
         finally:
             self._slots.release(client)
-        if self._timed_out_error(entry.error):
+        if isinstance(entry.error, GrammarTimeoutError):     # refused at once for a while
             self._timed_out[spec.key] = (self._clock(), entry.error)
             self._timed_out.move_to_end(spec.key)
             while len(self._timed_out) > TIMED_OUT_ENTRIES:
@@ -377,11 +377,7 @@ class Grammars:
             return False
         error = entry.error
         return not isinstance(error, (GrammarBusyError, GrammarClosedError,
-                                      GrammarKilledError)) and not Grammars._timed_out_error(error)
-
-    @staticmethod
-    def _timed_out_error(error: GrammarError | None) -> bool:
-        return isinstance(error, GrammarTimeoutError)
+                                      GrammarKilledError, GrammarTimeoutError))
 
     def _compile_blocking(self, grammar: str, timeout_s: float, memory_bytes: int) -> _Entry:
         """On a compile thread: the worker's verdict, then the in-process compile."""

@@ -513,3 +513,17 @@ def test_a_memory_error_names_the_lowered_cap(model_dir):
         assert f"grammar_compile_memory_bytes {1 << 30}, lowered to {200 << 20}" in message
     finally:
         grammars.close()
+
+
+def test_the_room_without_a_plan_is_what_the_reading_leaves_less_the_caches():
+    """expert_cache_bytes set (no plan): the room is the tightest bound of the reading less
+    the caches' budgets (they fill later), never below 0; None when nothing is known; with
+    a plan, its margin."""
+    from daemon.machine.memory import MemoryReading
+    from daemon.service.loading import grammar_room_bytes
+    from scheduler.planner import CgroupLimit
+    cgroup = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, 1 << 30, 300 << 20, 0),))
+    assert grammar_room_bytes(None, 200 << 20, cgroup) == (1 << 30) - (500 << 20)
+    assert grammar_room_bytes(None, 2 << 30, cgroup) == 0
+    assert grammar_room_bytes(None, 0, MemoryReading(None, ())) is None
+    assert grammar_room_bytes(20 << 20, 2 << 30, cgroup) == 20 << 20
