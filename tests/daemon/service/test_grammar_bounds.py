@@ -47,10 +47,10 @@ def model_dir(tmp_path_factory):
                       experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=4)
 
 
-def _start(model_dir, *args) -> Daemon:
+def _start(model_dir, *args, env: dict | None = None) -> Daemon:
     return Daemon(model_dir, short_dir(), "--threads", "1", "--log-level", "debug",
                   "--grammar-compile-memory-bytes", WORKER_MEMORY, *args,
-                  launcher=(tools.path("prlimit"), f"--as={DAEMON_AS}"))
+                  launcher=(tools.path("prlimit"), f"--as={DAEMON_AS}"), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -527,3 +527,56 @@ def test_the_room_without_a_plan_is_what_the_reading_leaves_less_the_caches():
     assert grammar_room_bytes(None, 2 << 30, cgroup) == 0
     assert grammar_room_bytes(None, 0, MemoryReading(None, ())) is None
     assert grammar_room_bytes(20 << 20, 2 << 30, cgroup) == 20 << 20
+
+
+def test_over_tcp_one_peers_bombs_leave_a_slot_for_another_peer(model_dir):
+    """End to end, over TCP with one api_key for both: the peer at 127.0.0.2 sends three
+    bombs, then the peer at 127.0.0.3 a small schema. The first peer's bombs hold one
+    compile slot (the others wait), so the second's compile starts at once and its answer
+    (200) comes long before the first bomb's timeout (before: the bombs held both slots
+    and the small schema was a 429 after grammar_compile_timeout_s)."""
+    import http.client
+    timeout_s = 8.0
+    d = _start(model_dir, "--grammar-compile-timeout-s", str(timeout_s),
+               "--tcp-address", "127.0.0.1:0", env={"MOED_API_KEY": "k"})
+    try:
+        host, port = d.wait_event("tcp_listening")["address"].rsplit(":", 1)
+
+        def complete(source: str, fmt: dict) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection(host, int(port), timeout=120,
+                                              source_address=(source, 0))
+            body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "response_format": fmt}
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Authorization": "Bearer k",
+                                  "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            out = resp.status, json.loads(resp.read())
+            conn.close()
+            return out
+
+        mark = d.mark()
+        bombs: list = []
+        threads = [threading.Thread(target=lambda i=i: bombs.append(
+            complete("127.0.0.2", bomb(30, salt=f"t{i}")))) for i in range(3)]
+        for t in threads:
+            t.start()
+        with d._cond:
+            assert d._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
+                                                for e in d.events[mark:]) >= 1, 30)
+        started = time.monotonic()
+        small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+        status, body = complete("127.0.0.3", small)
+        took = time.monotonic() - started
+        assert status == 200, body
+        assert took < timeout_s / 2, took
+        assert bombs == []                                   # none answered yet
+        compiles = [e for e in d.events[mark:] if e["event"] == "grammar_compile_started"]
+        assert len(compiles) == 2, compiles                  # one bomb, the small schema
+        for t in threads:
+            t.join(120)
+        assert len(bombs) == 3
+        assert all(s in (400, 429) for s, _ in bombs), bombs
+    finally:
+        assert d.stop() == 0
+        d.cleanup()
