@@ -4,7 +4,9 @@
 `ServeConfig` describes (in a worker thread: the loop keeps answering /health) and
 returns them as one `Loaded`. Without `expert_cache_bytes`, `plan_serving_memory` sizes
 the expert cache from one reading of the machine (daemon/machine/memory.py) through the
-memory planner (scheduler/planner.py).
+memory planner (scheduler/planner.py). `grammar_room_bytes` says how much of the memory
+is free for the grammar compile workers, which caps their address space
+(daemon/service/grammar.py).
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     cache_bytes = config.expert_cache_bytes
     prefix_bytes, context = config.prefix_cache_bytes, config.max_context_tokens
     sequences = config.max_concurrent_sequences
+    margin_bytes = None              # what the memory plan leaves free, when there is one
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
                                       pin_fraction=config.pin_fraction,
@@ -114,6 +117,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             cache_bytes = p.expert_cache_bytes
         prefix_bytes, context = p.prefix_cache_bytes, p.context_tokens
         sequences = p.max_concurrent_sequences
+        margin_bytes = p.margin_bytes
     model, session = open_model(model_dir, threads=config.threads, cache_bytes=cache_bytes,
                                 io_workers=config.io_workers, prefetch=config.prefetch,
                                 pin_fraction=config.pin_fraction,
@@ -144,7 +148,9 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     try:
         grammars = Grammars(tokenizer, model.config.vocab_size, stop_ids,
                             timeout_s=config.grammar_compile_timeout_s,
-                            memory_bytes=config.grammar_compile_memory_bytes)
+                            memory_bytes=config.grammar_compile_memory_bytes,
+                            memory_room_bytes=grammar_room_bytes(
+                                margin_bytes, (cache_bytes or 0) + (prefix_bytes or 0)))
     except ValueError as e:       # llguidance cannot read this tokenizer: text only
         log.warning("grammar_unavailable", error=str(e))
         grammars = None
@@ -157,6 +163,30 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
                   grammars=grammars, weight_formats=model.weight_formats(),
                   templates=templates)
+
+
+def grammar_room_bytes(margin_bytes: int | None, unfilled_bytes: int,
+                       reading: MemoryReading | None = None) -> int | None:
+    """The memory free for the grammar compile workers, all together, in bytes (None:
+    no bound is known).
+
+    With a memory plan (margin_bytes given): its margin, the memory the plan leaves free
+    under the tightest of MemAvailable and the cgroup limits (MARGIN_FRACTION of it).
+    Everything else the plan gives away to the daemon (the expert cache takes the rest),
+    and the compile workers are outside the plan: in a 400 MiB cgroup, two workers of
+    grammar_compile_memory_bytes (1 GiB) could take what the daemon was planned to have.
+    Without one (expert_cache_bytes set): what the reading (default: `read_memory()`,
+    now, after the load) leaves, less `unfilled_bytes` (the expert and prefix caches'
+    budgets, which fill as requests come: counted whole, so the room errs low).
+    """
+    if margin_bytes is not None:
+        return margin_bytes
+    reading = reading or read_memory()
+    try:
+        available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except ValueError:             # MemoryPlanError: nothing known
+        return None
+    return max(0, available - unfilled_bytes)
 
 
 PLANNED_CONTEXT = 8192          # tokens of context wanted per sequence (at most the model's)
