@@ -44,8 +44,10 @@ def test_configuration_page_names_every_key():
     page = _read("docs/configuration.md")
     rows = set(re.findall(r"^\| `([a-z_]+)` \|", page, re.M))
     assert rows == set(KEYS), (sorted(set(KEYS) - rows), sorted(rows - set(KEYS)))
-    for key in KEYS:
-        assert f"`MOED_{key.upper()}`" in page and f"`--{key.replace('_', '-')}`" in page, key
+    for key, spec in KEYS.items():
+        row = re.search(rf"^\| `{key}` \|.*$", page, re.M).group(0)
+        assert f"`MOED_{key.upper()}`" in row and f"`--{key.replace('_', '-')}`" in row, key
+        assert spec.help in row, key            # the words of `moed serve --help`
 
 
 def test_make_model_reference_lists_every_architecture():
@@ -57,10 +59,12 @@ def test_make_model_reference_lists_every_architecture():
 
 def test_readme_table_and_cli_reference_name_every_command():
     readme, cli = _read("README.md"), _read("docs/cli.md")
-    table = re.findall(r"^\| \[`moed ([a-z-]+)`\]\(docs/cli\.md#moed-([a-z-]+)\) \|", readme, re.M)
-    assert [name for name, _ in table] == [c.name for c in COMMANDS]
+    table = re.findall(r"^\| \[`moed ([a-z-]+)`\]\(docs/cli\.md#moed-([a-z-]+)\) \| (.+) \|$",
+                       readme, re.M)
+    # the table is `moed --help`'s list: every command, in its order, with its line
+    assert [(name, text) for name, _, text in table] == [(c.name, c.help) for c in COMMANDS]
     headings = set(re.findall(r"^## moed ([a-z-]+)$", cli, re.M))
-    for name, anchor in table:
+    for name, anchor, _ in table:
         assert anchor == name and name in headings, name
 
 
@@ -76,11 +80,14 @@ def test_readme_keeps_both_commands():
 def test_metrics_page_names_every_family():
     metrics = DaemonMetrics(version="0", model_type="qwen3_moe", moe_layers=[0, 1],
                             read_seconds_buckets=[0.001, float("inf")])
-    names = {f.name for f in metrics.registry.collect() if not f.name.startswith("process_")}
-    assert len(names) > 20
-    rows = re.findall(r"^\| `(moed_[a-z_]+)` \|", _read("docs/metrics.md"), re.M)
-    base = {re.sub(r"_(total|info)$", "", row) for row in rows}
-    assert base == names, (sorted(names - base), sorted(base - names))
+    families = {f.name: f.documentation for f in metrics.registry.collect()
+                if not f.name.startswith("process_")}
+    assert len(families) > 20
+    rows = dict(re.findall(r"^\| `(moed_[a-z_]+)` \| [a-z]+ \| [^|]+ \| (.+) \|$",
+                           _read("docs/metrics.md"), re.M))
+    documented = {re.sub(r"_(total|info)$", "", name): text.replace("\\|", "|")
+                  for name, text in rows.items()}
+    assert documented == families           # every family, with its HELP text
 
 
 def test_testing_page_names_every_package_the_test_run_installs():
