@@ -241,9 +241,17 @@ enum { MOED_IK_INT8 = 0, MOED_IK_INT4M = 1, MOED_IK_INT4S = 2, MOED_IK_MXFP4 = 3
 #define MOED_IPASS 8
 #endif
 _Static_assert(MOED_IPASS % 4 == 0 && MOED_IPASS <= MOED_ROWS, "rows of a pass");
-/* Bytes of a row prefetched ahead. */
+/* Bytes of a row prefetched ahead (int8 rows stream twice the bytes per block). */
 #ifndef MOED_I_PREFETCH
 #define MOED_I_PREFETCH 512
+#endif
+#ifndef MOED_I_PREFETCH_INT8
+#define MOED_I_PREFETCH_INT8 1024
+#endif
+/* Scales (and mins) prefetched this many groups ahead along each row: without it the
+ * scale streams, not the codes, bounded a cold int4 mat-vec (see moed_idot_chunk). */
+#ifndef MOED_I_SCALES_AHEAD
+#define MOED_I_SCALES_AHEAD 64
 #endif
 
 /* mxfp4: nibble -> 2 x E2M1 + 12 (0..24), for vpshufb. */
@@ -318,15 +326,20 @@ static inline __attribute__((always_inline)) __m512i moed_ireduce4(const __m512i
 
 /* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes
  * at wp, the planes at qp1 and qp2, cs1 and cs2 their bias corrections. Each weight
- * vector is loaded and decoded once and meets both planes. */
+ * vector is loaded and decoded once and meets both planes. half (n <= 8): blocks 8 .. 15
+ * are not computed (their sums are -cs, and their t's are never added). */
 static inline __attribute__((always_inline)) void
 moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
-              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+              moed_is16 cs2, const int full, int n, const int half, moed_is16 *S1, moed_is16 *S2) {
     __m512i v1[4], v2[4];
     const __m512i zero = _mm512_setzero_si512();
     if (kind == MOED_IK_INT8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int i = 0; i < 4; i++) {
+            if (half && i >= 2) {   /* blocks 8 .. 15 */
+                v1[i] = v2[i] = zero;
+                continue;
+            }
             __m512i p1[2], p2[2];
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * i + h;
@@ -344,6 +357,10 @@ moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t
         const __m512i m = _mm512_set1_epi8(15);
         const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(MOED_E2M1X2_BIASED));
         for (int i = 0; i < 4; i++) {
+            if (half && i >= 2) {   /* blocks 8 .. 15 */
+                v1[i] = v2[i] = zero;
+                continue;
+            }
             __m512i b = moed_load64(wp + 64 * i, full, 16 * n - 64 * i);
             __m512i lo = _mm512_and_si512(b, m), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
             if (kind == MOED_IK_MXFP4) {
@@ -449,13 +466,15 @@ moed_ichunk_S8(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_
 }
 
 /* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0), in two
- * halves of 8 blocks (the accumulators of both planes fit the 16 registers). */
+ * halves of 8 blocks (the accumulators of both planes fit the 16 registers); half
+ * (n <= 8): the second is not computed (as on AVX-512). */
 static inline __attribute__((always_inline)) void
 moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
-              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+              moed_is16 cs2, const int full, int n, const int half, moed_is16 *S1, moed_is16 *S2) {
     moed_is16 r1, r2;
     moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 0, &r1.lo, &r2.lo);
-    moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 1, &r1.hi, &r2.hi);
+    if (half) r1.hi = r2.hi = _mm256_setzero_si256();
+    else moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 1, &r1.hi, &r2.hi);
     if (moed_ikind_bias(kind)) {
         r1.lo = _mm256_sub_epi32(r1.lo, cs1.lo);
         r1.hi = _mm256_sub_epi32(r1.hi, cs1.hi);
@@ -558,13 +577,19 @@ static inline int moed_itail_overread_ok(const moed_weight *w, const int kind, p
 }
 
 /* One chunk (blocks b0 .. b0+n-1) of rows r0 .. r0+nrows-1 (nrows a multiple of 4, or
- * 1), added to the rows' sums (full: whole-chunk loads, else none past block n): y4[k] holds rows 4k .. 4k+3, y1 the
- * single row's. */
+ * 1), added to the rows' sums (full: whole-chunk loads, else none past block n; half:
+ * n <= 8, the integer work of half a chunk): y4[k] holds rows 4k .. 4k+3, y1 the single
+ * row's.
+ * Prefetch: each row's codes MOED_I_PREFETCH bytes ahead (MOED_I_PREFETCH_INT8 for
+ * int8, whose blocks are twice as long) and into L2 two passes ahead, and its scales
+ * (and mins) MOED_I_SCALES_AHEAD groups ahead. A chunk's scales are 16 bytes (mxfp4) or
+ * 32 (f16, groups of 32), a line every 2-4 chunks; the prefetch is issued every chunk
+ * (cheap, mostly a hit). */
 static inline __attribute__((always_inline)) void
 moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
                 const uint8_t *const *row, const int8_t *q1, const int8_t *q2, const float *d,
                 const float *e, const float *ds, const int32_t *s1, const int32_t *s2, ptrdiff_t b0,
-                const int full, int n, __m128 *y4, float *y1) {
+                const int full, int n, const int half, __m128 *y4, float *y1) {
     const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
     const ptrdiff_t off = b0 * bpb;
     const moed_v16 dv = moed_v16_load(d + b0), ev = moed_v16_load(e + b0);
@@ -574,13 +599,23 @@ moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nr
     float tmp[4][16] __attribute__((aligned(64)));
     moed_v16 tv[4];
     for (int k = 0; k < nrows; k++) {
-        if (full)
+        if (full) {
+            const ptrdiff_t ahead = kind == MOED_IK_INT8 ? MOED_I_PREFETCH_INT8 : MOED_I_PREFETCH;
             for (int l = 0; l < 16 * bpb; l += 64) {
-                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
+                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + ahead, w->row_bytes, nrows));
                 moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
             }
+            const ptrdiff_t sa = (r0 + k) * w->scale_ld +
+                                 moed_prefetch_at((32 * b0) / w->scale_cols + MOED_I_SCALES_AHEAD, w->scale_ld, nrows);
+            if (kind == MOED_IK_MXFP4) {
+                __builtin_prefetch((const uint8_t *)w->scales + sa);
+            } else {
+                __builtin_prefetch((const uint16_t *)w->scales + sa);
+                if (kind == MOED_IK_INT4M) __builtin_prefetch(w->mins + sa);
+            }
+        }
         moed_is16 S1, S2;
-        moed_ichunk_S(kind, row[k] + off, q1 + 32 * b0, q2 + 32 * b0, cs1, cs2, full, n, &S1, &S2);
+        moed_ichunk_S(kind, row[k] + off, q1 + 32 * b0, q2 + 32 * b0, cs1, cs2, full, n, half, &S1, &S2);
         moed_v16 sw, mv = moed_v16_zero();
         if (full) moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
         else moed_itail_scales(w, r0 + k, b0, n, &sw, &mv);
@@ -617,12 +652,17 @@ moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nro
     for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
     for (int k = 0; k < MOED_ROWS / 4; k++) y4[k] = _mm_setzero_ps();
     for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
-        moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, b0, 1, MOED_ICHUNK, y4, &y1);
-    if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays */
-        if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull))
-            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 1, (int)(nb - nfull), y4, &y1);
-        else
-            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 0, (int)(nb - nfull), y4, &y1);
+        moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, b0, 1, MOED_ICHUNK, 0, y4, &y1);
+    if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays;
+                         * at most 8 of them: the integer work of half a chunk */
+        const int n = (int)(nb - nfull);
+        if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull)) {
+            if (n <= 8) moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 1, n, 1, y4, &y1);
+            else moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 1, n, 0, y4, &y1);
+        } else {
+            if (n <= 8) moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 0, n, 1, y4, &y1);
+            else moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 0, n, 0, y4, &y1);
+        }
     }
     if (nrows == 1) out[0] = y1;
     else
