@@ -7,26 +7,33 @@ What it does, in order:
    directory given with ``--model``, checks that it can be served and says what it is.
 2. Gives the expert cache `DEMO_CACHE_FRACTION` of the routed experts' bytes (never
    below the daemon's minimum plus room for pins), so the experts do not fit, and starts
-   `moed serve` three times on a private socket, each time after dropping the shards'
-   page cache (POSIX_FADV_DONTNEED; no root needed), so every expert the daemon reads
-   comes from disk (it reads with O_DIRECT, or drops what it read):
-   a. the naive cache (``expert_cache_mode = "naive"``: LRU, no pins, no prefetch,
-      nothing learned), cold, completing `DEMO_PROMPT`;
-   b. moed's cache from an emptied state directory, completing `LEARN_PROMPT` (longer,
-      so that the pin learner can decide); it saves what it learned on SIGTERM;
-   c. moed's cache again: the state is found by the model's fingerprint; it completes
-      `DEMO_PROMPT`, and its answer is streamed to stdout.
-3. Prints each start's figures, as the daemon counted them (tokens/s, expert bytes read
-   per token, hit rate, hit rate up to the first token, pins), and in words how (c)
-   compared with (a) and with (b), whichever way it came out: nothing is expected. The
-   page-cache (mmap) mode is not compared: without a memory cgroup nothing holds the page
-   cache to the same budget.
+   `moed serve` ``1 + 2 * repeats`` times on a private socket, each time after dropping
+   the shards' page cache (POSIX_FADV_DONTNEED; no root needed), so every expert the
+   daemon reads comes from disk (it reads with O_DIRECT, or drops what it read):
+   a. moed learning: moed's cache from an emptied state directory, completing
+      `LEARN_PROMPT` (another prompt, and longer, so that the pin learner can decide); it
+      saves what it learned (usage counts, and pins when the learner found they pay) on
+      SIGTERM, and the demo keeps a copy of that state;
+   b. `repeats` times, alternately (so that the machine's load falls on both alike):
+      the naive cache (``expert_cache_mode = "naive"``: LRU, no pins, no prefetch,
+      nothing learned), cold, completing `DEMO_PROMPT`; and moed restarted from the copy
+      of the learned state (found by the model's fingerprint), completing `DEMO_PROMPT`.
+      The last restart's answer is streamed to stdout.
+3. Prints the learning run on a line of its own (another prompt: not comparable), then a
+   row for each of the naive cache and the restarted moed: the median tokens/s with its
+   min-max over the starts, and the figures that do not depend on the machine's speed
+   (expert bytes read per token, hit rates of the answer's and of the prompt's lookups,
+   bytes read before the request). Then in words how they compared, whichever way it came
+   out: nothing is expected. A difference in speed is called one only when the ranges do
+   not overlap. The page-cache (mmap) mode is not compared: without a memory cgroup
+   nothing holds the page cache to the same budget.
 4. Stops each daemon with SIGTERM and requires exit code 0. With ``--keep`` the last one
    keeps serving until Ctrl-C (or SIGTERM) first.
 
 Progress goes to stderr; the daemon's own log stays hidden unless it fails, then its last
 lines are shown. The learned usage lives in ``<dir>/demo-state`` (keyed by the model's
-fingerprint), emptied when a demo starts.
+fingerprint): that directory (only it) is emptied when a demo starts, the learning run
+fills it, and it is put back to what the learning run saved before each restart.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -61,6 +69,9 @@ DEMO_CACHE_FRACTION = 0.25     # of the routed experts' bytes ...
 # layer is top_k 4 + 4 spare, so a quarter it is).
 DEMO_SPARE_SLOTS_PER_LAYER = 2
 DEMO_MAX_TOKENS = 96
+# Starts of each of the naive cache and the restarted moed. With no real difference, the
+# 5 + 5 tokens/s figures come out in two separate ranges by chance 2 times in C(10, 5) = 252.
+DEMO_REPEATS = 5
 # The first start answers this many times as many tokens: pin learning decides after two
 # windows of 32 tokens at the earliest, and only when learning stays a small share of the time.
 LEARN_TOKENS_FACTOR = 4
@@ -88,6 +99,7 @@ class DemoOptions:
     cache_dir: where the learned state lives (its demo-state directory is emptied at start).
     model_dir: the model to serve (None: the embedded default model).
     keep: keep the daemon serving after the demo until SIGINT/SIGTERM.
+    repeats: starts of each of the naive cache and the restarted moed (at least 2).
     environ: the environment the daemon child starts from (MOED_* keys are dropped).
     """
 
@@ -95,6 +107,7 @@ class DemoOptions:
     model_dir: Path | None = None
     keep: bool = False
     max_tokens: int = DEMO_MAX_TOKENS
+    repeats: int = DEMO_REPEATS
     environ: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -277,6 +290,7 @@ class RunSpec:
     prompt: str
     max_tokens: int
     shown: bool               # stream the completion to stdout
+    learned: bool = False     # start from the copy of what the learning run saved
 
 
 @dataclass
@@ -344,13 +358,23 @@ def _rate(hits: int, misses: int) -> float | None:
     return hits / (hits + misses) if hits + misses else None
 
 
-def demo_runs(max_tokens: int) -> list[RunSpec]:
-    """The demo's three daemon starts, in order (see the module doc); the last one's answer
-    is shown, and with --keep that daemon keeps serving."""
-    return [RunSpec("naive LRU, cold", "naive", DEMO_PROMPT, max_tokens, shown=False),
-            RunSpec("moed, first start", "moed", LEARN_PROMPT, LEARN_TOKENS_FACTOR * max_tokens,
-                    shown=False),
-            RunSpec("moed, second start", "moed", DEMO_PROMPT, max_tokens, shown=True)]
+LEARN_NAME = "moed learning"
+NAIVE_NAME = "naive LRU, cold"
+WARM_NAME = "moed, restarted"
+
+
+def demo_runs(max_tokens: int, repeats: int) -> list[RunSpec]:
+    """The demo's daemon starts, in order (see the module doc): the learning run, then
+    `repeats` pairs of the naive cache and moed restarted with what it learned. The last
+    one's answer is shown, and with --keep that daemon keeps serving."""
+    runs = [RunSpec(LEARN_NAME, "moed", LEARN_PROMPT, LEARN_TOKENS_FACTOR * max_tokens,
+                    shown=False)]
+    for i in range(1, repeats + 1):
+        runs.append(RunSpec(f"{NAIVE_NAME} {i}/{repeats}", "naive", DEMO_PROMPT, max_tokens,
+                            shown=False))
+        runs.append(RunSpec(f"{WARM_NAME} {i}/{repeats}", "moed", DEMO_PROMPT, max_tokens,
+                            shown=i == repeats, learned=True))
+    return runs
 
 
 def _mib(n: float) -> str:
@@ -378,68 +402,165 @@ def model_line(model_dir: Path, embedded: bool) -> str:
     return f"the model: {model_dir} ({shape})"
 
 
+@dataclass(frozen=True)
+class Spread:
+    """One figure over a mode's starts: its median, least and most."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float | None]) -> Spread | None:
+        """None when no start had the figure (a rate with no lookups)."""
+        known = sorted(v for v in values if v is not None)
+        if not known:
+            return None
+        return cls(statistics.median(known), known[0], known[-1])
+
+    def shown(self, fmt: Callable[[float], str]) -> str:
+        """'median (min-max)', or the one value when every start had it."""
+        if self.low == self.high:
+            return fmt(self.median)
+        return f"{fmt(self.median)} ({fmt(self.low)}-{fmt(self.high)})"
+
+
+# The columns of the table: heading, figure of one start, format. `moed demo --help` and
+# docs/cli.md name them the same way.
+_COLUMNS: list[tuple[str, Callable[[RunFigures], float | None], Callable[[float], str]]] = [
+    ("tokens/s median (min-max)", lambda r: r.tokens_per_s, lambda x: f"{x:.1f}"),
+    ("read/token", lambda r: r.bytes_per_token, lambda x: _kib(x)),
+    ("answer hit rate", lambda r: r.answer_hit_rate, lambda x: _percent(x)),
+    ("prompt hit rate", lambda r: r.prompt_hit_rate, lambda x: _percent(x)),
+    ("read before request", lambda r: r.start_bytes_read, lambda x: _kib(x)),
+]
+
+
 def summary_lines(runs: list[RunFigures], budget: CacheBudget, io_path: str | None) -> list[str]:
-    """The comparison printed on stdout after the answer: every figure measured in this
-    demo, one run each, and what they say in words, whichever way they came out."""
-    naive, first, warm = runs
+    """The comparison printed on stdout after the answer, from every start in the order of
+    `demo_runs` (the learning run, then naive and restarted moed alternately): the learning
+    run on a line of its own, a row per mode with the median tokens/s and its min-max, and
+    what the figures say in words, whichever way they came out."""
+    learn, naive, warm = runs[0], runs[1::2], runs[2::2]
+    assert len(naive) == len(warm) >= 1, len(runs)
     lines = [
         f"expert cache budget: {_mib(budget.cache_bytes)} for {_mib(budget.expert_bytes)} of "
         f"routed experts ({100 * budget.cache_bytes / budget.expert_bytes:.0f} %); the shards' "
         "page cache was dropped (POSIX_FADV_DONTNEED) before each start and the daemon reads "
         f"experts {'with O_DIRECT' if io_path == 'direct' else 'dropping what it read'}, so "
         "every miss is read from disk",
-        f"{'':20} {'tokens/s':>9} {'read/token':>11} {'hit rate':>9} {'prompt':>8} "
-        f"{'read before request':>20}",
+        f"learning run (another prompt and {learn.tokens} tokens, not comparable with the rows "
+        f"below): {learn.tokens_per_s:.1f} tokens/s, {_kib(learn.bytes_per_token)} read/token, "
+        f"answer hit rate {_percent(learn.answer_hit_rate)}, prompt hit rate "
+        f"{_percent(learn.prompt_hit_rate)}",
+        f"the same prompt and seed, {warm[-1].tokens} tokens, {len(naive)} starts of each, "
+        "alternately:",
     ]
-    for r in runs:
-        lines.append(f"{r.name:20} {r.tokens_per_s:9.1f} {_kib(r.bytes_per_token):>11} "
-                     f"{_percent(r.answer_hit_rate):>9} {_percent(r.prompt_hit_rate):>8} "
-                     f"{_kib(r.start_bytes_read):>20}")
-    lines.append(f"(one run each of {warm.tokens} tokens, {first.tokens} for the first start; "
-                 "tokens/s with the prompt; 'read/token': expert bytes read from disk per "
-                 "answer token, the reads before the request included; 'hit rate': the expert "
-                 "cache lookups of the answer's tokens; 'prompt': those of the prompt)")
-    lines.append(_verdict_line(warm, naive))
-    lines.append(_warm_start_line(first, warm, naive))
+    cells = [["", *(heading for heading, _, _ in _COLUMNS)]]
+    for name, mode in ((NAIVE_NAME, naive), (WARM_NAME, warm)):
+        row = [name]
+        for _, figure, fmt in _COLUMNS:
+            spread = Spread.of([figure(r) for r in mode])
+            row.append("n/a" if spread is None else spread.shown(fmt))
+        cells.append(row)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    for row in cells:
+        lines.append("  ".join([row[0].ljust(widths[0])]
+                               + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]).rstrip())
+    lines.append("(tokens/s: answer tokens over the request's time, the prompt included; "
+                 "read/token: expert bytes read from disk per answer token, the reads before "
+                 "the request included; answer hit rate: the expert cache lookups of the "
+                 "answer's tokens; prompt hit rate: those of the prompt; read before request: "
+                 "expert bytes the daemon read at start, before the request came)")
+    lines.extend(_verdict_lines(naive, warm))
+    lines.append(_warm_start_line(learn, naive, warm))
     lines.append("not compared: the page-cache (mmap) mode, since nothing here can hold the "
                  "page cache to the same budget (that takes a memory cgroup); without one it "
                  f"keeps all {_mib(budget.expert_bytes)} of experts in RAM")
     return lines
 
 
-def _compare(ours: float, theirs: float, more: str, less: str) -> str:
-    """'1.31x (more)' in words; within 10 % of each other is called a draw."""
-    if theirs <= 0:
+def _same_in_every_start(runs: list[RunFigures]) -> bool:
+    """Whether the counted figures (not the time) were the same in each of `runs`."""
+    return len({(r.tokens, r.bytes_read, r.start_bytes_read, r.prompt_hits, r.prompt_misses,
+                 r.answer_hits, r.answer_misses) for r in runs}) == 1
+
+
+def _compare(ours: Spread | None, theirs: Spread | None, more: str, less: str,
+             fmt: Callable[[float], str]) -> str:
+    """How `ours` compares with `theirs`: more or less only when their ranges (min-max over
+    the starts) do not overlap, 'the same' when every start of both had one value, else
+    within the noise."""
+    if ours is None or theirs is None or theirs.median <= 0:
         return "n/a"
-    ratio = ours / theirs
-    if abs(ratio - 1) < 0.1:
-        return f"about the same ({ratio:.2f}x, within what one run can tell)"
-    return f"{ratio:.2f}x ({more if ratio > 1 else less})"
+    ratio = ours.median / theirs.median
+    if ours.low > theirs.high:
+        return f"{ratio:.2f}x ({more})"
+    if ours.high < theirs.low:
+        return f"{ratio:.2f}x ({less})"
+    if ours.low == ours.high == theirs.low == theirs.high:
+        return "the same"
+    return (f"within the noise ({ratio:.2f}x of the medians {fmt(ours.median)} and "
+            f"{fmt(theirs.median)}, but the ranges {fmt(ours.low)}-{fmt(ours.high)} and "
+            f"{fmt(theirs.low)}-{fmt(theirs.high)} overlap)")
 
 
-def _points(ours: float | None, theirs: float | None) -> str:
-    return "n/a" if ours is None or theirs is None else f"{100 * (ours - theirs):+.1f} points"
+def _points(ours: Spread | None, theirs: Spread | None) -> str:
+    if ours is None or theirs is None:
+        return "n/a"
+    return f"{100 * (ours.median - theirs.median):+.1f} points"
 
 
-def _verdict_line(warm: RunFigures, naive: RunFigures) -> str:
-    """moed after a restart with learned state against the cold naive cache, same prompt."""
-    speed = _compare(warm.tokens_per_s, naive.tokens_per_s, "faster", "SLOWER on this machine")
-    reads = _compare(warm.bytes_per_token, naive.bytes_per_token, "MORE read on this machine",
-                     "less read")
-    return (f"moed with what it learned, against the naive cache on the same prompt and budget: "
-            f"tokens/s {speed}; bytes read per token {reads}; hit rate "
-            f"{_points(warm.answer_hit_rate, naive.answer_hit_rate)}")
+def _verdict_lines(naive: list[RunFigures], warm: list[RunFigures]) -> list[str]:
+    """moed restarted with what it learned against the cold naive cache, same prompt: first
+    the counted figures (bytes read, hits), which the machine's speed does not move, then
+    tokens/s, which it does."""
+    def spread(runs: list[RunFigures], figure: Callable[[RunFigures], float | None]):
+        return Spread.of([figure(r) for r in runs])
+
+    same = _same_in_every_start(naive) and _same_in_every_start(warm)
+    reads = _compare(spread(warm, lambda r: r.bytes_per_token),
+                     spread(naive, lambda r: r.bytes_per_token),
+                     "MORE read on this machine", "less read", _kib)
+    answer = _points(spread(warm, lambda r: r.answer_hit_rate),
+                     spread(naive, lambda r: r.answer_hit_rate))
+    prompt = _points(spread(warm, lambda r: r.prompt_hit_rate),
+                     spread(naive, lambda r: r.prompt_hit_rate))
+    speed = _compare(spread(warm, lambda r: r.tokens_per_s),
+                     spread(naive, lambda r: r.tokens_per_s),
+                     "faster: every moed start was faster than every naive one",
+                     "SLOWER on this machine: every moed start was slower than every naive one",
+                     lambda x: f"{x:.1f}")
+    counted = ("the same in every start of each mode: they follow from the prompt, the seed and "
+               "the cache, not from the machine's speed" if same else
+               "they varied between starts of a mode (prefetches ending in another order), so "
+               "these are medians")
+    return [f"moed restarted with what it learned, against the naive cache: bytes read per "
+            f"token {reads}; answer hit rate {answer}; prompt hit rate {prompt} ({counted})",
+            f"speed, which this machine's load moves: tokens/s {speed}"]
 
 
-def _warm_start_line(first: RunFigures, warm: RunFigures, naive: RunFigures) -> str:
-    """Whether the first start's learned state made the second start warm."""
-    return (f"warm start: the second start found the state the first one saved by the model's "
-            f"fingerprint, pinned {warm.pins_at_start} experts (the first start ended with "
-            f"{first.pins_at_end}) and read {_kib(warm.start_bytes_read)} of the experts it had "
-            f"used most before the request; the prompt's lookups hit "
-            f"{_percent(warm.prompt_hit_rate)}, against {_percent(naive.prompt_hit_rate)} for "
-            f"the naive cache on the same prompt and {_percent(first.prompt_hit_rate)} for the "
-            "first start (another prompt)")
+def _warm_start_line(learn: RunFigures, naive: list[RunFigures], warm: list[RunFigures]) -> str:
+    """What the restarts took from the learning run, in plain words."""
+    read_before = Spread.of([r.start_bytes_read for r in warm])
+    prompt_warm = Spread.of([r.prompt_hit_rate for r in warm])
+    prompt_naive = Spread.of([r.prompt_hit_rate for r in naive])
+
+    def percent(spread: Spread | None) -> str:
+        return "n/a" if spread is None else spread.shown(_percent)
+
+    pins = warm[0].pins_at_start
+    if learn.pins_at_end == 0 and pins == 0:
+        pinned = ("no experts were pinned: pins come only when the tuner finds that they pay, "
+                  "and in the learning run it found they did not")
+    else:
+        pinned = (f"{pins} experts were pinned at start (the learning run ended with "
+                  f"{learn.pins_at_end} pins, which its tuner found pay)")
+    return (f"warm start: each restart found the state the learning run saved, by the model's "
+            f"fingerprint: usage counts of the experts, from which it read the most used "
+            f"({read_before.shown(_kib)}) before the request, so the prompt's lookups hit "
+            f"{percent(prompt_warm)}, against {percent(prompt_naive)} for the naive cache; "
+            f"{pinned}")
 
 
 def _reset_state_dir(state_dir: Path) -> None:
@@ -449,6 +570,26 @@ def _reset_state_dir(state_dir: Path) -> None:
         state_dir.mkdir(parents=True)
     except OSError as e:
         raise DemoError(f"cannot create the demo's state directory {state_dir}: {e.strerror}") from None
+
+
+def _copy_state(source: Path, target: Path) -> None:
+    """Make `target` a copy of the state directory `source` (what was there goes)."""
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        shutil.copytree(source, target)
+    except OSError as e:
+        raise DemoError(f"cannot copy the learned state from {source} to {target}: {e}") from None
+
+
+def model_bytes(model_dir: Path) -> int:
+    """The size of the files of the model directory (not of its subdirectories)."""
+    return sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
+
+
+def tiny_model_line(size_bytes: int) -> str:
+    """What the embedded default model's answers are worth, said after the completion."""
+    return (f"(the default model is tiny, {size_bytes / 1e6:.0f} MB: its completions are "
+            "plausible-looking Python, not correct code, and chat with it is meaningless)")
 
 
 def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) -> int:
@@ -466,6 +607,8 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
     except OSError as e:
         raise DemoError(f"cannot create the demo directory {cache_dir}: {e.strerror}") from None
     budget = cache_budget(model_dir)
+    embedded = options.model_dir is None
+    size = model_bytes(model_dir)
     state_dir = cache_dir / STATE_DIR_NAME
     _reset_state_dir(state_dir)
     with Checkpoint(model_dir) as checkpoint:
@@ -478,23 +621,29 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
                             "path; set TMPDIR to a shorter directory")
         config_path = Path(workdir) / "moed.toml"
         config_path.write_text("# moed demo: every setting is on the command line\n")
-        note(f"three starts of moed serve on {socket_path}, each with an expert cache of "
-             f"{_mib(budget.cache_bytes)} ({budget.slots} of {budget.experts} experts, "
+        learned_dir = Path(workdir) / "learned-state"
+        specs = demo_runs(options.max_tokens, options.repeats)
+        note(f"{len(specs)} starts of moed serve on {socket_path}, each with an expert cache "
+             f"of {_mib(budget.cache_bytes)} ({budget.slots} of {budget.experts} experts, "
              f"{_mib(budget.expert_bytes)} in all) and the shards' page cache dropped first: "
-             "the naive cache (LRU, no pins, no prefetch, nothing learned), moed learning "
-             f"(state in {state_dir}, emptied now), and moed restarted with what it learned")
+             f"moed learning (state in {state_dir}, emptied now), then {options.repeats} times "
+             "each, alternately, the naive cache (LRU, no pins, no prefetch, nothing learned) "
+             "and moed restarted with what it learned")
         figures: list[RunFigures] = []
-        specs = demo_runs(options.max_tokens)
 
         def finish(last: RunFigures, io_path: str | None) -> None:
             figures.append(last)
-            if figures[0].text != last.text:
-                note("note: the naive cache's answer differed from moed's (same prompt and seed)")
+            if any(r.text != last.text for r in figures[1:]):
+                note("note: the answers to the same prompt and seed differed between starts")
+            if embedded:
+                out.write(tiny_model_line(size) + "\n\n")
             for line in summary_lines(figures, budget, io_path):
                 out.write(line + "\n")
             out.flush()
 
         for spec in specs:
+            if spec.learned:
+                _copy_state(learned_dir, state_dir)   # every restart starts from the same state
             try:
                 drop_page_cache(shards)
             except OSError as e:
@@ -507,6 +656,8 @@ def run_demo(options: DemoOptions, *, out: TextIO, note: Callable[[str], None]) 
                                              keep=options.keep and last))
             if not last:
                 figures.append(run)
+            if spec is specs[0]:
+                _copy_state(state_dir, learned_dir)
         note("done")
         return 0
     finally:
@@ -607,22 +758,25 @@ def register(sub, parents: Parents) -> None:
         description="Show moed at work with nothing but the install: with the embedded "
                     "default model (a small Qwen3-MoE that completes Python code, trained on "
                     "the standard library) and an expert cache of a quarter of its experts, "
-                    "start moed serve three times on a private socket, each time after "
-                    "dropping the model files' page cache so that experts are read from disk: "
-                    "the naive cache (LRU, no pins, no prefetch), moed learning which experts "
-                    "are hot, and moed restarted with what it learned, which streams a code "
-                    "completion. Then print what each measured (tokens/s, bytes read from "
-                    "disk per token, hit rate, hit rate at start, pins) and how they compare, "
-                    "whichever way that came out. Progress goes to stderr; the completion "
-                    "and the figures to stdout.",
+                    "start moed serve on a private socket, each time after dropping the model "
+                    "files' page cache so that experts are read from disk: once for moed "
+                    "learning which experts are hot (on another prompt), then --repeats times "
+                    "each, alternately, the naive cache (LRU, no pins, no prefetch) and moed "
+                    "restarted with what it learned; the last restart streams a code "
+                    "completion. Then print what they measured (tokens/s median (min-max), "
+                    "read/token: bytes read from disk per token, answer hit rate, prompt hit "
+                    "rate, read before request) and how they compare, whichever way that came "
+                    "out: tokens/s differ only when their ranges do not overlap. Progress goes "
+                    "to stderr; the completion and the figures to stdout.",
         epilog="examples:\n"
                "  moed demo\n"
                "  moed demo --keep          (then: moed chat --socket PATH, as it prints)\n"
                "  moed demo --dir ./moed-demo --model ./my-model",
         formatter_class=ExamplesFormatter)
     d.add_argument("--dir", default=None, metavar="DIR", type=nonempty,
-                   help="where the demo keeps the state its runs learn, emptied when it starts "
-                        "(default: $XDG_CACHE_HOME/moed, else ~/.cache/moed)")
+                   help="the demo keeps the state its runs learn in DIR/demo-state, which it "
+                        "empties when it starts (nothing else in DIR is touched; default DIR: "
+                        "$XDG_CACHE_HOME/moed, else ~/.cache/moed)")
     d.add_argument("--model", default=None, metavar="DIR", type=nonempty,
                    help="serve this Hugging Face model directory instead of the embedded "
                         "default model")
@@ -632,7 +786,18 @@ def register(sub, parents: Parents) -> None:
     d.add_argument("--max-tokens", type=positive_int, default=DEMO_MAX_TOKENS, metavar="N",
                    help=f"most tokens of each answer; the learning start answers "
                         f"{LEARN_TOKENS_FACTOR} times as many (default: {DEMO_MAX_TOKENS})")
+    d.add_argument("--repeats", type=at_least_two, default=DEMO_REPEATS, metavar="N",
+                   help="starts of each of the naive cache and the restarted moed, at least 2 "
+                        f"(default: {DEMO_REPEATS})")
     d.set_defaults(func=run)
+
+
+def at_least_two(text: str) -> int:
+    """argparse type: an integer of at least 2 (one start each cannot tell noise apart)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
 
 
 @client_command
@@ -641,7 +806,8 @@ def run(args: argparse.Namespace) -> int:
         check_model_dir(args.model)
     options = DemoOptions(cache_dir=Path(args.dir) if args.dir else default_cache_dir(os.environ),
                           model_dir=Path(args.model) if args.model else None, keep=args.keep,
-                          max_tokens=args.max_tokens, environ=os.environ)
+                          max_tokens=args.max_tokens, repeats=args.repeats,
+                          environ=os.environ)
     try:
         return run_demo(options, out=sys.stdout,
                         note=lambda message: print(f"moed demo: {message}", file=sys.stderr,
