@@ -69,6 +69,13 @@ extensions = [
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
+    # Read-only file maps whose SIGBUS (a shard truncated under them) is a counted fault
+    # that reads zeros, not the end of the process (memory-mapped experts).
+    Extension(
+        "ext.formats._guarded_map",
+        ["ext/formats/_guarded_map.pyx"],
+        extra_compile_args=["-O2", "-std=gnu11"],
+    ),
     # The scheduler's bookkeeping (the shadows' LRU, lrfu's and predictive's state):
     # plain C, no OpenMP, no SIMD; -ffp-contract=off keeps lrfu's doubles equal to Python's.
     Extension(

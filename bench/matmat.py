@@ -9,11 +9,13 @@ interleaved round by round with the order rotated, median of `--repeats` rounds 
 the spread. Reported per (format, T): microseconds per token row of each, their ratio
 (speedup = matvecs / matmat; > 1 means the mat-mat is faster per row) and whether the
 mat-mat's rows are bit-equal to the mat-vecs' (they must be: the placement rule).
+`--fast` times fast mode (`matmul(..., fast=True)`) of the int8, int4 and mxfp4 formats
+instead of exact (other formats are exact in both).
 
 "build" says which SIMD path the kernels were built with; the machine's load average
 is recorded before and after (a shared machine gives noisy figures).
 
-    python bench/matmat.py [--repeats 15] [--threads 2] [--tokens 2,4,8,16] [--shape 768x2048]
+    python bench/matmat.py [--repeats 15] [--threads 2] [--tokens 2,4,8,16] [--shape 768x2048] [--fast]
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="2,4,8,16", help="comma-separated T (default 2,4,8,16)")
     parser.add_argument("--shape", default="768x2048", help="RxC weight shape (default 768x2048)")
+    parser.add_argument("--fast", action="store_true", help="fast mode of the int8, int4 and mxfp4 formats")
     args, formats = parse_timing_args(parser, flush_mib=128, pause=0.1)
     tokens = [int(t) for t in args.tokens.split(",")]
     R, C = (int(v) for v in args.shape.lower().split("x"))
@@ -44,19 +47,19 @@ def main() -> None:
     for name, w in weights.items():
         for T in tokens:
             together, alone = np.empty((T, R), np.float32), np.empty((T, R), np.float32)
-            _kernels.matmul(w, x[:T], together, args.threads)
+            _kernels.matmul(w, x[:T], together, args.threads, fast=args.fast)
             for t in range(T):
-                _kernels.matmul(w, x[t:t + 1], alone[t:t + 1], args.threads)
+                _kernels.matmul(w, x[t:t + 1], alone[t:t + 1], args.threads, fast=args.fast)
             bit_equal[name, T] = bool(np.array_equal(together.view(np.uint32), alone.view(np.uint32)))
 
     def matvecs(w, T):
         for t in range(T):
-            _kernels.matmul(w, x[t:t + 1], out[t:t + 1], args.threads)
+            _kernels.matmul(w, x[t:t + 1], out[t:t + 1], args.threads, fast=args.fast)
 
     runs = {}
     for name, w in weights.items():
         for T in tokens:
-            runs[name, T, "matmat"] = lambda w=w, T=T: _kernels.matmul(w, x[:T], out[:T], args.threads)
+            runs[name, T, "matmat"] = lambda w=w, T=T: _kernels.matmul(w, x[:T], out[:T], args.threads, fast=args.fast)
             runs[name, T, "matvecs"] = lambda w=w, T=T: matvecs(w, T)
     load_before = os.getloadavg()
     times = Timer(args.flush_mib, args.pause).rounds(runs, args.repeats)
@@ -79,7 +82,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "loadavg_before": [round(v, 2) for v in load_before],
                     "loadavg_after": [round(v, 2) for v in os.getloadavg()]},
         "shape": [R, C], "repeats": args.repeats, "moed_threads": args.threads,
-        "group_size": args.group_size,
+        "group_size": args.group_size, "fast": args.fast,
         "all_bit_equal": all(bit_equal.values()),
         "slower_per_row": sorted(f"{n} T={T}" for n in formats for T in tokens
                                  if table[n][T]["speedup"] < 1),

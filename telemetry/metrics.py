@@ -319,7 +319,8 @@ class SnapshotCollector(prometheus_client.registry.Collector):
 
         yield _gauge("moed_memory_budget_bytes", "Memory budget of the expert cache.",
                      s.memory_budget_bytes)
-        yield _gauge("moed_memory_available_bytes", "MemAvailable of the host.",
+        yield _gauge("moed_memory_available_bytes",
+                     "Memory moed may still add: MemAvailable, bounded by its cgroups' headroom.",
                      s.memory_available_bytes)
         yield _counter("moed_tuner_trials", "Settings the self-tuner tried.", s.tuner_trials)
         yield _counter("moed_tuner_accepted", "Settings the self-tuner kept.", s.tuner_accepted)

@@ -138,7 +138,7 @@ def read_text_file(path: str, flag: str) -> str:
 
 def sampling_params(args: argparse.Namespace):
     """SamplingParams from the command's flags; a usage error naming the flag at fault."""
-    from ext.sampling import SamplingParamError, SamplingParams
+    from ext.sampling_params import SamplingParamError, SamplingParams
 
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p,

@@ -38,6 +38,15 @@ from daemon.commands.args import (Parents, UsageError, configure_logging, parent
                                   version)
 
 
+class _Version(argparse.Action):
+    """--version: the package version is looked up (importlib.metadata, tens of ms) only
+    when asked for, not each time the parser is built."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"moed {version()}")
+        parser.exit()
+
+
 class Command(NamedTuple):
     """A command as `moed --help` lists it; `module` has its `register` and `run`."""
 
@@ -49,7 +58,7 @@ class Command(NamedTuple):
 # The order of `moed --help`.
 COMMANDS = (
     Command("demo", "daemon.commands.demo",
-            "try moed: start a daemon on the embedded default model and stream a completion"),
+            "try moed: its expert cache against a naive one, experts read from disk"),
     Command("generate", "daemon.commands.generate",
             "generate text from a prompt, through the daemon (or in-process with --model)"),
     Command("chat", "daemon.commands.chat", "chat with the daemon's model on the terminal"),
@@ -121,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moed", parents=[shared.common],
         description="Serve Mixture-of-Experts language models whose experts stream from disk.",
         epilog="Run 'moed COMMAND --help' for a command's options.")
-    parser.add_argument("--version", action="version", version=f"moed {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show program's version number and exit")
     parser.add_subparsers(dest="command", required=True, metavar="COMMAND", action=_Commands,
                           commands=COMMANDS, parents=shared)
     return parser

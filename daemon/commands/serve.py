@@ -38,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     if config.sources.get("model", "").startswith("flag"):
         check_model_dir(config.model)    # a --model that does not exist: a usage error (2)
     config.require_model()
-    log.info("config", **config.to_dict())
+    fields = config.to_dict()
+    if fields["state_dir"] is None:     # the default the daemon will save to, not null
+        from daemon.store.state import default_state_dir
+        fields["state_dir"] = str(default_state_dir(os.environ))
+    log.info("config", **fields)
     return serve(config, reload=lambda: load_config(args, os.environ)[0], environ=os.environ,
                  version=version())

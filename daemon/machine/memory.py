@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from scheduler.planner import CgroupLimit
+from scheduler.planner import CgroupLimit, MemoryPlanError, available_bytes
 
 NO_LIMIT_THRESHOLD = 2**62  # v1 writes "unlimited" as ~2**63 rounded to a page
 
@@ -203,6 +203,18 @@ def read_cgroup_limits(root: str | os.PathLike = "/") -> tuple[CgroupLimit, ...]
 def read_memory(root: str | os.PathLike = "/") -> MemoryReading:
     """Read MemAvailable and the cgroup limits under `root`; never raises for missing files."""
     return MemoryReading(read_mem_available(root), read_cgroup_limits(root))
+
+
+def read_available_bytes(root: str | os.PathLike = "/") -> int | None:
+    """The bytes this process may still add: MemAvailable, bounded by the headroom of its
+    cgroup and of each ancestor with a limit (limit - (usage - inactive_file)) — the
+    planner's own figure, scheduler.planner.available_bytes of `read_memory(root)` with no
+    configured cap. None when neither MemAvailable nor a cgroup limit is known."""
+    reading = read_memory(root)
+    try:
+        return available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except MemoryPlanError:
+        return None
 
 
 def read_memory_pressure(root: str | os.PathLike = "/") -> float | None:

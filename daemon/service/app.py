@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from daemon.service import api
 from daemon.service.api import ApiError
+from daemon.service.compile_slots import client_of
 from daemon.service.engine import EngineClosedError, QueueFullError, RequestHandle
 from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, GrammarError,
                                     GrammarLimitError)
@@ -264,7 +265,7 @@ class HttpApp:
             request_timeout_s=self.state.config.request_timeout_s, now=engine.clock(),
             grammars=loaded.grammars, max_n=self.state.config.max_concurrent_sequences)
         if parsed.grammar is not None:
-            parsed = await self._compile_grammar(parsed, loaded)
+            parsed = await self._compile_grammar(parsed, loaded, request)
         try:
             handle = engine.submit(parsed.engine, asyncio.get_running_loop())
         except QueueFullError as e:
@@ -288,11 +289,14 @@ class HttpApp:
                 handle.cancel()      # the client went away (or we failed): free the place
 
     @staticmethod
-    async def _compile_grammar(parsed: api.ParsedRequest, loaded: Loaded) -> api.ParsedRequest:
+    async def _compile_grammar(parsed: api.ParsedRequest, loaded: Loaded,
+                               request: web.Request) -> api.ParsedRequest:
         """`parsed` with its constraint: response_format compiled in a bounded worker
-        (daemon/service/grammar.py), awaited here so that no thread waits on it."""
+        (daemon/service/grammar.py), awaited here so that no thread waits on it; the
+        compile slots are shared fairly between the clients (peers) that ask."""
+        client = client_of(peer_uid(request), request.remote if _is_tcp(request) else None)
         try:
-            factory = await loaded.grammars.compile(parsed.grammar)
+            factory = await loaded.grammars.compile(parsed.grammar, client)
         except GrammarClosedError:
             raise ApiError(503, "moed is shutting down", type="service_unavailable",
                            code="shutting_down") from None

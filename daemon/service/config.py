@@ -329,6 +329,10 @@ def resolve_model_alias(model: str) -> str:
 
 
 TUNER_MODES = ("off", "live", "live+idle")
+# "moed": the streaming expert cache as designed (its eviction policy, learned pins,
+# prefetch, the referee); "naive": the baseline it is measured against (LRU, no pins, no
+# prefetch, nothing learned or saved), as `moed bench` runs it.
+EXPERT_CACHE_MODES = ("moed", "naive")
 
 
 _tuner = _choice(TUNER_MODES)
@@ -407,6 +411,9 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                      "exact (quantised weights dequantised exactly, f32 activations) or fast "
                      "(int8/int4/MXFP4 weights dotted with int8 activations; bf16, f16, f32 "
                      "and FP8 weights are exact in both)"),
+    "expert_cache_mode": _Key(_choice(EXPERT_CACHE_MODES), "MODE",
+                              "moed (learned pins, eviction policy, prefetch) or naive (the "
+                              "baseline: LRU, no pins, no prefetch, nothing learned)"),
     "tuner": _Key(_tuner, "MODE", "self-tuning of threads, io workers and prefetch width: off, "
                                   "live (on traffic; saved winners reused) or live+idle (also a "
                                   "built-in workload when idle)"),
@@ -465,6 +472,7 @@ class ServeConfig:
     prefetch: bool = True
     half_life_tokens: float = 2048.0
     numerics: str = "exact"
+    expert_cache_mode: str = "moed"
     tuner: str = "live"
     record_trace: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
@@ -160,13 +161,23 @@ class ConnectionGate:
             self._logged_at, self._logged_refused = now, self.refused
 
 
+def _detail(message: str | None) -> str:
+    """aiohttp's description of a bad request on one line (it spans lines), cut to
+    ERROR_DETAIL_CHARS (it may echo the client's bytes)."""
+    detail = " ".join((message or "").split())
+    if len(detail) > ERROR_DETAIL_CHARS:
+        detail = detail[:ERROR_DETAIL_CHARS] + "..."
+    return detail
+
+
 class ApiErrorRequestHandler(RequestHandler):
     """aiohttp's protocol for one connection, answering its own errors in OpenAI's shape.
 
     aiohttp answers a request it cannot parse (the request never reaches the application
     and its middlewares) and an exception that escapes them with `handle_error`: plain
     text. aiohttp has no public hook for that answer, so this subclass overrides the
-    method: aiohttp's own implementation still runs (its log line, its refusal when an
+    method: aiohttp's own implementation still runs (its log line — one warning without
+    traceback for what it could not parse, see `log_exception` — and its refusal when an
     answer was already begun), and its plain-text response is replaced by the same status
     with ``{"error": {...}}`` as JSON and ``Connection: close`` (aiohttp closes the
     connection after it in any case). Checked on aiohttp 3.14.5;
@@ -182,12 +193,22 @@ class ApiErrorRequestHandler(RequestHandler):
         """What `server()` returns (aiohttp's `Server.__call__`), as this class."""
         return cls(server, loop=asyncio.get_running_loop(), **server._kwargs)
 
+    def log_exception(self, *args, **kw) -> None:
+        """aiohttp's error line with its traceback (`handle_error` logs through it) — except
+        for a request aiohttp could not parse (an HttpProcessingError: a NUL byte in a
+        header, too many headers, a negative Content-Length, ...): the client's fault, not
+        the daemon's, so one warning line, `http_request_unreadable`, with the status and
+        aiohttp's description, and no traceback."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            log.warning("http_request_unreadable", status=exc.code, error=_detail(exc.message))
+            return
+        super().log_exception(*args, **kw)
+
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None, message: str | None = None) -> web.Response:
         super().handle_error(request, status, exc, message)
-        detail = " ".join((message or "").split())     # aiohttp's text spans lines
-        if len(detail) > ERROR_DETAIL_CHARS:
-            detail = detail[:ERROR_DETAIL_CHARS] + "..."
+        detail = _detail(message)
         if status < 500:
             text = "the request is not HTTP/1.1 that moed can read"
             kind, code = "invalid_request_error", "invalid_http_request"

@@ -209,8 +209,10 @@ class Daemon:
         changed = {k for k, v in new.to_dict().items() if self.state.config.to_dict().get(k) != v}
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
-                           "header_timeout_s", "max_connections", "record_trace",
-                           "max_context_tokens"}
+                           "expert_cache_mode", "header_timeout_s", "max_connections",
+                           "record_trace", "max_context_tokens"}
+        if self.state.config.expert_cache_mode == "naive":   # the baseline stays the baseline
+            fixed |= changed & {"pin_fraction", "prefetch"}
         if fixed:
             log.warning("reload_needs_restart", keys=sorted(fixed))
         new = replace(new, **{k: getattr(self.state.config, k) for k in fixed})

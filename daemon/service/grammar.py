@@ -38,7 +38,18 @@ a 300-property one, where a compile of even the small one takes 1 ms). Refusals 
 cached too, except timeouts (they depend on the load), and a compile already running for
 the same schema is awaited, not repeated. The worker also computes the first mask: a
 schema no value satisfies ({"$ref": "#"}) is refused there, not at the first token.
+And it consumes the tokens the grammar forces and a few more of one path
+(grammar_worker.first_steps_error): llguidance checks its row limit (max_items_in_row,
+2000) only when a token is consumed, so an anyOf of 4000 objects is refused there with
+llguidance's message, not at the first token of its request.
 Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley items).
+
+The address-space cap of a worker (`memory_bytes`, `effective_memory_bytes`) is the
+smaller of grammar_compile_memory_bytes and its share of the memory left free for the
+compiles (`memory_room_bytes`, split between the `workers` slots; loading.py takes it
+from the memory plan: the margin the plan keeps free under the cgroup's or the host's
+limit). In a 400 MiB cgroup, two workers of 1 GiB each would take memory the daemon was
+planned to have. Errors name the cap in force, and the configured one it lowered.
 
 A cache entry is charged what its matcher holds: the worker measures the C heap before
 the compile and while the matcher is alive (daemon/service/grammar_worker.py), and the
@@ -61,8 +72,13 @@ Compiles wait on the event loop (no thread held while waiting) for one of `worke
 compile slots, each with its own thread of a pool only compiles use; a request that gets
 no slot within timeout_s is a 429 (GrammarBusyError). So clients sending costly schemas
 wait for each other and nothing else: the default thread pool (templates, tokenizing)
-and the engine are not theirs to fill. `close()` (shutdown) kills the workers: a waiting
-compile ends at once with GrammarClosedError.
+and the engine are not theirs to fill. The slots are shared fairly
+(daemon/service/compile_slots.py): a client holds one at a time, its other compiles wait
+(a few; beyond, a 429 at once) while other clients take the free ones, so one client
+sending bombs does not make every other client's compile a 429. A schema whose compile
+ran out of time within TIMED_OUT_S is refused at once with the same 400 (a bounded
+record, TIMED_OUT_ENTRIES keys), not compiled for another timeout_s. `close()`
+(shutdown) kills the workers: a waiting compile ends at once with GrammarClosedError.
 """
 from __future__ import annotations
 
@@ -73,12 +89,14 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 
+from daemon.service.compile_slots import CompileSlots, SlotRefused
 from daemon.service.grammar_worker import build_matcher
 from daemon.service.workers import WorkerProcess
 from ext.tokenizer import Tokenizer
@@ -96,7 +114,18 @@ CACHE_BYTES = 256 << 20         # their memory: what each matcher holds, measure
 CACHE_ENTRY_FRACTION = 8        # a matcher above CACHE_BYTES / 8 is used once, not cached
 COMPILED_FRACTION = 16          # a matcher above memory_bytes / 16 (64 MiB of 1 GiB): a 400
 TEXT_BYTES_FACTOR = 16          # the least a matcher is charged: 16 bytes a grammar text byte
+TIMED_OUT_S = 60.0              # a schema whose compile timed out is refused at once this long
+TIMED_OUT_ENTRIES = 1024        # timed-out schemas remembered (the oldest out first)
 WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
+
+
+def effective_memory_bytes(configured: int, room_bytes: int | None, workers: int) -> int:
+    """The address-space cap of one compile worker: `configured` (grammar_compile_memory_bytes)
+    or, when less, `room_bytes` (the memory free for all the compile workers; None =
+    unknown) split between the `workers` slots that may compile at once."""
+    if room_bytes is None:
+        return configured
+    return max(0, min(configured, room_bytes // workers))
 
 
 class GrammarError(ValueError):
@@ -105,6 +134,10 @@ class GrammarError(ValueError):
 
 class GrammarLimitError(GrammarError):
     """The compile passed grammar_compile_timeout_s or grammar_compile_memory_bytes."""
+
+
+class GrammarTimeoutError(GrammarLimitError):
+    """The compile passed grammar_compile_timeout_s (its worker was killed at the deadline)."""
 
 
 class GrammarKilledError(GrammarLimitError):
@@ -170,13 +203,17 @@ class Grammars:
     tokenizer does not know are never allowed). eos_ids: the ids that end an answer
     (the grammar allows them once the JSON is complete). timeout_s, memory_bytes: the
     bounds of one compile (grammar_compile_timeout_s, grammar_compile_memory_bytes;
-    `set_limits` changes them). workers: compiles at once (processes, started on first
-    use and again after one is killed).
+    `set_limits` changes them). memory_room_bytes: the memory free for all the compile
+    workers together, or None (unknown: memory_bytes stands); the cap of each worker is
+    `effective_memory_bytes` (the attribute `memory_bytes`; the configured one is
+    `configured_memory_bytes`). workers: compiles at once (processes, started on first
+    use and again after one is killed). clock: monotonic seconds (of the timed-out record).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: frozenset[int], *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 workers: int = DEFAULT_WORKERS):
+                 workers: int = DEFAULT_WORKERS, memory_room_bytes: int | None = None,
+                 clock=time.monotonic):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         eos = sorted(eos_ids) or None
@@ -185,8 +222,14 @@ class Grammars:
         self._init = {"tokenizer": text, "vocab_size": vocab_size, "eos": eos or []}
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        self.memory_bytes = memory_bytes
-        self._slots = asyncio.Semaphore(workers)
+        self.memory_room_bytes = memory_room_bytes
+        self._workers = workers
+        self.configured_memory_bytes = memory_bytes
+        self.memory_bytes = effective_memory_bytes(memory_bytes, memory_room_bytes, workers)
+        log.info("grammar_compile_memory", memory_bytes=self.memory_bytes,
+                 configured_memory_bytes=memory_bytes, room_bytes=memory_room_bytes,
+                 workers=workers)
+        self._slots = CompileSlots(workers)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._idle: list[WorkerProcess] = []
         self._all: set[WorkerProcess] = set()
@@ -196,14 +239,23 @@ class Grammars:
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._cache_bytes = 0
         self._pending: dict[str, asyncio.Future] = {}
+        self._timed_out: OrderedDict[str, tuple[float, GrammarLimitError]] = OrderedDict()
+        self._clock = clock
         self.hits = self.misses = self.killed = 0
 
     def set_limits(self, timeout_s: float, memory_bytes: int) -> None:
-        """New bounds (SIGHUP); the refusals cached under the old ones are forgotten."""
-        if (timeout_s, memory_bytes) != (self.timeout_s, self.memory_bytes):
-            self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
+        """New bounds (SIGHUP; memory_bytes: grammar_compile_memory_bytes, capped as at the
+        start); the refusals cached under the old ones are forgotten."""
+        effective = effective_memory_bytes(memory_bytes, self.memory_room_bytes, self._workers)
+        self.configured_memory_bytes = memory_bytes
+        if (timeout_s, effective) != (self.timeout_s, self.memory_bytes):
+            self.timeout_s, self.memory_bytes = timeout_s, effective
+            log.info("grammar_compile_memory", memory_bytes=effective,
+                     configured_memory_bytes=memory_bytes, room_bytes=self.memory_room_bytes,
+                     workers=self._workers)
             self._cache.clear()
             self._cache_bytes = 0
+            self._timed_out.clear()
 
     def spec(self, response_format: dict) -> GrammarSpec | None:
         """What to compile for `response_format` (OpenAI's shape), or None for {"type":
@@ -233,12 +285,22 @@ class Grammars:
         return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
                            .hexdigest())
 
-    async def compile(self, spec: GrammarSpec):
-        """A factory of JsonConstraint for `spec` (call on the event loop). Raises
+    async def compile(self, spec: GrammarSpec, client: Hashable = ("unknown",)):
+        """A factory of JsonConstraint for `spec` (call on the event loop). client: who
+        asks (compile_slots.client_of), for the fair share of the slots. Raises
         GrammarError (the schema cannot be used), GrammarLimitError (a bound stopped its
-        compile), GrammarBusyError (no compile slot in time), GrammarClosedError."""
+        compile, or did within TIMED_OUT_S), GrammarBusyError (no compile slot in time, or
+        too many of the client's compiles wait), GrammarClosedError."""
         if self._closed:
             raise GrammarClosedError("moed is shutting down")
+        timed_out = self._timed_out.get(spec.key)
+        if timed_out is not None:
+            ago = self._clock() - timed_out[0]
+            if ago < TIMED_OUT_S:
+                self.hits += 1
+                raise GrammarTimeoutError(f"{timed_out[1]} {ago:.0f} s ago, and is not tried "
+                                          f"again within {TIMED_OUT_S:g} s")
+            del self._timed_out[spec.key]
         entry = self._cache.get(spec.key)
         if entry is not None:
             self.hits += 1
@@ -247,7 +309,8 @@ class Grammars:
             pending = self._pending.get(spec.key)
             if pending is None:
                 self.misses += 1
-                pending = self._pending[spec.key] = asyncio.ensure_future(self._compile(spec))
+                pending = self._pending[spec.key] = asyncio.ensure_future(
+                    self._compile(spec, client))
                 pending.add_done_callback(lambda _: self._pending.pop(spec.key, None))
             entry = await asyncio.shield(pending)
         if entry.error is not None:         # a fresh one: a cached error keeps no traceback
@@ -255,13 +318,18 @@ class Grammars:
         template, vocab = entry.matcher, self.vocab_size
         return lambda: JsonConstraint(template.deep_copy(), vocab)
 
-    async def _compile(self, spec: GrammarSpec) -> _Entry:
+    async def _compile(self, spec: GrammarSpec, client: Hashable) -> _Entry:
         timeout_s = self.timeout_s
-        acquire = asyncio.ensure_future(self._slots.acquire())
+        acquire = asyncio.ensure_future(self._slots.acquire(client))
         closing = asyncio.ensure_future(self._closing.wait())
         await asyncio.wait({acquire, closing}, timeout=timeout_s,
                            return_when=asyncio.FIRST_COMPLETED)
         closing.cancel()
+        if acquire.done() and not acquire.cancelled() and isinstance(acquire.exception(),
+                                                                       SlotRefused):
+            return _Entry(None, GrammarBusyError(
+                f"this client's grammar compiles hold their share of the compile slots and "
+                f"{acquire.exception()}: try again later"), 0)
         if not acquire.done() or self._closed:
             acquire.cancel()
             try:
@@ -269,7 +337,7 @@ class Grammars:
             except asyncio.CancelledError:
                 pass
             else:
-                self._slots.release()
+                self._slots.release(client)
             if self._closed:
                 return _Entry(None, GrammarClosedError("moed is shutting down"), 0)
             return _Entry(None, GrammarBusyError(
@@ -281,7 +349,12 @@ class Grammars:
         except RuntimeError:           # the executor was shut down: closing
             entry = _Entry(None, GrammarClosedError("moed is shutting down"), 0)
         finally:
-            self._slots.release()
+            self._slots.release(client)
+        if isinstance(entry.error, GrammarTimeoutError):     # refused at once for a while
+            self._timed_out[spec.key] = (self._clock(), entry.error)
+            self._timed_out.move_to_end(spec.key)
+            while len(self._timed_out) > TIMED_OUT_ENTRIES:
+                self._timed_out.popitem(last=False)
         if self._cacheable(entry):
             self._cache[spec.key] = entry
             self._cache_bytes += entry.cost
@@ -289,14 +362,22 @@ class Grammars:
                 self._cache_bytes -= self._cache.popitem(last=False)[1].cost
         return entry
 
+    def _memory_key(self, memory_bytes: int) -> str:
+        """The key that set `memory_bytes`, for messages: the configured value, and why it
+        was lowered when it was."""
+        if memory_bytes >= self.configured_memory_bytes:
+            return "grammar_compile_memory_bytes"
+        return (f"grammar_compile_memory_bytes {self.configured_memory_bytes}, lowered to "
+                f"{memory_bytes} by the memory free for {self._workers} compile workers "
+                "under the machine's or cgroup's limit")
+
     @staticmethod
     def _cacheable(entry: _Entry) -> bool:
         if entry.cost > CACHE_BYTES // CACHE_ENTRY_FRACTION:
             return False
         error = entry.error
         return not isinstance(error, (GrammarBusyError, GrammarClosedError,
-                                      GrammarKilledError)) and not (
-            isinstance(error, GrammarLimitError) and "grammar_compile_timeout_s" in str(error))
+                                      GrammarKilledError, GrammarTimeoutError))
 
     def _compile_blocking(self, grammar: str, timeout_s: float, memory_bytes: int) -> _Entry:
         """On a compile thread: the worker's verdict, then the in-process compile."""
@@ -318,7 +399,7 @@ class Grammars:
                         timeout_s=timeout_s, memory_bytes=memory_bytes,
                         effect="the request gets a 400; a new worker starts")
             if waited >= timeout_s:
-                return _Entry(None, GrammarLimitError(
+                return _Entry(None, GrammarTimeoutError(
                     f"the JSON schema did not compile within {timeout_s:g} s "
                     "(grammar_compile_timeout_s)"), 0)
             if ended == "signal 9":
@@ -330,7 +411,8 @@ class Grammars:
                     "try a smaller schema, or again later"), 0)
             return _Entry(None, GrammarLimitError(
                 f"the JSON schema needed more than {memory_bytes} bytes to compile "
-                f"(grammar_compile_memory_bytes; its compile process ended with {ended})"), 0)
+                f"({self._memory_key(memory_bytes)}; its compile process ended with "
+                f"{ended})"), 0)
         with self._lock:
             if self._closed:
                 worker.kill()
@@ -341,7 +423,7 @@ class Grammars:
             if answer.get("limit"):
                 return _Entry(None, GrammarLimitError(
                     f"the JSON schema needed more than {memory_bytes} bytes to compile "
-                    "(grammar_compile_memory_bytes)"), 64)
+                    f"({self._memory_key(memory_bytes)})"), 64)
             return _Entry(None, GrammarError(f"the JSON schema cannot be used: {error}"),
                           64 + len(error))
         # The worker compiled it within the limits: the same compile here ends as it did,
@@ -352,7 +434,8 @@ class Grammars:
             log.info("grammar_compile_refused", bytes=cost, max_bytes=most)
             return _Entry(None, GrammarLimitError(
                 f"the compiled JSON schema would hold {cost} bytes, more than {most} "
-                f"(1/{COMPILED_FRACTION} of grammar_compile_memory_bytes)"), 64)
+                f"(1/{COMPILED_FRACTION} of {memory_bytes}, {self._memory_key(memory_bytes)})"),
+                64)
         started = time.monotonic()
         matcher, error = build_matcher(self._tokenizer, grammar)
         if error is not None:          # not expected: the worker said it compiles
@@ -385,8 +468,8 @@ class Grammars:
                 raise GrammarClosedError("moed is shutting down")
             raise GrammarLimitError(
                 f"a grammar compile process did not start within {STARTUP_S:g} s ({ended}; "
-                f"grammar_compile_memory_bytes {memory_bytes} may be too small for this "
-                "tokenizer)")
+                f"a cap of {memory_bytes} bytes, {self._memory_key(memory_bytes)}, may be too "
+                "small for this tokenizer)")
         return worker
 
     def _discard(self, worker: WorkerProcess) -> str:

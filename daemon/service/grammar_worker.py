@@ -7,8 +7,9 @@ model's tokenizer in Hugging Face's JSON, as the daemon gives it to llguidance),
 ``{"ready": true}`` once llguidance has it, then answers requests, one JSON object per
 line: on stdin ``{"grammar": str}`` (an llguidance grammar, as
 `LLMatcher.grammar_from_json_schema` makes it), on stdout ``{"ok": true, "seconds":
-float, "bytes": int}`` (the grammar compiles and its first mask allows something; the
-time that took, and the memory its matcher holds) or ``{"error": str, "limit": bool}``.
+float, "bytes": int}`` (the grammar compiles, its first mask allows something and its
+first steps fail nothing (`first_steps_error`); the time that took, and the memory its
+matcher holds) or ``{"error": str, "limit": bool}``.
 It imports only llguidance and the standard library (and daemon/service/workers.py),
 and writes nothing anywhere else.
 
@@ -65,6 +66,39 @@ def build_matcher(tokenizer, grammar: str):
     return matcher, None
 
 
+WALK_TOKENS = 32       # tokens consumed past the forced ones by `first_steps_error`
+
+
+def first_steps_error(matcher) -> str | None:
+    """What llguidance says goes wrong within the first tokens of an output, or None.
+
+    matcher: a fresh llguidance.LLMatcher (`build_matcher`'s; not changed: a deep copy is
+    walked). Some of llguidance's limits are checked only when a token is consumed, never
+    while a mask is computed: the Earley row limit (max_items_in_row, 2000), which an
+    anyOf of 4000 objects passes at its first token. So a mask that allows a token does
+    not mean the token can be consumed, and a grammar whose first mask is fine may still
+    fail at its first token. This consumes, on the copy, the tokens the grammar forces
+    (compute_ff_tokens: every output begins with them), then up to WALK_TOKENS tokens of
+    one path (the lowest id each mask allows), and returns the first error met. It checks
+    the forced prefix and that one path, not every path a model may take.
+    """
+    walker = matcher.deep_copy()
+    forced = walker.compute_ff_tokens()
+    if walker.is_error() or (forced and not walker.consume_tokens(forced)):
+        return walker.get_error()
+    for _ in range(WALK_TOKENS):
+        if walker.is_stopped():
+            return None
+        bits = int.from_bytes(walker.compute_bitmask(), "little")
+        if walker.is_error():
+            return walker.get_error()
+        if bits == 0:
+            return None                 # nothing allowed and no error: the caller's check
+        if not walker.consume_token((bits & -bits).bit_length() - 1):
+            return walker.get_error()
+    return None
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -113,6 +147,11 @@ def main(argv: list[str]) -> int:
         before, started = heap_bytes(), time.monotonic()
         matcher, error = build_matcher(tokenizer, request["grammar"])
         seconds, held = time.monotonic() - started, heap_bytes() - before
+        if error is None:
+            walked = first_steps_error(matcher)
+            if walked is not None:
+                walked = walked.replace("<non-verbose/>", "").strip()
+                error = f"it fails within its first {WALK_TOKENS} tokens: {walked}"
         del matcher                    # measured while alive: its size, not what is left
         if error is not None:
             return {"error": error, "limit": False}

@@ -4,7 +4,9 @@
 `ServeConfig` describes (in a worker thread: the loop keeps answering /health) and
 returns them as one `Loaded`. Without `expert_cache_bytes`, `plan_serving_memory` sizes
 the expert cache from one reading of the machine (daemon/machine/memory.py) through the
-memory planner (scheduler/planner.py).
+memory planner (scheduler/planner.py). `grammar_room_bytes` says how much of the memory
+is free for the grammar compile workers, which caps their address space
+(daemon/service/grammar.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from daemon.service.engine import Engine, RequestHandle
 from daemon.service.grammar import Grammars
 from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
+from daemon.store.probe import probe_memory_bytes
 from daemon.store.session import open_model
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
 from daemon.tuning.live import start_live_tuning
@@ -89,6 +92,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     cache_bytes = config.expert_cache_bytes
     prefix_bytes, context = config.prefix_cache_bytes, config.max_context_tokens
     sequences = config.max_concurrent_sequences
+    margin_bytes = None              # what the memory plan leaves free, when there is one
     if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
                                       pin_fraction=config.pin_fraction,
@@ -113,12 +117,14 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             cache_bytes = p.expert_cache_bytes
         prefix_bytes, context = p.prefix_cache_bytes, p.context_tokens
         sequences = p.max_concurrent_sequences
+        margin_bytes = p.margin_bytes
     model, session = open_model(model_dir, threads=config.threads, cache_bytes=cache_bytes,
                                 io_workers=config.io_workers, prefetch=config.prefetch,
                                 pin_fraction=config.pin_fraction,
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ,
-                                record_trace=config.record_trace, numerics=config.numerics)
+                                record_trace=config.record_trace, numerics=config.numerics,
+                                baseline=config.expert_cache_mode == "naive")
     engine = Engine(model, tokenizer, max_concurrent_sequences=sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=prefix_bytes,
                     context_tokens=min(context or model.config.max_position_embeddings,
@@ -142,7 +148,9 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     try:
         grammars = Grammars(tokenizer, model.config.vocab_size, stop_ids,
                             timeout_s=config.grammar_compile_timeout_s,
-                            memory_bytes=config.grammar_compile_memory_bytes)
+                            memory_bytes=config.grammar_compile_memory_bytes,
+                            memory_room_bytes=grammar_room_bytes(
+                                margin_bytes, (cache_bytes or 0) + (prefix_bytes or 0)))
     except ValueError as e:       # llguidance cannot read this tokenizer: text only
         log.warning("grammar_unavailable", error=str(e))
         grammars = None
@@ -155,6 +163,30 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
                   grammars=grammars, weight_formats=model.weight_formats(),
                   templates=templates)
+
+
+def grammar_room_bytes(margin_bytes: int | None, unfilled_bytes: int,
+                       reading: MemoryReading | None = None) -> int | None:
+    """The memory free for the grammar compile workers, all together, in bytes (None:
+    no bound is known).
+
+    With a memory plan (margin_bytes given): its margin, the memory the plan leaves free
+    under the tightest of MemAvailable and the cgroup limits (MARGIN_FRACTION of it).
+    Everything else the plan gives away to the daemon (the expert cache takes the rest),
+    and the compile workers are outside the plan: in a 400 MiB cgroup, two workers of
+    grammar_compile_memory_bytes (1 GiB) could take what the daemon was planned to have.
+    Without one (expert_cache_bytes set): what the reading (default: `read_memory()`,
+    now, after the load) leaves, less `unfilled_bytes` (the expert and prefix caches'
+    budgets, which fill as requests come: counted whole, so the room errs low).
+    """
+    if margin_bytes is not None:
+        return margin_bytes
+    reading = reading or read_memory()
+    try:
+        available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except ValueError:             # MemoryPlanError: nothing known
+        return None
+    return max(0, available - unfilled_bytes)
 
 
 PLANNED_CONTEXT = 8192          # tokens of context wanted per sequence (at most the model's)
@@ -197,13 +229,16 @@ def workspace_bytes(config, *, threads: int, context: int, sequences: int) -> in
     return 4 * floats
 
 
-def runtime_bytes(config, *, threads: int, context: int, sequences: int) -> int:
-    """What the process adds to itself at load besides the dense weights, KV and caches:
-    LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` (the
-    interpreter and the libraries imported before the plan are in the memory reading
-    already)."""
+def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_bytes: int) -> int:
+    """What the process adds to itself besides the dense weights, KV and caches:
+    LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` + the
+    idle storage probe's buffers and workers over expert slots of `slot_bytes`
+    (daemon/store/probe.py `probe_memory_bytes`; the daemon runs it after READY when the
+    experts stream, with every cache already full). The interpreter and the libraries
+    imported before the plan are in the memory reading already."""
     return (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
-            + workspace_bytes(config, threads=threads, context=context, sequences=sequences))
+            + workspace_bytes(config, threads=threads, context=context, sequences=sequences)
+            + probe_memory_bytes(slot_bytes))
 
 
 @dataclass(frozen=True)
@@ -231,8 +266,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
 
       dense     every tensor that is not a routed expert, nor of a multi-token-prediction
                 layer the decoder does not use;
-      runtime   `runtime_bytes`: a measured base, a share per vocabulary token and the
-                workspaces, sized from the config;
+      runtime   `runtime_bytes`: a measured base, a share per vocabulary token, the
+                workspaces, sized from the config, and the idle storage probe's buffers;
       KV        f32, in the layout of the model's attention kind, every layer, for
                 max_concurrent_sequences sequences of the context allowed: the wanted
                 context (max_context_tokens, else PLANNED_CONTEXT; at most the model's),
@@ -263,7 +298,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_token=kv_bytes_per_token(config),
                        max_concurrent_sequences=max_concurrent_sequences, context_tokens=wanted,
                        runtime_bytes=runtime_bytes(config, threads=threads, context=wanted,
-                                                   sequences=max_concurrent_sequences),
+                                                   sequences=max_concurrent_sequences,
+                                                   slot_bytes=slot),
                        slot_bytes=slot, min_dynamic_slots=config.top_k * sum(config.moe_layers),
                        prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
                        pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,

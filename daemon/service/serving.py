@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from daemon.machine.memory import read_mem_available
+from daemon.machine.memory import read_available_bytes
 from daemon.machine.system import rss_bytes
 from daemon.service.config import ServeConfig
 from daemon.service.loading import Loaded
@@ -68,7 +68,7 @@ class ServingState:
         snapshot, out = collect(loaded.engine, loaded.session,
                                 memory_budget_bytes=(loaded.session.options.cache_bytes
                                                      if loaded.session is not None else 0),
-                                memory_available_bytes=read_mem_available(),
+                                memory_available_bytes=read_available_bytes(),
                                 model_load_seconds=self.load_seconds, rss_bytes=rss_bytes())
         self.last_snapshot = snapshot
         self.snapshot_at = time.monotonic()

@@ -21,7 +21,9 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
     """(the metrics snapshot, the `moed stats` document) from one reading.
 
     engine: daemon.service.engine.Engine. session: its ExpertSession, or None (experts not
-    streamed). memory_available_bytes: MemAvailable (None when unreadable: 0 in metrics).
+    streamed). memory_available_bytes: what the daemon may still add — MemAvailable bounded
+    by its cgroups' headroom (daemon.machine.memory.read_available_bytes; None when
+    unreadable: 0 in metrics).
     rss_bytes: the daemon's resident memory (in the document only: /metrics has
     process_resident_memory_bytes).
     """

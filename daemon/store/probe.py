@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.store.plans import ALIGN, ReadPlan, ReadSpan, TensorPlacement, plans_for
+from daemon.store.plans import ALIGN, ReadPlan, ReadSpan, TensorPlacement, plans_for, round_up
 from daemon.store.reads import DEMAND, IoPool, drop_page_cache, probe_direct_io
 from daemon.store.slots import SlotArena
 from ext.formats.checkpoint import TensorInfo
@@ -46,6 +46,20 @@ from ext.formats.checkpoint import TensorInfo
 QUEUE_DEPTHS = (1, 2, 4, 8, 16)
 DEFAULT_BLOCK_BYTES = 4 << 20  # --file mode
 _BUDGET_SHARE = 0.9  # of the time left per pass: the rest covers dropping and draining
+# A pool worker's own memory while it reads (its thread stack and allocator arena as
+# touched): a 16-worker probe of 2.25 MiB blocks grew the process's peak RSS by 44.5 MiB,
+# 8.4 MiB more than its arena, 0.53 MiB a worker; rounded up.
+PROBE_BYTES_PER_WORKER = 1 << 20
+
+
+def probe_memory_bytes(block_bytes: int, queue_depths=QUEUE_DEPTHS) -> int:
+    """The most a `run_iobench` over blocks of ``block_bytes`` adds to the process, in
+    bytes: its SlotArena (one block per read in flight at the deepest queue depth, rounded
+    up as SlotArena rounds a slot) and that many pool workers (PROBE_BYTES_PER_WORKER).
+    The daemon's memory plan reserves it for the idle storage probe
+    (daemon/service/loading.py `runtime_bytes`)."""
+    depth = max(queue_depths)
+    return depth * (round_up(block_bytes, max(ALIGN, mmap.PAGESIZE)) + PROBE_BYTES_PER_WORKER)
 
 
 @dataclass(frozen=True)

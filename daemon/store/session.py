@@ -31,16 +31,18 @@ class ExpertSession:
     store is None when the state directory is unusable (learning then lasts one run).
     state_saves / state_save_errors: writes of the state file that succeeded / failed.
     retired: the expert totals of the providers `rebuild` replaced (so totals never
-    go back when the cache is rebuilt).
+    go back when the cache is rebuilt). baseline: the naive cache (`BASELINE_OPTIONS`),
+    which a rebuild keeps naive: only its budget changes.
     """
 
     def __init__(self, model: Model, provider: StreamingExpertProvider, store: StateStore | None,
-                 fingerprint: str, options: StreamingOptions):
+                 fingerprint: str, options: StreamingOptions, baseline: bool = False):
         self.model = model
         self.provider = provider
         self.store = store
         self.fingerprint = fingerprint
         self.options = options
+        self.baseline = baseline
         self.state_saves = 0
         self.state_save_errors = 0
         self.retired = ExpertCounters()
@@ -97,6 +99,8 @@ class ExpertSession:
         Raises CacheBudgetError (a ValueError) for a budget below the minimum, before
         anything is closed; the old provider then stays in place.
         """
+        if self.baseline:
+            pin_fraction = prefetch = None
         changes = {k: v for k, v in (("cache_bytes", cache_bytes), ("pin_fraction", pin_fraction),
                                      ("prefetch", prefetch)) if v is not None}
         options = replace(self.options, **changes)
@@ -146,6 +150,12 @@ class ExpertSession:
                 "io_path": io.io_path}
 
 
+# The naive cache moed is measured against (`moed bench`, `moed demo`): LRU, no pins, no
+# prefetch, no referee, nothing learned.
+BASELINE_OPTIONS = dict(prefetch=False, pin_fraction=0.0, policy="lru", learn_pins=False,
+                        referee=False)
+
+
 def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int | None,
                experts: str = "mmap", io_workers: int = 2, prefetch: bool = True,
                pin_fraction: float = StreamingOptions.pin_fraction,
@@ -153,14 +163,17 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                state_dir: str | Path | None = None,
                environ: Mapping[str, str] = {},
                record_trace: str | Path | None = None, numerics: str = "exact",
-               **streaming_options) -> tuple[Model, ExpertSession | None]:
+               baseline: bool = False, **streaming_options) -> tuple[Model, ExpertSession | None]:
     """Load `model_dir`; (model, session) — session is None without a cache budget.
 
     experts: without cache_bytes, "mmap" or "resident". state_dir: where learned usage
     lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
     unusable state directory is a warning, never an error: learning is only speed.
     record_trace: a file the decode routing is appended to, in the replay format
-    (daemon/store/trace.py). numerics: "exact" or "fast" (`Model.load`).
+    (daemon/store/trace.py). numerics: "exact" or "fast" (`Model.load`). baseline: the
+    naive cache (`BASELINE_OPTIONS`, overriding prefetch and pin_fraction); no state
+    directory is read or written (it starts cold and leaves nothing behind), and a
+    rebuild keeps it naive.
     streaming_options: other StreamingOptions fields.
     Raises the model's load errors (ConfigError / CheckpointError, naming the file,
     tensor or field), CacheBudgetError (message gives the minimum) and OSError when
@@ -172,15 +185,22 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
             moe = [l for l, m in enumerate(model.config.moe_layers) if m]
             model.experts = RecordingProvider(model.experts, TraceWriter(record_trace, len(moe))).bind(moe)
         return model, None
-    options = StreamingOptions(cache_bytes=cache_bytes, prefetch=prefetch, io_workers=io_workers,
-                               pin_fraction=pin_fraction, half_life_tokens=half_life_tokens,
-                               mlock=mlock, **streaming_options)
+    if baseline:
+        streaming_options = {**streaming_options, **BASELINE_OPTIONS}
+    else:
+        streaming_options = dict(streaming_options, prefetch=prefetch, pin_fraction=pin_fraction)
+    options = StreamingOptions(cache_bytes=cache_bytes, io_workers=io_workers,
+                               half_life_tokens=half_life_tokens, mlock=mlock, **streaming_options)
     built: list[tuple[StreamingExpertProvider, StateStore | None, str]] = []
 
     def streaming(checkpoint, layout, config):
         fingerprint = checkpoint.fingerprint()
         moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
         counts, learned, store = None, None, None
+        if baseline:
+            provider = StreamingExpertProvider(layout, config, options)
+            built.append((provider, None, fingerprint))
+            return provider
         try:
             store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint)
             state = load_usage_state(store, moe_layers, config.num_experts, fingerprint,
@@ -209,5 +229,5 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
         except OSError:
             model.close()
             raise
-    return model, ExpertSession(model, provider, store, fingerprint, options)
+    return model, ExpertSession(model, provider, store, fingerprint, options, baseline=baseline)
 

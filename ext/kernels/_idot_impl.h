@@ -37,8 +37,10 @@
  *     "avx2-vnni" / "avx2": 256-bit vectors, AVX-VNNI's vpdpbusd when compiled in, else
  *       vpmaddubsw + vpmaddwd. Also what an AVX-512 build without VNNI runs.
  *     "portable": moed_idot_rows_portable, plain loops.
- * - Mat-mat: each token row is the mat-vec of that token (the kernel is called token by
- *   token over the same rows, which stay in cache).
+ * - Mat-mat: the SIMD kernels take MOED_ITOKENS = 4 tokens a pass: each chunk of a row
+ *   is loaded (and its nibbles split) once for them, and each token's sums, t's and
+ *   block-by-block sum are computed with its mat-vec's arithmetic, so every token row is
+ *   bit-equal to its mat-vec.
  */
 #ifndef MOED_IDOT_IMPL_H
 #define MOED_IDOT_IMPL_H
@@ -241,9 +243,17 @@ enum { MOED_IK_INT8 = 0, MOED_IK_INT4M = 1, MOED_IK_INT4S = 2, MOED_IK_MXFP4 = 3
 #define MOED_IPASS 8
 #endif
 _Static_assert(MOED_IPASS % 4 == 0 && MOED_IPASS <= MOED_ROWS, "rows of a pass");
-/* Bytes of a row prefetched ahead. */
+/* Bytes of a row prefetched ahead (int8 rows stream twice the bytes per block). */
 #ifndef MOED_I_PREFETCH
 #define MOED_I_PREFETCH 512
+#endif
+#ifndef MOED_I_PREFETCH_INT8
+#define MOED_I_PREFETCH_INT8 1024
+#endif
+/* Scales (and mins) prefetched this many groups ahead along each row: without it the
+ * scale streams, not the codes, bounded a cold int4 mat-vec (see moed_idot_chunk). */
+#ifndef MOED_I_SCALES_AHEAD
+#define MOED_I_SCALES_AHEAD 64
 #endif
 
 /* mxfp4: nibble -> 2 x E2M1 + 12 (0..24), for vpshufb. */
@@ -318,15 +328,20 @@ static inline __attribute__((always_inline)) __m512i moed_ireduce4(const __m512i
 
 /* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0): weight bytes
  * at wp, the planes at qp1 and qp2, cs1 and cs2 their bias corrections. Each weight
- * vector is loaded and decoded once and meets both planes. */
+ * vector is loaded and decoded once and meets both planes. half (n <= 8): blocks 8 .. 15
+ * are not computed (their sums are -cs, and their t's are never added). */
 static inline __attribute__((always_inline)) void
 moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
-              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+              moed_is16 cs2, const int full, int n, const int half, moed_is16 *S1, moed_is16 *S2) {
     __m512i v1[4], v2[4];
     const __m512i zero = _mm512_setzero_si512();
     if (kind == MOED_IK_INT8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int i = 0; i < 4; i++) {
+            if (half && i >= 2) {   /* blocks 8 .. 15 */
+                v1[i] = v2[i] = zero;
+                continue;
+            }
             __m512i p1[2], p2[2];
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * i + h;
@@ -344,6 +359,10 @@ moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t
         const __m512i m = _mm512_set1_epi8(15);
         const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(MOED_E2M1X2_BIASED));
         for (int i = 0; i < 4; i++) {
+            if (half && i >= 2) {   /* blocks 8 .. 15 */
+                v1[i] = v2[i] = zero;
+                continue;
+            }
             __m512i b = moed_load64(wp + 64 * i, full, 16 * n - 64 * i);
             __m512i lo = _mm512_and_si512(b, m), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
             if (kind == MOED_IK_MXFP4) {
@@ -449,13 +468,15 @@ moed_ichunk_S8(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_
 }
 
 /* S1 and S2 of the first n blocks of a chunk (n = 16 when full; the rest 0), in two
- * halves of 8 blocks (the accumulators of both planes fit the 16 registers). */
+ * halves of 8 blocks (the accumulators of both planes fit the 16 registers); half
+ * (n <= 8): the second is not computed (as on AVX-512). */
 static inline __attribute__((always_inline)) void
 moed_ichunk_S(const int kind, const uint8_t *wp, const int8_t *qp1, const int8_t *qp2, moed_is16 cs1,
-              moed_is16 cs2, const int full, int n, moed_is16 *S1, moed_is16 *S2) {
+              moed_is16 cs2, const int full, int n, const int half, moed_is16 *S1, moed_is16 *S2) {
     moed_is16 r1, r2;
     moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 0, &r1.lo, &r2.lo);
-    moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 1, &r1.hi, &r2.hi);
+    if (half) r1.hi = r2.hi = _mm256_setzero_si256();
+    else moed_ichunk_S8(kind, wp, qp1, qp2, full, n, 1, &r1.hi, &r2.hi);
     if (moed_ikind_bias(kind)) {
         r1.lo = _mm256_sub_epi32(r1.lo, cs1.lo);
         r1.hi = _mm256_sub_epi32(r1.hi, cs1.hi);
@@ -557,112 +578,185 @@ static inline int moed_itail_overread_ok(const moed_weight *w, const int kind, p
            r * w->scale_ld + first + read <= w->rows * w->scale_ld;
 }
 
+/* Tokens a mat-mat pass takes at once: each chunk of a row is loaded (and its nibbles
+ * split) once for them; each token's integer sums, t's and block-by-block sum are those
+ * of its mat-vec. */
+#ifndef MOED_ITOKENS
+#define MOED_ITOKENS 4
+#endif
+
+/* The quantised activations of up to MOED_ITOKENS tokens (rows of a moed_qact). */
+typedef struct {
+    const int8_t *q1[MOED_ITOKENS], *q2[MOED_ITOKENS];
+    const float *d[MOED_ITOKENS], *e[MOED_ITOKENS], *ds[MOED_ITOKENS];
+    const int32_t *s1[MOED_ITOKENS], *s2[MOED_ITOKENS];
+} moed_itoks;
+
 /* One chunk (blocks b0 .. b0+n-1) of rows r0 .. r0+nrows-1 (nrows a multiple of 4, or
- * 1), added to the rows' sums (full: whole-chunk loads, else none past block n): y4[k] holds rows 4k .. 4k+3, y1 the
- * single row's. */
+ * 1) for nt tokens, added to their sums (full: whole-chunk loads, else none past block
+ * n; half: n <= 8, the integer work of half a chunk): y4[j][k] holds rows 4k .. 4k+3 of
+ * token j, y1[j] the single row's.
+ * Prefetch: each row's codes MOED_I_PREFETCH bytes ahead (MOED_I_PREFETCH_INT8 for
+ * int8, whose blocks are twice as long) and into L2 two passes ahead, and its scales
+ * (and mins) MOED_I_SCALES_AHEAD groups ahead. A chunk's scales are 16 bytes (mxfp4) or
+ * 32 (f16, groups of 32), a line every 2-4 chunks; the prefetch is issued every chunk
+ * (cheap, mostly a hit). */
 static inline __attribute__((always_inline)) void
 moed_idot_chunk(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
-                const uint8_t *const *row, const int8_t *q1, const int8_t *q2, const float *d,
-                const float *e, const float *ds, const int32_t *s1, const int32_t *s2, ptrdiff_t b0,
-                const int full, int n, __m128 *y4, float *y1) {
+                const uint8_t *const *row, const int nt, const moed_itoks *a, ptrdiff_t b0,
+                const int full, int n, const int half, __m128 (*y4)[MOED_ROWS / 4], float *y1) {
     const ptrdiff_t bpb = kind == MOED_IK_INT8 ? 32 : 16;   /* weight bytes per block */
     const ptrdiff_t off = b0 * bpb;
-    const moed_v16 dv = moed_v16_load(d + b0), ev = moed_v16_load(e + b0);
-    const moed_v16 dsv = kind == MOED_IK_INT4M ? moed_v16_load(ds + b0) : moed_v16_zero();
-    const moed_is16 cs1 = moed_is16_times(moed_ikind_bias(kind), s1 + b0);
-    const moed_is16 cs2 = moed_is16_times(moed_ikind_bias(kind), s2 + b0);
+    moed_v16 dv[MOED_ITOKENS], ev[MOED_ITOKENS], dsv[MOED_ITOKENS];
+    moed_is16 cs1[MOED_ITOKENS], cs2[MOED_ITOKENS];
+    for (int j = 0; j < nt; j++) {
+        dv[j] = moed_v16_load(a->d[j] + b0);
+        ev[j] = moed_v16_load(a->e[j] + b0);
+        dsv[j] = kind == MOED_IK_INT4M ? moed_v16_load(a->ds[j] + b0) : moed_v16_zero();
+        cs1[j] = moed_is16_times(moed_ikind_bias(kind), a->s1[j] + b0);
+        cs2[j] = moed_is16_times(moed_ikind_bias(kind), a->s2[j] + b0);
+    }
     float tmp[4][16] __attribute__((aligned(64)));
-    moed_v16 tv[4];
+    moed_v16 tv[MOED_ITOKENS][4];
     for (int k = 0; k < nrows; k++) {
-        if (full)
+        if (full) {
+            const ptrdiff_t ahead = kind == MOED_IK_INT8 ? MOED_I_PREFETCH_INT8 : MOED_I_PREFETCH;
             for (int l = 0; l < 16 * bpb; l += 64) {
-                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + MOED_I_PREFETCH, w->row_bytes, nrows));
+                __builtin_prefetch(row[k] + moed_prefetch_at(off + l + ahead, w->row_bytes, nrows));
                 moed_q_prefetch_l2(row[k], off + l, w->row_bytes, nrows);
             }
-        moed_is16 S1, S2;
-        moed_ichunk_S(kind, row[k] + off, q1 + 32 * b0, q2 + 32 * b0, cs1, cs2, full, n, &S1, &S2);
+            const ptrdiff_t sa = (r0 + k) * w->scale_ld +
+                                 moed_prefetch_at((32 * b0) / w->scale_cols + MOED_I_SCALES_AHEAD, w->scale_ld, nrows);
+            if (kind == MOED_IK_MXFP4) {
+                __builtin_prefetch((const uint8_t *)w->scales + sa);
+            } else {
+                __builtin_prefetch((const uint16_t *)w->scales + sa);
+                if (kind == MOED_IK_INT4M) __builtin_prefetch(w->mins + sa);
+            }
+        }
+        /* the tokens' sums of one chunk of a row: the weight loads and their decoding are
+         * the same for every token (the compiler shares them) */
+        moed_is16 S1[MOED_ITOKENS], S2[MOED_ITOKENS];
+        for (int j = 0; j < nt; j++)
+            moed_ichunk_S(kind, row[k] + off, a->q1[j] + 32 * b0, a->q2[j] + 32 * b0, cs1[j], cs2[j], full, n,
+                          half, &S1[j], &S2[j]);
         moed_v16 sw, mv = moed_v16_zero();
         if (full) moed_ichunk_scales(w, kind, r0 + k, b0, &sw, &mv);
         else moed_itail_scales(w, r0 + k, b0, n, &sw, &mv);
-        moed_v16 t = moed_v16_mul(moed_is16_f32(S1), moed_v16_mul(sw, dv));
-        const moed_v16 t2 = moed_v16_mul(moed_is16_f32(S2), moed_v16_mul(sw, ev));
-        t = moed_v16_add(t, t2);
-        if (kind == MOED_IK_INT4M) t = moed_v16_add(t, moed_v16_mul(mv, dsv));
-        if (nrows == 1) {
-            moed_v16_store(tmp[0], t);
-            for (int l = 0; l < n; l++) *y1 = *y1 + tmp[0][l];
-        } else {
-            tv[k & 3] = t;
-            if ((k & 3) == 3) {   /* four rows' sums in one vector, block by block */
-                moed_itranspose4(tv, tmp);
-                __m128 y = y4[k >> 2];
-                for (int l = 0; l < n; l++) y = _mm_add_ps(y, _mm_load_ps(tmp[l & 3] + 4 * (l >> 2)));
-                y4[k >> 2] = y;
+        for (int j = 0; j < nt; j++) {
+            moed_v16 t = moed_v16_mul(moed_is16_f32(S1[j]), moed_v16_mul(sw, dv[j]));
+            const moed_v16 t2 = moed_v16_mul(moed_is16_f32(S2[j]), moed_v16_mul(sw, ev[j]));
+            t = moed_v16_add(t, t2);
+            if (kind == MOED_IK_INT4M) t = moed_v16_add(t, moed_v16_mul(mv, dsv[j]));
+            if (nrows == 1) {
+                moed_v16_store(tmp[0], t);
+                for (int l = 0; l < n; l++) y1[j] = y1[j] + tmp[0][l];
+            } else {
+                tv[j][k & 3] = t;
             }
         }
+        if (nrows > 1 && (k & 3) == 3)   /* four rows' sums in one vector, block by block */
+            for (int j = 0; j < nt; j++) {
+                moed_itranspose4(tv[j], tmp);
+                __m128 y = y4[j][k >> 2];
+                for (int l = 0; l < n; l++) y = _mm_add_ps(y, _mm_load_ps(tmp[l & 3] + 4 * (l >> 2)));
+                y4[j][k >> 2] = y;
+            }
     }
 }
 
-/* y of rows r0 .. r0+nrows-1 for token t (nrows a multiple of 4, or 1). */
+/* out[j * ldo + k] = y of row r0 + k for token t0 + j, k < nrows (a multiple of 4, or 1),
+ * j < nt. */
 static inline __attribute__((always_inline)) void
-moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows,
-               const moed_qact *a, ptrdiff_t t, float *out) {
-    const int8_t *q1 = a->q1 + t * a->ldq, *q2 = a->q2 + t * a->ldq;
-    const float *d = a->d + t * a->ldb, *e = a->e + t * a->ldb, *ds = a->ds + t * a->ldb;
-    const int32_t *s1 = a->s1 + t * a->ldb, *s2 = a->s2 + t * a->ldb;
-    const ptrdiff_t nb = a->nb, nfull = nb / MOED_ICHUNK * MOED_ICHUNK;
-    const uint8_t *row[MOED_ROWS];
-    __m128 y4[MOED_ROWS / 4];
-    float y1 = 0.0f;
-    for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
-    for (int k = 0; k < MOED_ROWS / 4; k++) y4[k] = _mm_setzero_ps();
-    for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
-        moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, b0, 1, MOED_ICHUNK, y4, &y1);
-    if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays */
-        if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull))
-            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 1, (int)(nb - nfull), y4, &y1);
-        else
-            moed_idot_chunk(w, kind, r0, nrows, row, q1, q2, d, e, ds, s1, s2, nfull, 0, (int)(nb - nfull), y4, &y1);
+moed_idot_pass(const moed_weight *w, const int kind, ptrdiff_t r0, const int nrows, const int nt,
+               const moed_qact *qa, ptrdiff_t t0, float *out, ptrdiff_t ldo) {
+    moed_itoks a;
+    for (int j = 0; j < nt; j++) {
+        const ptrdiff_t t = t0 + j;
+        a.q1[j] = qa->q1 + t * qa->ldq;
+        a.q2[j] = qa->q2 + t * qa->ldq;
+        a.d[j] = qa->d + t * qa->ldb;
+        a.e[j] = qa->e + t * qa->ldb;
+        a.ds[j] = qa->ds + t * qa->ldb;
+        a.s1[j] = qa->s1 + t * qa->ldb;
+        a.s2[j] = qa->s2 + t * qa->ldb;
     }
-    if (nrows == 1) out[0] = y1;
-    else
-        for (int k = 0; k < nrows / 4; k++) _mm_storeu_ps(out + 4 * k, y4[k]);
+    const ptrdiff_t nb = qa->nb, nfull = nb / MOED_ICHUNK * MOED_ICHUNK;
+    const uint8_t *row[MOED_ROWS];
+    __m128 y4[MOED_ITOKENS][MOED_ROWS / 4];
+    float y1[MOED_ITOKENS];
+    for (int k = 0; k < nrows; k++) row[k] = w->codes + (r0 + k) * w->row_bytes;
+    for (int j = 0; j < nt; j++) {
+        y1[j] = 0.0f;
+        for (int k = 0; k < MOED_ROWS / 4; k++) y4[j][k] = _mm_setzero_ps();
+    }
+    for (ptrdiff_t b0 = 0; b0 < nfull; b0 += MOED_ICHUNK)
+        moed_idot_chunk(w, kind, r0, nrows, row, nt, &a, b0, 1, MOED_ICHUNK, 0, y4, y1);
+    if (nfull < nb) {   /* the last n blocks: whole-chunk loads where they stay inside the arrays;
+                         * at most 8 of them: the integer work of half a chunk */
+        const int n = (int)(nb - nfull);
+        if (moed_itail_overread_ok(w, kind, r0 + nrows - 1, nfull)) {
+            if (n <= 8) moed_idot_chunk(w, kind, r0, nrows, row, nt, &a, nfull, 1, n, 1, y4, y1);
+            else moed_idot_chunk(w, kind, r0, nrows, row, nt, &a, nfull, 1, n, 0, y4, y1);
+        } else {
+            if (n <= 8) moed_idot_chunk(w, kind, r0, nrows, row, nt, &a, nfull, 0, n, 1, y4, y1);
+            else moed_idot_chunk(w, kind, r0, nrows, row, nt, &a, nfull, 0, n, 0, y4, y1);
+        }
+    }
+    for (int j = 0; j < nt; j++) {
+        if (nrows == 1) out[j * ldo] = y1[j];
+        else
+            for (int k = 0; k < nrows / 4; k++) _mm_storeu_ps(out + j * ldo + 4 * k, y4[j][k]);
+    }
 }
 
-#define MOED_DEFINE_IPASS(NAME, KIND)                                                   \
-    static void moed_idot_##NAME##_p(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
-                                     ptrdiff_t t, float *out) {                         \
-        moed_idot_pass(w, KIND, r0, MOED_IPASS, a, t, out);                             \
-    }                                                                                   \
-    static void moed_idot_##NAME##_4(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
-                                     ptrdiff_t t, float *out) {                         \
-        moed_idot_pass(w, KIND, r0, 4, a, t, out);                                      \
-    }                                                                                   \
-    static void moed_idot_##NAME##_1(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
-                                     ptrdiff_t t, float *out) {                         \
-        moed_idot_pass(w, KIND, r0, 1, a, t, out);                                      \
+typedef void (*moed_ipass_fn)(const moed_weight *, ptrdiff_t, const moed_qact *, ptrdiff_t, float *,
+                              ptrdiff_t);
+#define MOED_DEFINE_IPASS1(NAME, KIND, NROWS, NT, SUFFIX)                                 \
+    static void moed_idot_##NAME##_##SUFFIX(const moed_weight *w, ptrdiff_t r0, const moed_qact *a, \
+                                            ptrdiff_t t0, float *out, ptrdiff_t ldo) {    \
+        moed_idot_pass(w, KIND, r0, NROWS, NT, a, t0, out, ldo);                          \
     }
+/* moed_ikernels_NAME[tokens: 1 or MOED_ITOKENS][rows: a pass, 4, 1] */
+#define MOED_DEFINE_IPASS(NAME, KIND)                                                     \
+    MOED_DEFINE_IPASS1(NAME, KIND, MOED_IPASS, 1, p1)                                     \
+    MOED_DEFINE_IPASS1(NAME, KIND, 4, 1, r4t1)                                            \
+    MOED_DEFINE_IPASS1(NAME, KIND, 1, 1, r1t1)                                            \
+    MOED_DEFINE_IPASS1(NAME, KIND, MOED_IPASS, MOED_ITOKENS, pT)                          \
+    MOED_DEFINE_IPASS1(NAME, KIND, 4, MOED_ITOKENS, r4tT)                                 \
+    MOED_DEFINE_IPASS1(NAME, KIND, 1, MOED_ITOKENS, r1tT)                                 \
+    static const moed_ipass_fn moed_ikernels_##NAME[2][3] = {                             \
+        {moed_idot_##NAME##_p1, moed_idot_##NAME##_r4t1, moed_idot_##NAME##_r1t1},        \
+        {moed_idot_##NAME##_pT, moed_idot_##NAME##_r4tT, moed_idot_##NAME##_r1tT}};
 MOED_DEFINE_IPASS(int8, MOED_IK_INT8)
 MOED_DEFINE_IPASS(int4m, MOED_IK_INT4M)
 MOED_DEFINE_IPASS(int4s, MOED_IK_INT4S)
 MOED_DEFINE_IPASS(mxfp4, MOED_IK_MXFP4)
 
-typedef void (*moed_ipass_fn)(const moed_weight *, ptrdiff_t, const moed_qact *, ptrdiff_t, float *);
-
-static inline void moed_idot_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
-                                       const moed_qact *a, ptrdiff_t t, float *out) {
-    moed_ipass_fn fp, f4, f1;
+/* The kernels of w's kind, for one token (tiled = 0) or MOED_ITOKENS (tiled = 1). */
+static inline const moed_ipass_fn *moed_ikernels_for(const moed_weight *w, int tiled) {
     switch (w->fmt) {
-    case MOED_INT8: fp = moed_idot_int8_p; f4 = moed_idot_int8_4; f1 = moed_idot_int8_1; break;
-    case MOED_MXFP4: fp = moed_idot_mxfp4_p; f4 = moed_idot_mxfp4_4; f1 = moed_idot_mxfp4_1; break;
-    default:
-        if (w->mins) { fp = moed_idot_int4m_p; f4 = moed_idot_int4m_4; f1 = moed_idot_int4m_1; }
-        else { fp = moed_idot_int4s_p; f4 = moed_idot_int4s_4; f1 = moed_idot_int4s_1; }
+    case MOED_INT8: return moed_ikernels_int8[tiled];
+    case MOED_MXFP4: return moed_ikernels_mxfp4[tiled];
+    default: return w->mins ? moed_ikernels_int4m[tiled] : moed_ikernels_int4s[tiled];
     }
-    int k = 0;
-    for (; k + MOED_IPASS <= nrows; k += MOED_IPASS) fp(w, r0 + k, a, t, out + k);
-    for (; k + 4 <= nrows; k += 4) f4(w, r0 + k, a, t, out + k);
-    for (; k < nrows; k++) f1(w, r0 + k, a, t, out + k);
+}
+
+/* out[j * ldo + k] = y of row r0 + k for tokens t0 + j, k < nrows <= MOED_ROWS, j < T:
+ * MOED_ITOKENS tokens a pass while that many are left, then one by one. */
+static inline void moed_imatmul_rows_simd(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                          const moed_qact *a, ptrdiff_t t0, ptrdiff_t T,
+                                          float *out, ptrdiff_t ldo) {
+    for (ptrdiff_t j = 0; j < T;) {
+        const int tiled = T - j >= MOED_ITOKENS;
+        const moed_ipass_fn *f = moed_ikernels_for(w, tiled);
+        float *o = out + j * ldo;
+        int k = 0;
+        for (; k + MOED_IPASS <= nrows; k += MOED_IPASS) f[0](w, r0 + k, a, t0 + j, o + k, ldo);
+        for (; k + 4 <= nrows; k += 4) f[1](w, r0 + k, a, t0 + j, o + k, ldo);
+        for (; k < nrows; k++) f[2](w, r0 + k, a, t0 + j, o + k, ldo);
+        j += tiled ? MOED_ITOKENS : 1;
+    }
 }
 #endif
 
@@ -678,29 +772,30 @@ static inline const char *moed_fast_path(void) {
 #endif
 }
 
-/* out[k] = y of row r0 + k (k < nrows <= MOED_ROWS) for token t of a, whose layout
- * must be moed_fast_paired(w->fmt). simd = 0: the portable reference (same bits). */
-static inline void moed_idot_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
-                                  const moed_qact *a, ptrdiff_t t, float *out, int simd) {
+/* out[j * ldo + k] = y of row r0 + k (k < nrows <= MOED_ROWS) for tokens t0 + j of a
+ * (j < T), whose layout must be moed_fast_paired(w->fmt): each token's mat-vec, whatever
+ * T is. simd = 0: the portable reference (same bits). */
+static inline void moed_imatmul_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                     const moed_qact *a, ptrdiff_t t0, ptrdiff_t T, float *out,
+                                     ptrdiff_t ldo, int simd) {
 #ifdef MOED_I_SIMD
     if (simd) {
-        moed_idot_rows_simd(w, r0, nrows, a, t, out);
+        moed_imatmul_rows_simd(w, r0, nrows, a, t0, T, out, ldo);
         return;
     }
 #endif
     (void)simd;
-    moed_idot_rows_portable(w, r0, nrows, a, t, out);
-}
-
-/* out[j * ldo + k] = y of row r0 + k for tokens t0 + j, j < T: each token's mat-vec. */
-static inline void moed_imatmul_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
-                                     const moed_qact *a, ptrdiff_t t0, ptrdiff_t T, float *out,
-                                     ptrdiff_t ldo, int simd) {
     float o[MOED_ROWS];
     for (ptrdiff_t j = 0; j < T; j++) {
-        moed_idot_rows(w, r0, nrows, a, t0 + j, o, simd);
+        moed_idot_rows_portable(w, r0, nrows, a, t0 + j, o);
         for (int k = 0; k < nrows; k++) out[j * ldo + k] = o[k];
     }
+}
+
+/* out[k] = y of row r0 + k (k < nrows <= MOED_ROWS) for token t of a. */
+static inline void moed_idot_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
+                                  const moed_qact *a, ptrdiff_t t, float *out, int simd) {
+    moed_imatmul_rows(w, r0, nrows, a, t, 1, out, 0, simd);
 }
 
 #endif

@@ -1233,15 +1233,18 @@ cdef void _gate_up_rows_fast(const moed_weight *wg, const moed_weight *wu, Py_ss
                              float *hbuf) noexcept nogil:
     """_gate_up_rows in fast mode: the tokens are rows t0 .. t0+n-1 of a."""
     cdef Py_ssize_t I = wg.rows
-    cdef Py_ssize_t i0 = g * MOED_ROWS, j, q
+    cdef Py_ssize_t i0 = g * MOED_ROWS, j0 = 0, j, q, nt
     cdef int nr = <int>(I - i0) if I - i0 < MOED_ROWS else MOED_ROWS
-    cdef float go[8]
-    cdef float uo[8]
-    for j in range(n):
-        moed_idot_rows(wg, i0, nr, a, t0 + j, go, 1)
-        moed_idot_rows(wu, i0, nr, a, t0 + j, uo, 1)
-        for q in range(nr):
-            hbuf[j * I + i0 + q] = moed_silu(go[q]) * uo[q]
+    cdef float go[FFN_OUTS]
+    cdef float uo[FFN_OUTS]
+    while j0 < n:
+        nt = n - j0 if n - j0 < FFN_TOKENS else FFN_TOKENS
+        moed_imatmul_rows(wg, i0, nr, a, t0 + j0, nt, go, nr, 1)
+        moed_imatmul_rows(wu, i0, nr, a, t0 + j0, nt, uo, nr, 1)
+        for j in range(nt):
+            for q in range(nr):
+                hbuf[(j0 + j) * I + i0 + q] = moed_silu(go[j * nr + q]) * uo[j * nr + q]
+        j0 += nt
 
 
 cdef void _down_rows_fast(const moed_weight *w, Py_ssize_t g, const moed_qact *a, Py_ssize_t t0,
@@ -1481,14 +1484,17 @@ cdef void _fused_gate_up_rows_fast(const moed_weight *w, const float *bias, Py_s
                                    float alpha, float limit) noexcept nogil:
     """_fused_gate_up_rows in fast mode: the tokens are rows t0 .. t0+n-1 of a."""
     cdef Py_ssize_t I = w.rows // 2
-    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j0 = 0, j, q, nt
     cdef int nr = <int>(w.rows - r0) if w.rows - r0 < MOED_ROWS else MOED_ROWS
-    cdef float o[8]
-    for j in range(n):
-        moed_idot_rows(w, r0, nr, a, t0 + j, o, 1)
-        for q in range(0, nr, 2):
-            hbuf[j * I + (r0 + q) // 2] = moed_clamped_swiglu(
-                o[q] + bias[r0 + q], o[q + 1] + bias[r0 + q + 1], alpha, limit)
+    cdef float o[FFN_OUTS]
+    while j0 < n:
+        nt = n - j0 if n - j0 < FFN_TOKENS else FFN_TOKENS
+        moed_imatmul_rows(w, r0, nr, a, t0 + j0, nt, o, nr, 1)
+        for j in range(nt):
+            for q in range(0, nr, 2):
+                hbuf[(j0 + j) * I + (r0 + q) // 2] = moed_clamped_swiglu(
+                    o[j * nr + q] + bias[r0 + q], o[j * nr + q + 1] + bias[r0 + q + 1], alpha, limit)
+        j0 += nt
 
 
 cdef void _down_rows_fast_bias(const moed_weight *w, const float *bias, Py_ssize_t g,
@@ -1496,13 +1502,16 @@ cdef void _down_rows_fast_bias(const moed_weight *w, const float *bias, Py_ssize
                                float *out) noexcept nogil:
     """_down_rows in fast mode: the tokens are rows t0 .. t0+n-1 of a."""
     cdef Py_ssize_t H = w.rows
-    cdef Py_ssize_t r0 = g * MOED_ROWS, j, q
+    cdef Py_ssize_t r0 = g * MOED_ROWS, j0 = 0, j, q, nt
     cdef int nr = <int>(H - r0) if H - r0 < MOED_ROWS else MOED_ROWS
-    cdef float o[8]
-    for j in range(n):
-        moed_idot_rows(w, r0, nr, a, t0 + j, o, 1)
-        for q in range(nr):
-            out[j * H + r0 + q] = o[q] + bias[r0 + q]
+    cdef float o[FFN_OUTS]
+    while j0 < n:
+        nt = n - j0 if n - j0 < FFN_TOKENS else FFN_TOKENS
+        moed_imatmul_rows(w, r0, nr, a, t0 + j0, nt, o, nr, 1)
+        for j in range(nt):
+            for q in range(nr):
+                out[(j0 + j) * H + r0 + q] = o[j * nr + q] + bias[r0 + q]
+        j0 += nt
 
 
 cdef void _columns_t(const moed_weight *w, Py_ssize_t c0, Py_ssize_t nc, const float *x,

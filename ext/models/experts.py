@@ -12,7 +12,6 @@ without touching the forward pass.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ext.formats._guarded_map import GuardedMap, faults_total
 from ext.formats.checkpoint import (Checkpoint, MissingTensorError, TensorInfo, TensorRangeError,
                                     TruncatedFileError, UnsupportedDtypeError)
 from ext.formats.quant import (EXPERT, LAYOUTS, MXFP4, PLAIN_FORMATS, FormatMismatchError,
@@ -323,31 +323,50 @@ class MmapExpertProvider(ExpertProvider):
     drop them under memory pressure. This is the page-cache baseline that the
     streaming cache is measured against.
 
-    A shard truncated under a mapping would kill the process with SIGBUS at the first
-    touch of a page past its new end, so every acquire first checks (one fstat per
-    shard of the call, well under a microsecond) that each shard still holds the
-    acquired experts' bytes, and raises TruncatedFileError naming the file, the expert
-    and the sizes instead; `failing()` reports it until the shard is whole again. A
-    truncation between that check and the kernels' reads (the layer's compute) is not
-    covered.
+    A shard truncated under a plain mapping kills the process with SIGBUS at the first
+    touch of a page past its new end. So every acquire first checks (one fstat per shard
+    of the call, well under a microsecond) that each shard still holds the acquired
+    experts' bytes, and raises TruncatedFileError naming the file, the expert and the
+    sizes; and the shards are mapped as ext.formats GuardedMaps, so that a truncation
+    after that check — while the kernels read — reads zeros instead of killing the
+    process: `release` sees the map's fault count and raises TruncatedFileError naming
+    the file (the layer's rows were computed from bytes that may be zeros and must not
+    be used), and the next acquire maps the file again. `failing()` reports either until
+    the shard is whole again.
     """
 
     def __init__(self, layout: ExpertLayout):
         self._layout = layout
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, GuardedMap] = {}
         self._fds: dict[str, int] = {}
         self._views: dict[tuple[int, int], ExpertWeights] = {}
         self._ends: dict[tuple[int, int], dict[str, int]] = {}   # per expert: file -> its end
         self._failing: dict[str, tuple[int, str]] = {}           # file -> (end needed, why)
+        self._faults_seen = faults_total()      # every map made since holds no fault
+        self._faults_at: dict[int, int] = {}    # layer -> faults_total() at its acquire
+        self._file_ends: dict[str, int] = {}                     # file -> its last expert's end
+        for loc in layout:
+            for info in loc.pieces():
+                end = info.offset + info.nbytes
+                self._file_ends[info.path] = max(self._file_ends.get(info.path, 0), end)
 
-    def _map(self, path: str) -> mmap.mmap:
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _map(self, path: str) -> GuardedMap:
         m = self._maps.get(path)
         if m is None:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            m = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            fd = self._fd(path)
+            # never shorter than its experts: a file cut since the check reads as a fault
+            m = self._maps[path] = GuardedMap(fd, max(os.fstat(fd).st_size, self._file_ends[path]))
         return m
+
+    def _paths(self, layer: int, experts: Sequence[int]) -> set[str]:
+        """The shards that hold the experts of a call (known after `_check_sizes`)."""
+        return {path for e in experts for path in self._ends[(layer, int(e))]}
 
     def _check_sizes(self, layer: int, experts: Sequence[int]) -> None:
         """Raise TruncatedFileError when a shard no longer holds an expert of the call."""
@@ -364,10 +383,7 @@ class MmapExpertProvider(ExpertProvider):
                 if end > need.get(path, (0, 0))[0]:
                     need[path] = (end, int(e))
         for path, (end, expert) in need.items():
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            size = os.fstat(fd).st_size
+            size = os.fstat(self._fd(path)).st_size
             if size < end:
                 why = (f"{path} ends at byte {size}, before layer {layer} expert {expert}'s "
                        f"weights end at {end} (truncated while served)")
@@ -391,6 +407,15 @@ class MmapExpertProvider(ExpertProvider):
 
     def acquire(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
         self._check_sizes(layer, experts)
+        total = faults_total()
+        if total != self._faults_seen:  # some map faulted: it is part zeros, map its file again
+            faulted = [path for path, m in self._maps.items() if m.faults]
+            for path in faulted:
+                del self._maps[path]
+            if faulted:
+                self._views.clear()     # (a view keeps its old map alive until it is dropped)
+            self._faults_seen = total
+        self._faults_at[layer] = total
         out = []
         for e in experts:
             key = (layer, int(e))
@@ -403,14 +428,25 @@ class MmapExpertProvider(ExpertProvider):
             out.append(w)
         return out
 
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        """Raises TruncatedFileError when a shard of the call was cut while its experts
+        were read (their maps counted a fault): the rows computed since `acquire` may
+        come from zeros."""
+        if faults_total() == self._faults_at.pop(layer, None):
+            return                      # no map of the process faulted since the acquire
+        for path in sorted(self._paths(layer, experts)):
+            m = self._maps.get(path)
+            if m is not None and m.faults:
+                size = os.fstat(self._fd(path)).st_size
+                end = max(self._ends[(layer, int(e))].get(path, 0) for e in experts)
+                why = (f"{path} was cut to {size} bytes while layer {layer}'s experts were "
+                       f"read from it (truncated while served)")
+                self._failing[path] = (end, why)
+                raise TruncatedFileError(why, path=path, tensor=None)
+
     def close(self) -> None:
         self._views.clear()
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a caller still holds a view; the map closes when it is freed
-                pass
-        self._maps.clear()
+        self._maps.clear()       # each unmaps when its last view is gone
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

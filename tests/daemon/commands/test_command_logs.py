@@ -62,3 +62,21 @@ def test_a_command_that_fails_logs_by_the_contract_plus_one_line_for_a_person(tm
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1].startswith("moed generate: error: ")
     assert log_contract.problems(proc.stderr.splitlines()) == []
+
+
+def test_serve_logs_the_state_dir_it_will_save_to_not_null(model, tmp_path, monkeypatch, capsys):
+    import daemon.service.daemon as service
+    from daemon.commands.cli import main
+
+    monkeypatch.setattr(service, "serve", lambda config, **kwargs: 0)    # the config line only
+    for key in [k for k in os.environ if k.startswith("MOED_")] + ["STATE_DIRECTORY"]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    config = tmp_path / "moed.toml"
+    config.write_text("")
+    assert main(["serve", "--model", str(model), "--socket", str(tmp_path / "moed.sock"),
+                 "--config", str(config)]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+              if line.startswith("{")]
+    [logged] = [e for e in events if e["event"] == "config"]
+    assert logged["state_dir"] == str(tmp_path / "xdg" / "moed")

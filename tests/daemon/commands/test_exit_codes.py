@@ -1,4 +1,4 @@
-"""Exit codes, usage lines and error messages of every command, as the README states them:
+"""Exit codes, usage lines and error messages of every command, as docs/cli.md states them:
 a bad argument (a --model path that does not exist is one) exits 2 with the command's own
 usage; a model directory or input that cannot be used exits 1 with one line
 `moed COMMAND: error: ...` naming the file, tensor or field at fault; no traceback."""

@@ -1,4 +1,4 @@
-"""`moed install-service`: the README's service steps done for real — a virtual
+"""`moed install-service`: the service steps of docs/service.md done for real — a virtual
 environment of the system's Python in /opt/moed, `pip install` of this checkout, then
 install-service (user, config, state directory, /usr/local/bin/moed, units) — and
 `systemd-analyze verify` on the units as installed, the service user serving the default

@@ -109,3 +109,14 @@ def test_every_listed_command_has_a_parser_and_every_parser_is_listed():
     (action,) = parser._subparsers._group_actions
     assert sorted(action._name_parser_map) == sorted(c.name for c in COMMANDS)
     assert [a.dest for a in action._choices_actions] == [c.name for c in COMMANDS]
+
+
+def test_generate_through_the_daemon_imports_no_numpy_nor_model_code(tmp_path):
+    """`moed generate` without --model is a client: its flags are checked (sampling
+    parameters included) and sent; numpy and the model code stay unloaded."""
+    proc, modules = _imports("generate", "--socket", str(tmp_path / "none.sock"), "def f(x):")
+    assert proc.returncode != 0 and "none.sock" in proc.stderr     # it tried to connect
+    assert "aiohttp" in modules                                      # the client ran
+    assert [m for m in _heavy(modules) if m.split(".")[0] != "aiohttp" and
+            not m.startswith(("structlog",))] == []
+    assert "importlib.metadata" not in modules       # the version is looked up for --version only

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.machine.memory import MemoryReading, read_memory
-from daemon.service.loading import plan_serving_memory, runtime_bytes
+from daemon.machine.memory import MemoryReading, read_available_bytes, read_memory
+from daemon.service.loading import (LOAD_BASE_BYTES, LOAD_BYTES_PER_VOCAB_TOKEN,
+                                    plan_serving_memory, runtime_bytes, workspace_bytes)
+from daemon.store.probe import model_target, probe_memory_bytes, run_iobench
 from ext.models.config import load_config
 from ext.models.families import kv_bytes_per_token
 from ext.makemodel import make_model
@@ -109,6 +111,23 @@ def test_container_host_has_far_more_memory_than_the_limit(tmp_path):
     reading = read_memory(tmp_path)
     assert reading.mem_available_bytes == 500 * GiB
     assert available_bytes(reading.mem_available_bytes, reading.cgroup_limits, None) == 1536 * MiB
+
+
+def test_the_available_figure_of_the_stats_is_bounded_by_the_cgroup(tmp_path):
+    """/v1/moed/stats' memory.available_bytes: the host's MemAvailable, or the cgroup's
+    headroom (limit - (usage - inactive_file)) when that is tighter; None when neither is
+    known."""
+    v1 = "4:memory:/moed.service\n"
+    proc(tmp_path, v1, MOUNT_V1_MEMORY, mem_available_kb=64 * 1024 * 1024)
+    v1_cgroup(tmp_path, "moed.service", str(320 * MiB), usage=250 * MiB,
+              total_inactive_file=10 * MiB)
+    assert read_available_bytes(tmp_path) == 80 * MiB
+    proc(tmp_path, v1, MOUNT_V1_MEMORY, mem_available_kb=50 * 1024)      # the host is tighter
+    assert read_available_bytes(tmp_path) == 50 * MiB
+    bare = tmp_path / "bare"
+    proc(bare, "0::/\n", "")
+    (bare / "proc/meminfo").write_text("MemTotal: 1 kB\n")
+    assert read_available_bytes(bare) is None
 
 
 def test_reclaimable_page_cache_is_not_counted_as_used(tmp_path):
@@ -233,7 +252,8 @@ def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache
                                 reading=MemoryReading(64 << 30, ()), prefix_cache_bytes=512 << 20,
                                 threads=2)
     p = roomy.plan
-    assert p.runtime_bytes == runtime_bytes(config, threads=2, context=roomy.context, sequences=4)
+    assert p.runtime_bytes == runtime_bytes(config, threads=2, context=roomy.context, sequences=4,
+                                            slot_bytes=p.slot_bytes)
     assert p.runtime_bytes < 64 << 20                   # a tiny model: no 512 MiB reserve
     assert p.prefix_cache_bytes == 512 << 20 and roomy.context == min(8192, config.max_position_embeddings)
     per_token = kv_bytes_per_token(config)
@@ -250,6 +270,38 @@ def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache
     with pytest.raises(MemoryPlanError, match="lower max_concurrent_sequences by 2, from 4 to 2"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                             reading=MemoryReading(available, ()), threads=2, sequences_fixed=True)
+
+
+def _peak_rss_growth(run) -> int:
+    """How far `run()` raises this process's peak RSS above its RSS before, in bytes."""
+    def status(key: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                    if x.startswith(key))
+        return int(line.split()[1]) * 1024
+    Path("/proc/self/clear_refs").write_text("5")           # VmHWM := VmRSS
+    before = status("VmRSS:")
+    run()
+    return status("VmHWM:") - before
+
+
+def test_the_serving_plan_reserves_what_the_idle_storage_probe_adds(tmp_path):
+    """The daemon probes its disk when idle after READY, with every cache full: the plan's
+    runtime holds the probe's arena and workers, and a real probe run over the model's
+    experts adds no more than that to the process."""
+    model = make_model(tmp_path / "m", arch="qwen3_moe", layers=2, experts=8, top_k=2,
+                       hidden=256, intermediate=384)
+    config = load_config(model)
+    served = plan_serving_memory(model, max_concurrent_sequences=1, pin_fraction=0.5,
+                                 reading=MemoryReading(64 << 30, ()), threads=2)
+    p = served.plan
+    without_probe = (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
+                     + workspace_bytes(config, threads=2, context=served.context, sequences=1))
+    target = model_target(model)
+    assert target.block_bytes <= p.slot_bytes
+    assert p.runtime_bytes - without_probe == probe_memory_bytes(p.slot_bytes)
+    assert probe_memory_bytes(p.slot_bytes) >= 16 * p.slot_bytes      # 16 reads in flight
+    grown = _peak_rss_growth(lambda: run_iobench(target, seconds=1.0, repeats=2))
+    assert 0 < grown <= probe_memory_bytes(target.block_bytes), (grown, target.block_bytes)
 
 
 def test_the_serving_plan_counts_the_stored_bytes_of_lowbit_weights(tmp_path):

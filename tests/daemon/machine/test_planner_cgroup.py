@@ -1,7 +1,8 @@
 """The memory planner in a real memory-limited cgroup: `moed serve` without an expert
 cache size starts where the old planner (a fixed 512 MiB runtime, the whole 512 MiB prefix
 cache, 4 sequences of 8192 tokens) refused, streams experts several times larger than its
-cache, and the group's peak usage stays within what the plan reserved. Skips only where
+cache, and the group's peak usage stays within what the plan reserved; its stats report
+the memory the group leaves, not the host's. Skips only where
 no child cgroup can be made (no memory controller, no permission); the cgroup helpers are
 bench/squeeze_cgroup.py's."""
 from __future__ import annotations
@@ -79,6 +80,40 @@ def test_the_daemon_starts_in_a_cgroup_the_old_plan_refused(tmp_path):
                                                       "prefix_cache_bytes", "expert_cache_bytes"))
             print(f"cgroup peak {peak} B; planned {reserved} B (+ margin {plan['margin_bytes']} B)")
             assert peak <= reserved, (peak, reserved, plan)
+    finally:
+        if daemon is not None:
+            daemon.cleanup()
+        helpers.remove_group(group)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_the_stats_report_the_memory_the_cgroup_leaves(tmp_path):
+    """/v1/moed/stats in a 256 MiB cgroup on a host with more available: memory.
+    available_bytes is the cgroup's headroom, not the host's MemAvailable."""
+    import psutil
+    helpers = _cgroup_helpers()
+    try:
+        version, group = helpers.make_group(LIMIT)
+    except OSError as e:
+        pytest.skip(f"cannot make a child memory cgroup here: {e}")
+    if psutil.virtual_memory().available <= LIMIT:
+        helpers.remove_group(group)
+        pytest.skip("the host has less memory available than the cgroup's limit")
+    model = make_model(tmp_path / "m", arch="qwen3_moe", layers=2, experts=8, top_k=2,
+                       hidden=64, intermediate=32, seed=3)
+    workdir = short_dir()
+    daemon = None
+    try:
+        daemon = Daemon(model, workdir, "--threads", "1",
+                        launcher=("sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group)))
+        status, stats = daemon.json("GET", "/v1/moed/stats")
+        assert status == 200, stats
+        usage = int((group / ("memory.usage_in_bytes" if version == 1 else "memory.current")).read_text())
+        available = stats["memory"]["available_bytes"]
+        assert 0 < available <= LIMIT
+        # the headroom counts the group's reclaimable page cache as free, as MemAvailable does
+        assert available >= LIMIT - usage - 16 * MIB, (available, LIMIT - usage)
+        assert daemon.stop() == 0
     finally:
         if daemon is not None:
             daemon.cleanup()

@@ -47,10 +47,10 @@ def model_dir(tmp_path_factory):
                       experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=4)
 
 
-def _start(model_dir, *args) -> Daemon:
+def _start(model_dir, *args, env: dict | None = None) -> Daemon:
     return Daemon(model_dir, short_dir(), "--threads", "1", "--log-level", "debug",
                   "--grammar-compile-memory-bytes", WORKER_MEMORY, *args,
-                  launcher=(tools.path("prlimit"), f"--as={DAEMON_AS}"))
+                  launcher=(tools.path("prlimit"), f"--as={DAEMON_AS}"), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,10 @@ def test_the_bomb_is_a_400_naming_the_limit_within_the_timeout(daemon):
     assert "grammar_compile_timeout_s" in error["message"]
     assert took < TIMEOUT_S + MARGIN_S
     killed = daemon.wait_event("grammar_compile_killed", from_index=mark)
-    assert killed["memory_bytes"] == 512 << 20 and killed["ended"] == "signal 9"
+    capped = daemon.wait_event("grammar_compile_memory")         # logged at the start
+    assert capped["configured_memory_bytes"] == 512 << 20 and capped["workers"] == 2
+    assert 0 < capped["memory_bytes"] <= 512 << 20 and capped["room_bytes"] is not None
+    assert killed["memory_bytes"] == capped["memory_bytes"] and killed["ended"] == "signal 9"
     assert _complete(daemon)[0] == 200                     # the daemon goes on
 
 
@@ -108,9 +111,10 @@ def test_a_schema_no_value_satisfies_is_a_400_at_validation(daemon):
 
 
 def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
-    """Eight different bombs at once (more than asyncio's default pool has threads here):
-    two compile, the others wait on the event loop; a plain completion sent while both
-    compiles run is answered before any bomb is."""
+    """Eight different bombs at once (more than asyncio's default pool has threads here),
+    from one client: one compiles (a client holds one slot at a time), a few wait on the
+    event loop, the rest are refused at once; a plain completion sent while a compile runs
+    is answered before any bomb that waited is."""
     mark = daemon.mark()
     answers: list[tuple[str, int, dict]] = []
     lock = threading.Lock()
@@ -126,21 +130,32 @@ def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
         t.start()
     with daemon._cond:
         assert daemon._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
-                                                 for e in daemon.events[mark:]) >= 2, 30)
+                                                 for e in daemon.events[mark:]) >= 1, 30)
     plain = threading.Thread(target=send, args=("plain", None))
     plain.start()
     plain.join(60)
     for t in bombs:
         t.join(60)
     assert len(answers) == 9
-    assert answers[0][:2] == ("plain", 200), answers       # before every bomb's answer
-    for name, status, body in answers[1:]:
+    names = [name for name, _, _ in answers]
+    at = names.index("plain")
+    assert answers[at][1] == 200, answers
+    waited = 0
+    for i, (name, status, body) in enumerate(answers):
+        if name == "plain":
+            continue
         assert status in (400, 429), (name, body)         # the timeout, or no slot in time
-        assert "grammar_compile_timeout_s" in body["error"]["message"]
-
+        message = body["error"]["message"]
+        if "compiles of this client wait" in message:     # refused at once: not waiting
+            continue
+        assert "grammar_compile_timeout_s" in message, message
+        assert i > at, answers                              # plain before each that waited
+        waited += 1
+    assert waited >= 2
 
 def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
-    """Three bombs whose compiles would run 60 s: two compile, one waits for a slot.
+    """Three bombs whose compiles would run 60 s, from one client: one compiles, two wait
+    for a slot (a client holds one at a time).
     SIGTERM ends the daemon at once, the workers with it, and every client is answered
     503 (or sees its connection close)."""
     d = _start(model_dir, "--grammar-compile-timeout-s", "60")
@@ -158,7 +173,7 @@ def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
             c.start()
         with d._cond:
             assert d._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
-                                                for e in d.events[mark:]) >= 2, 30)
+                                                for e in d.events[mark:]) >= 1, 30)
         pids = [e["pid"] for e in d.events[mark:] if e["event"] == "grammar_compile_started"]
         started = time.monotonic()
         assert d.stop(timeout=30) == 0
@@ -348,3 +363,220 @@ def test_a_large_matcher_is_used_but_not_cached_and_a_larger_one_refused(model_d
         asyncio.run(run())
     finally:
         grammars.close()
+
+
+
+def test_an_anyof_past_llguidances_row_limit_is_a_400_at_validation(model_dir):
+    """In-process, the default limits: an anyOf of 4000 objects (a ~37 MB matcher, within
+    1/16 of the default 1 GiB). Its first mask is fine, and llguidance's row limit (2000
+    items) fails only when a token is consumed; the worker consumes the first tokens, so
+    the compile is refused with llguidance's message (a 400), not a 500 at the first
+    token. The refusal is a verdict on the schema: cached."""
+    from daemon.service.grammar import GrammarError, GrammarLimitError
+    grammars = _grammars(model_dir)
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": {"anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(4000)]}}}
+
+    async def run():
+        spec = grammars.spec(fmt)
+        for _ in range(2):
+            with pytest.raises(GrammarError) as caught:
+                await grammars.compile(spec)
+            assert not isinstance(caught.value, GrammarLimitError)
+            message = str(caught.value)
+            assert "Current row has 4000 items; max is 2000" in message, message
+            assert "<non-verbose/>" not in message
+        assert (grammars.misses, grammars.hits) == (1, 1)
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
+
+
+def test_a_clients_bombs_hold_one_slot_and_another_clients_schema_compiles_promptly(
+        model_dir):
+    """In-process, two slots: client A sends three bombs at once, then client B a small
+    schema. A holds one slot (its other bombs wait), so B's compile takes the other at once
+    and is done long before A's first bomb times out (before: A's bombs held both slots
+    and B's compile waited out timeout_s, a 429)."""
+    from daemon.service.grammar import GrammarError
+    timeout_s = 6.0
+    grammars = _grammars(model_dir, timeout_s=timeout_s, workers=2)
+    small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1, 2]}}}
+
+    async def run():
+        await asyncio.get_running_loop().run_in_executor(None, grammars.start)
+        await asyncio.get_running_loop().run_in_executor(None, grammars.start)   # 2 idle
+        bombs = [asyncio.ensure_future(grammars.compile(grammars.spec(bomb(30, salt=str(i))),
+                                                        ("ip", "192.0.2.1")))
+                 for i in range(3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert grammars._slots.held(("ip", "192.0.2.1")) == 1
+        assert grammars._slots.waiting(("ip", "192.0.2.1")) == 2
+        started = time.monotonic()
+        factory = await grammars.compile(grammars.spec(small), ("ip", "192.0.2.2"))
+        took = time.monotonic() - started
+        assert factory().mask().any()
+        assert not any(b.done() for b in bombs)             # A's first bomb still runs
+        grammars.close()
+        outcomes = await asyncio.gather(*bombs, return_exceptions=True)
+        assert all(isinstance(o, GrammarError) for o in outcomes), outcomes
+        return took
+    try:
+        took = asyncio.run(run())
+        assert took < timeout_s / 2, took
+    finally:
+        grammars.close()
+
+
+def test_a_schema_that_timed_out_is_refused_at_once_for_a_while(model_dir, monkeypatch):
+    """In-process, with a clock of its own: a bomb that ran out of time is refused again at
+    once (no second compile) until TIMED_OUT_S have passed, then compiled again; the record
+    keeps TIMED_OUT_ENTRIES schemas."""
+    from daemon.service import grammar
+    monkeypatch.setattr(grammar, "TIMED_OUT_ENTRIES", 1)
+    now = [1000.0]
+    grammars = _grammars(model_dir, timeout_s=1.0, clock=lambda: now[0])
+
+    async def run():
+        spec = grammars.spec(bomb(30))
+        with pytest.raises(grammar.GrammarTimeoutError, match="grammar_compile_timeout_s"):
+            await grammars.compile(spec)
+        assert grammars.misses == 1
+        now[0] += grammar.TIMED_OUT_S - 1
+        started = time.monotonic()
+        with pytest.raises(grammar.GrammarTimeoutError, match="not tried again"):
+            await grammars.compile(spec)
+        assert time.monotonic() - started < 0.5 and grammars.misses == 1
+        now[0] += 1
+        with pytest.raises(grammar.GrammarTimeoutError, match="grammar_compile_timeout_s"):
+            await grammars.compile(spec)                    # compiled (and timed out) again
+        assert grammars.misses == 2
+        other = grammars.spec(bomb(30, salt="o"))
+        with pytest.raises(grammar.GrammarTimeoutError):
+            await grammars.compile(other)
+        assert list(grammars._timed_out) == [other.key]     # the oldest went
+    try:
+        asyncio.run(run())
+    finally:
+        grammars.close()
+
+
+def test_the_workers_memory_cap_is_what_the_memory_plan_leaves_free(model_dir, monkeypatch):
+    """In-process load, with a reading of a 400 MiB memory cgroup (faked through the
+    function the planner reads the machine with): the plan keeps its margin free (5%:
+    20 MiB), and each of the two compile workers gets half of it, not
+    grammar_compile_memory_bytes (1 GiB: two of them would take more than the cgroup
+    has). An error names that cap and the key it lowered."""
+    from daemon.machine.memory import MemoryReading
+    from daemon.service import loading
+    from daemon.service.config import ServeConfig
+    from daemon.service.grammar import GrammarLimitError
+    from scheduler.planner import CgroupLimit
+    limit = 400 << 20
+    reading = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, limit, 0, 0),))
+    monkeypatch.setattr(loading, "read_memory", lambda: reading)
+    config = ServeConfig(model=str(model_dir), tuner="off", threads=1,
+                         prefix_cache_bytes=16 << 20)
+    loaded = loading.load_for_serving(config, {})
+    try:
+        grammars = loaded.grammars
+        margin = int(loading.MARGIN_FRACTION * limit)
+        assert grammars.configured_memory_bytes == 1 << 30
+        assert grammars.memory_room_bytes == margin
+        assert grammars.memory_bytes == margin // 2 == 10 << 20
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1]}}}
+        with pytest.raises(GrammarLimitError) as caught:      # 10 MiB: no worker starts
+            asyncio.run(grammars.compile(grammars.spec(fmt)))
+        message = str(caught.value)
+        assert f"a cap of {10 << 20} bytes" in message, message
+        assert f"grammar_compile_memory_bytes {1 << 30}, lowered to {10 << 20}" in message
+        grammars.set_limits(grammars.timeout_s, 4 << 20)      # SIGHUP: below the room's share
+        assert grammars.memory_bytes == 4 << 20
+    finally:
+        loaded.close()
+
+
+def test_a_memory_error_names_the_lowered_cap(model_dir):
+    """A bomb in a worker capped at half of a 400 MiB room (not the configured 1 GiB): the
+    400 names the 200 MiB it ran into, and the configured value it replaced."""
+    from daemon.service.grammar import GrammarLimitError
+    grammars = _grammars(model_dir, timeout_s=30.0, memory_room_bytes=400 << 20)
+    assert grammars.memory_bytes == 200 << 20
+    try:
+        with pytest.raises(GrammarLimitError) as caught:
+            asyncio.run(grammars.compile(grammars.spec(bomb(30))))
+        message = str(caught.value)
+        assert f"needed more than {200 << 20} bytes" in message, message
+        assert f"grammar_compile_memory_bytes {1 << 30}, lowered to {200 << 20}" in message
+    finally:
+        grammars.close()
+
+
+def test_the_room_without_a_plan_is_what_the_reading_leaves_less_the_caches():
+    """expert_cache_bytes set (no plan): the room is the tightest bound of the reading less
+    the caches' budgets (they fill later), never below 0; None when nothing is known; with
+    a plan, its margin."""
+    from daemon.machine.memory import MemoryReading
+    from daemon.service.loading import grammar_room_bytes
+    from scheduler.planner import CgroupLimit
+    cgroup = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, 1 << 30, 300 << 20, 0),))
+    assert grammar_room_bytes(None, 200 << 20, cgroup) == (1 << 30) - (500 << 20)
+    assert grammar_room_bytes(None, 2 << 30, cgroup) == 0
+    assert grammar_room_bytes(None, 0, MemoryReading(None, ())) is None
+    assert grammar_room_bytes(20 << 20, 2 << 30, cgroup) == 20 << 20
+
+
+def test_over_tcp_one_peers_bombs_leave_a_slot_for_another_peer(model_dir):
+    """End to end, over TCP with one api_key for both: the peer at 127.0.0.2 sends three
+    bombs, then the peer at 127.0.0.3 a small schema. The first peer's bombs hold one
+    compile slot (the others wait), so the second's compile starts at once and its answer
+    (200) comes long before the first bomb's timeout (before: the bombs held both slots
+    and the small schema was a 429 after grammar_compile_timeout_s)."""
+    import http.client
+    timeout_s = 8.0
+    d = _start(model_dir, "--grammar-compile-timeout-s", str(timeout_s),
+               "--tcp-address", "127.0.0.1:0", env={"MOED_API_KEY": "k"})
+    try:
+        host, port = d.wait_event("tcp_listening")["address"].rsplit(":", 1)
+
+        def complete(source: str, fmt: dict) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection(host, int(port), timeout=120,
+                                              source_address=(source, 0))
+            body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "response_format": fmt}
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Authorization": "Bearer k",
+                                  "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            out = resp.status, json.loads(resp.read())
+            conn.close()
+            return out
+
+        mark = d.mark()
+        bombs: list = []
+        threads = [threading.Thread(target=lambda i=i: bombs.append(
+            complete("127.0.0.2", bomb(30, salt=f"t{i}")))) for i in range(3)]
+        for t in threads:
+            t.start()
+        with d._cond:
+            assert d._cond.wait_for(lambda: sum(e["event"] == "grammar_compile_started"
+                                                for e in d.events[mark:]) >= 1, 30)
+        started = time.monotonic()
+        small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+        status, body = complete("127.0.0.3", small)
+        took = time.monotonic() - started
+        assert status == 200, body
+        assert took < timeout_s / 2, took
+        assert bombs == []                                   # none answered yet
+        compiles = [e for e in d.events[mark:] if e["event"] == "grammar_compile_started"]
+        assert len(compiles) == 2, compiles                  # one bomb, the small schema
+        for t in threads:
+            t.join(120)
+        assert len(bombs) == 3
+        assert all(s in (400, 429) for s, _ in bombs), bombs
+    finally:
+        assert d.stop() == 0
+        d.cleanup()

@@ -4,18 +4,22 @@ The real daemon subprocess with short limits: a slowloris connection that trickl
 headers is closed at header_timeout_s; a body shorter than its Content-Length is a 408 at
 body_timeout_s; a listener holding max_connections answers the next connection 503 at
 once (the Unix socket and the TCP metrics listener alike); what aiohttp cannot parse as
-HTTP/1.1 (header bombs, a negative Content-Length, TLS, HTTP/2) is a 400 in OpenAI's error
-shape; a chat template bomb in the
-model directory is a 400; and through all of it the daemon keeps serving and every line
-it logs is JSON. A shard whose expert bytes vanish makes /health say "degraded" until a
-read succeeds again; so do experts whose weights hold NaN, until they compute finite rows. No sleeps: each wait is for the
-daemon's answer or its close, bounded by a deadline.
+HTTP/1.1 (header bombs, a NUL byte in a header, a negative Content-Length, TLS, HTTP/2) is
+a 400 in OpenAI's error shape and at most one warning line, without traceback; a chat
+template bomb in the model directory is a 400; and through all of it the daemon keeps
+serving and every line it logs is JSON. A shard whose expert bytes vanish makes /health
+say "degraded" until a read succeeds again, and memory-mapped experts survive shards cut
+and restored while they are read; experts whose weights hold NaN degrade /health too,
+until they compute finite rows. No sleeps: each wait is for the daemon's answer or its
+close, bounded by a deadline.
 """
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -199,6 +203,7 @@ NOT_HTTP11 = {
     # a TLS 1.2 ClientHello's record and handshake headers, then a zeroed body
     "tls_client_hello": bytes.fromhex("16030100c4010000c00303") + bytes(193),
     "http2_preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"),
+    "nul_in_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
 }
 
 
@@ -219,6 +224,24 @@ def test_what_aiohttp_cannot_parse_is_answered_in_openai_error_shape(daemon, att
     assert error["message"].startswith("the request is not HTTP/1.1 that moed can read: ")
     assert len(error["message"]) < 400      # aiohttp's echo of the client's bytes is cut
     assert serving(daemon)
+
+
+@pytest.mark.parametrize("attack", sorted(NOT_HTTP11))
+def test_what_aiohttp_cannot_parse_is_at_most_one_warning_line_without_traceback(daemon, attack):
+    """The client's bytes are at fault, not the daemon: no error line, no traceback."""
+    start = daemon.mark()
+    with unix_connection(daemon) as sock:
+        sock.sendall(NOT_HTTP11[attack])
+        read_all(sock)
+    assert serving(daemon)
+    finished = daemon.wait_event("request_finished", from_index=start)
+    lines = daemon.events[start:daemon.events.index(finished)]
+    assert [e for e in lines if e["level"] not in ("info", "warning") or "exception" in e] == []
+    unreadable = [e for e in lines if e["event"] == "http_request_unreadable"]
+    assert len(unreadable) <= 1 and all(e["level"] == "warning" for e in unreadable)
+    if attack == "nul_in_header":
+        assert unreadable[0]["status"] == 400
+        assert unreadable[0]["error"].startswith("Invalid header value char")
 
 
 def test_the_aiohttp_methods_the_json_error_handler_relies_on_are_unchanged():
@@ -348,6 +371,72 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
         assert d.json("GET", "/health") == (200, {"status": "ok"})
         assert d.stop() == 0
     finally:
+        d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def wide_sharded_model(tmp_path_factory) -> Path:
+    """Experts of 384 KiB: their reads take long enough for a cut to fall inside them."""
+    return make_model(tmp_path_factory.mktemp("wide") / "model", arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=256, intermediate=256, dtype="bf16", seed=2,
+                      shard_size=256 << 10)
+
+
+def test_mapped_experts_survive_shards_cut_and_restored_while_they_are_read(wide_sharded_model):
+    """A thread cuts every shard to its header and writes its tail back, over and over,
+    while memory-mapped experts serve: the cut can fall between the acquire's size check
+    and the kernels' reads (SIGBUS for a plain mapping). The daemon stays up, and each
+    answer is either the tokens of an undisturbed run or a 500 naming a shard."""
+    sharded_model = wide_sharded_model
+    shards = sorted(sharded_model.glob("model-*.safetensors"))
+    saved = {p: p.read_bytes() for p in shards}
+    headers = {p: 8 + int.from_bytes(saved[p][:8], "little") for p in shards}
+    request = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0}
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--no-prefetch")
+    stop = threading.Event()
+
+    def cut_and_restore() -> None:
+        fds = {p: os.open(p, os.O_RDWR) for p in shards}
+        try:
+            while not stop.is_set():
+                for p, fd in fds.items():
+                    os.ftruncate(fd, headers[p])
+                    os.pwrite(fd, saved[p][headers[p]:], headers[p])
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    cutter = threading.Thread(target=cut_and_restore)
+    try:
+        status, reference = d.json("POST", "/v1/completions", request)
+        assert status == 200 and reference["usage"]["completion_tokens"] >= 1
+        answers = []
+        cutter.start()
+        try:
+            for _ in range(300):
+                status, body = d.json("POST", "/v1/completions", request)
+                answers.append(status)
+                if status == 200:
+                    assert body["choices"][0]["text"] == reference["choices"][0]["text"]
+                else:
+                    assert status == 500, body
+                    message = body["error"]["message"]
+                    assert "truncated while served" in message
+                    assert any(str(p) in message for p in shards), message
+        finally:
+            stop.set()
+            cutter.join()
+        assert d.proc.poll() is None                       # still up
+        assert 500 in answers, answers                     # the cuts were seen
+        assert serving(d)                                  # the files are whole again
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        stop.set()
+        if cutter.is_alive():
+            cutter.join()
+        for p, data in saved.items():
+            p.write_bytes(data)
         d.cleanup()
 
 

@@ -57,6 +57,7 @@ LAYERS = {
     "prefetch": ("false", False, "yes", True, "no", False),
     "half_life_tokens": ("100", 100.0, "512.5", 512.5, "4096", 4096.0),
     "numerics": ('"fast"', "fast", "EXACT", "exact", "fast", "fast"),
+    "expert_cache_mode": ('"naive"', "naive", "MOED", "moed", "naive", "naive"),
     "tuner": ('"off"', "off", "LIVE+idle", "live+idle", "live", "live"),
     "record_trace": ('"/t/file.jsonl"', "/t/file.jsonl", "/t/env.jsonl", "/t/env.jsonl",
                      "/t/flag.jsonl", "/t/flag.jsonl"),
@@ -97,6 +98,7 @@ BAD = {
     "prefetch": ("1", "maybe", "2"),
     "half_life_tokens": ("0", "-5", "x"),
     "numerics": ("1", "quick", "int8"),
+    "expert_cache_mode": ("1", "lru", "mmap"),
     "tuner": ("1", "on", "offline"),
 }
 

@@ -67,7 +67,7 @@ def serve(model_dir, budget: int, tuner: str) -> tuple[str, dict, dict, dict]:
 
 
 @pytest.mark.parametrize("arch, dtype", [("deepseek_v3", "fp8"), ("glm4_moe", "fp8"),
-                                         ("gpt_oss", "mxfp4")])
+                                         pytest.param("gpt_oss", "mxfp4", marks=pytest.mark.slow)])   # ~13 s
 def test_the_daemon_serves_the_family_unchanged(arch, dtype, tmp_path):
     model_dir = make_model(tmp_path / arch, arch=arch, layers=LAYERS, experts=EXPERTS, top_k=TOP_K,
                            hidden=64, intermediate=32, dtype=dtype, shard_size=200_000,

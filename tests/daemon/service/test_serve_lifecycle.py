@@ -331,6 +331,7 @@ def read_only_launcher(directory: str) -> tuple[str, ...]:
             f'{mount} --bind -o ro "$0" "$0" && exec "$@"', directory)
 
 
+@pytest.mark.slow     # ~10 s: two daemons, one in a read-only mount namespace
 @pytest.mark.tools("unshare", "mount")
 def test_a_read_only_state_directory_is_read_and_used_and_warned_about_once(model_dir, workdir):
     args = ("--expert-cache-bytes", str(CACHE_BYTES), "--no-prefetch")
@@ -470,9 +471,28 @@ def test_sighup_reloads_limits_and_cache_and_keeps_the_old_config_when_the_new_i
         assert d.stop() == 0
 
 
+def test_a_naive_cache_stays_naive_across_a_reload(model_dir, workdir):
+    """expert_cache_mode = "naive" is the baseline moed demo measures against: a reload may
+    change its budget, but neither the mode nor pins nor prefetch without a restart."""
+    config = Path(workdir, "moed.toml")
+    config.write_text(f'expert_cache_mode = "naive"\nexpert_cache_bytes = {CACHE_BYTES}\n'
+                      "prefetch = false\n")
+    with serving(model_dir, workdir, "--config", str(config)) as d:
+        assert d.json("GET", "/v1/moed/stats")[1]["cache"]["pinned"]["slots"] == 0
+        start = d.mark()
+        line = _reload(d, config, f'expert_cache_mode = "moed"\nexpert_cache_bytes = {CACHE_BYTES}\n'
+                                  "pin_fraction = 1.0\nprefetch = true\n", "reloaded")
+        restart = d.wait_event("reload_needs_restart", from_index=start)
+        assert restart["keys"] == ["expert_cache_mode", "pin_fraction", "prefetch"]
+        assert line["changed"] == []
+        assert d.json("GET", "/v1/moed/stats")[1]["cache"]["pinned"]["slots"] == 0
+        assert d.stop() == 0
+
+
 # ---------------------------------------------------------------------------- 4. sockets
 
 
+@pytest.mark.slow     # ~13 s: a daemon per socket case
 def test_stale_socket_is_replaced_and_a_live_one_or_a_file_is_refused(model_dir, workdir):
     args = ("--expert-cache-bytes", str(CACHE_BYTES))
     with serving(model_dir, workdir, *args) as first:

@@ -131,6 +131,7 @@ def test_serve_with_the_live_tuner_gives_the_same_text(model_dir):
     assert text == text_off
 
 
+@pytest.mark.slow     # ~13 s: a daemon waits to be idle, then probes the disk
 def test_the_daemon_probes_storage_once_when_idle_after_ready(model_dir):
     d = Daemon(model_dir, short_dir(), "--expert-cache-bytes", "200K")
     try:

@@ -58,6 +58,10 @@ SCRIPT = textwrap.dedent("""
     for mins in (False, True):
         fast[f"int4-g32-{mins}"] = k.QuantizedWeight("int4", *ref.random_int4(rng, R, 928, 32, mins))
         fast[f"int4-g128-{mins}"] = k.QuantizedWeight("int4", *ref.random_int4(rng, R, 896, 128, mins))
+    # tails of at most 8 blocks (half a chunk's integer work): 24 = 16 + 8 and 21 = 16 + 5 blocks
+    fast["mxfp4-768"] = k.QuantizedWeight("mxfp4", *ref.random_mxfp4(rng, R, 768))
+    fast["int8-g32-672"] = k.QuantizedWeight("int8", *ref.random_int8(rng, R, 672, 32))
+    fast["int4-g32-768"] = k.QuantizedWeight("int4", *ref.random_int4(rng, R, 768, 32, True))
     for name, w in fast.items():
         x = rng.standard_normal((T, w.shape[1]), dtype=np.float32)
         out = np.empty((T, R), np.float32)

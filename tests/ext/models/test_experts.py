@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ext.formats.checkpoint import Checkpoint, MissingTensorError, TensorRangeError
+from ext.formats.checkpoint import (Checkpoint, MissingTensorError, TensorRangeError,
+                                    TruncatedFileError)
 from ext.kernels._kernels import QuantizedWeight
 from ext.makemodel import make_model
 from ext.models.config import load_config
@@ -57,6 +59,37 @@ def test_mmap_and_resident_providers_agree(models, arch):
             assert x.dtype == y.dtype and np.array_equal(x.view(np.uint16), y.view(np.uint16))
     with pytest.raises(KeyError):
         res.acquire(5, [0])
+    mm.close()
+    res.close()
+
+
+def test_a_shard_cut_after_the_acquire_fails_the_release_and_is_mapped_again(tmp_path):
+    """The cut falls between acquire's size check and the kernels' reads: the reads see
+    zeros (no SIGBUS), release raises TruncatedFileError naming the file, and once the
+    file is whole the next acquire maps it again and serves the stored bytes."""
+    d = make_model(tmp_path / "m", arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=64,
+                   intermediate=32, dtype="bf16", shard_size=30_000, seed=3)
+    ckpt = Checkpoint(d)
+    layout = ExpertLayout(ckpt, load_config(d))
+    mm, res = MmapExpertProvider(layout), ResidentExpertProvider(ckpt, layout)
+    loc = layout[(1, 3)]
+    path = loc.gate.pieces[0].path
+    here = [i for i in loc.pieces() if i.path == path]
+    saved = Path(path).read_bytes()
+    weights = mm.acquire(1, [3])                            # the size check passes
+    os.truncate(path, min(i.offset for i in here))
+    cut = [w for w, stored in zip(weights[0], loc.projections())
+           if stored is not None and stored.pieces[0].path == path]
+    assert cut and all(np.count_nonzero(w.view(np.uint16)) == 0 for w in cut)   # zeros, alive
+    with pytest.raises(TruncatedFileError, match="truncated while served") as err:
+        mm.release(1, [3])
+    assert err.value.path == path and path in mm.failing()
+    del weights, cut
+    Path(path).write_bytes(saved)
+    assert mm.failing() is None
+    for a, b in zip(mm.acquire(1, [3])[0], res.acquire(1, [3])[0]):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    mm.release(1, [3])
     mm.close()
     res.close()
 

@@ -62,7 +62,7 @@ def _experts(d: Path) -> dict:
 
 
 def _decode(scheme: QuantScheme, codes, scale, minimum):
-    """Independent decode from the README's spec (low nibble first; g = min(g, C))."""
+    """Independent decode from the spec in docs/formats.md (low nibble first; g = min(g, C))."""
     if scheme.scheme == "int4":
         q = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1).astype(np.float32)
         q = q if scheme.min else q - 8
