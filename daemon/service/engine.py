@@ -26,9 +26,9 @@ a step they share about what they cost alone (on a model whose experts are cache
 rows share nothing worth having), and a small chunk costs more per token than a full
 one (each chunk reads the prompt's KV cache once more); bench/step_costs.py measures
 both. Measured on a small checkpoint: about 2.2 times at the default 2.75 on one
-thread; on two threads that wait passively (the `moed` default) about 2.9, since the
-small calls of a shared step run on one thread (below the kernels' parallel_threshold)
-while a full chunk alone uses both.
+thread; on two threads about 2.9 (measured when the kernels' threads were OpenMP's,
+waiting passively), since the small calls of a shared step ran on one thread (below the
+kernels' parallel_threshold) while a full chunk alone used both.
 Chunking never changes output: a position's logits depend only on the tokens up to it.
 
 A row's logits do not depend on what else shares its step (the kernels are row-wise
