@@ -212,7 +212,7 @@ class Daemon:
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
                            "expert_cache_mode", "header_timeout_s", "max_connections",
-                           "record_trace", "max_context_tokens"}
+                           "record_trace", "max_context_tokens", "numerics"}
         if self.state.config.expert_cache_mode == "naive":   # the baseline stays the baseline
             fixed |= changed & {"pin_fraction", "prefetch"}
         if fixed:
