@@ -351,7 +351,7 @@ class DaemonMetrics:
     (quantization: "none" for weights in plain floats, else the quantised weights' format,
     e.g. "fp8_e4m3", "mxfp4": a closed set, ext.formats.quant.formats(); "unknown" when
     config.json could not be read; numerics: "exact" or "fast", the numerics mode of the
-    quantised kernels in force). moe_layers, read_seconds_buckets, source: as `SnapshotCollector`.
+    quantised kernels in force: the configured setting resolved, never "auto"). moe_layers, read_seconds_buckets, source: as `SnapshotCollector`.
     Methods are thread-safe.
     """
 

@@ -189,9 +189,9 @@ class Daemon:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def serve_and_complete(model_dir: Path, prompt: list[int], max_tokens: int) -> dict:
-    """Serve `model_dir` streaming its experts through the smallest cache moed accepts,
-    ask for one greedy completion of `prompt`, stop. Returns {"ready": the ready log event,
+def serve_and_complete(model_dir: Path, prompt: list[int], max_tokens: int, *args: str) -> dict:
+    """Serve `model_dir` streaming its experts through the smallest cache moed accepts
+    (`args`: more `moed serve` flags), ask for one greedy completion of `prompt`, stop. Returns {"ready": the ready log event,
     "models": GET /v1/models, "build_info": moed_build_info's labels, "completion": the
     POST /v1/completions answer}; asserts each answer is a 200 and the exit is clean."""
     from metrics_scrape import parse
@@ -204,7 +204,7 @@ def serve_and_complete(model_dir: Path, prompt: list[int], max_tokens: int) -> d
     config = load_config(model_dir)
     budget = minimum_cache_bytes(ExpertLayout(Checkpoint(model_dir), config), config)
     workdir = short_dir()
-    d = Daemon(model_dir, workdir, "--expert-cache-bytes", str(budget), "--threads", "1")
+    d = Daemon(model_dir, workdir, "--expert-cache-bytes", str(budget), "--threads", "1", *args)
     try:
         (ready,) = [e for e in d.events if e["event"] == "ready"]
         status, models = d.json("GET", "/v1/models")
@@ -222,14 +222,16 @@ def serve_and_complete(model_dir: Path, prompt: list[int], max_tokens: int) -> d
     return {"ready": ready, "models": models, "build_info": build, "completion": out}
 
 
-def in_process_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> tuple[int, str]:
-    """(tokens, text) of the greedy continuation moed generates in this process."""
+def in_process_greedy(model_dir: Path, prompt: list[int], max_tokens: int, *,
+                      numerics: str) -> tuple[int, str]:
+    """(tokens, text) of the greedy continuation moed generates in this process under
+    `numerics` (given always: the daemon's default, auto, is not the library's, exact)."""
     from ext.generate import Generation
     from ext.models.model import Model
     from ext.sampling import SamplingParams
     from ext.tokenizer import Tokenizer
 
-    model = Model.load(model_dir, n_threads=1)
+    model = Model.load(model_dir, n_threads=1, numerics=numerics)
     ids = list(Generation(model, prompt, max_tokens=max_tokens,
                           sampling=SamplingParams(temperature=0.0), stop_ids=()))
     model.close()

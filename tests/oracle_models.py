@@ -310,10 +310,11 @@ def select_seed(case: ArchCase, dtype: str, root: Path) -> Reference:
 
 @contextlib.contextmanager
 def open_model(model_dir, n_threads=2, experts="mmap"):
-    """moed's Model of `model_dir`, closed on exit."""
+    """moed's Model of `model_dir` in exact numerics (the mode the oracle checks, asked for
+    by name: the daemon's default, auto, runs quantised weights fast), closed on exit."""
     from ext.models.model import Model
 
-    model = Model.load(model_dir, n_threads=n_threads, experts=experts)
+    model = Model.load(model_dir, n_threads=n_threads, experts=experts, numerics="exact")
     try:
         yield model
     finally:

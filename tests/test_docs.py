@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from daemon.commands.cli import COMMANDS
-from daemon.service.config import KEYS
+from daemon.service.config import KEYS, ServeConfig
 from ext.makemodel import ARCHITECTURES
 from telemetry.metrics import DaemonMetrics
 
@@ -48,6 +48,8 @@ def test_configuration_page_names_every_key():
         row = re.search(rf"^\| `{key}` \|.*$", page, re.M).group(0)
         assert f"`MOED_{key.upper()}`" in row and f"`--{key.replace('_', '-')}`" in row, key
         assert spec.help in row, key            # the words of `moed serve --help`
+    numerics = re.search(r"^\| `numerics` \|.*$", page, re.M).group(0)
+    assert f"| `{ServeConfig().numerics}` |" in numerics and "auto (" in numerics
 
 
 def test_make_model_reference_lists_every_architecture():

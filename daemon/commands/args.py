@@ -197,15 +197,16 @@ def configure_logging(level: str) -> None:
 
 
 NUMERICS_HELP = ("numerics of int8, int4 and MXFP4 weights: exact (dequantised exactly, f32 "
-                 "activations) or fast (int8 activations in blocks of 32, exact integer dots); "
-                 "other formats are exact in both (default: %(default)s)")
+                 "activations), fast (int8 activations in blocks of 32, exact integer dots) "
+                 "or auto (fast when the model has such weights, else exact); other formats "
+                 "are exact in all three (default: %(default)s)")
 
 
 def add_numerics(parser: argparse.ArgumentParser) -> None:
-    """`--numerics {exact,fast}` on a command that runs the model."""
+    """`--numerics {auto,exact,fast}` on a command that runs the model (default auto)."""
     from daemon.service.config import NUMERICS
 
-    parser.add_argument("--numerics", choices=NUMERICS, default="exact", help=NUMERICS_HELP)
+    parser.add_argument("--numerics", choices=NUMERICS, default="auto", help=NUMERICS_HELP)
 
 
 def parents() -> Parents:

@@ -52,7 +52,7 @@ from ext.formats.checkpoint import Checkpoint
 from ext.models.config import ModelConfig, load_config
 from ext.models.experts import ExpertLayout, expert_weights
 from ext.models.families import family_of
-from ext.models.model import FAST_FORMATS, Model
+from ext.models.model import Model
 from ext.models.weights import read_weight
 from ext.sampling import Sampler, SamplingParams
 from scheduler.cache import PHASE_DECODE, PHASE_PREFILL
@@ -78,7 +78,7 @@ class BenchConfig:
     idle_prefetch: bool = True
     pin_fraction: float = StreamingOptions.pin_fraction
     referee: bool = True
-    numerics: str = "exact"
+    numerics: str = "auto"          # the setting; the report gives it and the mode it resolved to
 
 
 def measure_disk_bandwidth(layout: ExpertLayout, io_workers: int, direct: bool,
@@ -271,6 +271,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
                            "dynamic_slots": sum(map(cache.dynamic_slots, cache.moe_layers))}
             runs[mode].append(timed_run(model, prompt, bench))
             ends[mode] = adaptation_summary(model.experts)
+            numerics = model.numerics_in_force()
             model.experts.close()
             if progress:
                 progress(r * 2 + (mode == "moed") + 1, 2 * bench.repeats)
@@ -307,7 +308,7 @@ def run_bench(bench: BenchConfig, progress=None) -> dict:
               "expert_format": layout.format, "expert_bytes": layout.max_expert_bytes,
               "slot_bytes": max_slot_bytes(layout),
               "tokens": bench.tokens, "repeats": bench.repeats, "threads": bench.threads,
-              "numerics": bench.numerics if layout.format in FAST_FORMATS else "exact",
+              "numerics": numerics, "numerics_configured": bench.numerics,
               "io_workers": bench.io_workers, "temperature": bench.temperature,
               "prefetch": bench.prefetch, "idle_prefetch": bench.prefetch and bench.idle_prefetch,
               "model": str(Path(bench.model))}

@@ -19,9 +19,10 @@ def register(sub, parents: Parents) -> None:
                     "mean, p99 and max per-token KL(reference || model) in nats, top-1 "
                     "agreement, and both models' bits per byte. Both models must share a "
                     "tokenizer. Deterministic: the same inputs give the same figures. "
-                    "--numerics applies to --model; the reference always runs exact, so "
+                    "--numerics applies to --model (default auto, as moed serves it: fast "
+                    "for int8/int4/MXFP4 weights); the reference always runs exact, so "
                     "--model D --reference D --numerics fast measures what fast numerics costs "
-                    "on D's weights.",
+                    "on D's weights, and --numerics exact what the weights alone cost.",
         epilog="example: moed eval --model ./default-int4 --reference default "
                "--text /usr/lib/python3.11/argparse.py --tokens 4096")
     e.add_argument("--model", required=True, metavar="DIR", type=nonempty, help=MODEL_HELP)
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         model.close()
         reference.close()
     log.info("eval_finished", model=args.model, reference=args.reference, tokens=result.tokens,
+             numerics=weights["model"]["numerics"], numerics_configured=args.numerics,
              kl_mean_nats=round(result.kl_mean_nats, 6), top1_agreement=round(result.top1_agreement, 4),
              seconds=round(time.perf_counter() - t0, 2))
     print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text,

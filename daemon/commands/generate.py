@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
              layers=model.config.num_hidden_layers, experts=model.config.num_experts,
              top_k=model.config.top_k, expert_format=formats["experts"],
              dense_format=formats["dense"], quantization=quantization_label(model.config.quantization),
-             numerics=formats["numerics"],
+             numerics=formats["numerics"], numerics_configured=args.numerics,
              load_seconds=round(time.perf_counter() - t0, 3), threads=model.n_threads)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-# The kernels' numerics modes (ext.kernels.NUMERICS; tests/ext/models/test_numerics.py checks
-# they agree), named here so that the command line can offer them without loading ext/.
-NUMERICS = ("exact", "fast")
+# The numerics settings: auto, then the kernels' modes (ext.kernels.NUMERICS_SETTINGS;
+# tests/ext/models/test_numerics.py checks they agree), named here so that the command line
+# can offer them without loading ext/. auto resolves per model (ext.kernels.resolve_numerics).
+NUMERICS = ("auto", "exact", "fast")
 DEFAULT_CONFIG_PATH = "/etc/moed/moed.toml"
 ENV_PREFIX = "MOED_"
 CONFIG_ENV = "MOED_CONFIG"
@@ -408,6 +409,7 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "prefetch": _Key(_bool, "BOOL", "read predicted experts ahead"),
     "half_life_tokens": _Key(_float(0, lo_open=True), "TOKENS", "half-life of expert usage counts"),
     "numerics": _Key(_choice(NUMERICS), "MODE",
+                     "auto (fast when the model has int8/int4/MXFP4 weights, else exact), "
                      "exact (quantised weights dequantised exactly, f32 activations) or fast "
                      "(int8/int4/MXFP4 weights dotted with int8 activations; bf16, f16, f32 "
                      "and FP8 weights are exact in both)"),
@@ -471,7 +473,7 @@ class ServeConfig:
     pin_fraction: float = 0.5
     prefetch: bool = True
     half_life_tokens: float = 2048.0
-    numerics: str = "exact"
+    numerics: str = "auto"
     expert_cache_mode: str = "moed"
     tuner: str = "live"
     record_trace: str | None = None

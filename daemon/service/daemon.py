@@ -35,6 +35,7 @@ from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
 from daemon.tuning.knobs import PREFETCH_WIDTH
 from ext.formats.quant import quantization_label
+from ext.kernels import resolve_numerics
 from ext.models.config import load_config as load_model_config
 from telemetry.logs import get_logger, set_level
 from telemetry.metrics import DaemonMetrics
@@ -161,7 +162,8 @@ class Daemon:
                  load_seconds=round(self.state.load_seconds, 3),
                  expert_format=formats.get("experts"), dense_format=formats.get("dense"),
                  quant_method=(formats.get("quantization") or {}).get("quant_method", "none"),
-                 quantization=formats.get("quantization"), numerics=formats.get("numerics"))
+                 quantization=formats.get("quantization"), numerics=formats.get("numerics"),
+                 numerics_configured=self.state.config.numerics)
         return True
 
     def _site(self, runner: web.BaseRunner, sock, listener: str) -> GatedSite:
@@ -210,7 +212,7 @@ class Daemon:
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
                            "expert_cache_mode", "header_timeout_s", "max_connections",
-                           "record_trace", "max_context_tokens"}
+                           "record_trace", "max_context_tokens", "numerics"}
         if self.state.config.expert_cache_mode == "naive":   # the baseline stays the baseline
             fixed |= changed & {"pin_fraction", "prefetch"}
         if fixed:
@@ -312,11 +314,14 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
         model_type = model_config.model_type
         quantization = quantization_label(model_config.quantization)
         moe_layers = [l for l, is_moe in enumerate(model_config.moe_layers) if is_moe]
+        formats = model_config.quantization.formats if model_config.quantization else ()
     except ValueError:
         model_type, quantization, moe_layers = "unknown", "unknown", []   # the load reports the real error
+        formats = ()
     daemon: Daemon | None = None
-    # What fast numerics changes: int8, int4 and MXFP4 weights (ext.models.model.FAST_FORMATS).
-    numerics = config.numerics if quantization in ("int8", "int4", "mxfp4") else "exact"
+    # The mode the model will run (Model.numerics_in_force once loaded): config.numerics
+    # resolved against the quantised formats config.json declares.
+    numerics = resolve_numerics(config.numerics, formats)
     telemetry = DaemonMetrics(version=version, model_type=model_type, moe_layers=moe_layers,
                               quantization=quantization, numerics=numerics,
                               read_seconds_buckets=READ_SECONDS_BUCKETS,

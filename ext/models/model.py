@@ -31,7 +31,7 @@ import numpy as np
 from ext.formats.checkpoint import (FLOAT_DTYPES, Checkpoint, MissingTensorError,
                                     TensorRangeError, UnsupportedDtypeError)
 from ext.formats.quant import ATTENTION, HEAD, MLP, ROUTER, StoredWeight, resolve_weight
-from ext.kernels import NUMERICS
+from ext.kernels import NUMERICS_SETTINGS, resolve_numerics
 from ext.kernels import _kernels as K_
 from ext.models.attention import Segments
 from ext.models.config import ModelConfig, load_config
@@ -44,7 +44,6 @@ from ext.models.weights import Weight, read_weight
 
 F32 = np.float32
 PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
-FAST_FORMATS = frozenset({"int8", "int4", "mxfp4"})   # what fast numerics changes
 BROKEN_LAYERS_SAID = 4          # broken_weights() names the experts of this many layers
 
 
@@ -149,8 +148,9 @@ class Model:
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint, layout: ExpertLayout,
                  experts: ExpertProvider, n_threads: int, numerics: str = "exact"):
-        if numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        if numerics not in NUMERICS_SETTINGS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS_SETTINGS)}, "
+                             f"got {numerics!r}")
         self.config = config
         self.checkpoint = checkpoint
         self.layout = layout
@@ -158,8 +158,11 @@ class Model:
         self.n_threads = n_threads
         # Fast numerics (int8 activations dotted with int8/int4/MXFP4 codes: the spec in
         # ext/kernels/_kernels.pyx) for every quantised linear weight but the routers, which
-        # stay exact so that routing never depends on the numerics mode.
-        self.fast = numerics == "fast"
+        # stay exact so that routing never depends on the numerics mode. "auto" turns the
+        # fast kernels on too: they change only int8/int4/MXFP4 weights, so a model without
+        # any runs exact bits either way, and `numerics_in_force` reports the resolved mode.
+        self.numerics = numerics                           # the setting, as given
+        self.fast = numerics != "exact"
         self.dense_weights: dict[str, StoredWeight] = {}   # every resident linear weight
         self._router_modules: set[str] = set()             # those computed exactly always
         self.family = family_of(config.model_type)
@@ -195,9 +198,13 @@ class Model:
                 (all experts read into RAM), an ExpertProvider, or a factory called
                 as experts(checkpoint, layout, config) once those are open.
             numerics: "exact" (weights dequantised exactly, f32 activations: the mode
-                the transformers oracle checks) or "fast" (int8/int4/MXFP4 weights
-                dotted with int8 activations under moed's fast-numerics spec,
-                `ext.kernels._kernels`; other formats and the routers stay exact).
+                the transformers oracle checks; the library's default, so that a caller
+                comparing outputs gets the oracle's mode unless it asks otherwise),
+                "fast" (int8/int4/MXFP4 weights dotted with int8 activations under
+                moed's fast-numerics spec, `ext.kernels._kernels`; other formats and the
+                routers stay exact) or "auto" (fast when the model has int8/int4/MXFP4
+                weights, else exact: `ext.kernels.resolve_numerics`; the default of the
+                daemon and the commands). `numerics_in_force()` says which mode runs.
         Raises:
             ValueError: an unknown `numerics` or `experts`.
             ConfigError / CheckpointError subclasses naming the field, file or tensor
@@ -302,15 +309,13 @@ class Model:
                 "numerics": self.numerics_in_force()}
 
     def numerics_in_force(self) -> str:
-        """"fast" when fast numerics is on and some weight it changes is int8, int4 or
-        MXFP4 (the routed experts, or a resident weight other than a router); "exact"
-        otherwise, where both modes compute the same bits."""
-        if not self.fast:
-            return "exact"
+        """The resolved mode: "fast" when the setting is fast or auto and some weight fast
+        numerics changes is int8, int4 or MXFP4 (the routed experts, or a resident weight
+        other than a router); "exact" otherwise, where both modes compute the same bits."""
         formats = {w.format for module, w in self.dense_weights.items()
                    if module not in self._router_modules}
         formats.add(self.layout.format or "")
-        return "fast" if formats & FAST_FORMATS else "exact"
+        return resolve_numerics(self.numerics, formats)
 
     # ------------------------------------------------------------- serving
 

@@ -114,6 +114,23 @@ def test_swapped_rows_lower_agreement_where_the_top_token_moved(models, capsys):
     assert out["kl_mean_nats"] > 0
 
 
+def test_numerics_applies_to_the_model_and_defaults_to_auto(models, capsys):
+    """On an int4 repack, eval's default (auto) runs the model fast and the reference
+    exact, so the repack against itself costs a little; --numerics exact costs nothing."""
+    from repacked_models import make_in_format
+
+    int4 = make_in_format(models["root"] / "int4", "int4", arch="qwen3_moe", layers=2,
+                          experts=4, top_k=2, hidden=64, intermediate=32,
+                          initializer_range=0.2, seed=3)
+    auto = _eval(capsys, int4, int4, models["text"])
+    assert (auto["weights"]["model"]["numerics"], auto["weights"]["reference"]["numerics"]) == (
+        "fast", "exact")
+    assert 0 < auto["kl_mean_nats"] < 1e-2
+    exact = _eval(capsys, int4, int4, models["text"], "--numerics", "exact")
+    assert exact["weights"]["model"]["numerics"] == "exact"
+    assert exact["kl_max_nats"] == 0 and exact["top1_agreement"] == 1.0
+
+
 def test_the_result_does_not_depend_on_the_thread_count(models, capsys):
     one = _eval(capsys, models["swapped"], models["ref"], models["text"], "--threads", "1")
     two = _eval(capsys, models["swapped"], models["ref"], models["text"], "--threads", "2")

@@ -48,6 +48,27 @@ def test_generate_prints_only_the_text_on_stdout(model_dir, capsys):
     assert "model_loaded" in err and "generation_finished" in err
 
 
+@pytest.mark.parametrize("flags, numerics", [([], ("fast", "auto")),
+                                             (["--numerics", "exact"], ("exact", "exact")),
+                                             (["--numerics", "fast"], ("fast", "fast"))])
+def test_generate_on_an_int4_repack_runs_and_reports_the_resolved_numerics(
+        model_dir, tmp_path_factory, capsys, flags, numerics):
+    int4 = tmp_path_factory.getbasetemp() / "cli-int4"
+    if not int4.exists():
+        assert main(["repack", "--model", str(model_dir), "--scheme", "int4", "--out", str(int4),
+                     "--shard-size", "40K"]) == 0
+        capsys.readouterr()
+    assert main(["generate", "--model", str(int4), "--max-tokens", "12", *flags, "hello"]) == 0
+    out, err = capsys.readouterr()
+    loaded = json.loads(next(l for l in err.splitlines() if '"model_loaded"' in l))
+    assert (loaded["numerics"], loaded["numerics_configured"]) == numerics
+    tok = Tokenizer.from_model_dir(int4)
+    model = Model.load(int4, n_threads=1, numerics=numerics[0])
+    assert model.numerics_in_force() == numerics[0]
+    gen = Generation(model, tok.encode("hello"), max_tokens=12)
+    assert out == tok.decode(list(gen)) + "\n"
+
+
 def test_same_seed_same_text_different_seed_differs(model_dir, capsys):
     runs = []
     for seed in ("7", "7", "8"):

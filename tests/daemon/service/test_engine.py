@@ -88,8 +88,8 @@ def test_tokens_are_the_same_alone_and_in_company(model_dirs, tokenizer, streami
             config = load_config(model_dir)
             minimum = minimum_cache_bytes(ExpertLayout(Checkpoint(model_dir), config), config)
             return open_model(model_dir, threads=2, cache_bytes=minimum, state_dir=None,
-                              environ={"HOME": str(model_dir)})[0]
-        return Model.load(model_dir, n_threads=2)
+                              environ={"HOME": str(model_dir)}, numerics="exact")[0]
+        return Model.load(model_dir, n_threads=2, numerics="exact")
 
     reqs = _requests(12)
     alone_engine = _engine(load(), tokenizer, max_concurrent_sequences=1)

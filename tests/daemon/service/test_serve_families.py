@@ -94,10 +94,14 @@ def test_the_daemon_serves_the_family_unchanged(arch, dtype, tmp_path):
     assert 0.0 < report["prefetch_recall"] <= 1.0
     assert 0.0 <= report["hit_rate"] <= 1.0 and report["roofline_tokens_per_second"] > 0
     assert report["expert_format"] == ("mxfp4" if dtype == "mxfp4" else "fp8_e4m3")
+    # The default numerics, auto: fast for MXFP4 experts, exact for FP8 ones.
+    numerics = "fast" if dtype == "mxfp4" else "exact"
+    assert (report["numerics"], report["numerics_configured"]) == (numerics, "auto")
 
     # moed serve on half of the experts: metrics, then the live tuner; the same text.
     text, before, after, _ = serve(model_dir, budget, "off")
     build = next(dict(labels) for (name, labels) in after if name == "moed_build_info")
+    assert build["numerics"] == numerics
     assert set(after) == expected_series(moe_layers, build)
     steps = total(after, "moed_decode_steps_total") - total(before, "moed_decode_steps_total")
     assert steps == TOKENS - 1
@@ -113,7 +117,7 @@ def test_the_daemon_serves_the_family_unchanged(arch, dtype, tmp_path):
     assert stats["tuner"]["noise"] is not None and stats["tuner"]["noise"] >= 0.0
     assert tuned_text == text
 
-    model = Model.load(model_dir, n_threads=1)
+    model = Model.load(model_dir, n_threads=1, numerics=numerics)     # the daemon's mode
     try:
         prompt = Tokenizer.from_model_dir(model_dir).encode(PROMPT)
         expected = list(Generation(model, prompt, max_tokens=TOKENS,

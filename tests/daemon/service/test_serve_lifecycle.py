@@ -473,7 +473,8 @@ def test_sighup_reloads_limits_and_cache_and_keeps_the_old_config_when_the_new_i
 
 def test_a_naive_cache_stays_naive_across_a_reload(model_dir, workdir):
     """expert_cache_mode = "naive" is the baseline moed demo measures against: a reload may
-    change its budget, but neither the mode nor pins nor prefetch without a restart."""
+    change its budget, but neither the mode nor pins nor prefetch without a restart (nor
+    the numerics, which the kernels are built with at load)."""
     config = Path(workdir, "moed.toml")
     config.write_text(f'expert_cache_mode = "naive"\nexpert_cache_bytes = {CACHE_BYTES}\n'
                       "prefetch = false\n")
@@ -481,9 +482,10 @@ def test_a_naive_cache_stays_naive_across_a_reload(model_dir, workdir):
         assert d.json("GET", "/v1/moed/stats")[1]["cache"]["pinned"]["slots"] == 0
         start = d.mark()
         line = _reload(d, config, f'expert_cache_mode = "moed"\nexpert_cache_bytes = {CACHE_BYTES}\n'
-                                  "pin_fraction = 1.0\nprefetch = true\n", "reloaded")
+                                  "pin_fraction = 1.0\nprefetch = true\nnumerics = \"exact\"\n",
+                       "reloaded")
         restart = d.wait_event("reload_needs_restart", from_index=start)
-        assert restart["keys"] == ["expert_cache_mode", "pin_fraction", "prefetch"]
+        assert restart["keys"] == ["expert_cache_mode", "numerics", "pin_fraction", "prefetch"]
         assert line["changed"] == []
         assert d.json("GET", "/v1/moed/stats")[1]["cache"]["pinned"]["slots"] == 0
         assert d.stop() == 0

@@ -30,7 +30,10 @@ def test_serve_says_the_format_and_streams_the_same_tokens(fp8_dir):
                                        "weight_block_size": [128, 128],
                                        "activation_scheme": "dynamic", "scale_fmt": "float"}
     assert run["build_info"]["quantization"] == "fp8_e4m3"
+    # The default, auto, resolves to exact: fast numerics changes no FP8 weight.
+    assert (ready["numerics"], ready["numerics_configured"]) == ("exact", "auto")
+    assert weights["numerics"] == run["build_info"]["numerics"] == "exact"
     out = run["completion"]
     assert (out["usage"]["completion_tokens"], out["choices"][0]["text"]) == \
-        in_process_greedy(fp8_dir, PROMPT, 8)
+        in_process_greedy(fp8_dir, PROMPT, 8, numerics="exact")
     assert out["usage"]["completion_tokens"] == 8

@@ -1,5 +1,6 @@
-"""`moed serve` on a repacked (int4) model says so — the ready log line, /v1/models and
-moed_build_info — and streams the tokens the in-process model generates."""
+"""`moed serve` on a repacked (int4) model says so, and which numerics it runs — the ready
+log line, /v1/models and moed_build_info — and streams the tokens the in-process model
+generates under the same numerics."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,21 @@ def test_serve_says_the_scheme_and_streams_the_same_tokens(int4_dir):
                                        "group_size": 32, "min": True,
                                        "label": "int4-g32-min", "dense": None}
     assert run["build_info"]["quantization"] == "int4"
+    # The default, auto, resolves to fast for int4 experts, and every report says so.
+    assert (ready["numerics"], ready["numerics_configured"]) == ("fast", "auto")
+    assert weights["numerics"] == run["build_info"]["numerics"] == "fast"
     out = run["completion"]
     assert (out["usage"]["completion_tokens"], out["choices"][0]["text"]) == \
-        in_process_greedy(int4_dir, PROMPT, 8)
+        in_process_greedy(int4_dir, PROMPT, 8, numerics="fast")
     assert out["usage"]["completion_tokens"] == 8
+
+
+def test_serve_with_exact_numerics_reports_and_runs_exact(int4_dir):
+    run = serve_and_complete(int4_dir, PROMPT, 8, "--numerics", "exact")
+    ready = run["ready"]
+    assert (ready["numerics"], ready["numerics_configured"]) == ("exact", "exact")
+    assert run["models"]["data"][0]["weights"]["numerics"] == "exact"
+    assert run["build_info"]["numerics"] == "exact"
+    out = run["completion"]
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["text"]) == \
+        in_process_greedy(int4_dir, PROMPT, 8, numerics="exact")

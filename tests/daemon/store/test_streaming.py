@@ -61,7 +61,7 @@ def _streaming(model_dir: Path, n_threads=2, counts=None, numerics="exact", **op
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    return _run(Model.load(model_dir, n_threads=2, experts="mmap"))
+    return _run(Model.load(model_dir, n_threads=2, experts="mmap", numerics="exact"))
 
 
 def _slot_bytes(model_dir: Path) -> int:
@@ -114,7 +114,7 @@ def lowbit(tmp_path_factory):
             d = make_in_format(tmp_path_factory.mktemp(f"stream-{dtype}") / "m", dtype,
                                arch="qwen3_moe", layers=3, experts=8, top_k=2, hidden=64,
                                intermediate=32, shard_size=20_000, seed=11, initializer_range=0.2)
-            cache[dtype] = d, _run(Model.load(d, n_threads=2, experts="mmap"))
+            cache[dtype] = d, _run(Model.load(d, n_threads=2, experts="mmap", numerics="exact"))
         return cache[dtype]
 
     return get
@@ -207,7 +207,7 @@ def test_pins_on_and_long_prefill_in_batches(model_dir, lowbit, dtype):
     counts[:, :3] = [30.0, 20.0, 10.0]
     slot = _slot_bytes(model_dir)
     long_prompt = list(range(1, 80))
-    want = _run(Model.load(model_dir, n_threads=2), long_prompt, 4)
+    want = _run(Model.load(model_dir, n_threads=2, numerics="exact"), long_prompt, 4)
     model = _streaming(model_dir, counts=counts, cache_bytes=10 * slot, pin_fraction=1.0,
                        learn_pins=False)
     assert (model.experts.cache.pinned_slots, model.experts.cache.staging_slots) == (4, 0)

@@ -34,7 +34,7 @@ def _logits(model_dir, numerics, prompt=PROMPT, n_threads=2) -> np.ndarray:
 
 
 def test_an_unknown_mode_is_refused(dirs):
-    with pytest.raises(ValueError, match="numerics must be one of exact, fast, got 'quick'"):
+    with pytest.raises(ValueError, match="numerics must be one of auto, exact, fast, got 'quick'"):
         Model.load(dirs["int4"], numerics="quick")
 
 
@@ -84,4 +84,38 @@ def test_a_long_prompt_crosses_prefill_chunks_with_the_same_bits(dirs):
 def test_the_configuration_names_the_kernels_modes():
     from daemon.service import config
     from ext import kernels
-    assert config.NUMERICS == kernels.NUMERICS == ("exact", "fast")
+    assert kernels.NUMERICS == ("exact", "fast")
+    assert config.NUMERICS == kernels.NUMERICS_SETTINGS == ("auto", "exact", "fast")
+    assert config.ServeConfig().numerics == "auto"
+
+
+def test_the_library_default_is_exact(dirs):
+    """Model.load without `numerics` runs the oracle's mode, whatever the daemon's default."""
+    model = Model.load(dirs["int4"])
+    assert model.numerics_in_force() == "exact"
+    model.close()
+
+
+@pytest.mark.parametrize("dtype, resolved", [("int4", "fast"), ("int8", "fast"), ("mxfp4", "fast"),
+                                             ("bf16", "exact"), ("fp8", "exact")])
+def test_auto_resolves_per_model_and_runs_the_resolved_mode(dirs, dtype, resolved):
+    model = Model.load(dirs[dtype], numerics="auto")
+    assert model.numerics_in_force() == resolved
+    assert model.weight_formats()["numerics"] == resolved      # what /v1/models reports
+    model.close()
+    assert np.array_equal(_logits(dirs[dtype], "auto"), _logits(dirs[dtype], resolved))
+
+
+@pytest.mark.parametrize("setting, formats, resolved", [
+    ("auto", ["int4"], "fast"), ("auto", ["bf16", "mxfp4"], "fast"), ("auto", ["int8"], "fast"),
+    ("auto", ["bf16"], "exact"), ("auto", ["fp8_e4m3", "bf16"], "exact"), ("auto", [], "exact"),
+    ("fast", ["bf16"], "exact"), ("fast", ["int4"], "fast"), ("exact", ["int4"], "exact")])
+def test_resolve_numerics(setting, formats, resolved):
+    from ext.kernels import resolve_numerics
+    assert resolve_numerics(setting, formats) == resolved
+
+
+def test_resolve_numerics_refuses_an_unknown_setting():
+    from ext.kernels import resolve_numerics
+    with pytest.raises(ValueError, match="got 'Auto'"):
+        resolve_numerics("Auto", ["int4"])

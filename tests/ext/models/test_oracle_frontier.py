@@ -274,7 +274,7 @@ def _streaming(model_dir, counts=None, n_threads=2, **options) -> Model:
     checkpoint = Checkpoint(model_dir)
     layout = ExpertLayout(checkpoint, config)
     provider = StreamingExpertProvider(layout, config, StreamingOptions(**options), usage_counts=counts)
-    return Model(config, checkpoint, layout, provider, n_threads)
+    return Model(config, checkpoint, layout, provider, n_threads, "exact")
 
 
 @pytest.mark.parametrize("case", PLACEMENT)

@@ -101,7 +101,7 @@ def test_config_lists_the_scheme_and_matches_the_tensors(repacked, source):
     assert len(experts) == 2 * 6 * 3 and {w.format for w in experts.values()} == {"int4"}
     with Checkpoint(repacked) as ckpt:
         assert not any(n.startswith(PADDING_PREFIX) for n in ckpt.tensors)   # not in the index
-    model = Model.load(repacked, n_threads=1)
+    model = Model.load(repacked, n_threads=1, numerics="exact")
     assert model.weight_formats()["quantization"] == {
         "quant_method": "moed", "scheme": "int4", "group_size": 32, "min": True,
         "label": "int4-g32-min", "dense": None}
@@ -146,7 +146,7 @@ def test_int8_with_dense_int8_quantises_attention_but_not_routers_or_embeddings(
                  "--out", str(out)]) == 0
     q = _raw_config(out)["quantization_config"]
     assert q["scheme"] == "int8" and q["min"] is False and q["dense"]["scheme"] == "int8"
-    model = Model.load(out, n_threads=1)
+    model = Model.load(out, n_threads=1, numerics="exact")
     formats = {m: w.format for m, w in model.dense_weights.items()}
     assert formats["model.layers.0.self_attn.q_proj"] == "int8"
     assert formats["model.layers.0.mlp.gate"] == "bf16"           # the router
@@ -187,7 +187,7 @@ def test_projections_with_groups_of_different_sizes_load_and_decode(scheme, tmp_
     gate, down = (parts[expert_tensor_name("qwen3_moe", 1, 2, p)] for p in ("gate", "down"))
     assert gate.block == (1, 64) and gate.pieces[1].shape == (32, 2)
     assert down.block == (1, 32) and down.pieces[1].shape == (128, 1)
-    model = Model.load(out, n_threads=1)
+    model = Model.load(out, n_threads=1, numerics="exact")
     try:
         got = model.experts.acquire(1, [2])[0]
         with Checkpoint(out) as ckpt:
@@ -469,7 +469,7 @@ def test_threads_do_not_change_a_byte(source, tmp_path):
 def test_second_moments_in_layer_passes_equal_one_pass(source):
     """A budget of one layer's moments gathers them in one pass per MoE layer, and each
     layer's moments equal those of a single pass over every layer."""
-    model = Model.load(source, n_threads=1)
+    model = Model.load(source, n_threads=1, numerics="exact")
     windows = [np.arange(1, 40), np.arange(100, 131)]
     whole = gather(model, windows, second_moments=True)
     lazy = LayerwiseMoments(model, windows, budget_bytes=moment_bytes(model.config))
@@ -521,14 +521,14 @@ def test_a_low_bit_source_repacks_to_int4_and_says_what_it_loses(dtype, kept, tm
     assert '"level": "warning"' in captured.err and "repack_loses_precision" in captured.err
     q = _raw_config(out)["quantization_config"]
     assert q["source"]["quantization_config"]["quant_method"] == dtype
-    model = Model.load(out, n_threads=1)
+    model = Model.load(out, n_threads=1, numerics="exact")
     formats = model.weight_formats()
     assert formats["experts"] == "int4"
     assert model.dense_weights["model.layers.0.self_attn.q_proj"].format == kept
     ids = model.forward(model.new_sequence(), [1, 2, 3])
     assert np.isfinite(ids).all()
     # the int4 values are close to the low-bit source's (one int4 step)
-    src_model = Model.load(src, n_threads=1)
+    src_model = Model.load(src, n_threads=1, numerics="exact")
     a = float_values(model.experts.acquire(1, [1])[0].down)
     b = float_values(src_model.experts.acquire(1, [1])[0].down)
     assert 0 < np.abs(a - b).max() <= np.abs(b).max() / 7
@@ -544,7 +544,7 @@ def test_lm_head_joins_the_dense_weights_only_when_asked(source, tmp_path):
         assert ckpt.info("model.embed_tokens.weight").dtype == "BF16"
         assert ckpt.info("lm_head.weight").dtype == "I8"              # codes, and a scale
         assert ckpt.info("lm_head.weight_scale").shape == (ckpt.info("lm_head.weight").shape[0], 2)
-    model, reference = Model.load(out, n_threads=1), Model.load(source, n_threads=1)
+    model, reference = Model.load(out, n_threads=1, numerics="exact"), Model.load(source, n_threads=1, numerics="exact")
     assert model.dense_weights["lm_head"].format == "int8"
     prompt = [3, 14, 15, 92, 65]
     got = model.forward(model.new_sequence(), prompt, all_logits=True)
