@@ -8,10 +8,10 @@ HTTP/1.1 (header bombs, a NUL byte in a header, a negative Content-Length, TLS, 
 a 400 in OpenAI's error shape and at most one warning line, without traceback; a chat
 template bomb in the model directory is a 400; and through all of it the daemon keeps
 serving and every line it logs is JSON. A shard whose expert bytes vanish makes /health
-say "degraded" until a read succeeds again, and memory-mapped experts survive shards cut
-and restored while they are read; experts whose weights hold NaN degrade /health too,
-until they compute finite rows. No sleeps: each wait is for the daemon's answer or its
-close, bounded by a deadline.
+say "degraded" until a read succeeds again (restored in place or by a copy renamed over
+it), and memory-mapped experts survive shards cut and restored while they are read;
+experts whose weights hold NaN degrade /health too, until they compute finite rows. No
+sleeps: each wait is for the daemon's answer or its close, bounded by a deadline.
 """
 from __future__ import annotations
 
@@ -371,6 +371,34 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
         assert d.json("GET", "/health") == (200, {"status": "ok"})
         assert d.stop() == 0
     finally:
+        d.cleanup()
+
+
+def test_mapped_experts_recover_once_cut_shards_are_replaced_by_rename(sharded_model):
+    """Shards cut under the daemon, then restored as rsync, package managers and `cp` +
+    `mv` do (a whole copy renamed over each): the mappings of the old, cut inodes are
+    dropped, and the next request after the rename is served and /health is ok."""
+    shards = sorted(sharded_model.glob("model-*.safetensors"))
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--no-prefetch")
+    saved = {p: p.read_bytes() for p in shards}
+    try:
+        assert serving(d)                    # the experts' shards are mapped now
+        for p in shards:
+            with open(p, "r+b") as f:
+                f.truncate(8 + int.from_bytes(saved[p][:8], "little"))
+        status, body = d.json("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 16,
+                                                           "temperature": 0})
+        assert status == 500 and "truncated while served" in body["error"]["message"], body
+        assert d.json("GET", "/health")[0] == 503
+        for p, data in saved.items():
+            p.with_name(p.name + ".new").write_bytes(data)
+            os.replace(p.with_name(p.name + ".new"), p)
+        assert serving(d)
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        for p, data in saved.items():
+            p.write_bytes(data)
         d.cleanup()
 
 
