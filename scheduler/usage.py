@@ -358,6 +358,23 @@ def _float_array(value: Any, field: str, shape: tuple[int, ...]) -> np.ndarray:
 TRANSITIONS_ENCODING = "u8-rows-base64"
 
 
+# Bytes of the JSON of one expert's number in a layer's list (a float's repr is at most 24
+# characters, plus ", "), and of the payload's fixed part (the envelope, `learned`'s scalars).
+_NUMBER_BYTES = 32
+_FIXED_BYTES = 1 << 20
+_HEADROOM = 4
+
+
+def max_state_file_bytes(n_layers: int, num_experts: int) -> int:
+    """An upper bound on the JSON size of a state file of L = n_layers MoE layers of E =
+    num_experts experts, with 4x headroom: per layer E counts and E transition totals
+    (`_NUMBER_BYTES` each) and the E * E bytes of `encode_transitions` in base64 (4/3 of
+    them), plus 1 MiB. A real file stays far below it; a larger one is not a state file
+    (the daemon sets it aside unread instead of reading gigabytes)."""
+    per_layer = 2 * num_experts * _NUMBER_BYTES + 4 * (num_experts * num_experts + 2) // 3
+    return _HEADROOM * (n_layers * per_layer + _FIXED_BYTES)
+
+
 def encode_transitions(per_layer: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> dict[str, Any]:
     """The JSON form of the eviction policy's next-step statistics (one (T [E, E], N [E])
     per MoE layer, scheduler.eviction.PredictivePolicy.transitions; None: nothing learned).

@@ -19,6 +19,7 @@ from daemon.store.trace import RecordingProvider, TraceWriter
 from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, check_cache_budget,
                                     expert_counters, flush_usage, load_usage_state)
 from ext.models.model import Model
+from scheduler.usage import max_state_file_bytes
 from telemetry.logs import get_logger
 from telemetry.metrics import ExpertCounters
 
@@ -202,7 +203,8 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
             built.append((provider, None, fingerprint))
             return provider
         try:
-            store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint)
+            store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint,
+                               max_bytes=max_state_file_bytes(len(moe_layers), config.num_experts))
             state = load_usage_state(store, moe_layers, config.num_experts, fingerprint,
                                      options.half_life_tokens)
             if state is not None:

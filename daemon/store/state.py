@@ -12,7 +12,9 @@ new one, never a torn one. Every read-modify-write runs under an exclusive ``flo
 counts instead of overwriting each other: ``save(merge)`` hands ``merge`` the payload
 currently on disk. A file that is corrupt (not JSON, truncated, wrong shape) is renamed to
 ``*.corrupt-<UTC timestamp>``; one of another version or another model to
-``*.foreign-<UTC timestamp>``; a warning is logged on "moed.state" and learning starts
+``*.foreign-<UTC timestamp>``; so is one larger than the store's ``max_bytes``, unread (a
+bound the caller derives from the model, far above any real file: reading a file of
+gigabytes would exhaust memory before its JSON could be refused); a warning is logged on "moed.state" and learning starts
 fresh. The caller may hand ``load`` and ``save`` a ``check`` of the payload (the
 scheduler's validation): a payload it refuses (ValueError) is corrupt too, and set aside
 under the same lock, so a hand-edited or damaged file is kept for a look instead of being
@@ -53,6 +55,7 @@ log = get_logger("state")
 VERSION = 1
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+MAX_BYTES = 1 << 20     # a state file of a few settings (the tuner's); usage files pass theirs
 FAULT_STEPS = ("tmp_written", "fsynced", "renamed")  # where the _fault hook is called
 Check = Callable[[dict], object]    # validates a payload; raises ValueError naming the field
 
@@ -104,11 +107,14 @@ class StateStore:
     ``_fault``: test hook called with each step of FAULT_STEPS during ``save``.
     ``kind``: the file's name stem, ``usage`` (learned expert usage) or ``tuned`` (the
     self-tuner's winners, daemon.tuning); each kind has its own file and lock.
+    ``max_bytes``: the largest file read; a larger one is corrupt, set aside unread (for
+    usage files, scheduler.usage.max_state_file_bytes of the model).
     """
 
     def __init__(self, state_dir: Path, fingerprint: str, *,
                  clock: Callable[[], float] = time.time,
-                 _fault: Callable[[str], None] | None = None, kind: str = "usage"):
+                 _fault: Callable[[str], None] | None = None, kind: str = "usage",
+                 max_bytes: int = MAX_BYTES):
         if len(fingerprint) < 16:
             raise ValueError(f"fingerprint {fingerprint!r} is shorter than 16 characters")
         self.state_dir = Path(state_dir)
@@ -122,6 +128,7 @@ class StateStore:
         self._tmp_prefix = f".{stem}.json.tmp-"
         self._clock = clock
         self._fault = _fault
+        self.max_bytes = max_bytes
         self.writable = _writable(self.state_dir, self.lock_path)
 
     # -- reading
@@ -150,13 +157,16 @@ class StateStore:
             return None
         try:
             try:
-                mode = os.fstat(fd).st_mode
+                st = os.fstat(fd)
+                mode = st.st_mode
                 if stat.S_ISDIR(mode):
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(self.path))
                 if not stat.S_ISREG(mode):
                     raise _Invalid("corrupt", f"not a regular file ({stat.filemode(mode)})")
+                self._check_size(st.st_size)
                 with os.fdopen(os.dup(fd), "rb") as f:
-                    raw = f.read()
+                    raw = f.read(self.max_bytes + 1)     # bounded: the file may be growing
+                self._check_size(len(raw))
             finally:
                 os.close(fd)
             record = self._parse(raw)
@@ -173,6 +183,11 @@ class StateStore:
                 log.warning("state_file_ignored", path=str(self.path), kind=bad.kind,
                             reason=str(bad), effect="the directory is read-only: left in place")
             return None
+
+    def _check_size(self, size: int) -> None:
+        if size > self.max_bytes:
+            raise _Invalid("corrupt", f"{size} bytes, more than the {self.max_bytes} a state "
+                                      "file of this model can take; not read")
 
     def _parse(self, raw: bytes) -> StateRecord:
         try:

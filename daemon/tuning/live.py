@@ -67,13 +67,23 @@ class LiveTuner:
         self._prepare()
 
     def _prepare(self) -> None:
-        """Check the candidate under trial (once) and apply the next window's settings."""
-        if self.reference is None and not self.tuner.done:     # the incumbent's tokens, once
-            self.live.apply(self.tuner.incumbent)
-            self.reference = check_tokens(self.model, self.check_prompt)
-        if self.reference is not None and not self.tuner.calibrating:
-            check_candidates(self.model, self.tuner, self.check_prompt, self.reference,
-                             self._checked)
+        """Check the candidate under trial (once) and apply the next window's settings.
+
+        A check prompt that cannot run — an expert it routes to has broken weights (NaN)
+        or unreadable bytes — stops the search (`stop`, a warning naming the error): the
+        model serves as it would without a tuner, and the failure is the model's to report
+        (/health), never the tuner's to make fatal (this runs while the daemon loads)."""
+        try:
+            if self.reference is None and not self.tuner.done:     # the incumbent's tokens, once
+                self.live.apply(self.tuner.incumbent)
+                self.reference = check_tokens(self.model, self.check_prompt)
+            if self.reference is not None and not self.tuner.calibrating:
+                check_candidates(self.model, self.tuner, self.check_prompt, self.reference,
+                                 self._checked)
+        except (OSError, ValueError) as e:
+            log.warning("tuner_check_failed", error=str(e))
+            self.stop(f"the check prompt failed: {e}")
+            return
         self.live.apply(self.tuner.settings())
         if self.tuner.done and not self.finished:
             self.finished = True

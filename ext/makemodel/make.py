@@ -21,8 +21,12 @@ ext/makemodel/families.py.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ext.makemodel.families import (_ARCH, ARCHITECTURES, ATTENTION, EXPERT, FLOAT32, HEAD, MLP,
@@ -30,13 +34,14 @@ from ext.makemodel.families import (_ARCH, ARCHITECTURES, ATTENTION, EXPERT, FLO
                                     TensorSpec, config_json, tensor_specs)
 from ext.makemodel.lowbit import (_PLAIN, MXFP4_GROUP, SCALE_DTYPES, Encoding, Fp8, Mxfp4, Plain,
                                   quantization_config)
-from ext.makemodel.shards import write_json, write_shards
+from ext.makemodel.shards import write_json, write_shards, writing
 from ext.makemodel.skew import skew_adjustments
 from ext.makemodel.tokenizer import SPECIAL_TOKENS, build_tokenizer, tokenizer_config
 
 _VOCAB_MULTIPLE = 64
 DEFAULT_SHARD_SIZE = 2 << 30  # bytes
 DTYPES = ("f32", "f16", "bf16", "fp8", "mxfp4")
+TEMP_PREFIX = ".moed-make-model-"    # the temporary directory inside out_dir
 
 
 def make_model(
@@ -68,7 +73,8 @@ def make_model(
     """Write a random-weight checkpoint for one MoE architecture in Hugging Face layout.
 
     Args:
-        out_dir: directory to write; created if missing.
+        out_dir: directory to write; created if missing. The files are written in a
+            temporary directory inside it and moved in once all are whole.
         arch: one of `ARCHITECTURES` ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
             "deepseek_v3", "glm4_moe", "gpt_oss"); becomes config.json `model_type`.
         layers: L, `num_hidden_layers`; every layer is a MoE layer, except the leading
@@ -131,6 +137,9 @@ def make_model(
             a multiple of 32), scale options that do not fit the dtype, or routing_skew
             negative / not finite.
         FileExistsError: out_dir already holds a checkpoint and overwrite is False.
+        OSError: writing failed (a full disk), naming the file as it would be in out_dir;
+            nothing of the new checkpoint is left, an old one is kept, and out_dir is
+            removed if this call created it.
     See ext/makemodel/skew.py for the routing-skew construction and its measurements.
     """
     if arch not in _ARCH:
@@ -198,36 +207,67 @@ def make_model(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_checkpoint(out, overwrite)
+    with _staged(out, overwrite) as tmp:         # files move into `out` once all are whole
+        tokenizer = build_tokenizer(512 if vocab_size is None else vocab_size)
+        config_vocab = -(-max(tokenizer.get_vocab_size(), vocab_size or 0) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+        ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
 
-    tokenizer = build_tokenizer(512 if vocab_size is None else vocab_size)
-    config_vocab = -(-max(tokenizer.get_vocab_size(), vocab_size or 0) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+        dims = dict(L=layers, E=experts, H=hidden, I=intermediate, S=shared_intermediate,
+                    V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim, rows_out=dtype == "mxfp4")
+        dims["fields"] = family_fields(arch, dims, top_k, options)
+        specs = list(tensor_specs(arch, dims))
+        adjust = (skew_adjustments(arch, dims, top_k, seed, initializer_range, float(routing_skew))
+                  if routing_skew else None)             # None and 0: plain random weights
+        write_shards(tmp, specs, encoding_of, shard_size, seed, initializer_range, progress, adjust,
+                     shown=out)
 
-    dims = dict(L=layers, E=experts, H=hidden, I=intermediate, S=shared_intermediate,
-                V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim, rows_out=dtype == "mxfp4")
-    dims["fields"] = family_fields(arch, dims, top_k, options)
-    specs = list(tensor_specs(arch, dims))
-    adjust = (skew_adjustments(arch, dims, top_k, seed, initializer_range, float(routing_skew))
-              if routing_skew else None)             # None and 0: plain random weights
-    write_shards(out, specs, encoding_of, shard_size, seed, initializer_range, progress, adjust)
-
-    config_dtype = _PLAIN[dtype if dtype in _PLAIN else "bf16"][2]
-    config = config_json(arch, dims, top_k, config_dtype, ids, max_position_embeddings, initializer_range)
-    kept = [spec.name.removesuffix(".weight") for spec in specs if spec.role in (ROUTER, HEAD)]
-    quant = quantization_config(dtype, arch, kept, scale_fmt)
-    if quant is not None:
-        config = dict(sorted({**config, "quantization_config": quant}.items()))
-    write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", {
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"],
-    })
-    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    write_json(out / "tokenizer_config.json", tokenizer_config(ids, max_position_embeddings))
+        config_dtype = _PLAIN[dtype if dtype in _PLAIN else "bf16"][2]
+        config = config_json(arch, dims, top_k, config_dtype, ids, max_position_embeddings, initializer_range)
+        kept = [spec.name.removesuffix(".weight") for spec in specs if spec.role in (ROUTER, HEAD)]
+        quant = quantization_config(dtype, arch, kept, scale_fmt)
+        if quant is not None:
+            config = dict(sorted({**config, "quantization_config": quant}.items()))
+        with writing(out / "config.json"):
+            write_json(tmp / "config.json", config)
+        with writing(out / "generation_config.json"):
+            write_json(tmp / "generation_config.json", {
+                "bos_token_id": ids["<|endoftext|>"],
+                "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+                "pad_token_id": ids["<|endoftext|>"],
+            })
+        with writing(out / "tokenizer.json"):
+            (tmp / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+        with writing(out / "tokenizer_config.json"):
+            write_json(tmp / "tokenizer_config.json", tokenizer_config(ids, max_position_embeddings))
     return out
+
+
+@contextmanager
+def _staged(out: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary directory inside `out` (created if missing) to write a checkpoint in.
+
+    Refuses an existing checkpoint in `out` unless `overwrite` (FileExistsError). When the
+    block ends without error, the old checkpoint's files are deleted and the new ones
+    renamed into `out`; when it raises (a full disk), the temporary directory is removed,
+    and `out` too if this call created it: no partial checkpoint is left, and an old one
+    is kept."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        old = _old_checkpoint(out, overwrite)
+        tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out))
+        try:
+            yield tmp
+            for path in old:
+                path.unlink()
+            for path in sorted(tmp.iterdir()):
+                os.rename(path, out / path.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _encodings(dtype: str, scale_dtype: str, scale_fmt: str) -> Callable[[TensorSpec], Encoding]:
@@ -244,13 +284,13 @@ def _encodings(dtype: str, scale_dtype: str, scale_fmt: str) -> Callable[[Tensor
     return lambda spec: mxfp4 if spec.role == EXPERT else f32 if spec.role == FLOAT32 else bf16
 
 
-def _clear_checkpoint(out: Path, overwrite: bool) -> None:
-    """Refuse to mix with an existing checkpoint, or delete its files if overwrite."""
+def _old_checkpoint(out: Path, overwrite: bool) -> list[Path]:
+    """The files of an existing checkpoint in `out`, to be replaced (overwrite); without
+    overwrite, one is a FileExistsError (never mixed with)."""
     old = [p for p in out.iterdir()
            if p.name.endswith(".safetensors") or p.name in (
                "config.json", "generation_config.json", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
     if old and not overwrite:
         raise FileExistsError(f"{out} already holds a checkpoint ({old[0].name}); use --force to replace it")
-    for path in old:
-        path.unlink()
+    return old

@@ -23,6 +23,7 @@ import json
 import math
 import struct
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +52,15 @@ def _plan_shards(tensors: list[StoredTensor], shard_size: int) -> list[list[Stor
 def write_shards(out: Path, specs: list[TensorSpec], encoding_of: Callable[[TensorSpec], Encoding],
                  shard_size: int, seed: int, std: float,
                  progress: Callable[[int, int], None] | None,
-                 adjust: dict[str, RowAdjust] | None = None) -> None:
+                 adjust: dict[str, RowAdjust] | None = None, shown: Path | None = None) -> None:
     """Stream every tensor into its shard file and write the index when sharded.
 
     encoding_of(spec) says how each spec is stored; its first stored tensor is written as
-    the values are drawn, the others (scales) from what the encoder kept.
+    the values are drawn, the others (scales) from what the encoder kept. shown: the
+    directory that errors name (the output's place when `out` is a temporary one;
+    default `out`): an OSError (a full disk) names the file being written.
     """
+    shown = out if shown is None else shown
     stored = {spec.name: encoding_of(spec).stored(spec) for spec in specs}
     first_of = {stored[spec.name][0].name: spec for spec in specs}
     extra_of = {t.name: spec for spec in specs for t in stored[spec.name][1:]}
@@ -94,7 +98,7 @@ def write_shards(out: Path, specs: list[TensorSpec], encoding_of: Callable[[Tens
             weight_map[t.name] = file_name
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        with open(out / file_name, "wb") as f:
+        with writing(shown / file_name), open(out / file_name, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for t in shard:
@@ -116,7 +120,8 @@ def write_shards(out: Path, specs: list[TensorSpec], encoding_of: Callable[[Tens
         index = {"metadata": {"total_parameters": sum(math.prod(t.shape) for t in order),
                               "total_size": total},
                  "weight_map": dict(sorted(weight_map.items()))}
-        write_json(out / "model.safetensors.index.json", index)
+        with writing(shown / "model.safetensors.index.json"):
+            write_json(out / "model.safetensors.index.json", index)
 
 
 def _write_tensor(f, spec: TensorSpec, encoding: Encoding, encoder: Encoder, seed: int,
@@ -166,6 +171,21 @@ class _Discard:
 
     def write(self, data) -> None:
         pass
+
+
+@contextmanager
+def writing(shown: Path) -> Iterator[None]:
+    """An OSError raised inside (ENOSPC, EDQUOT, EIO, ...) names the output file being
+    written as the user will find it, `shown` (its place in out_dir: it is written in a
+    temporary directory inside it), with its errno: "[Errno 28] No space left on device:
+    writing OUT/model.safetensors". The original is its __cause__. (ext/quant/repack.py
+    has its twin: the folder rules keep make-model's code apart from the rest of ext.)"""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:         # an OSError with a message only
+            raise OSError(f"{e}: writing {shown}") from e
+        raise OSError(e.errno, f"{e.strerror}: writing {shown}") from e
 
 
 def write_json(path: Path, obj: object) -> None:

@@ -333,6 +333,12 @@ class MmapExpertProvider(ExpertProvider):
     the file (the layer's rows were computed from bytes that may be zeros and must not
     be used), and the next acquire maps the file again. `failing()` reports either until
     the shard is whole again.
+
+    A shard restored by replacing its file (a copy renamed over the path, as rsync,
+    package managers and `cp` + `mv` do) leaves the open descriptor and its map on the old,
+    unlinked inode, which stays short. So when a size check fails, the path is stat'ed,
+    and if it names another file (st_dev, st_ino) than the open one, the shard is opened
+    and mapped again from the path; `failing()` judges a shard by the file its path names.
     """
 
     def __init__(self, layout: ExpertLayout):
@@ -355,6 +361,27 @@ class MmapExpertProvider(ExpertProvider):
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
+
+    def _replaced(self, path: str) -> bool:
+        """Whether `path` now names another file than the one open for it; if so, close
+        the open one and drop its map and the views over it, so that the next `_fd` /
+        `_map` open and map the file the path names. (A view still held by a caller keeps
+        its old map alive until it is dropped.)"""
+        fd = self._fds.get(path)
+        if fd is None:
+            return False
+        try:
+            now = os.stat(path)
+        except OSError:
+            return False                # removed: keep serving from (or failing on) the open file
+        was = os.fstat(fd)
+        if (now.st_dev, now.st_ino) == (was.st_dev, was.st_ino):
+            return False
+        self._maps.pop(path, None)
+        self._views.clear()
+        del self._fds[path]
+        os.close(fd)
+        return True
 
     def _map(self, path: str) -> GuardedMap:
         m = self._maps.get(path)
@@ -384,20 +411,32 @@ class MmapExpertProvider(ExpertProvider):
                     need[path] = (end, int(e))
         for path, (end, expert) in need.items():
             size = os.fstat(self._fd(path)).st_size
+            if size < end and self._replaced(path):
+                size = os.fstat(self._fd(path)).st_size     # the file now at the path
             if size < end:
-                why = (f"{path} ends at byte {size}, before layer {layer} expert {expert}'s "
+                what = path if self._names_open_file(path) else (
+                    f"the file open as {path} (since removed or replaced there)")
+                why = (f"{what} ends at byte {size}, before layer {layer} expert {expert}'s "
                        f"weights end at {end} (truncated while served)")
                 self._failing[path] = (end, why)
                 raise TruncatedFileError(why, path=path, tensor=None)
             self._failing.pop(path, None)
 
+    def _names_open_file(self, path: str) -> bool:
+        """Whether `path` still names the file open for it."""
+        try:
+            now, was = os.stat(path), os.fstat(self._fds[path])
+        except (OSError, KeyError):
+            return False
+        return (now.st_dev, now.st_ino) == (was.st_dev, was.st_ino)
+
     def failing(self) -> str | None:
         """Why experts cannot be served now (a shard truncated below an expert it holds),
-        until every such shard is whole again (re-checked here); else None."""
+        until every such shard is whole again (re-checked here, on the file its path
+        names: the next acquire opens a replaced one); else None."""
         for path, (end, why) in list(self._failing.items()):
-            fd = self._fds.get(path)
             try:
-                whole = fd is not None and os.fstat(fd).st_size >= end
+                whole = os.stat(path).st_size >= end
             except OSError:
                 whole = False
             if not whole:

@@ -241,6 +241,84 @@ def test_existing_checkpoint_needs_overwrite(tmp_path):
     assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
+def _full_disk(monkeypatch, name: str) -> None:
+    """Writing the file `name` (in whatever directory) fails with ENOSPC: a shard after its
+    first bytes (a partial file on disk), a JSON file at once."""
+    import builtins
+    import errno
+    import os
+
+    from ext.makemodel import shards as shards_module
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if name.endswith(".safetensors"):
+        real_open = builtins.open
+
+        class Full:                     # a file that takes its first bytes only
+            def __init__(self, f):
+                self._f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._f.close()
+
+            def write(self, data):
+                if self._f.tell() > 0:
+                    no_space()
+                return self._f.write(data)
+
+        def opening(path, mode="r", *args, **kwargs):
+            f = real_open(path, mode, *args, **kwargs)
+            return Full(f) if "w" in mode and Path(path).name == name else f
+        monkeypatch.setattr(shards_module, "open", opening, raising=False)
+    else:
+        real_write_text = Path.write_text
+
+        def write_text(self, *args, **kwargs):
+            if self.name == name:
+                no_space()
+            return real_write_text(self, *args, **kwargs)
+        monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model-00002-of-00004.safetensors",
+                                  "model.safetensors.index.json", "config.json", "tokenizer.json"])
+def test_a_full_disk_names_the_file_and_leaves_no_partial_model(tmp_path, monkeypatch, capsys, name):
+    """ENOSPC once said only "[Errno 28] No space left on device" and left a partial
+    model.safetensors without a config: the error names the file as it would be in --out,
+    keeps its errno, and nothing of the checkpoint is left (--out removed when make-model
+    created it)."""
+    from daemon.commands.cli import main
+
+    out = tmp_path / "m"
+    shard_size = "20000" if "-of-" in name or "index" in name else "1G"
+    _full_disk(monkeypatch, name)
+    args = ["make-model", "--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2",
+            "--hidden", "32", "--intermediate", "16", "--shard-size", shard_size, "--out", str(out)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "moed make-model: error: [Errno 28] No space left on device: " in err, err
+    assert f"writing {out / name}\n" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_keeps_an_existing_out_dir_and_the_checkpoint_force_would_replace(
+        tmp_path, monkeypatch):
+    """--out exists with another file and a checkpoint --force is to replace: a full disk
+    leaves both as they were (the old checkpoint is deleted only once the new one is whole)."""
+    make_model(tmp_path, arch="olmoe", **TINY)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _file_digests(tmp_path)
+    _full_disk(monkeypatch, "model.safetensors")
+    with pytest.raises(OSError, match="No space left on device: writing .*model.safetensors"):
+        make_model(tmp_path, arch="mixtral", overwrite=True, **TINY)
+    assert _file_digests(tmp_path) == before
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="llama"), "arch"),
     (dict(dtype="int8"), "dtype"),

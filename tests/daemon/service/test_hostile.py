@@ -8,10 +8,11 @@ HTTP/1.1 (header bombs, a NUL byte in a header, a negative Content-Length, TLS, 
 a 400 in OpenAI's error shape and at most one warning line, without traceback; a chat
 template bomb in the model directory is a 400; and through all of it the daemon keeps
 serving and every line it logs is JSON. A shard whose expert bytes vanish makes /health
-say "degraded" until a read succeeds again, and memory-mapped experts survive shards cut
-and restored while they are read; experts whose weights hold NaN degrade /health too,
-until they compute finite rows. No sleeps: each wait is for the daemon's answer or its
-close, bounded by a deadline.
+say "degraded" until a read succeeds again (restored in place or by a copy renamed over
+it), and memory-mapped experts survive shards cut and restored while they are read;
+experts whose weights hold NaN degrade /health too, until they compute finite rows, and
+do not stop streamed experts from starting when the tuner's check prompt meets them. No
+sleeps: each wait is for the daemon's answer or its close, bounded by a deadline.
 """
 from __future__ import annotations
 
@@ -374,6 +375,34 @@ def test_health_is_degraded_while_expert_reads_fail_and_ok_once_one_succeeds(sha
         d.cleanup()
 
 
+def test_mapped_experts_recover_once_cut_shards_are_replaced_by_rename(sharded_model):
+    """Shards cut under the daemon, then restored as rsync, package managers and `cp` +
+    `mv` do (a whole copy renamed over each): the mappings of the old, cut inodes are
+    dropped, and the next request after the rename is served and /health is ok."""
+    shards = sorted(sharded_model.glob("model-*.safetensors"))
+    d = Daemon(sharded_model, short_dir(), "--threads", "1", "--no-prefetch")
+    saved = {p: p.read_bytes() for p in shards}
+    try:
+        assert serving(d)                    # the experts' shards are mapped now
+        for p in shards:
+            with open(p, "r+b") as f:
+                f.truncate(8 + int.from_bytes(saved[p][:8], "little"))
+        status, body = d.json("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 16,
+                                                           "temperature": 0})
+        assert status == 500 and "truncated while served" in body["error"]["message"], body
+        assert d.json("GET", "/health")[0] == 503
+        for p, data in saved.items():
+            p.with_name(p.name + ".new").write_bytes(data)
+            os.replace(p.with_name(p.name + ".new"), p)
+        assert serving(d)
+        assert d.json("GET", "/health") == (200, {"status": "ok"})
+        assert d.stop() == 0
+    finally:
+        for p, data in saved.items():
+            p.write_bytes(data)
+        d.cleanup()
+
+
 @pytest.fixture(scope="module")
 def wide_sharded_model(tmp_path_factory) -> Path:
     """Experts of 384 KiB: their reads take long enough for a cut to fall inside them."""
@@ -483,6 +512,63 @@ def test_health_is_degraded_while_experts_with_nan_weights_fail_requests(tmp_pat
         assert status == 200, body
         assert d.json("GET", "/health") == (200, {"status": "ok"})
         assert serving(d)
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+
+
+def _write_nan(info, count: int | None = None) -> bytes:
+    """bf16 NaN (0x7fc0) over the first `count` elements of a tensor (all: None); the bytes
+    it replaced."""
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset)
+        saved = f.read(info.nbytes)
+        f.seek(info.offset)
+        f.write(b"\xc0\x7f" * (count or info.nbytes // 2))
+    return saved
+
+
+def test_streamed_experts_start_with_one_nan_expert_the_tuner_check_routes_to(tmp_path):
+    """One NaN element in one routed expert, the one the live tuner's check prompt routes
+    to in layer 1: with a cache budget (streamed experts) and the tuner on, the daemon
+    starts as it does with mapped experts — the tuner stops with a warning, /health is
+    degraded naming the expert, and requests not routed to it are served."""
+    model = make_model(tmp_path / "model", arch="qwen3_moe", layers=3, experts=8, top_k=2,
+                       hidden=64, intermediate=32, dtype="bf16", seed=2)
+    config = load_config(model)
+    with Checkpoint(model) as checkpoint:
+        infos = [checkpoint.info(f"model.layers.1.mlp.experts.{e}.down_proj.weight")
+                 for e in range(8)]
+        cache = minimum_cache_bytes(ExpertLayout(checkpoint, config), config)
+    saved = [_write_nan(info) for info in infos]            # which of them the check meets:
+    from daemon.store.session import open_model
+    from daemon.tuning.search import check_tokens
+    from daemon.tuning.workload import workload_prompts
+    m, _ = open_model(model, threads=1, cache_bytes=None)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        check_tokens(m, workload_prompts(model, config.vocab_size)[0])
+    expert = min(e for l, e in m.broken_experts if l == 1)
+    m.close()
+    for info, data in zip(infos, saved):
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset)
+            f.write(data)
+    _write_nan(infos[expert], count=1)                      # one element of that one expert
+    d = Daemon(model, short_dir(), "--threads", "1", "--expert-cache-bytes", str(cache),
+               env={"MOED_TUNER": "live"})
+    try:
+        stopped = d.wait_event("tuner_stopped")
+        assert "NaN or inf" in stopped["reason"], stopped
+        status, health = d.json("GET", "/health")
+        assert status == 503 and health["status"] == "degraded", health
+        assert health["reason"].startswith(
+            f"routed experts produce NaN or inf (broken weights): layer 1: expert {expert}"), health
+        answers = [d.json("POST", "/v1/completions", {"prompt": p, "max_tokens": 1,
+                                                       "temperature": 0})[0]
+                   for p in ("a", "b", "c", "d", "x", "y", "1", "2")]
+        assert 200 in answers, answers                      # only the expert's requests fail
+        assert set(answers) <= {200, 500}
+        assert d.proc.poll() is None
         assert d.stop() == 0
     finally:
         d.cleanup()

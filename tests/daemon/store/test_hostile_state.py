@@ -1,7 +1,8 @@
 """Hostile, corrupt and extreme next-step statistics (payload "learned.transitions") in the
 usage state file: a file that does not fit is set aside naming the field and learning
 starts fresh; values that fit but are extreme change nothing but placement; policy
-switches, rebuilds, resets and two writers never lose or resurrect what was learned."""
+switches, rebuilds, resets and two writers never lose or resurrect what was learned. A
+file larger than any this model's state can be is set aside unread."""
 from __future__ import annotations
 
 import base64
@@ -24,7 +25,7 @@ from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.models.model import Model
-from scheduler.usage import UsageStats, encode_transitions
+from scheduler.usage import UsageStats, encode_transitions, max_state_file_bytes
 
 LAYERS, EXPERTS, TOP_K = 3, 16, 2
 HALF_LIFE = 2048.0
@@ -123,7 +124,7 @@ HOSTILE = {
 def test_a_hostile_transitions_field_sets_the_file_aside_naming_it_and_serving_goes_on(
         model_dir, fingerprint, tmp_path, log_records, case):
     transitions, field = HOSTILE[case]
-    store = StateStore(tmp_path, fingerprint)
+    store = StateStore(tmp_path, fingerprint, max_bytes=1 << 30)   # the field's check, not the size's
     _write(store, fingerprint, transitions)
     written = store.path.read_bytes()
     records = log_records("moed.state")
@@ -364,3 +365,50 @@ def test_a_state_file_that_is_a_fifo_is_set_aside_without_blocking(fingerprint, 
     assert "not a regular file" in caplog.text
     store.save(lambda old: {"written_after": old is None}, tokens=1)   # a regular file again
     assert store.load() == {"written_after": True}
+
+
+def test_a_state_file_larger_than_the_model_allows_is_set_aside_unread(
+        model_dir, fingerprint, tmp_path, log_records):
+    """A valid state file padded past the model's bound (as `truncate -s 3G` makes one, but
+    small enough to be harmless if it were read): open_model sets it aside without reading
+    it, with a warning naming the file and its size, and starts fresh; a real file of this
+    model, every layer's transitions learned, stays far below the bound."""
+    bound = max_state_file_bytes(LAYERS, EXPERTS)
+    store = StateStore(tmp_path, fingerprint, max_bytes=bound)
+    provider = _provider(model_dir, prefetch=False)
+    try:
+        _drive(provider, 200)
+        flush_usage(store, provider.usage, fingerprint, provider.learned_state())
+    finally:
+        provider.close()
+    real = store.path.read_bytes()
+    assert all(layer is not None for layer in json.loads(real)["payload"]["learned"]["transitions"]["layers"])
+    assert len(real) < bound // 4
+    padded = real + b" " * (bound + 1 - len(real))          # still valid JSON
+    store.path.write_bytes(padded)
+    records = log_records("moed.state")
+    model, session = open_model(model_dir, threads=1, cache_bytes=12 * _slot_bytes(model_dir),
+                                state_dir=tmp_path)
+    try:
+        assert session.provider.usage.counts().sum() == 0          # learning starts fresh
+    finally:
+        model.close()
+    [warning] = [r for r in records if r["event"] == "state_file_set_aside"]
+    assert warning["path"] == str(store.path)
+    assert f"{bound + 1} bytes, more than the {bound}" in warning["reason"]
+    [aside] = tmp_path.glob(f"{store.path.name}.corrupt-*")
+    assert aside.read_bytes() == padded
+
+
+def test_a_state_file_that_grows_past_the_bound_while_read_is_set_aside(
+        fingerprint, tmp_path, monkeypatch):
+    """fstat saw a size under the bound, but the file grew before the read: the read stops
+    one byte past the bound and the file is set aside."""
+    store = StateStore(tmp_path, fingerprint, max_bytes=100)
+    store.save(lambda old: {"a": 1}, tokens=1)
+    store.path.write_bytes(store.path.read_bytes() + b" " * 200)
+    real = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*real(fd)[:6], 50, *real(fd)[7:])))
+    assert store.load() is None
+    monkeypatch.undo()
+    assert len(list(tmp_path.glob(f"{store.path.name}.corrupt-*"))) == 1

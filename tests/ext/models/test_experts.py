@@ -94,6 +94,55 @@ def test_a_shard_cut_after_the_acquire_fails_the_release_and_is_mapped_again(tmp
     res.close()
 
 
+def test_a_shard_truncated_then_replaced_by_rename_is_opened_again_from_its_path(tmp_path):
+    """A shard cut, then restored as rsync or `cp` + `mv` do (a whole copy renamed over
+    it): the open file (the path's old inode) stays short, and the error says so; the
+    first acquire after the rename opens the file the path names and serves its bytes,
+    and failing() is None once the path's file is whole."""
+    d = make_model(tmp_path / "m", arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=64,
+                   intermediate=32, dtype="bf16", shard_size=30_000, seed=3)
+    ckpt = Checkpoint(d)
+    layout = ExpertLayout(ckpt, load_config(d))
+    mm, res = MmapExpertProvider(layout), ResidentExpertProvider(ckpt, layout)
+    loc = layout[(1, 3)]
+    path = loc.gate.pieces[0].path
+    cut_at = min(i.offset for i in loc.pieces() if i.path == path)
+    saved = Path(path).read_bytes()
+    mm.acquire(1, [3])
+    mm.release(1, [3])
+    os.truncate(path, cut_at)
+    with pytest.raises(TruncatedFileError, match=f"ends at byte {cut_at},"):
+        mm.acquire(1, [3])
+    assert path in mm.failing()
+    Path(path + ".new").write_bytes(saved)
+    os.rename(path + ".new", path)                      # the old inode stays cut
+    assert mm.failing() is None
+    for a, b in zip(mm.acquire(1, [3])[0], res.acquire(1, [3])[0]):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    mm.release(1, [3])
+    assert mm.failing() is None
+    mm.close()
+    res.close()
+
+
+def test_a_cut_shard_removed_from_its_path_is_named_as_the_open_file(tmp_path):
+    """The open file is short and the path names no file: the error says the bytes end
+    in the file open under that path, not in a file the path names."""
+    d = make_model(tmp_path / "m", arch="qwen3_moe", layers=2, experts=4, top_k=2, hidden=64,
+                   intermediate=32, dtype="bf16", shard_size=30_000, seed=3)
+    layout = ExpertLayout(Checkpoint(d), load_config(d))
+    mm = MmapExpertProvider(layout)
+    path = layout[(1, 3)].gate.pieces[0].path
+    mm.acquire(1, [3])
+    mm.release(1, [3])
+    os.truncate(path, 100)
+    os.rename(path, path + ".old")
+    with pytest.raises(TruncatedFileError, match=r"the file open as .* \(since removed or "
+                                                 r"replaced there\) ends at byte 100,"):
+        mm.acquire(1, [3])
+    mm.close()
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
 def test_lowbit_experts_stay_in_their_stored_format(tmp_path, dtype):
     """Both providers hand out QuantizedWeights over the stored bytes (no conversion)."""
