@@ -13,6 +13,8 @@ Formats and what llama.cpp runs against each:
     int4  `moed repack --scheme int4` of it    <->  Q4_K_M (llama-quantize of the BF16 GGUF)
     int8-all, int4-all  the same with `--dense int8 --lm-head int8` (attention, dense
           weights and lm_head int8 too, as Q8_0 and Q4_K_M quantise every matrix)
+    int4-q4_1  the int4-all checkpoint  <->  Q4_1 (its own layout: 32-weight blocks with
+          an f16 scale and minimum, 5 bits a weight, against Q4_K_M's 4.5)
     fp8   `moed make-model --dtype fp8`        <->  none (GGUF has no FP8 type): moed only
 
 moed's repacks quantise the routed experts only (attention stays bf16); llama.cpp's Q8_0
@@ -95,6 +97,12 @@ FORMATS = {
     "int4": {"moed": ["repack", "--scheme", "int4"], "gguf": "Q4_K_M"},
     "int8-all": {"moed": ["repack", "--scheme", "int8", *DENSE_TOO], "gguf": "Q8_0"},
     "int4-all": {"moed": ["repack", "--scheme", "int4", *DENSE_TOO], "gguf": "Q4_K_M"},
+    # The same checkpoint against the GGUF type of its own layout: Q4_1 is 32-weight blocks
+    # with an f16 scale and an f16 minimum, as moed's int4 groups are (5 bits a weight; Q4_K
+    # packs its scales into 256-weight super-blocks, 4.5), so the bytes read per token are
+    # about equal and the comparison is of the kernels.
+    "int4-q4_1": {"moed": ["repack", "--scheme", "int4", *DENSE_TOO], "gguf": "Q4_1",
+                  "checkpoint": "int4-all"},
     "fp8": {"moed": ["make-model", *MAKE_MODEL, "--dtype", "fp8"], "gguf": None},
 }
 NUMERICS = ("exact", "fast")
@@ -334,7 +342,7 @@ def moed_cli(*args: str) -> None:
 
 
 def ensure_moed(work: Path, fmt: str) -> Path:
-    out = work / "moed" / fmt
+    out = work / "moed" / FORMATS[fmt].get("checkpoint", fmt)
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
