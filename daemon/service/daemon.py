@@ -29,13 +29,15 @@ from daemon.service.background import BackgroundTasks
 from daemon.service.config import ServeConfig
 from daemon.service.connections import GatedSite, fit_open_files, tcp_socket
 from daemon.service.listen import AdoptedListener, ListenError, adopt_fd, bind_unix_socket
-from daemon.service.loading import load_for_serving
+from daemon.service.loading import load_for_serving, reload_expert_cache_bytes
 from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
+from daemon.store.streaming import minimum_cache_bytes
 from daemon.tuning.knobs import PREFETCH_WIDTH
 from ext.formats.quant import quantization_label
 from ext.models.config import load_config as load_model_config
+from scheduler.cache import CacheBudgetError
 from telemetry.logs import get_logger, set_level
 from telemetry.metrics import DaemonMetrics
 
@@ -239,6 +241,8 @@ class Daemon:
                                                new.grammar_compile_memory_bytes)
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
+                    if "expert_cache_bytes" in changed and new.expert_cache_bytes is not None:
+                        new = self._clamp_expert_cache(new, loaded)
                     if self.state.memory_watcher is not None and new.expert_cache_bytes is not None:
                         self.state.memory_watcher.set_maximum(new.expert_cache_bytes, new.pin_fraction)
                     tuner = loaded.tuner
@@ -259,6 +263,26 @@ class Daemon:
         self.state.config = new
         log.info("reloaded", changed=sorted(changed - fixed))
         self.state.notifier.ready()
+
+    def _clamp_expert_cache(self, new: ServeConfig, loaded) -> ServeConfig:
+        """`new` with its expert_cache_bytes cut to what memory holds now
+        (loading.reload_expert_cache_bytes), logged when cut. Raises CacheBudgetError (a
+        ValueError: reload_failed) when not even the cache's minimum fits."""
+        session, prefix = loaded.session, loaded.engine.prefix_cache
+        unfilled = max(0, new.prefix_cache_bytes - prefix.stats().bytes)
+        granted = reload_expert_cache_bytes(new.expert_cache_bytes, session.options.cache_bytes,
+                                            unfilled, session.provider.slot_bytes)
+        if granted == new.expert_cache_bytes:
+            return new
+        minimum = minimum_cache_bytes(loaded.engine.model.layout, loaded.engine.model.config)
+        if granted < minimum:
+            raise CacheBudgetError(
+                f"expert_cache_bytes {new.expert_cache_bytes}: the memory available holds "
+                f"{granted} bytes of expert cache, below its minimum of {minimum} bytes")
+        log.warning("expert_cache_bytes_clamped", key="expert_cache_bytes",
+                    asked_bytes=new.expert_cache_bytes, granted_bytes=granted,
+                    reason="the memory available now holds no more")
+        return replace(new, expert_cache_bytes=granted)
 
     async def shutdown(self) -> None:
         self.state.notifier.stopping()

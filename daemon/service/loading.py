@@ -93,7 +93,8 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     prefix_bytes, context = config.prefix_cache_bytes, config.max_context_tokens
     sequences = config.max_concurrent_sequences
     margin_bytes = None              # what the memory plan leaves free, when there is one
-    if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
+    planned = None
+    if cache_bytes is None or _memory_bound_known():   # raises MemoryPlanError
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
                                       pin_fraction=config.pin_fraction,
                                       prefix_cache_bytes=config.prefix_cache_bytes,
@@ -101,6 +102,19 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                       threads=config.threads,
                                       sequences_fixed=config.sources.get(
                                           "max_concurrent_sequences", DEFAULT_SOURCE) != DEFAULT_SOURCE)
+    if cache_bytes is not None and planned is not None:
+        # an explicit budget larger than what the plan leaves the expert cache would be
+        # OOM-killed while its slots fill (they are mlocked): clamped to the plan's
+        if cache_bytes > planned.plan.expert_cache_bytes:
+            log.warning("expert_cache_bytes_clamped", key="expert_cache_bytes",
+                        asked_bytes=cache_bytes, granted_bytes=planned.plan.expert_cache_bytes,
+                        available_bytes=planned.plan.available_bytes,
+                        reason="the memory left after the dense weights, KV cache, runtime "
+                               "and margin holds no more")
+            cache_bytes = None       # the plan's, below
+        else:
+            planned = None           # it fits: the configured numbers stand
+    if cache_bytes is None:          # the memory planner decides
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
                  runtime_bytes=p.runtime_bytes, margin_bytes=p.margin_bytes,
@@ -113,7 +127,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                  expert_cache_minimum_bytes=p.min_dynamic_slots * p.slot_bytes,
                  minimum_bytes=p.minimum_bytes, all_experts_bytes=planned.all_experts_bytes,
                  experts="streamed" if planned.stream else "memory-mapped (they all fit)")
-        if planned.stream:
+        if planned.stream or config.expert_cache_bytes is not None:   # clamped: still a cache
             cache_bytes = p.expert_cache_bytes
         prefix_bytes, context = p.prefix_cache_bytes, p.context_tokens
         sequences = p.max_concurrent_sequences
@@ -163,6 +177,38 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
                   grammars=grammars, weight_formats=model.weight_formats(),
                   templates=templates)
+
+
+def _memory_bound_known() -> bool:
+    """Whether `read_memory()` knows any bound (MemAvailable or a cgroup limit)."""
+    reading = read_memory()
+    try:
+        available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except ValueError:
+        return False
+    return True
+
+
+def reload_expert_cache_bytes(asked_bytes: int, current_bytes: int, reserved_bytes: int,
+                              slot_bytes: int, reading: MemoryReading | None = None) -> int:
+    """The expert cache budget a SIGHUP may grant for `asked_bytes`, in bytes.
+
+    The planner's arithmetic on a running daemon: the dense weights, the runtime and what
+    the caches already hold are in the reading (default: `read_memory()`, now); the
+    rebuild frees the current cache (`current_bytes`) before it allocates the new one
+    (daemon/store/session.py `ExpertSession.rebuild`); `reserved_bytes` is what is promised
+    but not yet taken (the prefix cache's unfilled capacity); MARGIN_FRACTION of the
+    memory stays free. Returns min(asked_bytes, that room) in whole slots of `slot_bytes`
+    (the caller checks the minimum); asked_bytes when no bound is known.
+    """
+    reading = reading or read_memory()
+    try:
+        available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except ValueError:              # MemoryPlanError: nothing known
+        return asked_bytes
+    room = available + current_bytes
+    room -= int(MARGIN_FRACTION * room) + reserved_bytes
+    return min(asked_bytes, max(0, room) // slot_bytes * slot_bytes)
 
 
 def grammar_room_bytes(margin_bytes: int | None, unfilled_bytes: int,
