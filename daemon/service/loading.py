@@ -350,6 +350,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
                        prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
                        pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,
                        sequences_fixed=sequences_fixed,
-                       context_fixed=max_context_tokens is not None)
+                       context_fixed=max_context_tokens is not None,
+                       runtime_bytes_per_context_token=4 * 2 * threads,
+                       runtime_bytes_per_sequence=4 * LOGIT_COPIES * config.vocab_size)
     return ServingPlan(plan=plan, all_experts_bytes=all_experts,
                        stream=plan.expert_cache_bytes < all_experts, context=plan.context_tokens)

@@ -1,12 +1,13 @@
 """daemon/machine/memory.py on fake /proc and cgroup trees, and once on this machine."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from daemon.machine.memory import MemoryReading, read_available_bytes, read_memory
-from daemon.service.loading import (LOAD_BASE_BYTES, LOAD_BYTES_PER_VOCAB_TOKEN,
+from daemon.service.loading import (LOAD_BASE_BYTES, LOAD_BYTES_PER_VOCAB_TOKEN, MARGIN_FRACTION,
                                     plan_serving_memory, runtime_bytes, workspace_bytes)
 from daemon.store.probe import model_target, probe_memory_bytes, run_iobench
 from ext.models.config import load_config
@@ -238,9 +239,31 @@ def test_the_serving_plan_streams_only_what_does_not_fit(planned_model):
 
 
 def test_the_serving_plan_refuses_with_the_numbers(planned_model):
-    with pytest.raises(MemoryPlanError, match=r"needs at least \d+ B to start .* no key lowers"):
+    with pytest.raises(MemoryPlanError, match=r"needs at least \d+ B to start .* 4 sequences"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                             reading=MemoryReading(20 << 20, ()))
+
+
+def test_the_refusal_names_the_context_that_fits(planned_model):
+    """Where one sequence at the 2048-token floor does not fit but one of 512 tokens does
+    (the 350 MiB cgroup of the report): the refusal names max_context_tokens with a value
+    and its bytes, not "no key lowers that", and that value then plans."""
+    def plan(available, **keys):
+        return plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0,
+                                   threads=1, reading=MemoryReading(available, ()), **keys)
+    small = plan(64 << 30, max_context_tokens=512).plan
+    available = int((small.minimum_bytes - small.margin_bytes) / (1 - MARGIN_FRACTION)) + (64 << 10)
+    with pytest.raises(MemoryPlanError) as error:
+        plan(available)
+    message = str(error.value)
+    assert "no key lowers" not in message
+    found = re.search(r"max_context_tokens (\d+) \(the context counted: 2048 tokens\) lowers "
+                      r"it by (\d+) B, enough", message)
+    assert found, message
+    tokens = int(found.group(1))
+    assert 512 <= tokens < 2048
+    fits = plan(available, max_context_tokens=tokens).plan
+    assert fits.context_tokens == tokens and fits.minimum_bytes <= available
 
 
 def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache(planned_model):
