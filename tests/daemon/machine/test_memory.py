@@ -276,8 +276,8 @@ def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache
                                 threads=2)
     p = roomy.plan
     assert p.runtime_bytes == runtime_bytes(config, threads=2, context=roomy.context, sequences=4,
-                                            slot_bytes=p.slot_bytes)
-    assert p.runtime_bytes < 64 << 20                   # a tiny model: no 512 MiB reserve
+                                            slot_bytes=p.slot_bytes, grammar_bytes=roomy.grammar_bytes)
+    assert p.runtime_bytes - roomy.grammar_bytes < 64 << 20   # a tiny model: no 512 MiB reserve
     assert p.prefix_cache_bytes == 512 << 20 and roomy.context == min(8192, config.max_position_embeddings)
     per_token = kv_bytes_per_token(config)
     floor = min(2048, config.max_position_embeddings)
@@ -318,7 +318,8 @@ def test_the_serving_plan_reserves_what_the_idle_storage_probe_adds(tmp_path):
                                  reading=MemoryReading(64 << 30, ()), threads=2)
     p = served.plan
     without_probe = (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
-                     + workspace_bytes(config, threads=2, context=served.context, sequences=1))
+                     + workspace_bytes(config, threads=2, context=served.context, sequences=1)
+                     + served.grammar_bytes)
     target = model_target(model)
     assert target.block_bytes <= p.slot_bytes
     assert p.runtime_bytes - without_probe == probe_memory_bytes(p.slot_bytes)
@@ -360,3 +361,23 @@ def test_the_live_system_is_read_through_psutil():
     available = int(meminfo["MemAvailable"].split()[0]) * 1024
     assert abs(read_mem_available() - available) < 0.1 * read_mem_total()   # it moves
     assert usable_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_the_plan_reserves_the_grammar_compile_workers(planned_model):
+    """The runtime holds, for each of the 2 compile slots, a worker's start (measured:
+    32 MiB + 576 B a vocabulary token + 3 B a tokenizer.json byte) and 16 MiB for its
+    compiles, at most grammar_compile_memory_bytes; the runtime grows by just that."""
+    from daemon.service import grammar
+    config = load_config(planned_model)
+    tokenizer_bytes = (planned_model / "tokenizer.json").stat().st_size
+    floor = (32 << 20) + 576 * config.vocab_size + 3 * tokenizer_bytes
+    assert grammar.worker_floor_bytes(config.vocab_size, tokenizer_bytes) == floor
+
+    def planned(**keys):
+        return plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0,
+                                   threads=1, reading=MemoryReading(64 << 30, ()), **keys)
+    roomy = planned()                                    # grammar_compile_memory_bytes 1 GiB
+    assert roomy.grammar_bytes == 2 * (floor + (16 << 20))
+    capped = planned(grammar_compile_memory_bytes=20 << 20)
+    assert capped.grammar_bytes == 2 * (20 << 20)
+    assert roomy.plan.runtime_bytes - capped.plan.runtime_bytes == 2 * (floor + (16 << 20) - (20 << 20))
