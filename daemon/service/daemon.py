@@ -29,7 +29,7 @@ from daemon.service.background import BackgroundTasks
 from daemon.service.config import ServeConfig
 from daemon.service.connections import GatedSite, fit_open_files, tcp_socket
 from daemon.service.listen import AdoptedListener, ListenError, adopt_fd, bind_unix_socket
-from daemon.service.loading import load_for_serving, reload_expert_cache_bytes
+from daemon.service.loading import load_for_serving, promised_bytes, reload_expert_cache_bytes
 from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
@@ -268,10 +268,10 @@ class Daemon:
         """`new` with its expert_cache_bytes cut to what memory holds now
         (loading.reload_expert_cache_bytes), logged when cut. Raises CacheBudgetError (a
         ValueError: reload_failed) when not even the cache's minimum fits."""
-        session, prefix = loaded.session, loaded.engine.prefix_cache
-        unfilled = max(0, new.prefix_cache_bytes - prefix.stats().bytes)
+        session = loaded.session
         granted = reload_expert_cache_bytes(new.expert_cache_bytes, session.options.cache_bytes,
-                                            unfilled, session.provider.slot_bytes)
+                                            promised_bytes(loaded, new.prefix_cache_bytes),
+                                            session.provider.slot_bytes)
         if granted == new.expert_cache_bytes:
             return new
         minimum = minimum_cache_bytes(loaded.engine.model.layout, loaded.engine.model.config)

@@ -293,6 +293,11 @@ class Grammars:
             self._cache_bytes = 0
             self._timed_out.clear()
 
+    def reserve_bytes(self) -> int:
+        """What the compile workers may take together under their cap in force, bounded
+        by what the plan reserves for them (`compile_reserve_bytes`), in bytes."""
+        return self._workers * min(self.memory_bytes, self.floor_bytes + COMPILE_HEADROOM_BYTES)
+
     def _warn_below_floor(self) -> None:
         """A warning when a worker cannot start under the cap in force: structured
         output is unavailable until the cap (or the memory) grows."""

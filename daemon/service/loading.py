@@ -193,6 +193,20 @@ def _memory_bound_known() -> bool:
     return True
 
 
+def promised_bytes(loaded: Loaded, prefix_cache_bytes: int) -> int:
+    """What a running daemon has promised but may not hold yet, in bytes: the KV cache of
+    max_concurrent_sequences sequences at the engine's context (counted whole: what the
+    running ones hold is in a reading too, so this errs high), the prefix cache's
+    capacity `prefix_cache_bytes` less what it holds, and the grammar compile workers'
+    share (`Grammars.reserve_bytes`; they start on demand)."""
+    engine = loaded.engine
+    kv = (engine.model.attention.kv_bytes_per_token(engine.model.config)
+          * engine.context_tokens * engine.max_concurrent_sequences)
+    prefix = max(0, prefix_cache_bytes - engine.prefix_cache.stats().bytes)
+    grammar = loaded.grammars.reserve_bytes() if loaded.grammars is not None else 0
+    return kv + prefix + grammar
+
+
 def reload_expert_cache_bytes(asked_bytes: int, current_bytes: int, reserved_bytes: int,
                               slot_bytes: int, reading: MemoryReading | None = None) -> int:
     """The expert cache budget a SIGHUP may grant for `asked_bytes`, in bytes.
@@ -201,7 +215,7 @@ def reload_expert_cache_bytes(asked_bytes: int, current_bytes: int, reserved_byt
     the caches already hold are in the reading (default: `read_memory()`, now); the
     rebuild frees the current cache (`current_bytes`) before it allocates the new one
     (daemon/store/session.py `ExpertSession.rebuild`); `reserved_bytes` is what is promised
-    but not yet taken (the prefix cache's unfilled capacity); MARGIN_FRACTION of the
+    but not yet taken (`promised_bytes`); MARGIN_FRACTION of the
     memory stays free. Returns min(asked_bytes, that room) in whole slots of `slot_bytes`
     (the caller checks the minimum); asked_bytes when no bound is known.
     """

@@ -74,14 +74,22 @@ def test_an_oversized_cache_is_clamped_at_start_and_on_reload(model_dir, monkeyp
         assert fields["asked_bytes"] == ASKED
         assert fields["granted_bytes"] == planned.expert_cache_bytes
 
-        # SIGHUP with the file edited to 100G: what the cgroup holds now, less the margin,
-        # plus the cache the rebuild frees first
+        # SIGHUP with the file edited to 100G: what the cgroup holds now plus the cache the
+        # rebuild frees first, less the margin and what is promised and not yet held (the
+        # KV of 4 sequences, counted whole; the compile workers' share)
         slot = loaded.session.provider.slot_bytes
         current = loaded.session.options.cache_bytes
-        now = _cgroup(200 << 20, (200 << 20) - 6 * slot)              # 6 slots free
+        engine = loaded.engine
+        promised = loading.promised_bytes(loaded, 0)
+        kv = (engine.model.attention.kv_bytes_per_token(engine.model.config)
+              * engine.context_tokens * engine.max_concurrent_sequences)
+        assert promised == kv + loaded.grammars.reserve_bytes() and kv > 0
+        free = promised + 64 * slot
+        now = _cgroup(1 << 30, (1 << 30) - free)
         monkeypatch.setattr(loading, "read_memory", lambda: now)
-        room = 6 * slot + current
-        granted = (room - int(loading.MARGIN_FRACTION * room)) // slot * slot
+        room = free + current
+        granted = (room - int(loading.MARGIN_FRACTION * room) - promised) // slot * slot
+        assert current < granted < current + 64 * slot
         asked = [config]
         d = Daemon(config, load=None, reload=lambda: asked[0], listener=None,
                    notifier=Notifier({}))
