@@ -33,11 +33,9 @@ from daemon.service.loading import load_for_serving, promised_bytes, reload_expe
 from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
-from daemon.store.streaming import minimum_cache_bytes
 from daemon.tuning.knobs import PREFETCH_WIDTH
 from ext.formats.quant import quantization_label
 from ext.models.config import load_config as load_model_config
-from scheduler.cache import CacheBudgetError
 from telemetry.logs import get_logger, set_level
 from telemetry.metrics import DaemonMetrics
 
@@ -266,19 +264,13 @@ class Daemon:
 
     def _clamp_expert_cache(self, new: ServeConfig, loaded) -> ServeConfig:
         """`new` with its expert_cache_bytes cut to what memory holds now
-        (loading.reload_expert_cache_bytes), logged when cut. Raises CacheBudgetError (a
-        ValueError: reload_failed) when not even the cache's minimum fits."""
+        (loading.reload_expert_cache_bytes: never below the cache it has), logged when
+        cut. Call after the prefix cache took its new capacity."""
         session = loaded.session
         granted = reload_expert_cache_bytes(new.expert_cache_bytes, session.options.cache_bytes,
-                                            promised_bytes(loaded, new.prefix_cache_bytes),
-                                            session.provider.slot_bytes)
+                                            promised_bytes(loaded), session.provider.slot_bytes)
         if granted == new.expert_cache_bytes:
             return new
-        minimum = minimum_cache_bytes(loaded.engine.model.layout, loaded.engine.model.config)
-        if granted < minimum:
-            raise CacheBudgetError(
-                f"expert_cache_bytes {new.expert_cache_bytes}: the memory available holds "
-                f"{granted} bytes of expert cache, below its minimum of {minimum} bytes")
         log.warning("expert_cache_bytes_clamped", key="expert_cache_bytes",
                     asked_bytes=new.expert_cache_bytes, granted_bytes=granted,
                     reason="the memory available now holds no more")

@@ -193,16 +193,16 @@ def _memory_bound_known() -> bool:
     return True
 
 
-def promised_bytes(loaded: Loaded, prefix_cache_bytes: int) -> int:
+def promised_bytes(loaded: Loaded) -> int:
     """What a running daemon has promised but may not hold yet, in bytes: the KV cache of
     max_concurrent_sequences sequences at the engine's context (counted whole: what the
     running ones hold is in a reading too, so this errs high), the prefix cache's
-    capacity `prefix_cache_bytes` less what it holds, and the grammar compile workers'
-    share (`Grammars.reserve_bytes`; they start on demand)."""
+    capacity less what it holds, and the grammar compile workers' share
+    (`Grammars.reserve_bytes`; they start on demand)."""
     engine = loaded.engine
     kv = (engine.model.attention.kv_bytes_per_token(engine.model.config)
           * engine.context_tokens * engine.max_concurrent_sequences)
-    prefix = max(0, prefix_cache_bytes - engine.prefix_cache.stats().bytes)
+    prefix = max(0, engine.prefix_cache.capacity_bytes - engine.prefix_cache.stats().bytes)
     grammar = loaded.grammars.reserve_bytes() if loaded.grammars is not None else 0
     return kv + prefix + grammar
 
@@ -216,8 +216,10 @@ def reload_expert_cache_bytes(asked_bytes: int, current_bytes: int, reserved_byt
     rebuild frees the current cache (`current_bytes`) before it allocates the new one
     (daemon/store/session.py `ExpertSession.rebuild`); `reserved_bytes` is what is promised
     but not yet taken (`promised_bytes`); MARGIN_FRACTION of the
-    memory stays free. Returns min(asked_bytes, that room) in whole slots of `slot_bytes`
-    (the caller checks the minimum); asked_bytes when no bound is known.
+    memory stays free. Returns min(asked_bytes, that room in whole slots of `slot_bytes`),
+    but never less than min(asked_bytes, current_bytes): the cache the plan or an earlier
+    grant gave stays (the memory watcher shrinks it under pressure), it only grows as far
+    as the memory allows; asked_bytes when no bound is known.
     """
     reading = reading or read_memory()
     try:
@@ -226,7 +228,7 @@ def reload_expert_cache_bytes(asked_bytes: int, current_bytes: int, reserved_byt
         return asked_bytes
     room = available + current_bytes
     room -= int(MARGIN_FRACTION * room) + reserved_bytes
-    return min(asked_bytes, max(0, room) // slot_bytes * slot_bytes)
+    return min(asked_bytes, max(current_bytes, room // slot_bytes * slot_bytes))
 
 
 def grammar_room_bytes(margin_bytes: int | None, unfilled_bytes: int,

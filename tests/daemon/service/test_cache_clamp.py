@@ -1,11 +1,13 @@
 """An explicit expert_cache_bytes larger than the memory holds is clamped, with a warning
 naming the key, the bytes asked and the bytes granted: at start to what the memory plan
 leaves the expert cache (before, the slots filled until the kernel OOM-killed the daemon),
-and on SIGHUP to what the memory available now holds. The machine's memory is faked
+and on SIGHUP to what the memory available now holds (never below the cache it has: it only
+grows as far as memory allows). The machine's memory is faked
 through the function the planner reads it with (`loading.read_memory`)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -80,7 +82,7 @@ def test_an_oversized_cache_is_clamped_at_start_and_on_reload(model_dir, monkeyp
         slot = loaded.session.provider.slot_bytes
         current = loaded.session.options.cache_bytes
         engine = loaded.engine
-        promised = loading.promised_bytes(loaded, 0)
+        promised = loading.promised_bytes(loaded)
         kv = (engine.model.attention.kv_bytes_per_token(engine.model.config)
               * engine.context_tokens * engine.max_concurrent_sequences)
         assert promised == kv + loaded.grammars.reserve_bytes() and kv > 0
@@ -106,17 +108,17 @@ def test_an_oversized_cache_is_clamped_at_start_and_on_reload(model_dir, monkeyp
             assert d.state.config.expert_cache_bytes == granted
             assert reload_log.named("reloaded") and not reload_log.named("reload_failed")
 
-            # a prefix cache of 1 GiB promised as well: not even the expert cache's minimum
-            # fits beside it; the reload fails and the cache stays
-            d.state.config = ServeConfig(model=str(model_dir), tuner="off", threads=1,
-                                         prefix_cache_bytes=1 << 30, expert_cache_bytes=current)
-            asked[0] = ServeConfig(model=str(model_dir), tuner="off", threads=1,
-                                   prefix_cache_bytes=1 << 30, expert_cache_bytes=ASKED)
+            # a prefix cache of 1 GiB promised as well (it takes its capacity first): no room
+            # to grow into; the cache keeps what it has, and says so
+            d.state.config = replace(d.state.config, expert_cache_bytes=2 * granted)
+            asked[0] = replace(config, prefix_cache_bytes=1 << 30)
             asyncio.run(d.reload())
         finally:
             loaded.engine.stop()
-        [(level, fields)] = reload_log.named("reload_failed")
-        assert "below its minimum" in fields["error"], fields
+        assert engine.prefix_cache.capacity_bytes == 1 << 30
+        [_, (level, fields)] = reload_log.named("expert_cache_bytes_clamped")
+        assert (fields["asked_bytes"], fields["granted_bytes"]) == (ASKED, granted)
         assert loaded.session.options.cache_bytes == granted
+        assert not reload_log.named("reload_failed")
     finally:
         loaded.close()
