@@ -248,9 +248,10 @@ def test_the_refusal_names_the_context_that_fits(planned_model):
     """Where one sequence at the 2048-token floor does not fit but one of 512 tokens does
     (the 350 MiB cgroup of the report): the refusal names max_context_tokens with a value
     and its bytes, not "no key lowers that", and that value then plans."""
-    def plan(available, **keys):
+    def plan(available, **keys):       # no compile workers' reserve: the KV decides
         return plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0,
-                                   threads=1, reading=MemoryReading(available, ()), **keys)
+                                   threads=1, reading=MemoryReading(available, ()),
+                                   grammar_compile_memory_bytes=0, **keys)
     small = plan(64 << 30, max_context_tokens=512).plan
     available = int((small.minimum_bytes - small.margin_bytes) / (1 - MARGIN_FRACTION)) + (64 << 10)
     with pytest.raises(MemoryPlanError) as error:
@@ -281,18 +282,24 @@ def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache
     assert p.prefix_cache_bytes == 512 << 20 and roomy.context == min(8192, config.max_position_embeddings)
     per_token = kv_bytes_per_token(config)
     floor = min(2048, config.max_position_embeddings)
-    base = p.dense_bytes + p.runtime_bytes + p.min_dynamic_slots * p.slot_bytes
+    # without the compile workers' reserve (grammar_compile_memory_bytes 0)
+    base = p.dense_bytes + p.runtime_bytes - roomy.grammar_bytes + p.min_dynamic_slots * p.slot_bytes
     # room for 2 sequences at the floor (and the 5 % margin): 2 sequences, 0-B prefix cache
     available = int((base + 2 * floor * per_token + 1000) / 0.95)
     tight = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                                 reading=MemoryReading(available, ()), prefix_cache_bytes=512 << 20,
-                                threads=2)
+                                threads=2, grammar_compile_memory_bytes=0)
     t = tight.plan
     assert (t.max_concurrent_sequences, t.context_tokens) == (2, floor)
     assert t.prefix_cache_bytes < 1000 and t.total_slots == t.min_dynamic_slots
     with pytest.raises(MemoryPlanError, match="lower max_concurrent_sequences by 2, from 4 to 2"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
-                            reading=MemoryReading(available, ()), threads=2, sequences_fixed=True)
+                            reading=MemoryReading(available, ()), threads=2, sequences_fixed=True,
+                            grammar_compile_memory_bytes=0)
+    # with it (1 GiB configured), where only the plan without it fits: dropped, not refused
+    text_only = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                    reading=MemoryReading(available, ()), threads=2)
+    assert text_only.grammar_bytes == 0 and text_only.plan.runtime_bytes == t.runtime_bytes
 
 
 def _peak_rss_growth(run) -> int:
