@@ -115,8 +115,11 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                         reason="the memory left after the dense weights, KV cache, runtime "
                                "and margin holds no more")
             cache_bytes = None       # the plan's, below
-        else:
-            planned = None           # it fits: the configured numbers stand
+        else:                        # it fits: the configured numbers stand, and the compile
+            # workers get what the plan keeps for them (the reading after the load, less
+            # the caches' budgets, may leave them too little to start)
+            margin_bytes = planned.plan.margin_bytes + planned.grammar_bytes
+            planned = None
     if cache_bytes is None:          # the memory planner decides
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,

@@ -496,6 +496,35 @@ def test_the_workers_memory_cap_is_what_the_memory_plan_reserves(model_dir, monk
         loaded.close()
 
 
+def test_with_an_expert_cache_set_the_workers_still_get_the_plans_share(model_dir, monkeypatch):
+    """expert_cache_bytes set and within what the plan leaves it (8 of the 16 experts), in
+    a 560 MiB cgroup (faked): the workers' room is the plan's margin and reserve, not what
+    the reading leaves after the caches' budgets (560 MiB less the 512 MiB prefix cache:
+    24 MiB a worker, too little to start one), so json_object compiles."""
+    from daemon.machine.memory import MemoryReading
+    from daemon.service import grammar, loading
+    from daemon.service.config import ServeConfig
+    from scheduler.planner import CgroupLimit
+    limit = 560 << 20
+    reading = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, limit, 0, 0),))
+    monkeypatch.setattr(loading, "read_memory", lambda: reading)
+    slot = loading.plan_serving_memory(model_dir, max_concurrent_sequences=4, pin_fraction=0,
+                                       reading=reading).plan.slot_bytes
+    config = ServeConfig(model=str(model_dir), tuner="off", threads=1, expert_cache_bytes=8 * slot)
+    loaded = loading.load_for_serving(config, {})
+    try:
+        grammars = loaded.grammars
+        assert loaded.session.options.cache_bytes == 8 * slot        # not clamped
+        reserve = grammar.compile_reserve_bytes(1 << 30, grammars.vocab_size,
+                                                (model_dir / "tokenizer.json").stat().st_size)
+        assert grammars.memory_room_bytes == int(loading.MARGIN_FRACTION * limit) + reserve
+        assert grammars.memory_bytes >= grammars.floor_bytes
+        make = asyncio.run(grammars.compile(grammars.spec({"type": "json_object"})))
+        assert make().mask().any()
+    finally:
+        loaded.close()
+
+
 def test_a_worker_that_dies_at_start_says_how_and_under_what_cap(model_dir, monkeypatch):
     """A cap below a worker's start: a warning when it is set (structured output is
     unavailable, and why), and a compile's 400 says the worker ended as it started (its
