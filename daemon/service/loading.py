@@ -245,7 +245,8 @@ def grammar_room_bytes(margin_bytes: int | None, unfilled_bytes: int,
     it); the caller passes their sum. Everything else the plan gives away to the daemon
     (the expert cache takes the rest): in a 400 MiB cgroup, two workers of
     grammar_compile_memory_bytes (1 GiB) could take what the daemon was planned to have.
-    Without one (expert_cache_bytes set): what the reading (default: `read_memory()`,
+    Without one (no memory bound was known when the load planned; an expert_cache_bytes
+    that fits still has the plan's): what the reading (default: `read_memory()`,
     now, after the load) leaves, less `unfilled_bytes` (the expert and prefix caches'
     budgets, which fill as requests come: counted whole, so the room errs low).
     """
