@@ -127,6 +127,50 @@ def _nonnegative(**values: int | float) -> None:
             raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+def _minimum_levers(deficit: int, *, kv_bytes_per_token: int, floor: int, context_tokens: int,
+                    sequences: int, runtime_bytes_per_context_token: int,
+                    runtime_bytes_per_sequence: int) -> str:
+    """The keys that lower the minimum to start, each with by how much, for a refusal
+    `deficit` bytes short ("" when none does).
+
+    The minimum counts the KV of one sequence at `floor` tokens and a runtime sized for
+    `context_tokens` of context and `sequences` sequences: max_context_tokens t < floor
+    saves kv_bytes_per_token x (floor - t) + runtime_bytes_per_context_token x
+    (context_tokens - t); max_concurrent_sequences 1 saves runtime_bytes_per_sequence x
+    (sequences - 1).
+    """
+    def context_saving(t: int) -> int:      # falls as t grows
+        return (kv_bytes_per_token * max(0, floor - t)
+                + runtime_bytes_per_context_token * (context_tokens - t))
+
+    def enough(saved: int, short: str = " alone") -> str:
+        return "enough" if saved >= deficit else f"{deficit - saved} B short{short}"
+
+    levers = []
+    context_best = context_saving(1)
+    if context_best > 0:
+        t, high = 0, context_tokens - 1       # the largest t that saves the deficit (0: none)
+        while t < high:
+            middle = (t + high + 1) // 2
+            t, high = (middle, high) if context_saving(middle) >= deficit else (t, middle - 1)
+        if t >= CONTEXT_STEP_TOKENS:
+            t = t // CONTEXT_STEP_TOKENS * CONTEXT_STEP_TOKENS
+        if t >= 1:
+            levers.append(f"max_context_tokens {t} (the context counted: {floor} tokens) "
+                          f"lowers it by {context_saving(t)} B, enough")
+        else:
+            levers.append(f"max_context_tokens lowers it by at most {context_best} B (at 1 "
+                          f"token), {enough(context_best)}")
+    sequences_saving = runtime_bytes_per_sequence * (sequences - 1)
+    if sequences_saving > 0:
+        levers.append(f"max_concurrent_sequences 1 (from {sequences}) lowers it by "
+                      f"{sequences_saving} B, {enough(sequences_saving)}")
+    if context_best and sequences_saving and max(context_best, sequences_saving) < deficit:
+        both = context_best + sequences_saving
+        levers.append(f"both together lower it by at most {both} B, {enough(both, '')}")
+    return "; ".join(levers)
+
+
 def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_token: int,
                 max_concurrent_sequences: int, context_tokens: int, runtime_bytes: int,
                 slot_bytes: int, min_dynamic_slots: int,
@@ -134,7 +178,8 @@ def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_token: int,
                 prefix_share: float = PREFIX_SHARE, all_experts_bytes: int | None = None,
                 sequences_fixed: bool = False, context_fixed: bool = False,
                 pin_fraction: float = 0.0, margin_bytes: int = 0,
-                margin_fraction: float = 0.0) -> MemoryPlan:
+                margin_fraction: float = 0.0, runtime_bytes_per_context_token: int = 0,
+                runtime_bytes_per_sequence: int = 0) -> MemoryPlan:
     """Split `available` bytes between the dense weights, runtime, KV cache, prefix cache
     and expert cache.
 
@@ -162,6 +207,10 @@ def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_token: int,
       dynamic floor.
     margin_bytes, margin_fraction: a safety margin; margin = max(margin_bytes,
       floor(margin_fraction x available)).
+    runtime_bytes_per_context_token, runtime_bytes_per_sequence: how much of runtime_bytes
+      grows with each token of context_tokens and each of max_concurrent_sequences (for
+      a refusal: by how much max_context_tokens and max_concurrent_sequences lower the
+      minimum).
 
     Steps: base = dense + runtime + margin + min_dynamic_slots x slot; the minimum to start
       is base + the KV of one sequence at the floor. Cuts, in this order, until the KV fits
@@ -175,14 +224,17 @@ def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_token: int,
       total_slots - min_dynamic_slots); the rest are dynamic.
 
     Raises MemoryPlanError (a ValueError; the message names what to lower, by how much, and
-    lists every number) when the minimum to start does not fit, or a number the operator
+    lists every number; "no key lowers that" only when none does) when the minimum to
+    start does not fit, or a number the operator
     fixed would have to be lowered. ValueError on negative or out-of-range inputs.
     """
     _nonnegative(available=available, dense_bytes=dense_bytes,
                  kv_bytes_per_token=kv_bytes_per_token, runtime_bytes=runtime_bytes,
                  min_dynamic_slots=min_dynamic_slots, margin_bytes=margin_bytes,
                  margin_fraction=margin_fraction, prefix_cache_bytes=prefix_cache_bytes,
-                 prefix_share=prefix_share)
+                 prefix_share=prefix_share,
+                 runtime_bytes_per_context_token=runtime_bytes_per_context_token,
+                 runtime_bytes_per_sequence=runtime_bytes_per_sequence)
     if slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
     if max_concurrent_sequences < 1 or context_tokens < 1 or min_context_tokens < 1:
@@ -211,12 +263,19 @@ def plan_memory(available: int, *, dense_bytes: int, kv_bytes_per_token: int,
                f"minimum to start, one sequence at {floor} tokens: {minimum} B; prefix cache "
                f"0 B (it takes only what is left)")
     if minimum > available:
+        levers = _minimum_levers(minimum - available, kv_bytes_per_token=kv_bytes_per_token,
+                                 floor=floor, context_tokens=context_tokens,
+                                 sequences=max_concurrent_sequences,
+                                 runtime_bytes_per_context_token=runtime_bytes_per_context_token,
+                                 runtime_bytes_per_sequence=runtime_bytes_per_sequence)
+        keys = (f"the keys that lower it: {levers}; prefix_cache_bytes does not (counted at "
+                f"0 already); or" if levers else
+                f"no key lowers that (max_concurrent_sequences 1, the context at {floor} "
+                f"tokens and prefix_cache_bytes 0 are counted already):")
         raise MemoryPlanError(
             f"moed does not fit: it needs at least {minimum} B to start (one sequence at "
-            f"{floor} tokens), {minimum - available} B more than available; no key lowers "
-            f"that (max_concurrent_sequences 1, the context at {floor} tokens and "
-            f"prefix_cache_bytes 0 are counted already): give it {minimum - available} B "
-            f"more memory or serve a smaller model ({numbers})")
+            f"{floor} tokens), {minimum - available} B more than available; {keys} give it "
+            f"{minimum - available} B more memory or serve a smaller model ({numbers})")
     room = available - base
     fits = room // one_sequence if one_sequence else n
     if fits < n and (sequences_fixed or fits == 0):

@@ -29,7 +29,7 @@ from daemon.service.background import BackgroundTasks
 from daemon.service.config import ServeConfig
 from daemon.service.connections import GatedSite, fit_open_files, tcp_socket
 from daemon.service.listen import AdoptedListener, ListenError, adopt_fd, bind_unix_socket
-from daemon.service.loading import load_for_serving
+from daemon.service.loading import load_for_serving, promised_bytes, reload_expert_cache_bytes
 from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
@@ -241,6 +241,8 @@ class Daemon:
                                                new.grammar_compile_memory_bytes)
                 if ("expert_cache_bytes" in changed or "pin_fraction" in changed
                         or "prefetch" in changed) and loaded.session is not None:
+                    if "expert_cache_bytes" in changed and new.expert_cache_bytes is not None:
+                        new = self._clamp_expert_cache(new, loaded)
                     if self.state.memory_watcher is not None and new.expert_cache_bytes is not None:
                         self.state.memory_watcher.set_maximum(new.expert_cache_bytes, new.pin_fraction)
                     tuner = loaded.tuner
@@ -261,6 +263,20 @@ class Daemon:
         self.state.config = new
         log.info("reloaded", changed=sorted(changed - fixed))
         self.state.notifier.ready()
+
+    def _clamp_expert_cache(self, new: ServeConfig, loaded) -> ServeConfig:
+        """`new` with its expert_cache_bytes cut to what memory holds now
+        (loading.reload_expert_cache_bytes: never below the cache it has), logged when
+        cut. Call after the prefix cache took its new capacity."""
+        session = loaded.session
+        granted = reload_expert_cache_bytes(new.expert_cache_bytes, session.options.cache_bytes,
+                                            promised_bytes(loaded), session.provider.slot_bytes)
+        if granted == new.expert_cache_bytes:
+            return new
+        log.warning("expert_cache_bytes_clamped", key="expert_cache_bytes",
+                    asked_bytes=new.expert_cache_bytes, granted_bytes=granted,
+                    reason="the memory available now holds no more")
+        return replace(new, expert_cache_bytes=granted)
 
     async def shutdown(self) -> None:
         self.state.notifier.stopping()

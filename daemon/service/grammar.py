@@ -47,9 +47,13 @@ Each later mask is bounded by llguidance's per-step limits (lexer fuel, Earley i
 The address-space cap of a worker (`memory_bytes`, `effective_memory_bytes`) is the
 smaller of grammar_compile_memory_bytes and its share of the memory left free for the
 compiles (`memory_room_bytes`, split between the `workers` slots; loading.py takes it
-from the memory plan: the margin the plan keeps free under the cgroup's or the host's
+from the memory plan: what the plan reserves for the workers in its runtime,
+`compile_reserve_bytes` — each one's start, `worker_floor_bytes`, measured, plus
+COMPILE_HEADROOM_BYTES — and the margin it keeps free under the cgroup's or the host's
 limit). In a 400 MiB cgroup, two workers of 1 GiB each would take memory the daemon was
-planned to have. Errors name the cap in force, and the configured one it lowered.
+planned to have; a cap below a worker's start would make every response_format a 400.
+Errors name the cap in force, and the configured one it lowered; a cap below the start
+is a warning (`grammar_unavailable`) when it is set.
 
 A cache entry is charged what its matcher holds: the worker measures the C heap before
 the compile and while the matcher is alive (daemon/service/grammar_worker.py), and the
@@ -117,6 +121,35 @@ TEXT_BYTES_FACTOR = 16          # the least a matcher is charged: 16 bytes a gra
 TIMED_OUT_S = 60.0              # a schema whose compile timed out is refused at once this long
 TIMED_OUT_ENTRIES = 1024        # timed-out schemas remembered (the oldest out first)
 WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
+
+
+# What a compile worker needs to start (interpreter, llguidance, the model's tokenizer):
+# the least RLIMIT_AS under which `python -m daemon.service.grammar_worker` says ready,
+# found by bisection to 1 MiB on make-model tokenizers (CPython 3, llguidance as pinned):
+# 29.8 MiB at 512 tokens, 46.7 MiB at 32000, 106.2 MiB at 151936 (530-560 B a token);
+# 23.8 MiB more for each 8 MiB of tokenizer JSON (about 3 B a byte: the init line, its
+# parsed string, llguidance's parse). A {"type": "object"} compile adds ~1 MiB.
+WORKER_BASE_BYTES = 32 << 20
+WORKER_BYTES_PER_VOCAB_TOKEN = 576
+WORKER_BYTES_PER_TOKENIZER_BYTE = 3
+COMPILE_HEADROOM_BYTES = 16 << 20   # per worker above its start: the compiles themselves
+
+
+def worker_floor_bytes(vocab_size: int, tokenizer_bytes: int) -> int:
+    """The address space a compile worker needs to start, in bytes, for a vocabulary of
+    `vocab_size` tokens whose tokenizer JSON is `tokenizer_bytes` long (the constants
+    above, measured)."""
+    return (WORKER_BASE_BYTES + WORKER_BYTES_PER_VOCAB_TOKEN * vocab_size
+            + WORKER_BYTES_PER_TOKENIZER_BYTE * tokenizer_bytes)
+
+
+def compile_reserve_bytes(configured: int, vocab_size: int, tokenizer_bytes: int,
+                          workers: int = DEFAULT_WORKERS) -> int:
+    """What the memory plan reserves for the compile workers, all `workers` slots
+    together, in bytes: each its start (`worker_floor_bytes`) plus COMPILE_HEADROOM_BYTES,
+    at most `configured` (grammar_compile_memory_bytes)."""
+    return workers * min(configured, worker_floor_bytes(vocab_size, tokenizer_bytes)
+                         + COMPILE_HEADROOM_BYTES)
 
 
 def effective_memory_bytes(configured: int, room_bytes: int | None, workers: int) -> int:
@@ -226,9 +259,11 @@ class Grammars:
         self._workers = workers
         self.configured_memory_bytes = memory_bytes
         self.memory_bytes = effective_memory_bytes(memory_bytes, memory_room_bytes, workers)
+        self.floor_bytes = worker_floor_bytes(vocab_size, len(text))
         log.info("grammar_compile_memory", memory_bytes=self.memory_bytes,
                  configured_memory_bytes=memory_bytes, room_bytes=memory_room_bytes,
-                 workers=workers)
+                 workers=workers, worker_floor_bytes=self.floor_bytes)
+        self._warn_below_floor()
         self._slots = CompileSlots(workers)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._idle: list[WorkerProcess] = []
@@ -252,10 +287,28 @@ class Grammars:
             self.timeout_s, self.memory_bytes = timeout_s, effective
             log.info("grammar_compile_memory", memory_bytes=effective,
                      configured_memory_bytes=memory_bytes, room_bytes=self.memory_room_bytes,
-                     workers=self._workers)
+                     workers=self._workers, worker_floor_bytes=self.floor_bytes)
+            self._warn_below_floor()
             self._cache.clear()
             self._cache_bytes = 0
             self._timed_out.clear()
+
+    def reserve_bytes(self) -> int:
+        """What the compile workers may take together under their cap in force, bounded
+        by what the plan reserves for them (`compile_reserve_bytes`), in bytes."""
+        return self._workers * min(self.memory_bytes, self.floor_bytes + COMPILE_HEADROOM_BYTES)
+
+    def _warn_below_floor(self) -> None:
+        """A warning when a worker cannot start under the cap in force: structured
+        output is unavailable until the cap (or the memory) grows."""
+        if self.memory_bytes < self.floor_bytes:
+            log.warning("grammar_unavailable", memory_bytes=self.memory_bytes,
+                        worker_floor_bytes=self.floor_bytes,
+                        reason=f"a grammar compile process needs about {self.floor_bytes} "
+                               f"bytes of address space to start with this tokenizer "
+                               f"({self.vocab_size} tokens); its cap is {self.memory_bytes} "
+                               f"bytes ({self._memory_key(self.memory_bytes)}): "
+                               "response_format other than text is refused")
 
     def spec(self, response_format: dict) -> GrammarSpec | None:
         """What to compile for `response_format` (OpenAI's shape), or None for {"type":
@@ -462,14 +515,22 @@ class Grammars:
             raise GrammarError(f"cannot start a grammar compile process: {e}") from None
         with self._lock:
             self._all.add(worker)
+        started = time.monotonic()
         if not worker.wait_ready(STARTUP_S):
+            waited = time.monotonic() - started
             ended = self._discard(worker)
             if self._closed:
                 raise GrammarClosedError("moed is shutting down")
+            cap = (f"under an address-space cap of {memory_bytes} bytes "
+                   f"({self._memory_key(memory_bytes)}; it needs about {self.floor_bytes} "
+                   f"bytes to start with this tokenizer)")
+            if waited < STARTUP_S:
+                raise GrammarLimitError(
+                    f"a grammar compile process ended as it started ({ended}, after "
+                    f"{waited:.1f} s) {cap}")
             raise GrammarLimitError(
-                f"a grammar compile process did not start within {STARTUP_S:g} s ({ended}; "
-                f"a cap of {memory_bytes} bytes, {self._memory_key(memory_bytes)}, may be too "
-                "small for this tokenizer)")
+                f"a grammar compile process did not start within {STARTUP_S:g} s ({ended}) "
+                f"{cap}")
         return worker
 
     def _discard(self, worker: WorkerProcess) -> str:

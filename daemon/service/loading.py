@@ -4,9 +4,11 @@
 `ServeConfig` describes (in a worker thread: the loop keeps answering /health) and
 returns them as one `Loaded`. Without `expert_cache_bytes`, `plan_serving_memory` sizes
 the expert cache from one reading of the machine (daemon/machine/memory.py) through the
-memory planner (scheduler/planner.py). `grammar_room_bytes` says how much of the memory
-is free for the grammar compile workers, which caps their address space
-(daemon/service/grammar.py).
+memory planner (scheduler/planner.py); with one larger than the plan leaves the expert
+cache, it is clamped to the plan's (an OOM kill otherwise, as the mlocked slots fill),
+and `reload_expert_cache_bytes` does the same on SIGHUP. The plan's runtime reserves the
+grammar compile workers (`compile_reserve_bytes`); `grammar_room_bytes` says how much of
+the memory is free for them, which caps their address space (daemon/service/grammar.py).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
 from daemon.service.engine import Engine, RequestHandle
-from daemon.service.grammar import Grammars
+from daemon.service.grammar import DEFAULT_MEMORY_BYTES, DEFAULT_WORKERS, Grammars, compile_reserve_bytes
 from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.probe import probe_memory_bytes
@@ -32,7 +34,7 @@ from ext.models.experts import ExpertLayout
 from ext.models.families import kv_bytes_per_token, unused_tensors
 from ext.models.model import PREFILL_CHUNK
 from ext.tokenizer import Tokenizer, stop_token_ids
-from scheduler.planner import available_bytes, plan_memory
+from scheduler.planner import MemoryPlanError, available_bytes, plan_memory
 from telemetry.logs import get_logger
 
 log = get_logger("server")
@@ -92,18 +94,37 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     cache_bytes = config.expert_cache_bytes
     prefix_bytes, context = config.prefix_cache_bytes, config.max_context_tokens
     sequences = config.max_concurrent_sequences
-    margin_bytes = None              # what the memory plan leaves free, when there is one
-    if cache_bytes is None:          # the memory planner decides (raises MemoryPlanError)
+    margin_bytes = None              # the plan's margin and compile workers' reserve, if planned
+    planned = None
+    if cache_bytes is None or _memory_bound_known():   # raises MemoryPlanError
         planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
                                       pin_fraction=config.pin_fraction,
                                       prefix_cache_bytes=config.prefix_cache_bytes,
                                       max_context_tokens=config.max_context_tokens,
                                       threads=config.threads,
+                                      grammar_compile_memory_bytes=config.grammar_compile_memory_bytes,
                                       sequences_fixed=config.sources.get(
                                           "max_concurrent_sequences", DEFAULT_SOURCE) != DEFAULT_SOURCE)
+    if cache_bytes is not None and planned is not None:
+        # an explicit budget larger than what the plan leaves the expert cache would be
+        # OOM-killed while its slots fill (they are mlocked): clamped to the plan's
+        if cache_bytes > planned.plan.expert_cache_bytes:
+            log.warning("expert_cache_bytes_clamped", key="expert_cache_bytes",
+                        asked_bytes=cache_bytes, granted_bytes=planned.plan.expert_cache_bytes,
+                        available_bytes=planned.plan.available_bytes,
+                        reason="the memory left after the dense weights, KV cache, runtime "
+                               "and margin holds no more")
+            cache_bytes = None       # the plan's, below
+        else:                        # it fits: the configured numbers stand, and the compile
+            # workers get what the plan keeps for them (the reading after the load, less
+            # the caches' budgets, may leave them too little to start)
+            margin_bytes = planned.plan.margin_bytes + planned.grammar_bytes
+            planned = None
+    if cache_bytes is None:          # the memory planner decides
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
                  runtime_bytes=p.runtime_bytes, margin_bytes=p.margin_bytes,
+                 grammar_compile_reserve_bytes=planned.grammar_bytes,
                  kv_bytes=p.kv_bytes, kv_bytes_per_token=p.kv_bytes_per_token,
                  kv_context_tokens=p.context_tokens,
                  max_concurrent_sequences=p.max_concurrent_sequences,
@@ -113,11 +134,11 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                  expert_cache_minimum_bytes=p.min_dynamic_slots * p.slot_bytes,
                  minimum_bytes=p.minimum_bytes, all_experts_bytes=planned.all_experts_bytes,
                  experts="streamed" if planned.stream else "memory-mapped (they all fit)")
-        if planned.stream:
+        if planned.stream or config.expert_cache_bytes is not None:   # clamped: still a cache
             cache_bytes = p.expert_cache_bytes
         prefix_bytes, context = p.prefix_cache_bytes, p.context_tokens
         sequences = p.max_concurrent_sequences
-        margin_bytes = p.margin_bytes
+        margin_bytes = p.margin_bytes + planned.grammar_bytes   # the workers' reserve, too
     model, session = open_model(model_dir, threads=config.threads, cache_bytes=cache_bytes,
                                 io_workers=config.io_workers, prefetch=config.prefetch,
                                 pin_fraction=config.pin_fraction,
@@ -165,17 +186,67 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                   templates=templates)
 
 
+def _memory_bound_known() -> bool:
+    """Whether `read_memory()` knows any bound (MemAvailable or a cgroup limit)."""
+    reading = read_memory()
+    try:
+        available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except ValueError:
+        return False
+    return True
+
+
+def promised_bytes(loaded: Loaded) -> int:
+    """What a running daemon has promised but may not hold yet, in bytes: the KV cache of
+    max_concurrent_sequences sequences at the engine's context (counted whole: what the
+    running ones hold is in a reading too, so this errs high), the prefix cache's
+    capacity less what it holds, and the grammar compile workers' share
+    (`Grammars.reserve_bytes`; they start on demand)."""
+    engine = loaded.engine
+    kv = (engine.model.attention.kv_bytes_per_token(engine.model.config)
+          * engine.context_tokens * engine.max_concurrent_sequences)
+    prefix = max(0, engine.prefix_cache.capacity_bytes - engine.prefix_cache.stats().bytes)
+    grammar = loaded.grammars.reserve_bytes() if loaded.grammars is not None else 0
+    return kv + prefix + grammar
+
+
+def reload_expert_cache_bytes(asked_bytes: int, current_bytes: int, reserved_bytes: int,
+                              slot_bytes: int, reading: MemoryReading | None = None) -> int:
+    """The expert cache budget a SIGHUP may grant for `asked_bytes`, in bytes.
+
+    The planner's arithmetic on a running daemon: the dense weights, the runtime and what
+    the caches already hold are in the reading (default: `read_memory()`, now); the
+    rebuild frees the current cache (`current_bytes`) before it allocates the new one
+    (daemon/store/session.py `ExpertSession.rebuild`); `reserved_bytes` is what is promised
+    but not yet taken (`promised_bytes`); MARGIN_FRACTION of the
+    memory stays free. Returns min(asked_bytes, that room in whole slots of `slot_bytes`),
+    but never less than min(asked_bytes, current_bytes): the cache the plan or an earlier
+    grant gave stays (the memory watcher shrinks it under pressure), it only grows as far
+    as the memory allows; asked_bytes when no bound is known.
+    """
+    reading = reading or read_memory()
+    try:
+        available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
+    except ValueError:              # MemoryPlanError: nothing known
+        return asked_bytes
+    room = available + current_bytes
+    room -= int(MARGIN_FRACTION * room) + reserved_bytes
+    return min(asked_bytes, max(current_bytes, room // slot_bytes * slot_bytes))
+
+
 def grammar_room_bytes(margin_bytes: int | None, unfilled_bytes: int,
                        reading: MemoryReading | None = None) -> int | None:
     """The memory free for the grammar compile workers, all together, in bytes (None:
     no bound is known).
 
-    With a memory plan (margin_bytes given): its margin, the memory the plan leaves free
-    under the tightest of MemAvailable and the cgroup limits (MARGIN_FRACTION of it).
-    Everything else the plan gives away to the daemon (the expert cache takes the rest),
-    and the compile workers are outside the plan: in a 400 MiB cgroup, two workers of
+    With a memory plan (margin_bytes given): what it reserved for the compile workers in
+    its runtime (`ServingPlan.grammar_bytes`) and its margin, the memory the plan leaves
+    free under the tightest of MemAvailable and the cgroup limits (MARGIN_FRACTION of
+    it); the caller passes their sum. Everything else the plan gives away to the daemon
+    (the expert cache takes the rest): in a 400 MiB cgroup, two workers of
     grammar_compile_memory_bytes (1 GiB) could take what the daemon was planned to have.
-    Without one (expert_cache_bytes set): what the reading (default: `read_memory()`,
+    Without one (no memory bound was known when the load planned; an expert_cache_bytes
+    that fits still has the plan's): what the reading (default: `read_memory()`,
     now, after the load) leaves, less `unfilled_bytes` (the expert and prefix caches'
     budgets, which fill as requests come: counted whole, so the room errs low).
     """
@@ -229,16 +300,19 @@ def workspace_bytes(config, *, threads: int, context: int, sequences: int) -> in
     return 4 * floats
 
 
-def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_bytes: int) -> int:
+def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_bytes: int,
+                  grammar_bytes: int = 0) -> int:
     """What the process adds to itself besides the dense weights, KV and caches:
     LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` + the
     idle storage probe's buffers and workers over expert slots of `slot_bytes`
     (daemon/store/probe.py `probe_memory_bytes`; the daemon runs it after READY when the
-    experts stream, with every cache already full). The interpreter and the libraries
-    imported before the plan are in the memory reading already."""
+    experts stream, with every cache already full) + `grammar_bytes`, the grammar compile
+    workers' reserve (daemon/service/grammar.py `compile_reserve_bytes`). The
+    interpreter and the libraries imported before the plan are in the memory reading
+    already."""
     return (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
             + workspace_bytes(config, threads=threads, context=context, sequences=sequences)
-            + probe_memory_bytes(slot_bytes))
+            + probe_memory_bytes(slot_bytes) + grammar_bytes)
 
 
 @dataclass(frozen=True)
@@ -248,26 +322,33 @@ class ServingPlan:
     plan: scheduler.planner.MemoryPlan; all_experts_bytes: every routed expert in its
     cache slot; stream: whether the experts must stream (the plan's cache holds fewer than
     all of them); context: tokens of context allowed per sequence (the plan's
-    context_tokens: the wanted context, or less when memory is tight).
+    context_tokens: the wanted context, or less when memory is tight); grammar_bytes: what
+    the plan's runtime reserves for the grammar compile workers.
     """
 
     plan: object
     all_experts_bytes: int
     stream: bool
     context: int
+    grammar_bytes: int = 0
 
 
 def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequences: int,
                         pin_fraction: float, reading: MemoryReading | None = None,
                         prefix_cache_bytes: int = 0, max_context_tokens: int | None = None,
-                        threads: int | None = None, sequences_fixed: bool = False) -> ServingPlan:
+                        threads: int | None = None, sequences_fixed: bool = False,
+                        grammar_compile_memory_bytes: int = DEFAULT_MEMORY_BYTES) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
     machine (default: `read_memory()`), through scheduler.planner.plan_memory:
 
       dense     every tensor that is not a routed expert, nor of a multi-token-prediction
                 layer the decoder does not use;
       runtime   `runtime_bytes`: a measured base, a share per vocabulary token, the
-                workspaces, sized from the config, and the idle storage probe's buffers;
+                workspaces, sized from the config, the idle storage probe's buffers, and
+                the grammar compile workers (`compile_reserve_bytes` of
+                grammar_compile_memory_bytes, the vocabulary and tokenizer.json's size;
+                dropped, grammar_bytes 0, when only the plan without it fits: the daemon
+                then serves text only and says so, `Grammars`' grammar_unavailable);
       KV        f32, in the layout of the model's attention kind, every layer, for
                 max_concurrent_sequences sequences of the context allowed: the wanted
                 context (max_context_tokens, else PLANNED_CONTEXT; at most the model's),
@@ -295,15 +376,27 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     threads = threads or len(os.sched_getaffinity(0))
     slot = max(slots)
     all_experts = slot * len(slots)
-    plan = plan_memory(available, dense_bytes=dense, kv_bytes_per_token=kv_bytes_per_token(config),
-                       max_concurrent_sequences=max_concurrent_sequences, context_tokens=wanted,
-                       runtime_bytes=runtime_bytes(config, threads=threads, context=wanted,
-                                                   sequences=max_concurrent_sequences,
-                                                   slot_bytes=slot),
-                       slot_bytes=slot, min_dynamic_slots=config.top_k * sum(config.moe_layers),
-                       prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
-                       pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,
-                       sequences_fixed=sequences_fixed,
-                       context_fixed=max_context_tokens is not None)
+    tokenizer_file = Path(model_dir) / "tokenizer.json"
+    grammar = compile_reserve_bytes(grammar_compile_memory_bytes, config.vocab_size,
+                                    tokenizer_file.stat().st_size if tokenizer_file.exists() else 0,
+                                    DEFAULT_WORKERS)
+    def plan_with(grammar_bytes: int):
+        return plan_memory(
+            available, dense_bytes=dense, kv_bytes_per_token=kv_bytes_per_token(config),
+            max_concurrent_sequences=max_concurrent_sequences, context_tokens=wanted,
+            runtime_bytes=runtime_bytes(config, threads=threads, context=wanted,
+                                        sequences=max_concurrent_sequences, slot_bytes=slot,
+                                        grammar_bytes=grammar_bytes),
+            slot_bytes=slot, min_dynamic_slots=config.top_k * sum(config.moe_layers),
+            prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
+            pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,
+            sequences_fixed=sequences_fixed, context_fixed=max_context_tokens is not None,
+            runtime_bytes_per_context_token=4 * 2 * threads,
+            runtime_bytes_per_sequence=4 * LOGIT_COPIES * config.vocab_size)
+    try:
+        plan = plan_with(grammar)
+    except MemoryPlanError:          # text only rather than not at all: Grammars warns
+        plan, grammar = plan_with(0), 0
     return ServingPlan(plan=plan, all_experts_bytes=all_experts,
-                       stream=plan.expert_cache_bytes < all_experts, context=plan.context_tokens)
+                       stream=plan.expert_cache_bytes < all_experts, context=plan.context_tokens,
+                       grammar_bytes=grammar)

@@ -119,9 +119,42 @@ def test_below_one_sequence_at_the_floor_refuses_with_every_number():
         plan(minimum - 4096, max_concurrent_sequences=1)
     message = str(error.value)
     assert f"needs at least {minimum} B to start" in message
-    assert "4096 B more than available" in message and "no key lowers that" in message
+    assert "4096 B more than available" in message
+    # 25 KiB a token: a context below the 2048 tokens counted lowers it
+    assert "no key lowers" not in message
+    assert (f"max_context_tokens 1792 (the context counted: 2048 tokens) lowers it by "
+            f"{256 * 25 * 1024} B, enough") in message
+    assert "prefix_cache_bytes does not" in message
     for number in (2 * GiB, 300 * MiB, 100 * MiB, 160 * MiB, 16, 10 * MiB):
         assert str(number) in message
+
+
+def test_the_refusal_says_no_key_lowers_it_only_when_none_does():
+    """No KV (an attention-free toy) and one sequence: nothing the operator sets lowers the
+    minimum. With the runtime's share per token of context and per sequence given, the
+    refusal names each key with its bytes, and whether it is enough alone."""
+    base = 2048 * MiB + 300 * MiB + 100 * MiB + 160 * MiB     # dense, runtime, margin, experts
+    with pytest.raises(MemoryPlanError, match="no key lowers that"):
+        plan(base - 4096, max_concurrent_sequences=1, kv_bytes_per_token=0)
+    minimum = base + 50 * MiB                                  # and 2048 tokens of KV
+    with pytest.raises(MemoryPlanError) as error:     # 1 MiB short; 4 sequences counted
+        plan(minimum - MiB, runtime_bytes_per_context_token=16,
+             runtime_bytes_per_sequence=MiB // 2)
+    message = str(error.value)
+    assert "no key lowers" not in message
+    # 2048 tokens of KV at 25 KiB and 4096 of runtime at 16 B: 1 MiB is saved at 2007
+    # tokens (41 x 25 KiB + 2089 x 16 B), rounded down to 1792
+    assert (f"max_context_tokens 1792 lowers" in message.replace(
+        " (the context counted: 2048 tokens)", ""))
+    assert f"lowers it by {256 * 25 * 1024 + (4096 - 1792) * 16} B, enough" in message
+    assert f"max_concurrent_sequences 1 (from 4) lowers it by {3 * MiB // 2} B, enough" in message
+    with pytest.raises(MemoryPlanError) as error:     # 60 MiB short: neither alone, not both
+        plan(minimum - 60 * MiB, runtime_bytes_per_sequence=MiB)
+    message = str(error.value)
+    assert f"lowers it by at most {2047 * 25 * 1024} B (at 1 token), " in message
+    assert f"max_concurrent_sequences 1 (from 4) lowers it by {3 * MiB} B, " in message
+    both = 2047 * 25 * 1024 + 3 * MiB
+    assert f"both together lower it by at most {both} B, {60 * MiB - both} B short" in message
 
 
 def test_the_prefix_cache_takes_a_share_of_what_is_left_never_a_refusal():

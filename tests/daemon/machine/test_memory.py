@@ -1,12 +1,13 @@
 """daemon/machine/memory.py on fake /proc and cgroup trees, and once on this machine."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from daemon.machine.memory import MemoryReading, read_available_bytes, read_memory
-from daemon.service.loading import (LOAD_BASE_BYTES, LOAD_BYTES_PER_VOCAB_TOKEN,
+from daemon.service.loading import (LOAD_BASE_BYTES, LOAD_BYTES_PER_VOCAB_TOKEN, MARGIN_FRACTION,
                                     plan_serving_memory, runtime_bytes, workspace_bytes)
 from daemon.store.probe import model_target, probe_memory_bytes, run_iobench
 from ext.models.config import load_config
@@ -238,9 +239,32 @@ def test_the_serving_plan_streams_only_what_does_not_fit(planned_model):
 
 
 def test_the_serving_plan_refuses_with_the_numbers(planned_model):
-    with pytest.raises(MemoryPlanError, match=r"needs at least \d+ B to start .* no key lowers"):
+    with pytest.raises(MemoryPlanError, match=r"needs at least \d+ B to start .* 4 sequences"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                             reading=MemoryReading(20 << 20, ()))
+
+
+def test_the_refusal_names_the_context_that_fits(planned_model):
+    """Where one sequence at the 2048-token floor does not fit but one of 512 tokens does
+    (the 350 MiB cgroup of the report): the refusal names max_context_tokens with a value
+    and its bytes, not "no key lowers that", and that value then plans."""
+    def plan(available, **keys):       # no compile workers' reserve: the KV decides
+        return plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0,
+                                   threads=1, reading=MemoryReading(available, ()),
+                                   grammar_compile_memory_bytes=0, **keys)
+    small = plan(64 << 30, max_context_tokens=512).plan
+    available = int((small.minimum_bytes - small.margin_bytes) / (1 - MARGIN_FRACTION)) + (64 << 10)
+    with pytest.raises(MemoryPlanError) as error:
+        plan(available)
+    message = str(error.value)
+    assert "no key lowers" not in message
+    found = re.search(r"max_context_tokens (\d+) \(the context counted: 2048 tokens\) lowers "
+                      r"it by (\d+) B, enough", message)
+    assert found, message
+    tokens = int(found.group(1))
+    assert 512 <= tokens < 2048
+    fits = plan(available, max_context_tokens=tokens).plan
+    assert fits.context_tokens == tokens and fits.minimum_bytes <= available
 
 
 def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache(planned_model):
@@ -253,23 +277,29 @@ def test_the_serving_plan_measures_its_reserve_and_cuts_context_and_prefix_cache
                                 threads=2)
     p = roomy.plan
     assert p.runtime_bytes == runtime_bytes(config, threads=2, context=roomy.context, sequences=4,
-                                            slot_bytes=p.slot_bytes)
-    assert p.runtime_bytes < 64 << 20                   # a tiny model: no 512 MiB reserve
+                                            slot_bytes=p.slot_bytes, grammar_bytes=roomy.grammar_bytes)
+    assert p.runtime_bytes - roomy.grammar_bytes < 64 << 20   # a tiny model: no 512 MiB reserve
     assert p.prefix_cache_bytes == 512 << 20 and roomy.context == min(8192, config.max_position_embeddings)
     per_token = kv_bytes_per_token(config)
     floor = min(2048, config.max_position_embeddings)
-    base = p.dense_bytes + p.runtime_bytes + p.min_dynamic_slots * p.slot_bytes
+    # without the compile workers' reserve (grammar_compile_memory_bytes 0)
+    base = p.dense_bytes + p.runtime_bytes - roomy.grammar_bytes + p.min_dynamic_slots * p.slot_bytes
     # room for 2 sequences at the floor (and the 5 % margin): 2 sequences, 0-B prefix cache
     available = int((base + 2 * floor * per_token + 1000) / 0.95)
     tight = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
                                 reading=MemoryReading(available, ()), prefix_cache_bytes=512 << 20,
-                                threads=2)
+                                threads=2, grammar_compile_memory_bytes=0)
     t = tight.plan
     assert (t.max_concurrent_sequences, t.context_tokens) == (2, floor)
     assert t.prefix_cache_bytes < 1000 and t.total_slots == t.min_dynamic_slots
     with pytest.raises(MemoryPlanError, match="lower max_concurrent_sequences by 2, from 4 to 2"):
         plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
-                            reading=MemoryReading(available, ()), threads=2, sequences_fixed=True)
+                            reading=MemoryReading(available, ()), threads=2, sequences_fixed=True,
+                            grammar_compile_memory_bytes=0)
+    # with it (1 GiB configured), where only the plan without it fits: dropped, not refused
+    text_only = plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0.5,
+                                    reading=MemoryReading(available, ()), threads=2)
+    assert text_only.grammar_bytes == 0 and text_only.plan.runtime_bytes == t.runtime_bytes
 
 
 def _peak_rss_growth(run) -> int:
@@ -295,7 +325,8 @@ def test_the_serving_plan_reserves_what_the_idle_storage_probe_adds(tmp_path):
                                  reading=MemoryReading(64 << 30, ()), threads=2)
     p = served.plan
     without_probe = (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
-                     + workspace_bytes(config, threads=2, context=served.context, sequences=1))
+                     + workspace_bytes(config, threads=2, context=served.context, sequences=1)
+                     + served.grammar_bytes)
     target = model_target(model)
     assert target.block_bytes <= p.slot_bytes
     assert p.runtime_bytes - without_probe == probe_memory_bytes(p.slot_bytes)
@@ -337,3 +368,23 @@ def test_the_live_system_is_read_through_psutil():
     available = int(meminfo["MemAvailable"].split()[0]) * 1024
     assert abs(read_mem_available() - available) < 0.1 * read_mem_total()   # it moves
     assert usable_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_the_plan_reserves_the_grammar_compile_workers(planned_model):
+    """The runtime holds, for each of the 2 compile slots, a worker's start (measured:
+    32 MiB + 576 B a vocabulary token + 3 B a tokenizer.json byte) and 16 MiB for its
+    compiles, at most grammar_compile_memory_bytes; the runtime grows by just that."""
+    from daemon.service import grammar
+    config = load_config(planned_model)
+    tokenizer_bytes = (planned_model / "tokenizer.json").stat().st_size
+    floor = (32 << 20) + 576 * config.vocab_size + 3 * tokenizer_bytes
+    assert grammar.worker_floor_bytes(config.vocab_size, tokenizer_bytes) == floor
+
+    def planned(**keys):
+        return plan_serving_memory(planned_model, max_concurrent_sequences=4, pin_fraction=0,
+                                   threads=1, reading=MemoryReading(64 << 30, ()), **keys)
+    roomy = planned()                                    # grammar_compile_memory_bytes 1 GiB
+    assert roomy.grammar_bytes == 2 * (floor + (16 << 20))
+    capped = planned(grammar_compile_memory_bytes=20 << 20)
+    assert capped.grammar_bytes == 2 * (20 << 20)
+    assert roomy.plan.runtime_bytes - capped.plan.runtime_bytes == 2 * (floor + (16 << 20) - (20 << 20))

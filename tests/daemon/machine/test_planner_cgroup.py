@@ -2,7 +2,9 @@
 cache size starts where the old planner (a fixed 512 MiB runtime, the whole 512 MiB prefix
 cache, 4 sequences of 8192 tokens) refused, streams experts several times larger than its
 cache, and the group's peak usage stays within what the plan reserved; its stats report
-the memory the group leaves, not the host's. Skips only where
+the memory the group leaves, not the host's; structured output works where the plan
+reserved its compile workers, and where it could not the daemon starts and says so.
+Skips only where
 no child cgroup can be made (no memory controller, no permission); the cgroup helpers are
 bench/squeeze_cgroup.py's."""
 from __future__ import annotations
@@ -69,6 +71,11 @@ def test_the_daemon_starts_in_a_cgroup_the_old_plan_refused(tmp_path):
             "temperature": 0, "ignore_eos": True})
         assert status == 200, answer
         assert answer["usage"]["completion_tokens"] == 48
+        # the compile workers' reserve does not fit beside this model: dropped (text only,
+        # and a warning saying why), never a refusal to start
+        assert plan["grammar_compile_reserve_bytes"] == 0
+        warned = daemon.wait_event("grammar_unavailable")
+        assert warned["memory_bytes"] < warned["worker_floor_bytes"], warned
         peak = _peak_bytes(version, group)
         assert daemon.stop() == 0
         if peak is not None:
@@ -113,6 +120,16 @@ def test_the_stats_report_the_memory_the_cgroup_leaves(tmp_path):
         assert 0 < available <= LIMIT
         # the headroom counts the group's reclaimable page cache as free, as MemAvailable does
         assert available >= LIMIT - usage - 16 * MIB, (available, LIMIT - usage)
+        # structured output works in this cgroup: the plan reserved its compile workers
+        # (before, their cap was half the margin, ~6 MiB: every response_format was a 400
+        # saying a worker "did not start within 60 s")
+        plan = daemon.wait_event("memory_plan")
+        assert plan["grammar_compile_reserve_bytes"] > 0
+        status, answer = daemon.json("POST", "/v1/completions", {
+            "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0,
+            "response_format": {"type": "json_object"}})
+        assert status == 200, answer
+        assert answer["choices"][0]["text"].startswith("{"), answer
         assert daemon.stop() == 0
     finally:
         if daemon is not None:

@@ -464,16 +464,16 @@ def test_a_schema_that_timed_out_is_refused_at_once_for_a_while(model_dir, monke
         grammars.close()
 
 
-def test_the_workers_memory_cap_is_what_the_memory_plan_leaves_free(model_dir, monkeypatch):
+def test_the_workers_memory_cap_is_what_the_memory_plan_reserves(model_dir, monkeypatch):
     """In-process load, with a reading of a 400 MiB memory cgroup (faked through the
-    function the planner reads the machine with): the plan keeps its margin free (5%:
-    20 MiB), and each of the two compile workers gets half of it, not
-    grammar_compile_memory_bytes (1 GiB: two of them would take more than the cgroup
-    has). An error names that cap and the key it lowered."""
+    function the planner reads the machine with): the plan reserves each of the two
+    compile workers its start and headroom (grammar.compile_reserve_bytes) besides its 5%
+    margin (20 MiB), and each worker's cap is half of both, not grammar_compile_memory_bytes
+    (1 GiB: two of them would take more than the cgroup has) nor half the margin alone
+    (10 MiB: before, no worker started and every response_format was a 400)."""
     from daemon.machine.memory import MemoryReading
-    from daemon.service import loading
+    from daemon.service import grammar, loading
     from daemon.service.config import ServeConfig
-    from daemon.service.grammar import GrammarLimitError
     from scheduler.planner import CgroupLimit
     limit = 400 << 20
     reading = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, limit, 0, 0),))
@@ -484,19 +484,69 @@ def test_the_workers_memory_cap_is_what_the_memory_plan_leaves_free(model_dir, m
     try:
         grammars = loaded.grammars
         margin = int(loading.MARGIN_FRACTION * limit)
+        reserve = grammar.compile_reserve_bytes(1 << 30, grammars.vocab_size,
+                                                (model_dir / "tokenizer.json").stat().st_size)
         assert grammars.configured_memory_bytes == 1 << 30
-        assert grammars.memory_room_bytes == margin
-        assert grammars.memory_bytes == margin // 2 == 10 << 20
-        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1]}}}
-        with pytest.raises(GrammarLimitError) as caught:      # 10 MiB: no worker starts
-            asyncio.run(grammars.compile(grammars.spec(fmt)))
-        message = str(caught.value)
-        assert f"a cap of {10 << 20} bytes" in message, message
-        assert f"grammar_compile_memory_bytes {1 << 30}, lowered to {10 << 20}" in message
-        grammars.set_limits(grammars.timeout_s, 4 << 20)      # SIGHUP: below the room's share
-        assert grammars.memory_bytes == 4 << 20
+        assert grammars.memory_room_bytes == margin + reserve
+        assert grammars.memory_bytes == (margin + reserve) // 2
+        assert grammars.memory_bytes >= grammars.floor_bytes + grammar.COMPILE_HEADROOM_BYTES
+        make = asyncio.run(grammars.compile(grammars.spec({"type": "json_object"})))
+        assert make().mask().any()
     finally:
         loaded.close()
+
+
+def test_with_an_expert_cache_set_the_workers_still_get_the_plans_share(model_dir, monkeypatch):
+    """expert_cache_bytes set and within what the plan leaves it (8 of the 16 experts), in
+    a 560 MiB cgroup (faked): the workers' room is the plan's margin and reserve, not what
+    the reading leaves after the caches' budgets (560 MiB less the 512 MiB prefix cache:
+    24 MiB a worker, too little to start one), so json_object compiles."""
+    from daemon.machine.memory import MemoryReading
+    from daemon.service import grammar, loading
+    from daemon.service.config import ServeConfig
+    from scheduler.planner import CgroupLimit
+    limit = 560 << 20
+    reading = MemoryReading(64 << 30, (CgroupLimit("/fake", 2, limit, 0, 0),))
+    monkeypatch.setattr(loading, "read_memory", lambda: reading)
+    slot = loading.plan_serving_memory(model_dir, max_concurrent_sequences=4, pin_fraction=0,
+                                       reading=reading).plan.slot_bytes
+    config = ServeConfig(model=str(model_dir), tuner="off", threads=1, expert_cache_bytes=8 * slot)
+    loaded = loading.load_for_serving(config, {})
+    try:
+        grammars = loaded.grammars
+        assert loaded.session.options.cache_bytes == 8 * slot        # not clamped
+        reserve = grammar.compile_reserve_bytes(1 << 30, grammars.vocab_size,
+                                                (model_dir / "tokenizer.json").stat().st_size)
+        assert grammars.memory_room_bytes == int(loading.MARGIN_FRACTION * limit) + reserve
+        assert grammars.memory_bytes >= grammars.floor_bytes
+        make = asyncio.run(grammars.compile(grammars.spec({"type": "json_object"})))
+        assert make().mask().any()
+    finally:
+        loaded.close()
+
+
+def test_a_worker_that_dies_at_start_says_how_and_under_what_cap(model_dir, monkeypatch):
+    """A cap below a worker's start: a warning when it is set (structured output is
+    unavailable, and why), and a compile's 400 says the worker ended as it started (its
+    exit, the cap in force, what it needs), not that it "did not start within 60 s"."""
+    from daemon.service import grammar
+    warnings = []
+    monkeypatch.setattr(grammar.log, "warning", lambda event, **f: warnings.append((event, f)))
+    grammars = _grammars(model_dir, memory_bytes=8 << 20)
+    try:
+        [(event, fields)] = warnings
+        assert event == "grammar_unavailable" and fields["memory_bytes"] == 8 << 20
+        assert fields["worker_floor_bytes"] == grammars.floor_bytes > 8 << 20
+        assert "response_format other than text is refused" in fields["reason"]
+        with pytest.raises(grammar.GrammarLimitError) as caught:
+            asyncio.run(grammars.compile(grammars.spec({"type": "json_object"})))
+        message = str(caught.value)
+        assert "ended as it started (exit code 1, after" in message, message
+        assert f"under an address-space cap of {8 << 20} bytes" in message
+        assert f"needs about {grammars.floor_bytes} bytes to start" in message
+        assert "within 60 s" not in message
+    finally:
+        grammars.close()
 
 
 def test_a_memory_error_names_the_lowered_cap(model_dir):
