@@ -148,8 +148,12 @@ def test_a_plain_completion_is_not_held_up_by_bomb_compiles(daemon):
         message = body["error"]["message"]
         if "compiles of this client wait" in message:     # refused at once: not waiting
             continue
-        assert "grammar_compile_timeout_s" in message, message
-        assert i > at, answers                              # plain before each that waited
+        # The bomb ends at whichever bound it meets first: the deadline, or on a loaded
+        # machine (where the deadline buys less CPU) the address-space cap.
+        assert "grammar_compile_timeout_s" in message or "grammar_compile_memory_bytes" in message, \
+            message
+        if "grammar_compile_timeout_s" in message:
+            assert i > at, answers                          # plain before each that waited
         waited += 1
     assert waited >= 2
 
