@@ -13,6 +13,7 @@ Formats and what llama.cpp runs against each:
     int4  `moed repack --scheme int4` of it    <->  Q4_K_M (llama-quantize of the BF16 GGUF)
     int8-all, int4-all  the same with `--dense int8 --lm-head int8` (attention, dense
           weights and lm_head int8 too, as Q8_0 and Q4_K_M quantise every matrix)
+    int4s-all  int4-all with --symmetric (no group minimum: 4.5 bits a weight)  <->  Q4_K_M
     int4-q4_1  the int4-all checkpoint  <->  Q4_1 (its own layout: 32-weight blocks with
           an f16 scale and minimum, 5 bits a weight, against Q4_K_M's 4.5)
     fp8   `moed make-model --dtype fp8`        <->  none (GGUF has no FP8 type): moed only
@@ -103,6 +104,9 @@ FORMATS = {
     # about equal and the comparison is of the kernels.
     "int4-q4_1": {"moed": ["repack", "--scheme", "int4", *DENSE_TOO], "gguf": "Q4_1",
                   "checkpoint": "int4-all"},
+    # int4 without a group minimum (4.5 bits a weight, as Q4_K_M's 4-bit matrices), so the
+    # bytes read per token are about Q4_K_M's.
+    "int4s-all": {"moed": ["repack", "--scheme", "int4", "--symmetric", *DENSE_TOO], "gguf": "Q4_K_M"},
     "fp8": {"moed": ["make-model", *MAKE_MODEL, "--dtype", "fp8"], "gguf": None},
 }
 NUMERICS = ("exact", "fast")
