@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
+from pathlib import Path
 
 import pytest
 from daemon_proc import Daemon, short_dir
@@ -102,9 +104,14 @@ def test_the_longest_cache_salt_is_accepted(daemon):
 def test_under_client_scope_tcp_peers_do_not_share_but_a_peer_shares_with_itself(model_dir):
     """Over TCP with one api_key for both peers: 127.0.0.3's request with the very tokens
     127.0.0.2 sent (and the same cache_salt) reuses nothing; 127.0.0.2's second one reuses
-    its own blocks, as 127.0.0.3's does."""
-    d = _start(model_dir, "--prefix-cache-scope", "client", "--tcp-address", "127.0.0.1:0",
-               env={"MOED_API_KEY": "k"})
+    its own blocks, as 127.0.0.3's does; the Unix socket's peer (a uid) is a client of its
+    own. SIGHUP with the scope back to "shared" lets the peers share again."""
+    workdir = short_dir()
+    config = Path(workdir) / "moed.toml"
+    config.write_text('prefix_cache_scope = "client"\n')
+    d = Daemon(model_dir, workdir, "--threads", "1", "--prefix-cache-bytes", "16M",
+               "--tcp-address", "127.0.0.1:0",
+               env={"MOED_API_KEY": "k", "MOED_CONFIG": str(config)})
     try:
         host, port = d.wait_event("tcp_listening")["address"].rsplit(":", 1)
 
@@ -129,8 +136,17 @@ def test_under_client_scope_tcp_peers_do_not_share_but_a_peer_shares_with_itself
         salted = [complete(source, cache_salt="team") for source in ("127.0.0.2", "127.0.0.3")]
         assert [_cached(a) for a in salted] == [0, 0]       # the salt is combined, not instead
         assert _cached(complete("127.0.0.3", cache_salt="team")) == CACHED
-        texts = {a["choices"][0]["text"] for a in (first, other, again, other_again, *salted)}
+        unix = [_complete(d, PROMPT) for _ in range(2)]
+        assert [_cached(a) for a in unix] == [0, CACHED]
+        texts = {a["choices"][0]["text"] for a in (first, other, again, other_again, *salted, *unix)}
         assert len(texts) == 1
+
+        mark = d.mark()
+        config.write_text('prefix_cache_scope = "shared"\n')
+        d.signal(signal.SIGHUP)
+        d.wait_event("reloaded", from_index=mark)
+        shared = [complete(source) for source in ("127.0.0.2", "127.0.0.3")]
+        assert [_cached(a) for a in shared] == [0, CACHED]   # the client-scoped blocks stay theirs
     finally:
         assert d.stop() == 0
         d.cleanup()
