@@ -14,7 +14,9 @@ with top_logprobs 0-20; log-probabilities of the model's own distribution, strea
 too), presence_penalty and frequency_penalty (-2..2, over the tokens generated so far),
 logit_bias (token id -> -100..100), response_format {"type": "text" | "json_object" |
 "json_schema"} (constrained decoding, daemon/service/grammar.py). Extensions accepted as
-vLLM accepts them: top_k, ignore_eos, seed. A prompt that leaves no room in the context
+vLLM accepts them: top_k, ignore_eos, seed, cache_salt (a string of 1 to
+MAX_CACHE_SALT_CHARS characters: only requests of the same cache_salt share prefix cache
+blocks, daemon/service/prefix_cache.py). A prompt that leaves no room in the context
 is a 400 with code "context_length_exceeded" — refused before it is tokenized when its
 length in bytes already proves it; max_tokens beyond the room left, or beyond the
 server's max_tokens ceiling, is cut to fit (the answer then ends with finish_reason
@@ -36,6 +38,7 @@ from ext.tokenizer import ChatTemplateError, Tokenizer
 COMPLETIONS_MAX_TOKENS_DEFAULT = 16
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
 LONG_TEXT_CHARS = 1 << 14       # tokenized with the GIL released (Tokenizer.encode_long)
 
 
@@ -114,6 +117,20 @@ def _boolean(body: dict, key: str, default: bool = False) -> bool:
     if not isinstance(value, bool):
         raise bad(f"'{key}' must be a boolean, got {type(value).__name__}", key)
     return value
+
+
+def _cache_salt(body: dict) -> str | None:
+    """The request's cache_salt: None when absent or null, else a non-empty string of at
+    most MAX_CACHE_SALT_CHARS characters (ApiError otherwise)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise bad(f"'cache_salt' must be a string, got {type(salt).__name__}", "cache_salt")
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad(f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters, got "
+                  f"{len(salt)}", "cache_salt")
+    return _unicode(salt, "cache_salt")
 
 
 def _unsupported(body: dict, chat: bool) -> None:
@@ -306,6 +323,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     max_tokens = min(default_max if asked is None else asked, max_tokens_cap)
     limited_by = "max_tokens" if asked is not None and asked > max_tokens_cap else None
     ignore_eos = _boolean(body, "ignore_eos")
+    cache_salt = _cache_salt(body)
     if chat:
         messages = _messages(body)
         try:
@@ -356,7 +374,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         stop_ids=frozenset() if ignore_eos else stop_ids, stop_strings=_stop_strings(body),
-        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs)
+        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, cache_salt=cache_salt)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
                          include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by,
                          grammar=constraint)

@@ -56,6 +56,13 @@ def _is_tcp(request: web.Request) -> bool:
     return sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
 
 
+def _client(request: web.Request):
+    """Who sent `request` (compile_slots.client_of): the peer's uid on the Unix socket,
+    its address (an IPv6 one's /64) over TCP. Compile slots are shared fairly between
+    clients, and under prefix_cache_scope "client" a client's prefix cache blocks are its own."""
+    return client_of(peer_uid(request), request.remote if _is_tcp(request) else None)
+
+
 def api_key_matches(authorization: str, api_key: str) -> bool:
     """Whether an Authorization header value is ``Bearer <api_key>``, compared in constant
     time (hmac.compare_digest): how long the check takes says nothing about the key.
@@ -264,6 +271,9 @@ class HttpApp:
             stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.state.config.max_tokens,
             request_timeout_s=self.state.config.request_timeout_s, now=engine.clock(),
             grammars=loaded.grammars, max_n=self.state.config.max_concurrent_sequences)
+        if self.state.config.prefix_cache_scope == "client":
+            parsed = replace(parsed, engine=replace(
+                parsed.engine, cache_salt=(_client(request), parsed.engine.cache_salt)))
         if parsed.grammar is not None:
             parsed = await self._compile_grammar(parsed, loaded, request)
         try:
@@ -294,7 +304,7 @@ class HttpApp:
         """`parsed` with its constraint: response_format compiled in a bounded worker
         (daemon/service/grammar.py), awaited here so that no thread waits on it; the
         compile slots are shared fairly between the clients (peers) that ask."""
-        client = client_of(peer_uid(request), request.remote if _is_tcp(request) else None)
+        client = _client(request)
         try:
             factory = await loaded.grammars.compile(parsed.grammar, client)
         except GrammarClosedError:

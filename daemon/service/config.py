@@ -337,6 +337,10 @@ EXPERT_CACHE_MODES = ("moed", "naive")
 
 
 _tuner = _choice(TUNER_MODES)
+# Who shares prefix cache blocks: "shared", every request of the same cache_salt (or of
+# none); "client", only requests of the same client (peer uid on the Unix socket, peer
+# address or IPv6 /64 over TCP; daemon/service/compile_slots.py) and the same cache_salt.
+PREFIX_CACHE_SCOPES = ("shared", "client")
 
 
 @dataclass(frozen=True)
@@ -369,6 +373,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                "time (higher: long prompts first; lower: streams first)"),
     "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
                                                       "that start the same way (0: off)"),
+    "prefix_cache_scope": _Key(_choice(PREFIX_CACHE_SCOPES), "SCOPE",
+                               "who shares cached prefixes: shared (every client; cached_tokens "
+                               "and timing show whether another client's prompt began the same "
+                               "way) or client (only the same peer uid, address or /64)"),
     "max_context_tokens": _Key(_int(1), "N", "tokens one sequence may hold, prompt and "
                                              "completion (at most the model's)", True,
                                 "the model's; with the memory planner at most 8192, cut to "
@@ -452,6 +460,7 @@ class ServeConfig:
     max_queue: int = 64
     prefill_step_ratio: float = 2.75
     prefix_cache_bytes: int = 512 * MIB
+    prefix_cache_scope: str = "shared"
     max_context_tokens: int | None = None
     max_tokens: int = 4096
     max_body_bytes: int = 1 * MIB

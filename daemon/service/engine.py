@@ -49,7 +49,7 @@ import collections
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -107,6 +107,9 @@ class EngineRequest:
     sampled from one prefill; choice i samples with seed + i (when a seed is given).
     logprobs: None, or how many alternatives (>= 0) to report beside each token's own
     log-probability. constraint: None, or a factory of one `Constraint` per choice.
+    cache_salt: None, or a hashable (the request's cache_salt, with its client's identity
+    under prefix_cache_scope "client"): only requests of the same cache_salt share prefix
+    cache blocks (daemon/service/prefix_cache.py).
     """
 
     request_id: str
@@ -119,6 +122,7 @@ class EngineRequest:
     n: int = 1
     logprobs: int | None = None
     constraint: Callable[[], Constraint] | None = None
+    cache_salt: Hashable | None = None
 
 
 @dataclass
@@ -582,7 +586,7 @@ class Engine:
                          max_tokens, np.asarray(req.prompt_ids, np.int64))
             try:
                 r.constraint = req.constraint() if req.constraint is not None else None
-                r.prefilled = self.prefix_cache.load(req.prompt_ids, seq.kv)
+                r.prefilled = self.prefix_cache.load(req.prompt_ids, seq.kv, req.cache_salt)
             except ValueError as e:
                 self._fail([r], e)
                 continue
@@ -668,7 +672,7 @@ class Engine:
         """The prompt's last chunk ran: keep its blocks, fork the other choices from its
         KV, sample every choice's first token from the same logits."""
         req = r.handle.request
-        self.prefix_cache.store(req.prompt_ids, r.seq.kv)
+        self.prefix_cache.store(req.prompt_ids, r.seq.kv, req.cache_salt)
         choices = [r]
         for i in range(1, req.n):
             seed = None if req.sampling.seed is None else req.sampling.seed + i
@@ -768,7 +772,8 @@ class Engine:
         if flush is None:
             flush = reason not in ("cancelled", "error")
         if reason != "error" and not r.prefilling:
-            self.prefix_cache.store(r.handle.request.prompt_ids + tuple(r.fed), r.seq.kv)
+            req = r.handle.request
+            self.prefix_cache.store(req.prompt_ids + tuple(r.fed), r.seq.kv, req.cache_salt)
         tail = r.held + r.decoder.finish() if flush else ""
         handle = r.handle
         handle.open_choices -= 1

@@ -17,11 +17,18 @@ The cache is bounded in bytes and evicts the least recently used block first; a 
 or a store touches a chain from its end back to its start, so a parent is always more
 recent than its children and leaves go first (an evicted block takes its subtree with
 it: nothing could reach it any more). Not thread-safe: the engine thread owns it.
+
+Isolation: a lookup's `salt` (None, or any hashable: a request's cache_salt, a client's
+identity) is the parent key of its first block, as vLLM mixes cache_salt into the hash of
+the first block; so a chain is only found by lookups with the same salt, and requests of
+different salts share no block (nor learn, from cached_tokens or timing, what the other
+salt's prompts began with). None is the shared root of unsalted requests.
 """
 from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -40,7 +47,7 @@ def block_bytes(kv_bytes_per_token: int, block_tokens: int = BLOCK_TOKENS) -> in
 @dataclass
 class _Block:
     id: int
-    key: tuple                  # (parent id, tokens)
+    key: tuple                  # (parent id, or the salted root, tokens)
     data: list[np.ndarray]      # KVCache.read of the block's positions
     children: set = field(default_factory=set)
 
@@ -87,9 +94,15 @@ class PrefixCache:
     def capacity_blocks(self) -> int:
         return self.capacity_bytes // self.block_bytes
 
-    def _chain(self, tokens: Seq[int], n_blocks: int) -> list[_Block]:
-        """The cached blocks that start `tokens`, at most n_blocks of them."""
-        out, parent, B = [], 0, self.block_tokens
+    @staticmethod
+    def _root(salt: Hashable | None) -> Hashable:
+        """The parent key of a chain's first block: 0 unsalted (block ids start at 1),
+        else a tuple, which no block id equals."""
+        return 0 if salt is None else ("salt", salt)
+
+    def _chain(self, tokens: Seq[int], n_blocks: int, salt: Hashable | None) -> list[_Block]:
+        """The cached blocks that start `tokens` under `salt`, at most n_blocks of them."""
+        out, parent, B = [], self._root(salt), self.block_tokens
         for b in range(n_blocks):
             block = self._blocks.get((parent, tuple(tokens[b * B:(b + 1) * B])))
             if block is None:
@@ -102,13 +115,14 @@ class PrefixCache:
         for block in reversed(chain):          # the start of the chain ends most recent
             self._blocks.move_to_end(block.key)
 
-    def load(self, tokens: Seq[int], kv: KVCache) -> int:
-        """Fill `kv` (empty) with the cached blocks that start `tokens` and return how
-        many positions it now holds: a multiple of block_tokens, below len(tokens) (the
-        last token is always left to compute, for its logits). Counts one query."""
+    def load(self, tokens: Seq[int], kv: KVCache, salt: Hashable | None = None) -> int:
+        """Fill `kv` (empty) with the cached blocks that start `tokens`, stored under the
+        same `salt`, and return how many positions it now holds: a multiple of
+        block_tokens, below len(tokens) (the last token is always left to compute, for its
+        logits). Counts one query."""
         if kv.length:
             raise ValueError("load fills an empty KV cache")
-        chain = self._chain(tokens, (len(tokens) - 1) // self.block_tokens)
+        chain = self._chain(tokens, (len(tokens) - 1) // self.block_tokens, salt)
         self._counts["queries"] += 1
         self._counts["tokens_queried"] += len(tokens)
         if not chain:
@@ -122,20 +136,20 @@ class PrefixCache:
         self._counts["tokens_reused"] += len(chain) * B
         return len(chain) * B
 
-    def store(self, tokens: Seq[int], kv: KVCache) -> int:
+    def store(self, tokens: Seq[int], kv: KVCache, salt: Hashable | None = None) -> int:
         """Keep the whole blocks of `kv` (which holds the KV of `tokens[:kv.length]`)
-        that are not cached yet, evicting least recently used blocks to stay within
-        capacity_bytes. Returns the blocks added."""
+        that are not cached yet under `salt`, evicting least recently used blocks to stay
+        within capacity_bytes. Returns the blocks added."""
         B = self.block_tokens
         n_blocks = min(len(tokens), kv.length) // B
         n_blocks = min(n_blocks, self.capacity_blocks)
         if n_blocks == 0:
             return 0
-        chain = self._chain(tokens, n_blocks)
+        chain = self._chain(tokens, n_blocks, salt)
         added = 0
         for b in range(len(chain), n_blocks):
             parent = chain[-1] if chain else None
-            key = (parent.id if parent else 0, tuple(tokens[b * B:(b + 1) * B]))
+            key = (parent.id if parent else self._root(salt), tuple(tokens[b * B:(b + 1) * B]))
             block = _Block(next(self._ids), key, kv.read(b * B, (b + 1) * B))
             self._blocks[key] = block
             self._by_id[block.id] = block

@@ -176,6 +176,48 @@ def test_engine_answers_are_the_same_with_reuse_on_and_off(model, tokenizer):
                for r in on)
 
 
+def test_only_requests_of_the_same_cache_salt_share_blocks(model, tokenizer):
+    """The attacker's probe: a secret prompt under one salt, then the same tokens under
+    another salt, unsalted, and under a tuple salt (a client's identity) reuse nothing;
+    under its own salt it reuses every whole block before its last token. The answers are
+    the same with and without the reuse."""
+    engine = _engine(model, tokenizer, prefix_cache_bytes=1 << 24)
+    secret = _prompt(21, 49)                     # three whole blocks before the last token
+
+    def ask(name, salt):
+        return _run(engine, [EngineRequest(name, secret, max_tokens=6, cache_salt=salt)])[0]
+    try:
+        first = ask("a", "alice")
+        probes = [ask("b", "bob"), ask("c", None), ask("d", (("ip", "127.0.0.2"), "alice"))]
+        again = ask("e", "alice")
+    finally:
+        engine.stop()
+    assert first["stats"].cached_tokens == 0
+    # each probe stored its own chain under its own salt; none found alice's
+    assert [p["stats"].cached_tokens for p in probes] == [0, 0, 0]
+    assert again["stats"].cached_tokens == 48
+    assert all(p["choices"] == first["choices"] for p in [*probes, again])
+
+
+def test_a_salted_chain_is_a_subtree_of_its_own(model):
+    """Blocks stored under a salt are found only under it, and evicting them leaves the
+    unsalted chain of the same tokens whole."""
+    nbytes = block_bytes(_per_token(model))
+    cache = PrefixCache(_per_token(model), capacity_bytes=4 * nbytes)
+    p = _prompt(9, 33)                            # two whole blocks
+    seq = model.new_sequence()
+    model.forward(seq, p)
+    assert cache.store(p, seq.kv) == 2
+    assert cache.load(p, model.new_sequence().kv, salt="s") == 0
+    assert cache.store(p, seq.kv, salt="s") == 2   # a chain of its own, not shared blocks
+    assert cache.stats().blocks == 4
+    assert cache.load(p, model.new_sequence().kv, salt="s") == 32
+    assert cache.load(p, model.new_sequence().kv, salt="t") == 0
+    cache.resize(2 * nbytes)                      # the unsalted chain is older: it goes
+    assert cache.load(p, model.new_sequence().kv) == 0
+    assert cache.load(p, model.new_sequence().kv, salt="s") == 32
+
+
 def test_the_cache_stays_within_its_bytes_and_evicts_least_recently_used(model):
     nbytes = block_bytes(_per_token(model))
     cache = PrefixCache(_per_token(model), capacity_bytes=5 * nbytes)
