@@ -375,8 +375,13 @@ class DaemonMetrics:
         self.refused = Counter("moed_connections_refused", "Connections answered 503 at once "
                                "because their listener held max_connections open connections.",
                                ["listener"], registry=registry)
+        self.peer_refused = Counter(
+            "moed_connections_refused_per_peer", "Connections answered 503 at once because "
+            "their peer held max_connections_per_peer open connections to their listener.",
+            ["listener"], registry=registry)
         for listener in LISTENERS:
             self.refused.labels(listener)
+            self.peer_refused.labels(listener)
         self.finished = Counter("moed_requests_finished", "Generation requests ended, by "
                                 "finish reason.", ["finish_reason"], registry=registry)
         for reason in FINISH_REASONS:
@@ -401,9 +406,11 @@ class DaemonMetrics:
         """Count one HTTP response (unknown routes and statuses map to "other")."""
         self.requests.labels(endpoint_label(route_name), status_label(status)).inc()
 
-    def connection_refused(self, listener: str) -> None:
-        """Count one connection refused at accept (a listener of LISTENERS)."""
-        self.refused.labels(listener if listener in LISTENERS else "socket").inc()
+    def connection_refused(self, listener: str, key: str = "max_connections") -> None:
+        """Count one connection refused at accept (a listener of LISTENERS) by the cap of
+        configuration key `key`: "max_connections" or "max_connections_per_peer"."""
+        counter = self.peer_refused if key == "max_connections_per_peer" else self.refused
+        counter.labels(listener if listener in LISTENERS else "socket").inc()
 
     def request_finished(self, finish_reason: str, queue_s: float,
                          time_to_first_token_s: float | None, duration_s: float) -> None:

@@ -25,6 +25,7 @@ TYPES = {
     "moed_prefix_cache_evicted_blocks_total": "counter", "moed_prefix_cache_bytes": "gauge",
     "moed_prefix_cache_capacity_bytes": "gauge",
     "moed_connections_refused_total": "counter",
+    "moed_connections_refused_per_peer_total": "counter",
     # experts
     "moed_expert_lookups_total": "counter", "moed_expert_bytes_read_total": "counter",
     "moed_expert_read_seconds": "histogram", "moed_expert_read_errors_total": "counter",
@@ -61,6 +62,8 @@ STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499"
 LABELS = {
     "moed_requests_total": [{"endpoint": e, "status": s} for e in ENDPOINTS for s in STATUSES],
     "moed_connections_refused_total": [{"listener": x} for x in ("socket", "tcp", "metrics")],
+    "moed_connections_refused_per_peer_total": [{"listener": x}
+                                                for x in ("socket", "tcp", "metrics")],
     "moed_requests_finished_total": [{"finish_reason": r} for r in
                                      ("stop", "length", "timeout", "cancelled", "error")],
     "moed_expert_bytes_read_total": [{"reason": r} for r in ("demand", "prefetch", "pin_load")],

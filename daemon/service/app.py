@@ -16,7 +16,6 @@ import hmac
 import json
 import os
 import socket
-import struct
 import time
 from dataclasses import replace
 
@@ -26,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from daemon.service import api
 from daemon.service.api import ApiError
 from daemon.service.compile_slots import client_of
+from daemon.service.compile_slots import peer_uid as transport_peer_uid
 from daemon.service.engine import EngineClosedError, QueueFullError, RequestHandle
 from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, GrammarError,
                                     GrammarLimitError)
@@ -43,12 +43,7 @@ SNAPSHOT_REUSE_S = 0.5          # a snapshot younger than this serves a scrape (
 
 def peer_uid(request: web.Request) -> int | None:
     """The uid of the process at the other end of a Unix-socket connection, else None."""
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    return transport_peer_uid(request.transport)
 
 
 def _is_tcp(request: web.Request) -> bool:

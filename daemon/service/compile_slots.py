@@ -8,7 +8,8 @@ further compiles wait, in order of arrival, while other clients take the free sl
 most WAITING_PER_CLIENT of them wait, the rest are refused at once. A slot that comes
 free goes to the oldest waiter whose client may take it.
 
-Who a client is: `client_of` (app.py gives it the connection). Every TCP client sends the
+Who a client is: `client_of` (app.py gives it the connection; `client_of_transport` reads
+both from a connection's transport, for connections.py's per-peer cap as well). Every TCP client sends the
 same api_key (moed has one), so the key tells clients apart no better than nothing: a TCP
 client is its peer's address (an IPv6 address by its /64, what one host is usually
 given); a Unix-socket client is its peer's uid (SO_PEERCRED). One client with many
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
+import struct
 from collections.abc import Hashable
 
 PER_CLIENT = 1              # slots one client holds at a time
@@ -46,6 +49,27 @@ def client_of(peer_uid: int | None, peer_address: str | None) -> Hashable:
             return ("ip", str(ipaddress.ip_network(f"{address}/64", strict=False)))
         return ("ip", str(address))
     return ("unknown",)
+
+
+def peer_uid(transport: asyncio.BaseTransport | None) -> int | None:
+    """The uid of the process at the other end of a Unix-socket connection (SO_PEERCRED),
+    else None (TCP, or a transport without a socket)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def client_of_transport(transport: asyncio.BaseTransport) -> Hashable:
+    """`client_of` for a connection's transport: its peer's uid on a Unix socket, its
+    peer's address over TCP."""
+    uid = peer_uid(transport)
+    if uid is not None:
+        return client_of(uid, None)
+    peer = transport.get_extra_info("peername")
+    return client_of(None, peer[0] if isinstance(peer, tuple) and peer else None)
 
 
 class CompileSlots:

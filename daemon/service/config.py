@@ -392,6 +392,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "max_connections": _Key(_int(1, MAX_CONNECTIONS), "N",
                             "open connections per listener (socket, tcp_address, "
                             "metrics_address); one more is answered 503"),
+    "max_connections_per_peer": _Key(_int(1, MAX_CONNECTIONS), "N",
+                                     "open connections of one peer per listener (TCP: its "
+                                     "address, IPv6 by /64; Unix socket: its uid), at most "
+                                     "max_connections; one more is answered 503"),
     "chat_template_max_chars": _Key(_int(1), "N", "longest text the model's chat template may "
                                                   "render for one request (then 400)"),
     "chat_template_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",
@@ -468,6 +472,7 @@ class ServeConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 512
+    max_connections_per_peer: int = 64
     chat_template_max_chars: int = 4 * MIB
     chat_template_timeout_s: float = 5.0
     grammar_compile_timeout_s: float = 5.0

@@ -17,6 +17,16 @@ error shape, ``Retry-After``, ``Connection: close``), half-closed, drained for a
 counted (`refused`) and logged as ``connection_refused`` — the first one, then at most
 one line per `REFUSAL_LOG_EVERY_S` with the count since the last.
 
+A gate also caps the connections of one peer at `per_peer` (max_connections_per_peer, at
+most `limit`), so that one client cannot hold the whole listener: a peer is who
+compile_slots.client_of says (an IPv4 address, an IPv6 address by its /64; on the Unix
+socket the peer's uid — local clients that all run as one uid, a proxy say, share one
+cap there, so raise max_connections_per_peer to max_connections for them). The peer is
+known only once the connection is made, so the gate counts it then: a connection beyond
+its peer's cap gets the same 503 (its message names max_connections_per_peer), holds no
+place under `limit` while it lingers, and is counted (`peer_refused`) and logged
+(``connection_refused_per_peer``, with the peer) as above.
+
 `GatedSite` is an aiohttp site (registered with its runner like `web.SockSite`, so
 `runner.cleanup()` stops it) that listens on a bound socket through a gate. Its
 connections are served by `ApiErrorRequestHandler`: aiohttp's own answers to what is not
@@ -31,7 +41,7 @@ import json
 import resource
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -39,6 +49,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from daemon.service.compile_slots import client_of_transport
 from telemetry.logs import get_logger
 
 log = get_logger("server")
@@ -50,11 +61,10 @@ OPEN_FILES_SPARE = 1024         # file descriptors besides connections: shards, 
 ERROR_DETAIL_CHARS = 200        # aiohttp's description of a bad request, cut to this many
 
 
-def _refusal_bytes(listener: str, limit: int) -> bytes:
+def _refusal_bytes(message: str) -> bytes:
     body = json.dumps({"error": {
-        "message": f"too many connections: the {listener} listener holds its limit of {limit} "
-                   "open connections (max_connections); retry shortly",
-        "type": "service_unavailable", "param": None, "code": "too_many_connections"}}).encode()
+        "message": message, "type": "service_unavailable", "param": None,
+        "code": "too_many_connections"}}).encode()
     head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
     return head.encode() + body
@@ -89,15 +99,19 @@ class _Refusal(asyncio.Protocol):
 
 
 class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, counted by its gate until it is lost.
+    """One connection counted by its gate until it is lost: aiohttp's protocol, made once
+    the gate admits the connection's peer, or a `_Refusal` when the peer is at its cap.
 
     Forwards every protocol callback the transport makes (and any other attribute)."""
 
-    def __init__(self, gate: ConnectionGate, inner: asyncio.Protocol):
+    def __init__(self, gate: ConnectionGate):
         self._gate = gate
-        self._inner = inner
+        self._inner: asyncio.Protocol | None = None
+        self._peer: Hashable | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._peer = self._gate.admit(transport)
+        self._inner = self._gate.protocol_for(self._peer)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -113,52 +127,118 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._gate.open -= 1
-        self._inner.connection_lost(exc)
+        self._gate.release(self._peer)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
 
-class ConnectionGate:
-    """A protocol factory: aiohttp's `factory` for up to `limit` open connections, a 503
-    refusal beyond. `listener` names it in logs and metrics ("socket", "tcp", "metrics").
-    `on_refused(listener)` is called for each refusal (a metrics counter); `clock` is
-    monotonic seconds (injectable). Event-loop thread only."""
+class _RefusalLog:
+    """Log one kind of refusal: the first, then at most one line per REFUSAL_LOG_EVERY_S
+    with the count since the last line."""
 
-    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, listener: str, *,
-                 on_refused: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        self._factory = factory
-        self.limit = limit
-        self.listener = listener
-        self.open = 0
-        self.refused = 0
-        self._on_refused = on_refused
+    def __init__(self, event: str, clock: Callable[[], float]):
+        self._event = event
         self._clock = clock
-        self._answer = _refusal_bytes(listener, limit)
+        self.refused = 0
         self._logged_at: float | None = None
         self._logged_refused = 0
 
-    def __call__(self) -> asyncio.Protocol:
-        if self.open >= self.limit:
-            self._refuse()
-            return _Refusal(self._answer)
-        self.open += 1        # counted now: a burst of accepts cannot overshoot the limit
-        return _Counted(self, self._factory())
-
-    def _refuse(self) -> None:
+    def refuse(self, **fields) -> None:
         self.refused += 1
-        if self._on_refused is not None:
-            self._on_refused(self.listener)
         now = self._clock()
         if self._logged_at is None or now - self._logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning("connection_refused", listener=self.listener, limit=self.limit,
-                        refused=self.refused - self._logged_refused,
-                        reason="max_connections open connections")
+            log.warning(self._event, refused=self.refused - self._logged_refused, **fields)
             self._logged_at, self._logged_refused = now, self.refused
+
+
+class ConnectionGate:
+    """A protocol factory: aiohttp's `factory` for up to `limit` open connections and up
+    to `per_peer` of them from one peer (None: `limit`; more than `limit` is cut to it),
+    a 503 refusal beyond. `listener` names it in logs and metrics ("socket", "tcp",
+    "metrics"). `on_refused(listener, key)` is called for each refusal (a metrics
+    counter), `key` the configuration key of the cap: "max_connections" or
+    "max_connections_per_peer". `peer_of(transport)` is who a connection's peer is
+    (compile_slots.client_of_transport); `clock` is monotonic seconds (injectable).
+    Event-loop thread only."""
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, listener: str, *,
+                 per_peer: int | None = None,
+                 on_refused: Callable[[str, str], None] | None = None,
+                 peer_of: Callable[[asyncio.BaseTransport], Hashable] = client_of_transport,
+                 clock: Callable[[], float] = time.monotonic):
+        if limit < 1 or (per_peer is not None and per_peer < 1):
+            raise ValueError(f"limit and per_peer must be >= 1, got {limit}, {per_peer}")
+        self._factory = factory
+        self.limit = limit
+        self.per_peer = limit if per_peer is None else min(per_peer, limit)
+        self.listener = listener
+        self.open = 0
+        self.peers: dict[Hashable, int] = {}     # open connections by peer, none at 0
+        self._on_refused = on_refused
+        self._peer_of = peer_of
+        self._answer = _refusal_bytes(
+            f"too many connections: the {listener} listener holds its limit of {limit} open "
+            "connections (max_connections); retry shortly")
+        self._peer_answer = _refusal_bytes(
+            f"too many connections: this client holds its limit of {self.per_peer} open "
+            f"connections to the {listener} listener (max_connections_per_peer); close some "
+            "or retry shortly")
+        self._log = _RefusalLog("connection_refused", clock)
+        self._peer_log = _RefusalLog("connection_refused_per_peer", clock)
+
+    @property
+    def refused(self) -> int:
+        """Connections refused because the listener held `limit`."""
+        return self._log.refused
+
+    @property
+    def peer_refused(self) -> int:
+        """Connections refused because their peer held `per_peer`."""
+        return self._peer_log.refused
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.limit:
+            self._log.refuse(listener=self.listener, limit=self.limit,
+                             reason="max_connections open connections")
+            if self._on_refused is not None:
+                self._on_refused(self.listener, "max_connections")
+            return _Refusal(self._answer)
+        self.open += 1        # counted now: a burst of accepts cannot overshoot the limit
+        return _Counted(self)
+
+    def admit(self, transport: asyncio.BaseTransport) -> Hashable | None:
+        """The peer of a connection just made, counted; None when the peer already holds
+        `per_peer` connections (the connection is refused and gives back its place)."""
+        peer = self._peer_of(transport)
+        held = self.peers.get(peer, 0)
+        if held >= self.per_peer:
+            self.open -= 1
+            self._peer_log.refuse(listener=self.listener, limit=self.per_peer,
+                                  peer=":".join(map(str, peer)),
+                                  reason="max_connections_per_peer open connections of one peer")
+            if self._on_refused is not None:
+                self._on_refused(self.listener, "max_connections_per_peer")
+            return None
+        self.peers[peer] = held + 1
+        return peer
+
+    def protocol_for(self, peer: Hashable | None) -> asyncio.Protocol:
+        """aiohttp's protocol for an admitted peer, the refusal for None."""
+        return self._factory() if peer is not None else _Refusal(self._peer_answer)
+
+    def release(self, peer: Hashable | None) -> None:
+        """A connection `admit` returned `peer` for is lost (None: one it refused)."""
+        if peer is None:
+            return
+        self.open -= 1
+        held = self.peers[peer] - 1
+        if held:
+            self.peers[peer] = held
+        else:
+            del self.peers[peer]
 
 
 def _detail(message: str | None) -> str:
@@ -227,12 +307,13 @@ class GatedSite(web.BaseSite):
     wraps the runner's own protocol factory. `name` is what `runner.addresses` reports."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, limit: int, listener: str,
-                 on_refused: Callable[[str], None] | None = None, backlog: int = BACKLOG):
+                 per_peer: int | None = None,
+                 on_refused: Callable[[str, str], None] | None = None, backlog: int = BACKLOG):
         super().__init__(runner, backlog=backlog)
         self._sock = sock
         self._listener = listener
         self.gate = ConnectionGate(lambda: ApiErrorRequestHandler.for_server(runner.server),
-                                   limit, listener, on_refused=on_refused)
+                                   limit, listener, per_peer=per_peer, on_refused=on_refused)
 
     @property
     def name(self) -> str:

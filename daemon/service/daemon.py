@@ -168,7 +168,9 @@ class Daemon:
 
     def _site(self, runner: web.BaseRunner, sock, listener: str) -> GatedSite:
         telemetry = self.state.telemetry
-        return GatedSite(runner, sock, limit=self.state.config.max_connections, listener=listener,
+        config = self.state.config
+        return GatedSite(runner, sock, limit=config.max_connections, listener=listener,
+                         per_peer=config.max_connections_per_peer,
                          on_refused=telemetry.connection_refused if telemetry is not None else None)
 
     async def _start_tcp(self, runner: web.BaseRunner, listener: str, key: str,
@@ -212,6 +214,7 @@ class Daemon:
         fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
                            "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
                            "expert_cache_mode", "header_timeout_s", "max_connections",
+                           "max_connections_per_peer",
                            "record_trace", "max_context_tokens", "numerics"}
         if self.state.config.expert_cache_mode == "naive":   # the baseline stays the baseline
             fixed |= changed & {"pin_fraction", "prefetch"}
