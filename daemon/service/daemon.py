@@ -26,7 +26,7 @@ from aiohttp import web
 
 from daemon.service.app import HttpApp
 from daemon.service.background import BackgroundTasks
-from daemon.service.config import ServeConfig
+from daemon.service.config import KEYS, ServeConfig
 from daemon.service.connections import GatedSite, fit_open_files, tcp_socket
 from daemon.service.listen import AdoptedListener, ListenError, adopt_fd, bind_unix_socket
 from daemon.service.loading import load_for_serving, promised_bytes, reload_expert_cache_bytes
@@ -45,6 +45,13 @@ log = get_logger("server")
 EXTEND_TIMEOUT_S = 30.0         # EXTEND_TIMEOUT_USEC step while the model loads
 SHUTDOWN_CONNECTIONS_S = 5.0    # after the drain: open connections get this long to close
 LINGERING_S = 0.5               # reading on after an early answer (startup())
+# Keys a SIGHUP cannot apply: read once, at bind or load. A reload that changes one keeps
+# the running value and says so (the `reloaded` line's needs_restart).
+RESTART_KEYS = frozenset({
+    "model", "socket", "socket_mode", "socket_group", "state_dir", "metrics_address",
+    "tcp_address", "threads", "io_workers", "tuner", "expert_cache_mode", "header_timeout_s",
+    "max_connections", "max_connections_per_peer", "record_trace", "max_context_tokens",
+    "numerics", "half_life_tokens"})
 
 
 class Daemon:
@@ -202,7 +209,10 @@ class Daemon:
             await self.reload()
 
     async def reload(self) -> None:
-        """SIGHUP: re-read the config; apply limits, log level and the cache budget live."""
+        """SIGHUP: re-read the config; apply limits, log level, api_key and the cache budget
+        live. The `reloaded` line names every key whose value changed (by name only: never
+        a value, so the api_key stays out of the log): `applied`, and `needs_restart` for
+        those of RESTART_KEYS (their running values stay; `reload_needs_restart` warns)."""
         self.state.notifier.reloading()
         try:
             new = self._reload()
@@ -210,16 +220,14 @@ class Daemon:
             log.error("reload_failed", error=str(e), kept="previous configuration")
             self.state.notifier.ready()
             return
-        changed = {k for k, v in new.to_dict().items() if self.state.config.to_dict().get(k) != v}
-        fixed = changed & {"model", "socket", "socket_mode", "socket_group", "state_dir",
-                           "metrics_address", "tcp_address", "threads", "io_workers", "tuner",
-                           "expert_cache_mode", "header_timeout_s", "max_connections",
-                           "max_connections_per_peer",
-                           "record_trace", "max_context_tokens", "numerics"}
+        # the values, not to_dict(): it shows every api_key as the same "<redacted>"
+        changed = {k for k in KEYS if getattr(new, k) != getattr(self.state.config, k)}
+        fixed = changed & RESTART_KEYS
         if self.state.config.expert_cache_mode == "naive":   # the baseline stays the baseline
             fixed |= changed & {"pin_fraction", "prefetch"}
         if fixed:
-            log.warning("reload_needs_restart", keys=sorted(fixed))
+            log.warning("reload_needs_restart", keys=sorted(fixed),
+                        effect="their running values stay until a restart")
         new = replace(new, **{k: getattr(self.state.config, k) for k in fixed})
         loaded = self.state.loaded
         try:
@@ -264,7 +272,8 @@ class Daemon:
             self.state.notifier.ready()
             return
         self.state.config = new
-        log.info("reloaded", changed=sorted(changed - fixed))
+        log.info("reloaded", changed=sorted(changed), applied=sorted(changed - fixed),
+                 needs_restart=sorted(fixed))
         self.state.notifier.ready()
 
     def _clamp_expert_cache(self, new: ServeConfig, loaded) -> ServeConfig:

@@ -449,6 +449,7 @@ def test_sighup_reloads_limits_and_cache_and_keeps_the_old_config_when_the_new_i
         line = _reload(d, config, 'max_concurrent_sequences = 3\nexpert_cache_bytes = "1536K"\n',
                        "reloaded")
         assert line["changed"] == ["expert_cache_bytes", "max_concurrent_sequences"]
+        assert line["applied"] == line["changed"] and line["needs_restart"] == []
         new = (3, CACHE_BYTES, CACHE_BYTES // slot)
         assert _stats(d) == new
 
@@ -486,7 +487,8 @@ def test_a_naive_cache_stays_naive_across_a_reload(model_dir, workdir):
                        "reloaded")
         restart = d.wait_event("reload_needs_restart", from_index=start)
         assert restart["keys"] == ["expert_cache_mode", "numerics", "pin_fraction", "prefetch"]
-        assert line["changed"] == []
+        assert line["applied"] == []
+        assert line["needs_restart"] == restart["keys"] == line["changed"]
         assert d.json("GET", "/v1/moed/stats")[1]["cache"]["pinned"]["slots"] == 0
         assert d.stop() == 0
 
