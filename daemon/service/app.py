@@ -18,8 +18,9 @@ import os
 import socket
 import time
 from dataclasses import replace
+from functools import partial
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from daemon.service import api
@@ -92,14 +93,15 @@ class HttpApp:
         app.router.add_get("/health", self.health, name="health")
         app.router.add_get("/v1/models", self.models, name="models")
         app.router.add_get("/v1/models/{model_id:.+}", self.model, name="model")
-        app.router.add_post("/tokenize", self.tokenize, name="tokenize")
-        app.router.add_post("/detokenize", self.detokenize, name="detokenize")
-        app.router.add_post("/v1/completions", self.completions, name="completions")
-        app.router.add_post("/v1/chat/completions", self.chat_completions, name="chat_completions")
+        post = partial(app.router.add_post, expect_handler=self._expect)
+        post("/tokenize", self.tokenize, name="tokenize")
+        post("/detokenize", self.detokenize, name="detokenize")
+        post("/v1/completions", self.completions, name="completions")
+        post("/v1/chat/completions", self.chat_completions, name="chat_completions")
         app.router.add_get("/metrics", self.metrics, name="metrics")
         app.router.add_get("/v1/moed/stats", self.stats, name="stats")
         app.router.add_get("/v1/moed/pins", self.pins, name="pins")
-        app.router.add_post("/v1/moed/pins/reset", self.pins_reset, name="pins_reset")
+        post("/v1/moed/pins/reset", self.pins_reset, name="pins_reset")
         return app
 
     def metrics_application(self) -> web.Application:
@@ -107,6 +109,25 @@ class HttpApp:
         app = web.Application(middlewares=[self._count])
         app.router.add_get("/metrics", self.metrics, name="metrics")
         return app
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """A request's ``Expect`` header, before its handler and the middlewares: with
+        ``100-continue`` the client waits for ``100 Continue`` before it sends the body.
+        aiohttp's default handler sends it to every request; here a Content-Length over
+        max_body_bytes gets none, so the client sends nothing more and the handler's 413
+        (`_json`, which reads no body over the limit) comes at once. Any other expectation
+        is a 417 in OpenAI's shape (RFC 9110, 10.1.1). None: the request goes on."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return error_response(ApiError(417, f"unknown Expect: {expect[:100]!r} (only "
+                                                "100-continue)", code="expectation_failed"))
+        limit = self.state.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return None
+        if request.version == HttpVersion11:        # as aiohttp's _default_expect_handler
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0        # the response proper starts after it
+        return None
 
     @web.middleware
     async def _count(self, request: web.Request, handler):

@@ -5,7 +5,9 @@ headers is closed at header_timeout_s; a body shorter than its Content-Length is
 body_timeout_s; a listener holding max_connections answers the next connection 503 at
 once (the Unix socket and the TCP metrics listener alike); what aiohttp cannot parse as
 HTTP/1.1 (header bombs, a NUL byte in a header, a negative Content-Length, TLS, HTTP/2) is
-a 400 in OpenAI's error shape and at most one warning line, without traceback; a chat
+a 400 in OpenAI's error shape and at most one warning line, without traceback; a request
+that expects 100-continue with a Content-Length over max_body_bytes is a 413 without the
+100 (and an unknown expectation a 417); a chat
 template bomb in the model directory is a 400; and through all of it the daemon keeps
 serving and every line it logs is JSON. A shard whose expert bytes vanish makes /health
 say "degraded" until a read succeeds again (restored in place or by a copy renamed over
@@ -155,6 +157,46 @@ def test_a_body_shorter_than_its_content_length_is_a_408_at_the_body_timeout(dae
     assert error["code"] == "request_timeout" and "body_timeout_s" in error["message"]
     assert f"{len(body)} of 1000 bytes" in error["message"]
     assert BODY_TIMEOUT_S * 0.9 <= elapsed < DEADLINE_S
+    assert serving(daemon)
+
+
+def _expecting(d: Daemon, length: int, expect: str = "100-continue") -> tuple[socket.socket, bytes]:
+    """Send a completion's head with `Expect` and no body; the connection and the first
+    thing the daemon answers (up to the end of a head)."""
+    sock = unix_connection(d)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\nExpect: %s\r\n\r\n"
+                 % (length, expect.encode()))
+    first = b""
+    while b"\r\n\r\n" not in first and (chunk := sock.recv(65536)):
+        first += chunk
+    return sock, first
+
+
+def test_an_expect_100_continue_over_max_body_bytes_is_a_413_without_the_100(daemon):
+    limit = 1 << 20                                     # max_body_bytes' default
+    sock, first = _expecting(daemon, limit + 1)
+    with sock:
+        answer = first + read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+    assert b"100 Continue" not in answer
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "request_too_large" and f"{limit + 1} bytes" in error["message"]
+
+    # within the limit: 100 Continue, then the body, then the answer
+    body = json.dumps({"prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
+    sock, first = _expecting(daemon, len(body))
+    with sock:
+        assert first == b"HTTP/1.1 100 Continue\r\n\r\n", first[:300]
+        sock.sendall(body)
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+    sock, first = _expecting(daemon, len(body), expect="something-else")
+    with sock:
+        answer = first + read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 417 "), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "expectation_failed"
     assert serving(daemon)
 
 
