@@ -3,19 +3,26 @@
 A `GatedSite` serving a one-route aiohttp app on a loopback TCP port, in this process: one
 peer (127.0.0.1) holds its cap of idle connections, its next one is answered 503 at once
 in OpenAI's error shape, and another peer (127.0.0.2, the same loopback interface) is
-still served; once the first peer closes one, it is served again. No sleeps: each wait is
-for the server's answer or its close, bounded by a deadline.
+still served; once the first peer closes one, it is served again. Then end to end: a
+`moed serve` with an api_key on tcp_address, where one peer's idle connections beyond
+max_connections_per_peer are refused and counted while a client with the key at
+127.0.0.2 gets its completion. No sleeps: each wait is for the server's answer or its
+close, bounded by a deadline.
 """
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import socket
 
 from aiohttp import web
+from daemon_proc import Daemon, short_dir
 
 from daemon.service.compile_slots import client_of
 from daemon.service.config import ServeConfig
 from daemon.service.connections import ConnectionGate, GatedSite, tcp_socket
+from ext.makemodel import make_model
 
 LIMIT = 8
 PER_PEER = 3
@@ -97,3 +104,46 @@ def test_the_per_peer_cap_is_at_most_the_listener_cap_and_64_by_default():
     assert ConnectionGate(lambda: asyncio.Protocol(), 4, "tcp", per_peer=64).per_peer == 4
     assert ConnectionGate(lambda: asyncio.Protocol(), 512, "tcp", per_peer=64).per_peer == 64
     assert ConnectionGate(lambda: asyncio.Protocol(), 512, "tcp").per_peer == 512
+
+
+def test_over_tcp_one_peers_idle_connections_leave_the_daemon_to_another_peer(tmp_path):
+    model = make_model(tmp_path / "model", arch="qwen3_moe", layers=2, experts=8, top_k=2,
+                       hidden=64, intermediate=32, dtype="bf16", seed=0)
+    d = Daemon(model, short_dir(), "--threads", "1", "--tcp-address", "127.0.0.1:0",
+               "--max-connections", "16", "--max-connections-per-peer", str(PER_PEER),
+               env={"MOED_API_KEY": "k"})
+    held: list[socket.socket] = []
+    try:
+        host, port = d.wait_event("tcp_listening")["address"].rsplit(":", 1)
+        held = [socket.create_connection((host, int(port)), DEADLINE_S,
+                                         source_address=("127.0.0.1", 0))
+                for _ in range(PER_PEER + 1)]
+        extra = held.pop()                          # accepted last: beyond the cap
+        answer = b""
+        while chunk := extra.recv(65536):
+            answer += chunk
+        extra.close()
+        assert answer.startswith(b"HTTP/1.1 503 "), answer[:300]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+            "too_many_connections"
+        refused = d.wait_event("connection_refused_per_peer", listener="tcp")
+        assert (refused["limit"], refused["peer"]) == (PER_PEER, "ip:127.0.0.1")
+
+        conn = http.client.HTTPConnection(host, int(port), timeout=DEADLINE_S,
+                                          source_address=("127.0.0.2", 0))
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "hi", "max_tokens": 2, "temperature": 0}),
+            headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        conn.close()
+        assert response.status == 200 and body["usage"]["completion_tokens"] >= 1, body
+
+        status, _, scrape = d.request("GET", "/metrics")
+        assert status == 200
+        assert 'moed_connections_refused_per_peer_total{listener="tcp"} 1.0' in scrape.decode()
+    finally:
+        for sock in held:
+            sock.close()
+        assert d.stop() == 0
+        d.cleanup()
