@@ -393,9 +393,9 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                             "open connections per listener (socket, tcp_address, "
                             "metrics_address); one more is answered 503"),
     "max_connections_per_peer": _Key(_int(1, MAX_CONNECTIONS), "N",
-                                     "open connections of one peer per listener (TCP: its "
-                                     "address, IPv6 by /64; Unix socket: its uid), at most "
-                                     "max_connections; one more is answered 503"),
+                                     "open connections of one peer per TCP listener (its "
+                                     "address, IPv6 by /64; the Unix socket has none), at "
+                                     "most max_connections; one more is answered 503"),
     "chat_template_max_chars": _Key(_int(1), "N", "longest text the model's chat template may "
                                                   "render for one request (then 400)"),
     "chat_template_timeout_s": _Key(_float(0, lo_open=True, hi=MAX_SECONDS), "SECONDS",

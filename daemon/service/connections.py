@@ -20,8 +20,9 @@ one line per `REFUSAL_LOG_EVERY_S` with the count since the last.
 A gate also caps the connections of one peer at `per_peer` (max_connections_per_peer, at
 most `limit`), so that one client cannot hold the whole listener: a peer is who
 compile_slots.client_of says (an IPv4 address, an IPv6 address by its /64; on the Unix
-socket the peer's uid — local clients that all run as one uid, a proxy say, share one
-cap there, so raise max_connections_per_peer to max_connections for them). The peer is
+socket the peer's uid, though the daemon gives its Unix socket no per-peer cap: local
+clients of one uid, a proxy say, are one peer there, and the socket's mode says who may
+connect). The peer is
 known only once the connection is made, so the gate counts it then: a connection beyond
 its peer's cap gets the same 503 (its message names max_connections_per_peer), holds no
 place under `limit` while it lingers, and is counted (`peer_refused`) and logged

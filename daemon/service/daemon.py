@@ -176,8 +176,12 @@ class Daemon:
     def _site(self, runner: web.BaseRunner, sock, listener: str) -> GatedSite:
         telemetry = self.state.telemetry
         config = self.state.config
+        # The per-peer cap is for TCP peers. On the Unix socket every local client of one
+        # uid (a proxy, an application's workers) is one peer, and the socket's mode and
+        # group already say who may connect.
+        per_peer = None if listener == "socket" else config.max_connections_per_peer
         return GatedSite(runner, sock, limit=config.max_connections, listener=listener,
-                         per_peer=config.max_connections_per_peer,
+                         per_peer=per_peer,
                          on_refused=telemetry.connection_refused if telemetry is not None else None)
 
     async def _start_tcp(self, runner: web.BaseRunner, listener: str, key: str,

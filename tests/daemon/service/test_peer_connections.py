@@ -142,6 +142,17 @@ def test_over_tcp_one_peers_idle_connections_leave_the_daemon_to_another_peer(tm
         status, _, scrape = d.request("GET", "/metrics")
         assert status == 200
         assert 'moed_connections_refused_per_peer_total{listener="tcp"} 1.0' in scrape.decode()
+
+        # The Unix socket has no per-peer cap: one uid holds more than PER_PEER connections
+        # and is still served on another.
+        for _ in range(PER_PEER + 1):
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.connect(d.socket)
+            held.append(unix)
+        status, _, _ = d.request("GET", "/v1/models")
+        assert status == 200
+        assert not [e for e in d.events if e.get("event") == "connection_refused_per_peer"
+                    and e.get("listener") == "socket"]
     finally:
         for sock in held:
             sock.close()
