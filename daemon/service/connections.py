@@ -137,22 +137,25 @@ class _Counted(asyncio.Protocol):
 
 
 class _RefusalLog:
-    """Log one kind of refusal: the first, then at most one line per REFUSAL_LOG_EVERY_S
-    with the count since the last line."""
+    """Count one kind of refusal and say when to log it: the first, then at most once per
+    REFUSAL_LOG_EVERY_S with the count since the last line (the caller logs, so that every
+    log event stays a literal name)."""
 
-    def __init__(self, event: str, clock: Callable[[], float]):
-        self._event = event
+    def __init__(self, clock: Callable[[], float]):
         self._clock = clock
         self.refused = 0
         self._logged_at: float | None = None
         self._logged_refused = 0
 
-    def refuse(self, **fields) -> None:
+    def refuse(self) -> int | None:
+        """Count one refusal; the refusals to log now (since the last line), or None."""
         self.refused += 1
         now = self._clock()
         if self._logged_at is None or now - self._logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning(self._event, refused=self.refused - self._logged_refused, **fields)
+            count = self.refused - self._logged_refused
             self._logged_at, self._logged_refused = now, self.refused
+            return count
+        return None
 
 
 class ConnectionGate:
@@ -187,8 +190,8 @@ class ConnectionGate:
             f"too many connections: this client holds its limit of {self.per_peer} open "
             f"connections to the {listener} listener (max_connections_per_peer); close some "
             "or retry shortly")
-        self._log = _RefusalLog("connection_refused", clock)
-        self._peer_log = _RefusalLog("connection_refused_per_peer", clock)
+        self._log = _RefusalLog(clock)
+        self._peer_log = _RefusalLog(clock)
 
     @property
     def refused(self) -> int:
@@ -202,8 +205,10 @@ class ConnectionGate:
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.limit:
-            self._log.refuse(listener=self.listener, limit=self.limit,
-                             reason="max_connections open connections")
+            count = self._log.refuse()
+            if count is not None:
+                log.warning("connection_refused", refused=count, listener=self.listener,
+                            limit=self.limit, reason="max_connections open connections")
             if self._on_refused is not None:
                 self._on_refused(self.listener, "max_connections")
             return _Refusal(self._answer)
@@ -217,9 +222,11 @@ class ConnectionGate:
         held = self.peers.get(peer, 0)
         if held >= self.per_peer:
             self.open -= 1
-            self._peer_log.refuse(listener=self.listener, limit=self.per_peer,
-                                  peer=":".join(map(str, peer)),
-                                  reason="max_connections_per_peer open connections of one peer")
+            count = self._peer_log.refuse()
+            if count is not None:
+                log.warning("connection_refused_per_peer", refused=count, listener=self.listener,
+                            limit=self.per_peer, peer=":".join(map(str, peer)),
+                            reason="max_connections_per_peer open connections of one peer")
             if self._on_refused is not None:
                 self._on_refused(self.listener, "max_connections_per_peer")
             return None
