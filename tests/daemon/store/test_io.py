@@ -409,11 +409,15 @@ def test_a_truncated_shard_fails_only_the_experts_it_cuts(model, direct):
         for key in plans:
             futures[key].exception(WAIT)
         stats = pool.stats()
-        # The cut expert stays failing while other experts, of the same file too, read fine.
-        assert pool.failing() == message
+        # The cut experts stay failing while other experts, of the same file too, read fine.
+        # Every expert past the cut fails, on two workers in no fixed order: failing() gives
+        # one of their errors.
+        errors = {str(f.exception()) for f in futures.values() if f.exception() is not None}
+        assert message in errors
+        assert pool.failing() in errors
         for key in fine[:3]:
             pool.submit(plans[key], slots[key], DEMAND).result(WAIT)
-        assert pool.failing() == message
+        assert pool.failing() in errors
         del slots
     failed = [k for k, f in futures.items() if f.exception() is not None]
     assert sorted(failed) == sorted(set(plans) - set(fine))
