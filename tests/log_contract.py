@@ -47,3 +47,16 @@ def problems(lines: Iterable[str]) -> list[str]:
             if key != "exception" and _json_in_string(value):
                 bad.append(f"JSON inside the string field {key!r}: {line[:200]}")
     return bad
+
+
+class Lines:
+    """Stands in for a module's structlog logger in-process: keeps (level, event, fields)."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level):
+        return lambda event, **fields: self.lines.append((level, event, fields))
+
+    def named(self, event: str) -> list[tuple[str, dict]]:
+        return [(level, fields) for level, e, fields in self.lines if e == event]

@@ -17,23 +17,11 @@ from daemon.service import loading
 from daemon.service.config import ServeConfig
 from daemon.service.daemon import Daemon
 from daemon.service.sdnotify import Notifier
+from log_contract import Lines
 from ext.makemodel import make_model
 from scheduler.planner import CgroupLimit
 
 ASKED = 100 << 30               # expert_cache_bytes = "100G"
-
-
-class Lines:
-    """Stands in for a module's logger: keeps (level, event, fields)."""
-
-    def __init__(self):
-        self.lines: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **fields: self.lines.append((level, event, fields))
-
-    def named(self, event: str) -> list[tuple[str, dict]]:
-        return [(level, fields) for level, e, fields in self.lines if e == event]
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,9 @@ from daemon.service import daemon as daemon_module
 from daemon.service.config import ServeConfig
 from daemon.service.daemon import RESTART_KEYS, Daemon
 from daemon.service.sdnotify import Notifier
+from log_contract import Lines
 
 OLD_KEY, NEW_KEY = "old-secret-1", "new-secret-2"
-
-
-class Lines:
-    """Stands in for the module's logger: keeps (level, event, fields)."""
-
-    def __init__(self):
-        self.lines: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **fields: self.lines.append((level, event, fields))
-
-    def named(self, event: str) -> list[tuple[str, dict]]:
-        return [(level, fields) for level, e, fields in self.lines if e == event]
 
 
 def _reload(monkeypatch, old: ServeConfig, new: ServeConfig) -> tuple[Daemon, Lines]:
