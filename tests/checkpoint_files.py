@@ -3,7 +3,9 @@ the code under test: the safetensors headers of every shard (8-byte little-endia
 then JSON)."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -35,3 +37,30 @@ def edit_header(model_dir: Path, tensor: str, **fields) -> Path:
     new += b" " * (-len(new) % 8)
     shard.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
     return shard
+
+
+def no_space(*args, **kwargs):
+    """Raise what a full disk raises (ENOSPC)."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class FullFile:
+    """A file opened for writing on a disk that fills after its first bytes: the first
+    write goes through, every later one raises ENOSPC."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def write(self, data):
+        if self._f.tell() > 0:
+            no_space()
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)

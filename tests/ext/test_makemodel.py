@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from checkpoint_files import headers
+from checkpoint_files import FullFile, headers, no_space
 
 from ext.makemodel import ARCHITECTURES, build_tokenizer, make_model
 from ext.tokenizer import Tokenizer, stop_token_ids
@@ -245,35 +245,15 @@ def _full_disk(monkeypatch, name: str) -> None:
     """Writing the file `name` (in whatever directory) fails with ENOSPC: a shard after its
     first bytes (a partial file on disk), a JSON file at once."""
     import builtins
-    import errno
-    import os
 
     from ext.makemodel import shards as shards_module
-
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     if name.endswith(".safetensors"):
         real_open = builtins.open
 
-        class Full:                     # a file that takes its first bytes only
-            def __init__(self, f):
-                self._f = f
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                self._f.close()
-
-            def write(self, data):
-                if self._f.tell() > 0:
-                    no_space()
-                return self._f.write(data)
-
         def opening(path, mode="r", *args, **kwargs):
             f = real_open(path, mode, *args, **kwargs)
-            return Full(f) if "w" in mode and Path(path).name == name else f
+            return FullFile(f) if "w" in mode and Path(path).name == name else f
         monkeypatch.setattr(shards_module, "open", opening, raising=False)
     else:
         real_write_text = Path.write_text

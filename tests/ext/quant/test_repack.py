@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from checkpoint_files import FullFile, no_space
 from daemon.commands.cli import main
 from ext.formats.checkpoint import Checkpoint
 from ext.formats.quant import QuantizationConfigError, QuantizationError
@@ -578,38 +579,16 @@ def test_a_full_disk_is_reported_naming_the_file_being_written(source, tmp_path,
     device": the error names the file as it would be in --out, keeps its errno, and the
     repack leaves nothing behind."""
     import builtins
-    import errno
 
     from ext.quant import repack as repack_module
-
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     out = tmp_path / "out"
     if full_at == "shard":              # a write into the second shard
         real_open = builtins.open
 
-        class Full:                     # a file that takes its first bytes only
-            def __init__(self, f):
-                self._f = f
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                self._f.close()
-
-            def write(self, data):
-                if self._f.tell() > 0:
-                    no_space()
-                return self._f.write(data)
-
-            def __getattr__(self, name):
-                return getattr(self._f, name)
-
         def opening(path, mode="r", *args, **kwargs):
             f = real_open(path, mode, *args, **kwargs)
-            return Full(f) if "w" in mode and Path(path).name.startswith("model-00002-of-") else f
+            return FullFile(f) if "w" in mode and Path(path).name.startswith("model-00002-of-") else f
         monkeypatch.setattr(repack_module, "open", opening, raising=False)
         name = "model-00002-of-00004.safetensors"
     elif full_at in ("index", "config"):
