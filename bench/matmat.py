@@ -12,6 +12,13 @@ mat-mat's rows are bit-equal to the mat-vecs' (they must be: the placement rule)
 `--fast` times fast mode (`matmul(..., fast=True)`) of the int8, int4 and mxfp4 formats
 instead of exact (other formats are exact in both).
 
+Against numpy's f32 BLAS: per T, numpy's `x @ w.T` on the weight as float32 (4 bytes a
+weight, read cold like the others) is timed in the same rounds, and every format's
+mat-mat is given as GFLOP/s (2 R C T / time) and as the ratio of its GFLOP/s to
+numpy's (> 1: moed's kernel does the product faster than the BLAS on f32 weights).
+numpy's threads are its BLAS's own: set OPENBLAS_NUM_THREADS (recorded in the output)
+to the same count as --threads for a like-for-like figure.
+
 "build" says which SIMD path the kernels were built with; the machine's load average
 is recorded before and after (a shared machine gives noisy figures).
 
@@ -57,6 +64,10 @@ def main() -> None:
             _kernels.matmul(w, x[t:t + 1], out[t:t + 1], args.threads, fast=args.fast)
 
     runs = {}
+    w32 = weights.get("f32")
+    w32 = np.ascontiguousarray(w32 if w32 is not None else rng.standard_normal((R, C), dtype=np.float32))
+    for T in tokens:
+        runs["numpy", T, "matmat"] = lambda T=T: np.matmul(x[:T], w32.T, out=out[:T])
     for name, w in weights.items():
         for T in tokens:
             runs[name, T, "matmat"] = lambda w=w, T=T: _kernels.matmul(w, x[:T], out[:T], args.threads, fast=args.fast)
@@ -69,7 +80,10 @@ def main() -> None:
         for T in tokens:
             mm, mv = times[name, T, "matmat"], times[name, T, "matvecs"]
             per_row = {k: round(statistics.median(v) / T * 1e6, 2) for k, v in (("matmat", mm), ("matvecs", mv))}
+            np_med = statistics.median(times["numpy", T, "matmat"])
             table[name][T] = {
+                "gflops_matmat": round(2 * R * C * T / statistics.median(mm) / 1e9, 2),
+                "ratio_to_numpy_f32": round(np_med / statistics.median(mm), 3),
                 "us_per_row_matmat": per_row["matmat"],
                 "us_per_row_matvecs": per_row["matvecs"],
                 "speedup": round(statistics.median(mv) / statistics.median(mm), 3),
@@ -84,6 +98,11 @@ def main() -> None:
         "shape": [R, C], "repeats": args.repeats, "moed_threads": args.threads,
         "group_size": args.group_size, "fast": args.fast,
         "all_bit_equal": all(bit_equal.values()),
+        "numpy_f32": {T: {"gflops": round(2 * R * C * T / statistics.median(times["numpy", T, "matmat"]) / 1e9, 2),
+                          "spread_us": [round(min(times["numpy", T, "matmat"]) * 1e6, 1),
+                                        round(max(times["numpy", T, "matmat"]) * 1e6, 1)]}
+                      for T in tokens},
+        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "slower_per_row": sorted(f"{n} T={T}" for n in formats for T in tokens
                                  if table[n][T]["speedup"] < 1),
         "formats": table,

@@ -817,73 +817,79 @@ def rope(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, Py_ssize_t offset=0,
 
 # ---------------------------------------------------------------- attention
 
-cdef void _attend_one(const float *q, const float *k, Py_ssize_t ks, const float *v,
-                      Py_ssize_t vs, Py_ssize_t Dk, Py_ssize_t Dv, Py_ssize_t lo,
-                      Py_ssize_t hi, float scale, const float *sink, float *scores,
-                      float *out) noexcept nogil:
-    """Softmax attention of one query over keys lo..hi-1: key s at k + s*ks (Dk dims),
-    value s at v + s*vs (Dv dims). `sink` (or NULL): a logit that joins the softmax's
-    denominator and adds no value (GPT-OSS's attention sinks)."""
-    cdef Py_ssize_t s, d
-    cdef float m = -INFINITY, total = 0.0, p
-    for s in range(lo, hi):
-        scores[s] = moed_dot(MOED_F32, q, k + s * ks, Dk) * scale
-        if scores[s] > m:
-            m = scores[s]
-    if sink != NULL and sink[0] > m:
-        m = sink[0]
-    for s in range(lo, hi):
-        scores[s] = expf(scores[s] - m)
-        total = total + scores[s]
-    if sink != NULL:
-        total = total + expf(sink[0] - m)
-    for d in range(Dv):
-        out[d] = 0.0
-    for s in range(lo, hi):
-        p = scores[s] / total
-        moed_axpy(p, v + s * vs, out, Dv)
+cdef extern from "_attn_impl.h" nogil:
+    int MOED_AQ
+    void moed_attend_rows(int nq, const float *const *q, float *const *out,
+                          const Py_ssize_t *lo, const Py_ssize_t *hi, const float *sink,
+                          const float *k, Py_ssize_t ks, const float *v, Py_ssize_t vs,
+                          Py_ssize_t Dk, Py_ssize_t Dv, float scale, float *scores,
+                          Py_ssize_t sstride)
 
 
 ctypedef struct _AttnJob:
-    # one (token, head) pair per item: f = t * NH + h
+    # One item: up to MOED_AQ query rows that read one key/value head (or MLA's shared
+    # cache): tb consecutive tokens x hb heads. f = (token block * NKV + kv head) * nhb
+    # + head block.
     const float *q
     const float *k
     const float *v
-    const float *sinks       # or NULL
+    const float *sinks       # [NH] or NULL
     float *out
-    float *scratch           # [n_threads, sstride]: row tid is the running thread's
-    Py_ssize_t NH, group, S, Dk, Dv, pos0, window, sstride
+    float *scratch           # [n_threads, MOED_AQ * sstride]: row tid is the running thread's
+    Py_ssize_t T, NH, NKV, group, hb, nhb, tb, S, Dk, Dv, ks, vs, pos0, window, sstride
+    bint latent              # keys/values: one [S, Dk] cache for every head
     float scale
 
 
 cdef void _attention_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
     cdef _AttnJob *j = <_AttnJob *>ctx
-    cdef Py_ssize_t D = j.Dk, t = f // j.NH, h = f % j.NH
-    cdef Py_ssize_t kvh = h // j.group, p = j.pos0 + t, lo = 0
-    if j.window > 0 and p - j.window + 1 > 0:
-        lo = p - j.window + 1
-    _attend_one(j.q + f * D, j.k + kvh * j.S * D, D, j.v + kvh * j.S * D, D, D, D, lo, p + 1,
-                j.scale, (j.sinks + h) if j.sinks != NULL else NULL,
-                j.scratch + tid * j.sstride, j.out + f * D)
+    cdef Py_ssize_t hblock = f % j.nhb, kvh = (f // j.nhb) % j.NKV, t0 = f // (j.nhb * j.NKV) * j.tb
+    cdef Py_ssize_t h0 = kvh * j.group + hblock * j.hb
+    cdef Py_ssize_t nh = j.hb if (hblock + 1) * j.hb <= j.group else j.group - hblock * j.hb
+    cdef Py_ssize_t nt = j.tb if t0 + j.tb <= j.T else j.T - t0
+    cdef const float *qr[8]
+    cdef float *outr[8]
+    cdef Py_ssize_t lo[8]
+    cdef Py_ssize_t hi[8]
+    cdef float sk[8]
+    cdef int n = 0
+    cdef Py_ssize_t t, h, p
+    for t in range(t0, t0 + nt):
+        p = j.pos0 + t
+        for h in range(h0, h0 + nh):
+            qr[n] = j.q + (t * j.NH + h) * j.Dk
+            outr[n] = j.out + (t * j.NH + h) * j.Dv
+            hi[n] = p + 1
+            lo[n] = p - j.window + 1 if j.window > 0 and p - j.window + 1 > 0 else 0
+            if j.sinks != NULL:
+                sk[n] = j.sinks[h]
+            n += 1
+    cdef Py_ssize_t koff = 0 if j.latent else kvh * j.S * j.Dk
+    moed_attend_rows(n, qr, outr, lo, hi, sk if j.sinks != NULL else NULL,
+                     j.k + koff, j.ks, j.v + koff, j.vs, j.Dk, j.Dv, j.scale,
+                     j.scratch + tid * MOED_AQ * j.sstride, j.sstride)
 
 
-cdef void _latent_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
-    cdef _AttnJob *j = <_AttnJob *>ctx
-    cdef Py_ssize_t t = f // j.NH
-    _attend_one(j.q + f * j.Dk, j.k, j.Dk, j.k, j.Dk, j.Dk, j.Dv, 0, j.pos0 + t + 1, j.scale,
-                NULL, j.scratch + tid * j.sstride, j.out + f * j.Dv)
-
-
-cdef inline void _need_scratch(cnp.ndarray scratch, int n_threads, Py_ssize_t S) except *:
-    _need_f32(scratch, "scratch", 2)
-    _need_writable(scratch, "scratch")
-    if scratch.shape[0] < n_threads or scratch.shape[1] < S:
-        raise ValueError(f"attention: scratch {_shape(scratch)} < ({n_threads}, {S})")
+cdef void _attention_run(_AttnJob *j, int n_threads, Py_ssize_t work) except *:
+    """Blocks of rows (MOED_AQ at most: the heads of one key/value head for a few
+    tokens) over the pool; the scores scratch is this call's own."""
+    j.hb = j.group if j.group < MOED_AQ else MOED_AQ
+    j.nhb = (j.group + j.hb - 1) // j.hb
+    j.tb = MOED_AQ // j.hb
+    j.sstride = j.pos0 + j.T
+    cdef Py_ssize_t items = (j.T + j.tb - 1) // j.tb * j.NKV * j.nhb
+    cdef int nt = _threads_for(work, n_threads)
+    j.scratch = <float *>malloc(nt * MOED_AQ * j.sstride * sizeof(float))
+    if j.scratch == NULL:
+        raise MemoryError(f"attention: {nt} x {MOED_AQ} x {j.sstride} scores")
+    with nogil:
+        moed_pool_run(nt, items, _attention_item, j)
+    free(j.scratch)
 
 
 def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
               Py_ssize_t pos0, Py_ssize_t window, float scale, cnp.ndarray out,
-              cnp.ndarray scratch, int n_threads=1, cnp.ndarray sinks=None):
+              int n_threads=1, cnp.ndarray sinks=None):
     """Causal (optionally sliding-window) attention of T queries over the cache.
 
     Query t sits at absolute position pos0 + t and attends to cached positions
@@ -892,7 +898,10 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
     Query head h reads key/value head h // (nH / nKV) (grouped-query attention).
     With `sinks`, head h's softmax denominator also holds exp(sinks[h]) (GPT-OSS:
     transformers' eager attention concatenates the sink logit and drops its column).
-    Work is split over (token, head) pairs; each output is reduced in one place.
+    Work is split over blocks of up to 8 (token, head) rows of one key/value head,
+    which read the keys and values once for the block; each output's arithmetic is
+    fixed by its query and key range alone (the rule and the exponential are in
+    _attn_impl.h), so it does not depend on T, the thread count or the other rows.
 
     Args:
         q: [T, nH, D] float32 (after RoPE).
@@ -900,9 +909,9 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
         pos0: position of the first query. window: sliding window, <= 0 for none.
         scale: score multiplier (1/sqrt(D) in every family here).
         out: [T, nH, D] float32, writable.
-        scratch: [n_threads, S] float32 scores buffer, owned by the caller.
         sinks: None, or [nH] float32 sink logits.
-    Raises ValueError on shape mismatch or if pos0 + T exceeds S.
+    Raises ValueError on shape mismatch or if pos0 + T exceeds S; MemoryError when
+    the scores scratch (threads x 8 x (pos0 + T) float32) cannot be allocated.
     """
     _need_f32(q, "q", 3)
     _need_f32(k_cache, "k_cache", 3)
@@ -920,30 +929,28 @@ def attention(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
         raise ValueError(f"attention: out {_shape(out)} != q {_shape(q)}")
     if pos0 < 0 or pos0 + T > S:
         raise ValueError(f"attention: positions {pos0}..{pos0 + T} exceed cache {S}")
-    _need_scratch(scratch, n_threads, S)
     cdef const float *sinkp = NULL
     if sinks is not None:
         _need_f32(sinks, "sinks", 1)
         if sinks.shape[0] != NH:
             raise ValueError(f"sinks: shape {_shape(sinks)}, expected ({NH},)")
         sinkp = <const float *>cnp.PyArray_DATA(sinks)
+    if T == 0:
+        return
     cdef _AttnJob j
     j.q = <const float *>cnp.PyArray_DATA(q)
     j.k = <const float *>cnp.PyArray_DATA(k_cache)
     j.v = <const float *>cnp.PyArray_DATA(v_cache)
     j.sinks = sinkp
     j.out = <float *>cnp.PyArray_DATA(out)
-    j.scratch = <float *>cnp.PyArray_DATA(scratch)
-    j.NH, j.group, j.S, j.Dk, j.Dv, j.pos0, j.window = NH, NH // NKV, S, D, D, pos0, window
-    j.sstride = scratch.shape[1]
+    j.T, j.NH, j.NKV, j.group, j.S, j.Dk, j.Dv = T, NH, NKV, NH // NKV, S, D, D
+    j.ks, j.vs, j.pos0, j.window, j.latent = D, D, pos0, window, False
     j.scale = scale
-    with nogil:
-        moed_pool_run(_threads_for(T * NH * (pos0 + T) * D * 2, n_threads), T * NH,
-                      _attention_item, &j)
+    _attention_run(&j, n_threads, T * NH * (pos0 + T) * D * 2)
 
 
 def latent_attention(cnp.ndarray q, cnp.ndarray cache, Py_ssize_t pos0, float scale,
-                     cnp.ndarray out, cnp.ndarray scratch, int n_threads=1):
+                     cnp.ndarray out, int n_threads=1):
     """Causal attention of T queries over a compressed (MLA) cache, without expanding it.
 
     Every head shares one key per position, cache[p] = [latent c_p (Dv dims) | rotary
@@ -952,15 +959,16 @@ def latent_attention(cnp.ndarray q, cnp.ndarray cache, Py_ssize_t pos0, float sc
     the score q . cache[p] equals transformers' q_nope . k_nope + q_rope . k_rope, and
     out[t, h] = sum_p softmax_p * c_p is the latent the caller unfolds through the
     value rows. Query t sits at position pos0 + t and sees p <= pos0 + t. Work is
-    split over (token, head) pairs; each output is reduced in one place.
+    split over blocks of up to 8 (token, head) rows, which read the cache once for the
+    block; each output's arithmetic is `attention`'s (fixed by its query and position).
 
     Args:
         q: [T, nH, Dk] float32.
         cache: [S, Dk] float32; positions < pos0 + T filled.
         scale: score multiplier (1/sqrt(qk_head_dim), times YaRN's mscale^2).
         out: [T, nH, Dv] float32, writable (Dv < Dk: the latent dims).
-        scratch: [n_threads, S] float32 scores buffer, owned by the caller.
-    Raises ValueError on shape mismatch or if pos0 + T exceeds S.
+    Raises ValueError on shape mismatch or if pos0 + T exceeds S; MemoryError when
+    the scores scratch cannot be allocated.
     """
     _need_f32(q, "q", 3)
     _need_f32(cache, "cache", 2)
@@ -973,19 +981,17 @@ def latent_attention(cnp.ndarray q, cnp.ndarray cache, Py_ssize_t pos0, float sc
         raise ValueError(f"latent_attention: q {_shape(q)}, cache {_shape(cache)}, out {_shape(out)}")
     if pos0 < 0 or pos0 + T > S:
         raise ValueError(f"latent_attention: positions {pos0}..{pos0 + T} exceed cache {S}")
-    _need_scratch(scratch, n_threads, S)
+    if T == 0:
+        return
     cdef _AttnJob j
     j.q = <const float *>cnp.PyArray_DATA(q)
     j.k = j.v = <const float *>cnp.PyArray_DATA(cache)
     j.sinks = NULL
     j.out = <float *>cnp.PyArray_DATA(out)
-    j.scratch = <float *>cnp.PyArray_DATA(scratch)
-    j.NH, j.group, j.S, j.Dk, j.Dv, j.pos0, j.window = NH, 1, S, Dk, Dv, pos0, 0
-    j.sstride = scratch.shape[1]
+    j.T, j.NH, j.NKV, j.group, j.S, j.Dk, j.Dv = T, NH, 1, NH, S, Dk, Dv
+    j.ks, j.vs, j.pos0, j.window, j.latent = Dk, Dk, pos0, 0, True
     j.scale = scale
-    with nogil:
-        moed_pool_run(_threads_for(T * NH * (pos0 + T) * (Dk + Dv), n_threads), T * NH,
-                      _latent_item, &j)
+    _attention_run(&j, n_threads, T * NH * (pos0 + T) * (Dk + Dv))
 
 
 # ------------------------------------------------------------------ routing

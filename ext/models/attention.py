@@ -31,20 +31,6 @@ F32 = np.float32
 Segments = list[tuple[KVCache, int, int]]
 
 
-class ScoresScratch:
-    """The attention kernels' scores buffer, [n_threads, >= capacity] float32, grown
-    (doubling) when a cache outgrows it; owned by one attention kind's object."""
-
-    def __init__(self, n_threads: int):
-        self.n_threads = n_threads
-        self.buffer = np.empty((n_threads, 0), F32)
-
-    def __call__(self, capacity: int) -> np.ndarray:
-        if self.buffer.shape[1] < capacity:
-            self.buffer = np.empty((self.n_threads, max(capacity, 2 * self.buffer.shape[1])), F32)
-        return self.buffer
-
-
 @dataclass
 class GqaWeights:
     """One layer's attention weights: projections in their stored format (arrays or
@@ -79,7 +65,6 @@ class GroupedQueryAttention:
         self.v = np.empty((chunk, kv_dim), F32)
         self.attn = np.empty((chunk, q_dim), F32)
         self.o = np.empty((chunk, c.hidden_size), F32)
-        self.scores = ScoresScratch(n_threads)
         self.rope = Rope(c, chunk)
         self.scale = float(D) ** -0.5
 
@@ -166,7 +151,7 @@ class GroupedQueryAttention:
             k_cache[:, pos0:pos0 + r1 - r0] = k3[r0:r1].transpose(1, 0, 2)
             v_cache[:, pos0:pos0 + r1 - r0] = v3[r0:r1].transpose(1, 0, 2)
             K_.attention(q3[r0:r1], k_cache, v_cache, pos0, window, self.scale, attn3[r0:r1],
-                         self.scores(kv.capacity), nt, w.sinks)
+                         nt, w.sinks)
         o = self.o[:T]
         K_.matmul(w.o, self.attn[:T], o, nt, fast=self.fast)    # [T, H]
         if w.o_bias is not None:

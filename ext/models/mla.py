@@ -29,7 +29,7 @@ import numpy as np
 
 from ext.formats.quant import ATTENTION
 from ext.kernels import _kernels as K_
-from ext.models.attention import ScoresScratch, Segments
+from ext.models.attention import Segments
 from ext.models.config import ModelConfig
 from ext.models.kvcache import CacheShapes, KVCache, cache_bytes_per_token
 from ext.models.rope import Rope, yarn_mscale
@@ -77,7 +77,6 @@ class LatentAttention:
         self.u = np.empty((chunk, nH, m.kv_lora_rank), F32)
         self.attn = np.empty((chunk, nH, m.v_head_dim), F32)
         self.o = np.empty((chunk, c.hidden_size), F32)
-        self.scores = ScoresScratch(n_threads)
         self.rope = Rope(c, chunk)
         scale = float(m.qk_head_dim) ** -0.5
         y = c.rope_scaling
@@ -177,8 +176,7 @@ class LatentAttention:
             pos0 = kv.length
             (cache,) = kv.layers[l]                              # [S, r+dr]
             cache[pos0:pos0 + r1 - r0] = kv_a[r0:r1]
-            K_.latent_attention(q_latent[r0:r1], cache, pos0, self.scale, u[r0:r1],
-                                self.scores(kv.capacity), nt)
+            K_.latent_attention(q_latent[r0:r1], cache, pos0, self.scale, u[r0:r1], nt)
         attn = self.attn[:T]                                     # [T, nH, dv]
         K_.matmul_heads(w.kv_b, dn, dv, u, attn, False, nt)      # W_UV u, per head
         o = self.o[:T]

@@ -80,6 +80,21 @@ SCRIPT = textwrap.dedent("""
         k.expert_ffn(*experts, x, np.array([0, 3, 5], np.int64), np.empty((5, I), np.float32), out, 2,
                      fast=True)
         results[f"expert_ffn-{fmt}-fast"] = out
+    # attention: blocks of 16 keys and the tail, D with a 16-column step and a scalar tail,
+    # a sliding window, sinks, and MLA's latent cache (Dv < Dk)
+    for D, window in ((64, 0), (40, 5), (19, 0)):
+        T, NH, NKV, S, pos0 = 6, 4, 2, 48, 30
+        q = rng.standard_normal((T, NH, D), dtype=np.float32)
+        kc = rng.standard_normal((NKV, S, D), dtype=np.float32)
+        vc = rng.standard_normal((NKV, S, D), dtype=np.float32)
+        out = np.empty_like(q)
+        k.attention(q, kc, vc, pos0, window, 0.3, out, 2, rng.standard_normal(NH, dtype=np.float32))
+        results[f"attention-{D}-{window}"] = out
+    q = rng.standard_normal((5, 3, 72), dtype=np.float32)
+    cache = rng.standard_normal((40, 72), dtype=np.float32)
+    out = np.empty((5, 3, 64), np.float32)
+    k.latent_attention(q, cache, 33, 0.2, out, 2)
+    results["latent_attention"] = out
     np.savez(sys.argv[1], **results)
     info = k.build_info()
     print(info["simd"], info["fast"], info["openmp"], "vbmi" if "avx512vbmi" in info["features"] else "")

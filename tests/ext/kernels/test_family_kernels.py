@@ -187,7 +187,7 @@ def test_attention_sinks_join_the_denominator(n_threads):
     v = _f32(rng, (NKV, S, D))
     sinks = _f32(rng, (NH,), 2.0)
     out = np.zeros_like(q)
-    kern.attention(q, k, v, pos0, window, 0.25, out, np.zeros((n_threads, S), np.float32), n_threads, sinks)
+    kern.attention(q, k, v, pos0, window, 0.25, out, n_threads, sinks)
     for t in range(T):
         p = pos0 + t
         lo = max(0, p - window + 1)
@@ -199,10 +199,10 @@ def test_attention_sinks_join_the_denominator(n_threads):
             w = w[:-1] / w.sum()                        # the sink's column is dropped
             np.testing.assert_allclose(out[t, h], w @ v[kh, lo:p + 1], atol=2e-6)
     plain = np.zeros_like(q)
-    kern.attention(q, k, v, pos0, window, 0.25, plain, np.zeros((n_threads, S), np.float32), n_threads)
+    kern.attention(q, k, v, pos0, window, 0.25, plain, n_threads)
     assert np.abs(plain - out).max() > 1e-3
     with pytest.raises(ValueError, match="sinks"):
-        kern.attention(q, k, v, pos0, window, 0.25, out, np.zeros((1, S), np.float32), 1,
+        kern.attention(q, k, v, pos0, window, 0.25, out, 1,
                        np.zeros(3, np.float32))
 
 
@@ -228,7 +228,7 @@ def test_latent_attention_equals_expanded_attention(n_threads):
     cache = np.concatenate([latents, k_rot], axis=1)
     q = np.concatenate([q_lat, q_rot], axis=2)
     u = np.zeros((T, NH, r), np.float32)
-    kern.latent_attention(q, cache, pos0, scale, u, np.zeros((n_threads, S), np.float32), n_threads)
+    kern.latent_attention(q, cache, pos0, scale, u, n_threads)
     out = np.zeros((T, NH, dv), np.float32)
     kern.matmul_heads(kv_b, dn, dv, u, out, False, n_threads)
     keys = np.einsum("hnr,sr->hsn", w[:, :dn], latents)      # expanded: per head and position

@@ -422,10 +422,9 @@ def _attention_ref(q, k, v, pos0, window, scale):
     return out
 
 
-def _attention(q, k, v, pos0, window, scale, n_threads=1, extra_cols=0):
+def _attention(q, k, v, pos0, window, scale, n_threads=1):
     out = np.full_like(q, np.nan)
-    scratch = np.zeros((n_threads, k.shape[1] + extra_cols), np.float32)
-    kern.attention(q, k, v, pos0, window, scale, out, scratch, n_threads)
+    kern.attention(q, k, v, pos0, window, scale, out, n_threads)
     return out
 
 
@@ -474,7 +473,7 @@ def test_attention_includes_exactly_the_window_keys(pos0, window):
 
 
 @pytest.mark.parametrize("window", [0, 64])
-def test_attention_threads_and_scratch_width_bit_equal(window):
+def test_attention_threads_bit_equal_and_rows_alone(window):
     rng = _rng(12, window)
     T, D, S, pos0 = 32, 128, 240, 200  # enough work per query for the threads to overlap
     assert T * NH * (pos0 + T) * D * 2 >= PARALLEL_WORK
@@ -482,7 +481,6 @@ def test_attention_threads_and_scratch_width_bit_equal(window):
     k, v = _cache(rng, S, D, pos0, T, window)
     one = _attention(q, k, v, pos0, window, 0.2, 1)
     assert np.array_equal(one, _attention(q, k, v, pos0, window, 0.2, 2))
-    assert np.array_equal(one, _attention(q, k, v, pos0, window, 0.2, 2, extra_cols=5))
     # A query's result does not depend on the other queries in the call (decode == prefill).
     for t in range(T):
         alone = _attention(q[t:t + 1].copy(), k, v, pos0 + t, window, 0.2, 1)
@@ -503,11 +501,10 @@ def test_attention_rejects_invalid_shapes():
     q = np.zeros((T, NH, D), np.float32)
     k = np.zeros((NKV, S, D), np.float32)
     out = np.zeros_like(q)
-    scratch = np.zeros((2, S), np.float32)
 
-    def bad(match, q=q, k=k, v=k, pos0=0, out=out, scratch=scratch, n_threads=1):
+    def bad(match, q=q, k=k, v=k, pos0=0, out=out, n_threads=1):
         with pytest.raises(ValueError, match=match):
-            kern.attention(q, k, v, pos0, 0, 0.5, out, scratch, n_threads)
+            kern.attention(q, k, v, pos0, 0, 0.5, out, n_threads)
 
     bad("query heads not a multiple", q=np.zeros((T, 3, D), np.float32), out=np.zeros((T, 3, D), np.float32))
     bad("attention: q", k=np.zeros((NKV, S, D + 1), np.float32))
@@ -515,8 +512,6 @@ def test_attention_rejects_invalid_shapes():
     bad("attention: out", out=np.zeros((T, NH, D + 1), np.float32))
     bad("exceed cache", pos0=S - 1)
     bad("exceed cache", pos0=-1)
-    bad("scratch", scratch=np.zeros((1, S), np.float32), n_threads=2)
-    bad("scratch", scratch=np.zeros((2, S - 1), np.float32))
     bad("q: dtype", q=q.astype(np.float64))
     bad("k_cache: expected 3 dimensions", k=np.zeros((S, D), np.float32))
     bad("q: must be C-contiguous", q=np.zeros((T, NH, 2 * D), np.float32)[:, :, ::2])
@@ -524,15 +519,6 @@ def test_attention_rejects_invalid_shapes():
     frozen.flags.writeable = False
     bad("out: output must be writable", out=frozen)
     bad("n_threads", n_threads=0)
-
-
-def test_attention_rejects_read_only_scratch():
-    q = np.zeros((1, NH, 4), np.float32)
-    k = np.zeros((NKV, 4, 4), np.float32)
-    scratch = np.full((1, 4), 7.0, np.float32)
-    scratch.flags.writeable = False
-    with pytest.raises(ValueError, match="scratch"):
-        kern.attention(q, k, k, 0, 0, 0.5, np.zeros_like(q), scratch, 1)
 
 
 # ------------------------------------------------------------------ routing
