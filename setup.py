@@ -63,7 +63,7 @@ extensions = [
         ["ext/kernels/_kernels.pyx"],
         include_dirs=[numpy.get_include(), "ext/kernels"],
         depends=["ext/kernels/_simd.h", "ext/kernels/_kernels_impl.h", "ext/kernels/_quant_impl.h",
-                 "ext/kernels/_idot_impl.h", "ext/kernels/_attn_impl.h", "ext/kernels/_pool.h",
+                 "ext/kernels/_idot_impl.h", "ext/kernels/_attn_impl.h", "ext/kernels/_bdot_impl.h", "ext/kernels/_pool.h",
                  "ext/kernels/_weights.pxi"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,

@@ -16,8 +16,11 @@ small Qwen3-MoE trained on the Python standard library), one weight format at a 
              directory moed reads natively: `<module>.weight_blocks` U8 [R, C/32, 16] and
              `<module>.weight_scales` U8 [R, C/32] with GPT-OSS's quantization_config
              ("quant_method": "mxfp4"); every other tensor and file as in the source.
+     bf16    the default model itself (bf16 weights), for --numerics-under-test
+             fast-bf16: bf16-dp (activations rounded to bf16, `ext.kernels._kernels`)
    Other repack schemes can be named as bench/quant_quality.py names them
-   (e.g. int4-g64, int4-g32-min, int8-g128).
+   (e.g. int4-g64, int4-g32-min, int8-g128). The quantised models keep bf16 attention
+   and dense weights, which fast-bf16 runs under bf16-dp too.
 2. Each format's model loaded twice, with --numerics-under-test (default fast) and
    exact, and teacher-forced over the held-out texts (ext/evaluate.py, `moed eval`'s
    measure, reference = exact): "argparse", the first --tokens (4096) tokens of the
@@ -79,6 +82,7 @@ BAR_TOP1 = 0.995
 # the source model quantised: its int4, int8 and MXFP4 cost a few hundredths of a nat.
 SANITY_KL_MEAN_NATS = 0.5
 MXFP4 = "mxfp4"
+BF16 = "bf16"      # the source model itself (its weights are bf16): fast = bf16-dp
 ALIASES = {"int4": "int4-g32-min", "int8": "int8-g32"}   # moed repack's defaults
 
 
@@ -151,6 +155,8 @@ def write_mxfp4(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
 
 def build(fmt: str, model_dir: str, root: Path, rebuild: bool, threads: int) -> Path:
     """The model of format `fmt` under `root`, written when absent (or `rebuild`)."""
+    if fmt == BF16:
+        return Path(model_dir)
     name = fmt if fmt == MXFP4 else ALIASES.get(fmt, fmt)
     out = root / name
     if (out / CONFIG_NAME).is_file() and not rebuild:
@@ -202,10 +208,11 @@ def main() -> None:
                         help="where the quantised models are written and reused (default: %(default)s)")
     parser.add_argument("--rebuild", action="store_true", help="rewrite the models even when present")
     parser.add_argument("--formats", default="int4,int8,mxfp4",
-                        help="comma-separated: int4, int8, mxfp4, or a repack scheme such as "
+                        help="comma-separated: int4, int8, mxfp4, bf16, or a repack scheme such as "
                              "int4-g64 (default: %(default)s)")
-    parser.add_argument("--numerics-under-test", choices=["fast", "exact"], default="fast",
-                        help="the numerics compared with exact; exact is a self-check (KL 0)")
+    parser.add_argument("--numerics-under-test", choices=["fast", "fast-bf16", "exact"], default="fast",
+                        help="the numerics compared with exact (fast-bf16: bf16 weights too, bf16-dp; "
+                             "the bf16 format needs it); exact is a self-check (KL 0)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of argparse.py (default 4096)")
     parser.add_argument("--per-file", type=int, default=512,
                         help="tokens of each other held-out module (default 512)")
@@ -217,7 +224,7 @@ def main() -> None:
 
     formats = args.formats.split(",")
     for fmt in formats:
-        if fmt != MXFP4:
+        if fmt not in (MXFP4, BF16):
             repack_spec(fmt)                    # a bad name fails before any work
     model_dir = resolve_model_alias(args.model)
     tok = Tokenizer.from_model_dir(model_dir)
@@ -231,7 +238,7 @@ def main() -> None:
         exact = Model.load(path, n_threads=args.threads, experts="resident")
         under = Model.load(path, n_threads=args.threads, experts="resident",
                            numerics=args.numerics_under_test)
-        if under.numerics_in_force() != args.numerics_under_test:
+        if under.numerics_in_force() == "exact" and args.numerics_under_test != "exact":
             raise SystemExit(f"{fmt}: {path} loaded with numerics={args.numerics_under_test!r} runs "
                              f"{under.numerics_in_force()!r}: nothing to measure")
         row = {"format": fmt, "scheme": path.name, "model": str(path),
@@ -262,7 +269,7 @@ def main() -> None:
                 "applies_to": "every text"},
         "texts": quant_quality.held_out_info(model_dir, args.tokens, args.per_file),
         "context": args.context, "threads": args.threads,
-        "kernels": {k: v for k, v in build_info().items() if k in ("simd", "fast")},
+        "kernels": {k: v for k, v in build_info().items() if k in ("simd", "fast", "fast_bf16")},
         "cpu": cpu_model(), "seconds": round(time.perf_counter() - t_start, 1),
         "formats": rows}, indent=1))
 

@@ -2,7 +2,7 @@
 prefill (pp) tokens/s per weight format, in interleaved rounds; one JSON object.
 
     python bench/llamacpp_ab.py --work-dir DIR [--threads 1,2] [--rounds 3] [--tokens 64]
-        [--prompt 512] [--formats bf16,int8,int4,fp8] [--numerics exact[,fast]]
+        [--prompt 512] [--formats bf16,int8,int4,fp8] [--numerics exact[,fast][,fast-bf16]]
 
 The checkpoint is a `moed make-model` Qwen3-MoE with routing skew (16 layers, 32 experts,
 top-4, hidden 1024, expert intermediate 512, vocabulary 32000, seed 1; 1.8 GB in bf16).
@@ -109,7 +109,7 @@ FORMATS = {
     "int4s-all": {"moed": ["repack", "--scheme", "int4", "--symmetric", *DENSE_TOO], "gguf": "Q4_K_M"},
     "fp8": {"moed": ["make-model", *MAKE_MODEL, "--dtype", "fp8"], "gguf": None},
 }
-NUMERICS = ("exact", "fast")
+NUMERICS = ("exact", "fast", "fast-bf16")
 LLAMA_TARGETS = ["llama-bench", "llama-quantize", "llama-server", "llama-perplexity"]
 CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
@@ -154,8 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moed formats, comma-separated, of " + ", ".join(FORMATS) +
                         " (default bf16,int8,int4,fp8)")
     p.add_argument("--numerics", type=csv_list(str, NUMERICS), default=["exact"],
-                   help="moed numerics modes, comma-separated: exact, fast (passed to "
-                        "Model.load when it takes `numerics`; default exact)")
+                   help="moed numerics modes, comma-separated: exact, fast, fast-bf16 (passed "
+                        "to Model.load when it takes `numerics`; default exact)")
     p.add_argument("--pause", type=float, default=1.0, help="idle seconds between runs (default 1)")
     p.add_argument("--llama-bench-args", type=shlex.split, default=[], metavar="ARGS",
                    help="more llama-bench arguments, one string, e.g. '--poll 0' (its worker "

@@ -350,7 +350,7 @@ class DaemonMetrics:
     version / model_type / quantization / numerics: the `moed_build_info` labels
     (quantization: "none" for weights in plain floats, else the quantised weights' format,
     e.g. "fp8_e4m3", "mxfp4": a closed set, ext.formats.quant.formats(); "unknown" when
-    config.json could not be read; numerics: "exact" or "fast", the numerics mode of the
+    config.json could not be read; numerics: "exact", "fast" or "fast-bf16", the numerics mode of the
     quantised kernels in force: the configured setting resolved, never "auto"). moe_layers, read_seconds_buckets, source: as `SnapshotCollector`.
     Methods are thread-safe.
     """

@@ -198,12 +198,13 @@ def configure_logging(level: str) -> None:
 
 NUMERICS_HELP = ("numerics of int8, int4 and MXFP4 weights: exact (dequantised exactly, f32 "
                  "activations), fast (int8 activations in blocks of 32, exact integer dots) "
-                 "or auto (fast when the model has such weights, else exact); other formats "
-                 "are exact in all three (default: %(default)s)")
+                 "or auto (fast when the model has such weights, else exact); fast-bf16 is "
+                 "fast and also rounds activations to bf16 for bf16 weights (VDPBF16PS's "
+                 "arithmetic); f16, f32 and FP8 are exact in all (default: %(default)s)")
 
 
 def add_numerics(parser: argparse.ArgumentParser) -> None:
-    """`--numerics {auto,exact,fast}` on a command that runs the model (default auto)."""
+    """`--numerics {auto,exact,fast,fast-bf16}` on a command that runs the model (default auto)."""
     from daemon.service.config import NUMERICS
 
     parser.add_argument("--numerics", choices=NUMERICS, default="auto", help=NUMERICS_HELP)

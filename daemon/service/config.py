@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 # The numerics settings: auto, then the kernels' modes (ext.kernels.NUMERICS_SETTINGS;
 # tests/ext/models/test_numerics.py checks they agree), named here so that the command line
 # can offer them without loading ext/. auto resolves per model (ext.kernels.resolve_numerics).
-NUMERICS = ("auto", "exact", "fast")
+NUMERICS = ("auto", "exact", "fast", "fast-bf16")
 DEFAULT_CONFIG_PATH = "/etc/moed/moed.toml"
 ENV_PREFIX = "MOED_"
 CONFIG_ENV = "MOED_CONFIG"
@@ -422,9 +422,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "half_life_tokens": _Key(_float(0, lo_open=True), "TOKENS", "half-life of expert usage counts"),
     "numerics": _Key(_choice(NUMERICS), "MODE",
                      "auto (fast when the model has int8/int4/MXFP4 weights, else exact), "
-                     "exact (quantised weights dequantised exactly, f32 activations) or fast "
+                     "exact (quantised weights dequantised exactly, f32 activations), fast "
                      "(int8/int4/MXFP4 weights dotted with int8 activations; bf16, f16, f32 "
-                     "and FP8 weights are exact in both)"),
+                     "and FP8 weights exact) or fast-bf16 (fast, and bf16 weights dotted with "
+                     "bf16-rounded activations)"),
     "expert_cache_mode": _Key(_choice(EXPERT_CACHE_MODES), "MODE",
                               "moed (learned pins, eviction policy, prefetch) or naive (the "
                               "baseline: LRU, no pins, no prefetch, nothing learned)"),

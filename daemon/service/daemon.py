@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 
 from aiohttp import web
 
@@ -322,6 +324,19 @@ class Daemon:
 
 
 
+def _plain_format(model_dir) -> tuple[str, ...]:
+    """The format label of the checkpoint's unquantised weights from config.json's
+    `torch_dtype` (or `dtype`): ("bf16",), ("f16",), ("f32",), or () when it says
+    nothing readable. For the numerics label before the load (fast-bf16 changes bf16)."""
+    try:
+        raw = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ()
+    dtype = (raw.get("torch_dtype") or raw.get("dtype")) if isinstance(raw, dict) else None
+    label = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype) if isinstance(dtype, str) else None
+    return (label,) if label else ()
+
+
 def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: str) -> int:
     """Run the daemon until a signal stops it; the exit code (0 after a clean drain).
 
@@ -346,7 +361,8 @@ def serve(config: ServeConfig, *, reload, environ: Mapping[str, str], version: s
         model_type = model_config.model_type
         quantization = quantization_label(model_config.quantization)
         moe_layers = [l for l, is_moe in enumerate(model_config.moe_layers) if is_moe]
-        formats = model_config.quantization.formats if model_config.quantization else ()
+        formats = tuple(model_config.quantization.formats if model_config.quantization else ())
+        formats += _plain_format(config.require_model())
     except ValueError:
         model_type, quantization, moe_layers = "unknown", "unknown", []   # the load reports the real error
         formats = ()

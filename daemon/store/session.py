@@ -171,7 +171,7 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
     lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
     unusable state directory is a warning, never an error: learning is only speed.
     record_trace: a file the decode routing is appended to, in the replay format
-    (daemon/store/trace.py). numerics: "auto", "exact" or "fast" (`Model.load`). baseline: the
+    (daemon/store/trace.py). numerics: "auto", "exact", "fast" or "fast-bf16" (`Model.load`). baseline: the
     naive cache (`BASELINE_OPTIONS`, overriding prefetch and pin_fraction); no state
     directory is read or written (it starts cold and leaves nothing behind), and a
     rebuild keeps it naive.

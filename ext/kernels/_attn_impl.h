@@ -259,8 +259,9 @@ static inline void moed_scores(const float *q, const float *k, ptrdiff_t ks, ptr
         moed_v16 qv[8];
         for (int c = 0; c < nv; c++) qv[c] = moed_v16_load(q + 16 * c);
         switch (nv) {                  /* constant trip counts: the loops unroll */
-#define MOED_SCORES_NV(N) case N: for (; s + 16 <= hi; s += 16) \
-            moed_scores16(q, qv, N, k, ks, D, s, scale, score); break;
+#define MOED_SCORES_NV(N) case N: {                                          \
+            for (; s + 16 <= hi; s += 16) moed_scores16(q, qv, N, k, ks, D, s, scale, score); \
+            break; }
         MOED_SCORES_NV(1) MOED_SCORES_NV(2) MOED_SCORES_NV(3) MOED_SCORES_NV(4)
         MOED_SCORES_NV(5) MOED_SCORES_NV(6) MOED_SCORES_NV(7) MOED_SCORES_NV(8)
 #undef MOED_SCORES_NV
@@ -324,8 +325,9 @@ static inline void moed_pv4(int nr, float *const *e, const ptrdiff_t *lo, const 
                             int nc, float *const *out) {
     moed_v16 acc[4][4];
     ptrdiff_t L = lo[0], H = hi[0];
-    for (int r = 0; r < nr; r++) {
+    for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = moed_v16_zero();
+    for (int r = 0; r < nr; r++) {
         if (lo[r] > L) L = lo[r];
         if (hi[r] < H) H = hi[r];
     }

@@ -46,6 +46,7 @@
 #define MOED_IDOT_IMPL_H
 
 #include "_quant_impl.h"
+#include "_bdot_impl.h"
 
 #define MOED_ICHUNK 16   /* blocks of 32 columns per kernel step */
 
@@ -56,7 +57,10 @@ typedef struct {
     int32_t *s1, *s2;    /* the block sums of q1, q2 */
     ptrdiff_t rows, cols, nb;   /* T, C, C / 32 */
     ptrdiff_t ldq, ldb;  /* per-row strides (elements) */
-    int paired;          /* q in the nibble formats' permuted order */
+    int paired;          /* 0: q in column order; 1: q in the nibble formats' permuted
+                          * order; 2: bf16 weights, only xb is filled */
+    uint16_t *xb;        /* paired 2: row t at xb + t * ldx, bf16, zero-padded */
+    ptrdiff_t ldx;       /* C rounded up to a multiple of 32 */
 } moed_qact;
 
 static inline ptrdiff_t moed_qact_padded_blocks(ptrdiff_t C) {
@@ -64,10 +68,11 @@ static inline ptrdiff_t moed_qact_padded_blocks(ptrdiff_t C) {
     return (nb + MOED_ICHUNK - 1) / MOED_ICHUNK * MOED_ICHUNK;
 }
 
-/* Bytes of scratch moed_qact_init needs for T rows of C columns (C % 32 == 0). */
+/* Bytes of scratch moed_qact_init needs for T rows of C columns (C % 32 == 0 for the
+ * integer planes; any C for bf16). */
 static inline size_t moed_qact_bytes(ptrdiff_t T, ptrdiff_t C) {
     ptrdiff_t nbp = moed_qact_padded_blocks(C);
-    return (size_t)T * (size_t)nbp * (2 * 32 + 5 * 4) + 64;
+    return (size_t)T * (size_t)nbp * (2 * 32 + 5 * 4) + (size_t)T * (size_t)((C + 31) & ~(ptrdiff_t)31) * 2 + 64;
 }
 
 static inline void moed_qact_init(moed_qact *a, void *buf, ptrdiff_t T, ptrdiff_t C, int paired) {
@@ -86,6 +91,8 @@ static inline void moed_qact_init(moed_qact *a, void *buf, ptrdiff_t T, ptrdiff_
     a->ds = a->e + T * nbp;
     a->s1 = (int32_t *)(a->ds + T * nbp);
     a->s2 = a->s1 + T * nbp;
+    a->ldx = (C + 31) & ~(ptrdiff_t)31;
+    a->xb = (uint16_t *)(a->s2 + T * nbp);
 }
 
 /* Where column j of a row is stored in q. */
@@ -118,8 +125,14 @@ static inline void moed_qact_plane(const float *v, float scale, float *f, int8_t
     for (int i = 0; i < 32; i++) qb[i] = (int8_t)(int)f[i];
 }
 
-/* Quantise activation row t from x[0 .. C-1] (spec section 1). */
+/* Quantise activation row t from x[0 .. C-1] (spec section 1; bf16: moed_bf16_round). */
 static void moed_qact_row(const moed_qact *a, ptrdiff_t t, const float *x) {
+    if (a->paired == 2) {
+        uint16_t *xb = a->xb + t * a->ldx;
+        for (ptrdiff_t j = 0; j < a->cols; j++) xb[j] = moed_bf16_round(x[j]);
+        for (ptrdiff_t j = a->cols; j < a->ldx; j++) xb[j] = 0;
+        return;
+    }
     int8_t *q1 = a->q1 + t * a->ldq, *q2 = a->q2 + t * a->ldq;
     float *d = a->d + t * a->ldb, *e = a->e + t * a->ldb, *ds = a->ds + t * a->ldb;
     int32_t *s1 = a->s1 + t * a->ldb, *s2 = a->s2 + t * a->ldb;
@@ -169,13 +182,15 @@ static void moed_qact_row(const moed_qact *a, ptrdiff_t t, const float *x) {
     }
 }
 
-/* Does fast mode apply to this weight (int8, int4, mxfp4)? */
+/* Does fast mode apply to this weight (int8, int4, mxfp4, bf16)? */
 static inline int moed_fast_applies(const moed_weight *w) {
-    return w->fmt == MOED_INT8 || w->fmt == MOED_INT4 || w->fmt == MOED_MXFP4;
+    return w->fmt == MOED_INT8 || w->fmt == MOED_INT4 || w->fmt == MOED_MXFP4 || w->fmt == MOED_BF16;
 }
 
-/* Activations for this format in the nibble order? */
-static inline int moed_fast_paired(int fmt) { return fmt == MOED_INT4 || fmt == MOED_MXFP4; }
+/* The activations' layout for this format (moed_qact.paired). */
+static inline int moed_fast_paired(int fmt) {
+    return fmt == MOED_BF16 ? 2 : fmt == MOED_INT4 || fmt == MOED_MXFP4;
+}
 
 /* 2 x E2M1 of each nibble. */
 static const int8_t moed_e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -778,6 +793,11 @@ static inline const char *moed_fast_path(void) {
 static inline void moed_imatmul_rows(const moed_weight *w, ptrdiff_t r0, int nrows,
                                      const moed_qact *a, ptrdiff_t t0, ptrdiff_t T, float *out,
                                      ptrdiff_t ldo, int simd) {
+    if (w->fmt == MOED_BF16) {
+        moed_bmatmul_rows((const uint16_t *)w->codes, (ptrdiff_t)(w->row_bytes / 2), r0, nrows, w->cols,
+                          a->xb, a->ldx, t0, T, out, ldo, simd);
+        return;
+    }
 #ifdef MOED_I_SIMD
     if (simd) {
         moed_imatmul_rows_simd(w, r0, nrows, a, t0, T, out, ldo);

@@ -58,7 +58,7 @@ Block-quantised weights (`QuantizedWeight`, C helpers in `_quant_impl.h`):
 - Mat-mat (T > 1) decodes a tile of weights once for up to 8 tokens; each token's
   row is still bit-equal to its mat-vec.
 
-Fast numerics (`fast=True` of `matmul`, `matmul_heads`, `expert_ffn`,
+Fast numerics (`fast=1` or `fast=True` of `matmul`, `matmul_heads`, `expert_ffn`,
 `expert_ffn_fused`; C helpers in `_idot_impl.h`), version 2, "q8x2-32":
 - Applies to int8, int4 (with or without mins) and mxfp4 weights; f32/f16/bf16
   arrays and fp8 stay exact. The activations are quantised per block of 32 columns
@@ -96,6 +96,25 @@ Fast numerics (`fast=True` of `matmul`, `matmul_heads`, `expert_ffn`,
   alignment give the same bits. Activations should be finite (a block holding inf or
   NaN gives unspecified outputs). In the expert FFNs each x row is quantised once for
   gate and up, and each hidden row once for down.
+
+Fast numerics of bf16 weights (`fast=2`; C helpers in `_bdot_impl.h`), "bf16-dp": the
+arithmetic of AVX-512 BF16's VDPBF16PS, which is also what llama.cpp's CPU backend does
+with BF16 weights (its activations are converted to bf16 before the dot).
+- Activations, once per row and call: each x_i rounded to bf16, to nearest with ties
+  to even (NaN stays NaN, quiet); a result whose exponent bits are 0 (a subnormal)
+  becomes a zero of its sign. Rows are padded with zeros to a multiple of 32 columns;
+  the weight row is read as zeros past its end.
+- y_r: 16 f32 lanes from +0.0; for step i = 0, 1, .. (columns 32i .. 32i + 31), in lane
+  l: acc = F(fma(w[32i + 2l + 1], x[32i + 2l + 1], acc)), then acc = F(fma(w[32i + 2l],
+  x[32i + 2l], acc)), where fma rounds once (to nearest even), the weights pass through
+  F too, and F maps a subnormal to a zero of its sign (Intel SDM, VDPBF16PS: "FP32 FMA
+  with DAZ in, FTZ out, RNE"); then the fixed tree of 16 lanes (l + (l + 8), + 4, + 2,
+  + 1), plain f32 adds. One accumulator per row, so the mat-vec and every mat-mat tile
+  compute the same operations: rows are bit-equal whatever T is.
+- Paths (`build_info()["fast_bf16"]`): "avx512-bf16" (VDPBF16PS: 32 products an
+  instruction, about twice the f32 FMA rate); "emulated" on every other build, the
+  same operations with f32 fma and explicit flushes (no faster than exact mode, so
+  `numerics = "auto"` leaves bf16 weights exact; `numerics = "fast"` asks for it).
 """
 cimport cython
 from libc.math cimport expf, sqrtf, INFINITY
@@ -282,9 +301,18 @@ cdef extern from "_idot_impl.h" nogil:
     void moed_imatmul_rows(const moed_weight *w, Py_ssize_t r0, int nrows, const moed_qact *a,
                            Py_ssize_t t0, Py_ssize_t T, float *out, Py_ssize_t ldo, int simd)
     const char *moed_fast_path()
+    const char *moed_bf16_fast_path()
 
 
 # ------------------------------------------------------------- fast numerics
+
+cdef inline bint _fast_for(int fast, const moed_weight *w) noexcept nogil:
+    """Does the fast level `fast` change weight w? 1: int8, int4 and mxfp4 weights
+    ("q8x2-32"); 2: bf16 weights too ("bf16-dp"); 0: none."""
+    if fast <= 0 or not moed_fast_applies(w):
+        return False
+    return w.fmt != MOED_BF16 or fast >= 2
+
 
 cdef void *_qact_alloc(moed_qact *a, Py_ssize_t T, Py_ssize_t C, int paired) except NULL:
     """Scratch for the quantised activations of T rows of C columns (the caller frees
@@ -441,7 +469,7 @@ cdef void _matmul_fast(const moed_weight *w, const moed_qact *a, Py_ssize_t T, f
 
 
 cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, int simd,
-                     bint fast):
+                     int fast):
     cdef moed_weight d
     _describe(w, "w", &d)
     _need_f32(x, "x", 2)
@@ -457,7 +485,7 @@ cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, in
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef moed_qact a
     cdef void *buf
-    if fast and moed_fast_applies(&d) and T > 0:
+    if _fast_for(fast, &d) and T > 0:
         buf = _qact_alloc(&a, T, C, moed_fast_paired(d.fmt))
         try:
             with nogil:
@@ -471,7 +499,7 @@ cdef _matmul_checked(object w, cnp.ndarray x, cnp.ndarray out, int n_threads, in
         _matmul(&d, xp, T, op, _threads_for(R * C * T, n_threads), simd)
 
 
-def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, bint fast=False):
+def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, int fast=0):
     """out = x @ w.T with w dequantised on the fly.
 
     Args:
@@ -480,9 +508,10 @@ def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, bint fast=
         x: [T, C] float32, C-contiguous.
         out: [T, R] float32, C-contiguous, writable; fully overwritten.
         n_threads: OpenMP threads (rows are split between them).
-        fast: with an int8, int4 or mxfp4 weight, the fast numerics (module
-            docstring): x quantised to two int8 planes per block of 32; ignored (exact) for
-            every other weight.
+        fast: the fast numerics level (module docstring): 1 (or True) with an int8,
+            int4 or mxfp4 weight, x quantised to two int8 planes per block of 32 ("q8x2-32");
+            2 also with a bf16 weight, x rounded to bf16 ("bf16-dp"); 0 (False), and every
+            weight the level does not cover, exact.
 
     Row t of `out` is bit-equal whatever T is (mat-mat rows equal mat-vec).
     Raises ValueError on a shape, dtype or contiguity mismatch.
@@ -490,7 +519,7 @@ def matmul(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, bint fast=
     _matmul_checked(w, x, out, n_threads, 1, fast)
 
 
-def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, bint fast=False):
+def _matmul_portable(object w, cnp.ndarray x, cnp.ndarray out, int n_threads=1, int fast=0):
     """`matmul` on the portable reference path of the quantised formats (what a
     MOED_PORTABLE=1 build runs), for tests that compare the SIMD path with it."""
     _matmul_checked(w, x, out, n_threads, 0, fast)
@@ -610,7 +639,7 @@ cdef void _heads_t_item(void *ctx, Py_ssize_t f, int tid) noexcept nogil:
 
 
 def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
-                 cnp.ndarray out, bint transpose, int n_threads=1, bint fast=False):
+                 cnp.ndarray out, bint transpose, int n_threads=1, int fast=0):
     """Per-head products with one row block of each head's rows of a weight.
 
     w holds nH equal groups of G = R / nH consecutive rows; head h uses the block
@@ -626,8 +655,8 @@ def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
             R a multiple of nH.
         row0, rows: the block within each head's group, row0 + rows <= G.
         x, out: float32 C-contiguous as above; out is overwritten.
-        fast: with an int8, int4 or mxfp4 weight and transpose False, the fast
-            numerics (as `matmul`); ignored otherwise.
+        fast: the fast numerics level, as `matmul`'s, with transpose False; ignored
+            otherwise.
     Raises ValueError on a shape, dtype or contiguity mismatch.
     """
     cdef moed_weight d
@@ -656,7 +685,7 @@ def matmul_heads(object w, Py_ssize_t row0, Py_ssize_t rows, cnp.ndarray x,
     n_threads = _threads_for(T * NH * rows * C, n_threads)
     cdef moed_qact a
     cdef void *buf
-    if fast and not transpose and moed_fast_applies(&d) and T > 0:
+    if not transpose and _fast_for(fast, &d) and T > 0:
         buf = _qact_alloc(&a, T * NH, C, moed_fast_paired(d.fmt))
         j.a = &a
         try:
@@ -1368,7 +1397,7 @@ cdef int _need_expert_rows(str name, Py_ssize_t K, cnp.ndarray x, cnp.ndarray gr
 
 def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
                cnp.ndarray group_start, cnp.ndarray hbuf, cnp.ndarray out,
-               int n_threads=1, bint fast=False):
+               int n_threads=1, int fast=0):
     """SwiGLU expert FFNs for groups of tokens: y = down(silu(gate x) * up x).
 
     Expert k (weights gates[k], ups[k], downs[k]) is applied to the token rows
@@ -1385,10 +1414,9 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
         group_start: [K + 1] int64, 0 = group_start[0] <= ... <= group_start[K] = N.
         hbuf: [N, I] float32 scratch (the activations silu(gate x) * up x).
         out: [N, H] float32, writable.
-        fast: with int8, int4 or mxfp4 weights, the fast numerics (module docstring):
-            each row of x is quantised once for gate and up, each row of hbuf once
-            for down; every product is bit-equal to `matmul(..., fast=True)` of its
-            rows. Ignored (exact) for other weights.
+        fast: the fast numerics level, as `matmul`'s (module docstring): each row of
+            x is quantised (or rounded) once for gate and up, each row of hbuf once for
+            down; every product is bit-equal to `matmul(..., fast=fast)` of its rows.
     Raises ValueError on any shape, dtype or format mismatch, naming the expert index.
     """
     cdef Py_ssize_t K = len(gates)
@@ -1435,7 +1463,7 @@ def expert_ffn(list gates, list ups, list downs, cnp.ndarray x,
         j.G2 = (H + MOED_ROWS - 1) // MOED_ROWS  # row groups of down
         j.transposed = False
         n_threads = _threads_for(3 * N * H * I, n_threads)
-        if fast and moed_fast_applies(wg) and N > 0:
+        if _fast_for(fast, wg) and N > 0:
             bx = _qact_alloc(&ax, N, H, moed_fast_paired(wg.fmt))
             bh = _qact_alloc(&ah, N, I, moed_fast_paired(wg.fmt))
             j.ax, j.ah = &ax, &ah
@@ -1577,7 +1605,7 @@ cdef void _down_cols(const moed_weight *w, const float *bias, Py_ssize_t g, cons
 def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
                      cnp.ndarray down_bias, cnp.ndarray x, cnp.ndarray group_start,
                      cnp.ndarray hbuf, cnp.ndarray out, bint transposed, float alpha,
-                     float limit, int n_threads=1, bint fast=False):
+                     float limit, int n_threads=1, int fast=0):
     """GPT-OSS's expert FFNs for groups of tokens: y = down(act(gate_up x + b1)) + b2,
     act the clamped SwiGLU of `moed_clamped_swiglu` on the interleaved gate/up pairs.
 
@@ -1598,10 +1626,9 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
         x: [N, H] float32 token rows grouped by expert. group_start: [K + 1] int64.
         hbuf: [N, I] float32 scratch. out: [N, H] float32, writable.
         alpha, limit: `swiglu_alpha`, `swiglu_limit`.
-        fast: with row-major int8, int4 or mxfp4 weights, the fast numerics (module
-            docstring): x's rows quantised once for gate_up, hbuf's once for down;
-            each projection bit-equal to `matmul(..., fast=True)` plus its bias.
-            Ignored (exact) otherwise.
+        fast: the fast numerics level, as `matmul`'s, with row-major weights: x's rows
+            quantised (or rounded) once for gate_up, hbuf's once for down; each
+            projection bit-equal to `matmul(..., fast=fast)` plus its bias.
     Raises ValueError on a shape, dtype or format mismatch, naming the expert index.
     """
     cdef Py_ssize_t K = len(gate_ups)
@@ -1664,7 +1691,7 @@ def expert_ffn_fused(list gate_ups, list downs, cnp.ndarray gate_up_bias,
             j.G1 = (2 * I + MOED_ROWS - 1) // MOED_ROWS
             j.G2 = (H + MOED_ROWS - 1) // MOED_ROWS
         n_threads = _threads_for(3 * N * H * I, n_threads)
-        if fast and not transposed and moed_fast_applies(wg) and N > 0:
+        if not transposed and _fast_for(fast, wg) and N > 0:
             bx = _qact_alloc(&ax, N, H, moed_fast_paired(wg.fmt))
             bh = _qact_alloc(&ah, N, I, moed_fast_paired(wg.fmt))
             j.ax, j.ah = &ax, &ah

@@ -1005,6 +1005,9 @@ static inline const char *moed_simd_features(void) {
 #ifdef __AVXVNNI__
         " avxvnni"
 #endif
+#ifdef __AVX512BF16__
+        " avx512bf16"
+#endif
 #ifdef __AVX2__
         " avx2"
 #endif

@@ -257,11 +257,13 @@ cdef int _describe(object w, str name, moed_weight *d) except -1:
 def build_info():
     """How the kernels were built: {"simd": "avx512" | "avx2" | "portable", "fast":
     "avx512-vnni" | "avx2-vnni" | "avx2" | "portable", "openmp": bool, "features":
-    [...]}. "fast" names the integer-dot path of the fast numerics. "simd" names the path the kernels run (chosen at compile
+    [...]}. "fast" names the integer-dot path of the fast numerics, "fast_bf16" that of
+    bf16 weights ("avx512-bf16" | "emulated"). "simd" names the path the kernels run (chosen at compile
     time: the build targets the machine it is installed on unless MOED_PORTABLE=1);
     "features" lists the instruction-set extensions compiled in (with "avx512vbmi",
     fp8 is decoded by byte tables, else through binary16); "parallel_threshold" the
     multiply-adds below which a call runs on one thread (`parallel_threshold()`)."""
     return {"simd": moed_simd_path().decode(), "fast": moed_fast_path().decode(),
+            "fast_bf16": moed_bf16_fast_path().decode(),
             "openmp": bool(moed_openmp_flag()),
             "features": moed_simd_features().decode().split(), "parallel_threshold": _min_parallel_work}

@@ -31,7 +31,7 @@ import numpy as np
 from ext.formats.checkpoint import (FLOAT_DTYPES, Checkpoint, MissingTensorError,
                                     TensorRangeError, UnsupportedDtypeError)
 from ext.formats.quant import ATTENTION, HEAD, MLP, ROUTER, StoredWeight, resolve_weight
-from ext.kernels import NUMERICS_SETTINGS, resolve_numerics
+from ext.kernels import NUMERICS_SETTINGS, fast_level, resolve_numerics
 from ext.kernels import _kernels as K_
 from ext.models.attention import Segments
 from ext.models.config import ModelConfig, load_config
@@ -156,13 +156,14 @@ class Model:
         self.layout = layout
         self.experts = experts
         self.n_threads = n_threads
-        # Fast numerics (int8 activations dotted with int8/int4/MXFP4 codes: the spec in
-        # ext/kernels/_kernels.pyx) for every quantised linear weight but the routers, which
-        # stay exact so that routing never depends on the numerics mode. "auto" turns the
-        # fast kernels on too: they change only int8/int4/MXFP4 weights, so a model without
-        # any runs exact bits either way, and `numerics_in_force` reports the resolved mode.
+        # Fast numerics (int8 activations dotted with int8/int4/MXFP4 codes, and under
+        # "fast-bf16" bf16 activations with bf16 weights: the specs in
+        # ext/kernels/_kernels.pyx) for every linear weight but the routers, which stay
+        # exact so that routing never depends on the numerics mode. "auto" is "fast": a
+        # model without int8/int4/MXFP4 runs exact bits under it, and `numerics_in_force`
+        # reports the resolved mode.
         self.numerics = numerics                           # the setting, as given
-        self.fast = numerics != "exact"
+        self.fast = fast_level(numerics)                   # the kernels' fast level: 0, 1, 2
         self.dense_weights: dict[str, StoredWeight] = {}   # every resident linear weight
         self._router_modules: set[str] = set()             # those computed exactly always
         self.family = family_of(config.model_type)
@@ -202,9 +203,11 @@ class Model:
                 comparing outputs gets the oracle's mode unless it asks otherwise),
                 "fast" (int8/int4/MXFP4 weights dotted with int8 activations under
                 moed's fast-numerics spec, `ext.kernels._kernels`; other formats and the
-                routers stay exact) or "auto" (fast when the model has int8/int4/MXFP4
-                weights, else exact: `ext.kernels.resolve_numerics`; the default of the
-                daemon and the commands). `numerics_in_force()` says which mode runs.
+                routers stay exact), "fast-bf16" (fast, and bf16 weights dotted with
+                bf16-rounded activations, "bf16-dp") or "auto" (fast when the model has
+                int8/int4/MXFP4 weights, else exact: `ext.kernels.resolve_numerics`; the
+                default of the daemon and the commands). `numerics_in_force()` says which
+                mode runs.
         Raises:
             ValueError: an unknown `numerics` or `experts`.
             ConfigError / CheckpointError subclasses naming the field, file or tensor
@@ -309,9 +312,10 @@ class Model:
                 "numerics": self.numerics_in_force()}
 
     def numerics_in_force(self) -> str:
-        """The resolved mode: "fast" when the setting is fast or auto and some weight fast
-        numerics changes is int8, int4 or MXFP4 (the routed experts, or a resident weight
-        other than a router); "exact" otherwise, where both modes compute the same bits."""
+        """The resolved mode (`ext.kernels.resolve_numerics`): "fast-bf16" under that
+        setting when some bf16 weight runs bf16-dp; "fast" when some weight is int8, int4
+        or MXFP4 (the routed experts, or a resident weight other than a router) and the
+        setting is not exact; "exact" otherwise, where the modes compute the same bits."""
         formats = {w.format for module, w in self.dense_weights.items()
                    if module not in self._router_modules}
         formats.add(self.layout.format or "")

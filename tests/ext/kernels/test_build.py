@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
         x = rng.standard_normal((T, w.shape[1]), dtype=np.float32)
         out = np.empty((T, R), np.float32)
         k.matmul(w, x, out, 2, fast=True)
-        results[name + "-fast"] = out
+        results[name + "-fast"] = out.copy()
         k._matmul_portable(w, x, out, 2, fast=True)
         results[name + "-fast-portable"] = out
     H, I = 544, 96
@@ -80,6 +80,15 @@ SCRIPT = textwrap.dedent("""
         k.expert_ffn(*experts, x, np.array([0, 3, 5], np.int64), np.empty((5, I), np.float32), out, 2,
                      fast=True)
         results[f"expert_ffn-{fmt}-fast"] = out
+    # bf16 fast ("bf16-dp"): VDPBF16PS where built in, its emulation elsewhere; wide
+    # dynamic range for subnormal products, a partial last step of 32 columns
+    wb = (rng.standard_normal((R, C - 9)) * np.exp(rng.uniform(-40, 5, (R, C - 9)))).astype(np.float32)
+    xb = (rng.standard_normal((T, C - 9)) * np.exp(rng.uniform(-45, 5, (T, C - 9)))).astype(np.float32)
+    out = np.empty((T, R), np.float32)
+    k.matmul(wb.astype(ml_dtypes.bfloat16), xb, out, 2, fast=2)
+    results["bf16-fast"] = out.copy()
+    k._matmul_portable(wb.astype(ml_dtypes.bfloat16), xb, out, 2, fast=2)
+    results["bf16-fast-portable"] = out.copy()
     # attention: blocks of 16 keys and the tail, D with a 16-column step and a scalar tail,
     # a sliding window, sinks, and MLA's latent cache (Dv < Dk)
     for D, window in ((64, 0), (40, 5), (19, 0)):

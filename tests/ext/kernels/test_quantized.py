@@ -503,8 +503,9 @@ def test_kernels_refuse_non_weights():
 
 def test_build_info_names_the_simd_path():
     info = kern.build_info()
-    assert set(info) == {"simd", "fast", "openmp", "features", "parallel_threshold"}
+    assert set(info) == {"simd", "fast", "fast_bf16", "openmp", "features", "parallel_threshold"}
     assert info["simd"] in ("avx512", "avx2", "portable")
+    assert info["fast_bf16"] == ("avx512-bf16" if "avx512bf16" in info["features"] else "emulated")
     assert info["openmp"] is kern.openmp_enabled()
     needs = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "f16c"}, "portable": set()}
     assert needs[info["simd"]] <= set(info["features"])

@@ -10,10 +10,12 @@ from repacked_models import make_in_format
 PROMPTS = [[5, 17, 3], [99, 42, 7, 250, 31, 8, 1, 2, 3, 4], [11]]
 
 
-# (arch, stored format, numerics): fast numerics quantises the activations of a step's
-# rows together, so a batched row must still equal the row alone.
+# (arch, stored format, numerics): fast numerics quantises (int formats) or rounds (bf16)
+# the activations of a step's rows together, so a batched row must still equal the row
+# alone.
 @pytest.fixture(scope="module", params=[("qwen3_moe", "bf16", "exact"), ("qwen2_moe", "bf16", "exact"),
-                                        ("mixtral", "bf16", "exact"), ("qwen3_moe", "int4", "fast"),
+                                        ("mixtral", "bf16", "exact"), ("qwen3_moe", "bf16", "fast-bf16"),
+                                        ("qwen3_moe", "int4", "fast"),
                                         ("mixtral", "int8", "fast")], ids=lambda p: "-".join(p))
 def model(request, tmp_path_factory):
     arch, dtype, numerics = request.param
