@@ -298,6 +298,16 @@ def _address(value: object) -> Address:
     return parse_address(value)  # type: ignore[arg-type]
 
 
+MAX_PREFILL_CHUNK = 16384
+
+
+def _prefill_chunk(value: object) -> int | str:
+    """"auto" (case and spaces ignored) or tokens per step, 1 .. MAX_PREFILL_CHUNK."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return _int(1, MAX_PREFILL_CHUNK)(value)
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[object], str]:
     """A parser of one of `choices`, case and surrounding spaces ignored."""
     def parse(value: object) -> str:
@@ -371,6 +381,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
     "prefill_step_ratio": _Key(_float(1, lo_open=True, hi=100), "R",
                                "a step that prefills beside decodes aims at R decode steps' "
                                "time (higher: long prompts first; lower: streams first)"),
+    "prefill_chunk": _Key(_prefill_chunk, "TOKENS|auto",
+                          "prompt tokens a forward step takes at most; auto: 64, or up to 1024 "
+                          "when the experts stream (fewer expert reads per prompt token), its "
+                          "buffers at most a quarter of the expert cache"),
     "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
                                                       "that start the same way (0: off)"),
     "prefix_cache_scope": _Key(_choice(PREFIX_CACHE_SCOPES), "SCOPE",
@@ -464,6 +478,7 @@ class ServeConfig:
     max_concurrent_sequences: int = 4
     max_queue: int = 64
     prefill_step_ratio: float = 2.75
+    prefill_chunk: int | str = "auto"
     prefix_cache_bytes: int = 512 * MIB
     prefix_cache_scope: str = "shared"
     max_context_tokens: int | None = None

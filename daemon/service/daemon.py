@@ -53,7 +53,7 @@ RESTART_KEYS = frozenset({
     "model", "socket", "socket_mode", "socket_group", "state_dir", "metrics_address",
     "tcp_address", "threads", "io_workers", "tuner", "expert_cache_mode", "header_timeout_s",
     "max_connections", "max_connections_per_peer", "record_trace", "max_context_tokens",
-    "numerics", "half_life_tokens"})
+    "numerics", "half_life_tokens", "prefill_chunk"})
 
 
 class Daemon:

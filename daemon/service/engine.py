@@ -16,7 +16,8 @@ own thread, one step at a time:
 
 Chunked prefill. A prompt is prefilled a chunk per step beside the running decodes, as
 vLLM's chunked prefill and llama.cpp's n_ubatch do. While nothing decodes a step takes
-PREFILL_CHUNK prompt tokens; while sequences decode, the chunk is sized from measured
+the model's prefill_chunk prompt tokens (PREFILL_CHUNK, or STREAMING_PREFILL_CHUNK when the
+experts stream: daemon/service/loading.py); while sequences decode, the chunk is sized from measured
 step times so that a step takes about `prefill_step_ratio` times a decode step alone
 (the running streams keep their pace, the prompt still gets most of the machine). The
 ratio r trades one for the other: the prompt gets (r - 1) d of each step of r d, so its
@@ -299,7 +300,8 @@ class _StepTimes:
     halves from one step to the next and never drops below MIN_PREFILL_ROWS.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int = PREFILL_CHUNK) -> None:
+        self.chunk = chunk                      # rows of a step at most (the model's prefill_chunk)
         self._decode = collections.deque(maxlen=STEP_WINDOW)
         self._prefill = collections.deque(maxlen=STEP_WINDOW)    # (seconds, rows)
         self._last = INITIAL_PREFILL_ROWS
@@ -323,7 +325,7 @@ class _StepTimes:
 
     def prefill_rows(self, decode_rows: int, ratio: float) -> int:
         """Prompt tokens for the next step beside `decode_rows` decode rows."""
-        room = PREFILL_CHUNK - decode_rows
+        room = self.chunk - decode_rows
         if decode_rows == 0:
             return room
         decode_s, row_s = self.decode_s, self.prefill_row_s
@@ -379,7 +381,7 @@ class Engine:
         self.prefix_cache = PrefixCache(model.attention.kv_bytes_per_token(model.config),
                                         prefix_cache_bytes)
         self.prefill_step_ratio = prefill_step_ratio
-        self._times = _StepTimes()
+        self._times = _StepTimes(getattr(model, "prefill_chunk", PREFILL_CHUNK))
         self._cond = threading.Condition()
         self.set_limits(max_concurrent_sequences, max_queue)
         self._waiting: collections.deque[RequestHandle] = collections.deque()

@@ -32,7 +32,7 @@ from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.models.families import kv_bytes_per_token, unused_tensors
-from ext.models.model import PREFILL_CHUNK
+from ext.models.model import PREFILL_CHUNK, STREAMING_PREFILL_CHUNK
 from ext.tokenizer import Tokenizer, stop_token_ids
 from scheduler.planner import MemoryPlanError, available_bytes, plan_memory
 from telemetry.logs import get_logger
@@ -96,15 +96,21 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
     sequences = config.max_concurrent_sequences
     margin_bytes = None              # the plan's margin and compile workers' reserve, if planned
     planned = None
+    auto_chunk = config.prefill_chunk == "auto"
+    chunk = PREFILL_CHUNK if auto_chunk else config.prefill_chunk
+
+    def plan(chunk: int) -> ServingPlan:
+        return plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
+                                   pin_fraction=config.pin_fraction,
+                                   prefix_cache_bytes=config.prefix_cache_bytes,
+                                   max_context_tokens=config.max_context_tokens,
+                                   threads=config.threads,
+                                   grammar_compile_memory_bytes=config.grammar_compile_memory_bytes,
+                                   sequences_fixed=config.sources.get(
+                                       "max_concurrent_sequences", DEFAULT_SOURCE) != DEFAULT_SOURCE,
+                                   prefill_chunk=chunk)
     if cache_bytes is None or _memory_bound_known():   # raises MemoryPlanError
-        planned = plan_serving_memory(model_dir, max_concurrent_sequences=config.max_concurrent_sequences,
-                                      pin_fraction=config.pin_fraction,
-                                      prefix_cache_bytes=config.prefix_cache_bytes,
-                                      max_context_tokens=config.max_context_tokens,
-                                      threads=config.threads,
-                                      grammar_compile_memory_bytes=config.grammar_compile_memory_bytes,
-                                      sequences_fixed=config.sources.get(
-                                          "max_concurrent_sequences", DEFAULT_SOURCE) != DEFAULT_SOURCE)
+        planned = plan(chunk)
     if cache_bytes is not None and planned is not None:
         # an explicit budget larger than what the plan leaves the expert cache would be
         # OOM-killed while its slots fill (they are mlocked): clamped to the plan's
@@ -120,6 +126,27 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             # the caches' budgets, may leave them too little to start)
             margin_bytes = planned.plan.margin_bytes + planned.grammar_bytes
             planned = None
+    if cache_bytes is None and auto_chunk and planned.stream:
+        # the experts stream: a larger step reads each routed expert once for more prompt
+        # tokens; its buffers come out of the expert cache (at most a quarter of it)
+        chunk = auto_prefill_chunk(load_config(model_dir), cache_bytes=planned.plan.expert_cache_bytes,
+                                   threads=config.threads or len(os.sched_getaffinity(0)),
+                                   context=planned.context,
+                                   sequences=planned.plan.max_concurrent_sequences)
+        if chunk > PREFILL_CHUNK:
+            try:
+                replanned = plan(chunk)
+            except MemoryPlanError:
+                chunk = PREFILL_CHUNK
+            else:
+                if replanned.stream:
+                    planned = replanned
+                else:                # (cannot happen: the buffers only shrink the cache)
+                    chunk = PREFILL_CHUNK
+    elif cache_bytes is not None and auto_chunk:       # a budget the operator set
+        chunk = auto_prefill_chunk(load_config(model_dir), cache_bytes=cache_bytes,
+                                   threads=config.threads or len(os.sched_getaffinity(0)),
+                                   context=context or PLANNED_CONTEXT, sequences=sequences)
     if cache_bytes is None:          # the memory planner decides
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
@@ -145,7 +172,9 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 half_life_tokens=config.half_life_tokens, mlock=True,
                                 state_dir=config.state_dir, environ=environ,
                                 record_trace=config.record_trace, numerics=config.numerics,
-                                baseline=config.expert_cache_mode == "naive")
+                                baseline=config.expert_cache_mode == "naive", prefill_chunk=chunk)
+    log.info("prefill_chunk", tokens=chunk, configured=config.prefill_chunk,
+             experts="streamed" if cache_bytes is not None else "in memory")
     engine = Engine(model, tokenizer, max_concurrent_sequences=sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=prefix_bytes,
                     context_tokens=min(context or model.config.max_position_embeddings,
@@ -276,13 +305,18 @@ LOGIT_COPIES = 4                # per logits row: the logits, the sampler's prob
                                 # its order and its mask
 
 
-def workspace_bytes(config, *, threads: int, context: int, sequences: int) -> int:
-    """The forward pass's buffers for PREFILL_CHUNK tokens (ext/models/model.py _Workspace,
+ATTENTION_ROWS = 8              # query rows per attention work item: scores scratch rows a thread
+PREFILL_CHUNK_CACHE_SHARE = 4   # auto: a streaming step's extra buffers <= 1/4 of the expert cache
+
+
+def workspace_bytes(config, *, threads: int, context: int, sequences: int,
+                    chunk: int = PREFILL_CHUNK) -> int:
+    """The forward pass's buffers for `chunk` tokens (ext/models/model.py _Workspace,
     the attention kind's projections, rope tables), the attention scores scratch
-    ([threads, context] f32, which grows by doubling: counted twice) and LOGIT_COPIES
-    logits rows of the vocabulary per sequence (f32), in bytes. An upper bound: each
-    attention buffer is counted at the widest query width of the model's attention kind."""
-    chunk, H, E, K = PREFILL_CHUNK, config.hidden_size, config.num_experts, config.num_experts_per_tok
+    ([threads, ATTENTION_ROWS x context] f32, each call's own) and LOGIT_COPIES logits
+    rows of the vocabulary per sequence (f32), in bytes. An upper bound: each attention
+    buffer is counted at the widest query width of the model's attention kind."""
+    H, E, K = config.hidden_size, config.num_experts, config.num_experts_per_tok
     mlp_i = max(config.moe_intermediate_size, config.intermediate_size,
                 config.shared_expert_intermediate_size)
     floats = chunk * (6 * H + 2 * E + 2 * K) + K * H + 2 * chunk * K * H + chunk * K * mlp_i
@@ -295,13 +329,32 @@ def workspace_bytes(config, *, threads: int, context: int, sequences: int) -> in
         q_width = nH * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
     floats += chunk * (4 * q_width + 2 * kv_width + H + config.head_dim)
-    floats += threads * 2 * context
+    floats += threads * ATTENTION_ROWS * context
     floats += LOGIT_COPIES * config.vocab_size * sequences
     return 4 * floats
 
 
+def auto_prefill_chunk(config, *, cache_bytes: int | None, threads: int, context: int,
+                       sequences: int) -> int:
+    """`prefill_chunk = "auto"`: PREFILL_CHUNK when every expert is in memory (no expert
+    cache: cache_bytes None); when they stream through a cache of cache_bytes, the largest
+    of STREAMING_PREFILL_CHUNK and its halvings whose step buffers take at most
+    1 / PREFILL_CHUNK_CACHE_SHARE of that cache beyond PREFILL_CHUNK's (PREFILL_CHUNK at
+    least). A chunk reads each
+    expert it routes to once, so a larger one reads fewer bytes per prompt token."""
+    if cache_bytes is None:
+        return PREFILL_CHUNK
+    base = workspace_bytes(config, threads=threads, context=context, sequences=sequences)
+    chunk = STREAMING_PREFILL_CHUNK
+    while chunk > PREFILL_CHUNK and (workspace_bytes(config, threads=threads, context=context,
+                                                     sequences=sequences, chunk=chunk) - base
+                                     > cache_bytes // PREFILL_CHUNK_CACHE_SHARE):
+        chunk //= 2
+    return max(chunk, PREFILL_CHUNK)
+
+
 def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_bytes: int,
-                  grammar_bytes: int = 0) -> int:
+                  grammar_bytes: int = 0, chunk: int = PREFILL_CHUNK) -> int:
     """What the process adds to itself besides the dense weights, KV and caches:
     LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN x vocabulary + `workspace_bytes` + the
     idle storage probe's buffers and workers over expert slots of `slot_bytes`
@@ -311,7 +364,8 @@ def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_by
     interpreter and the libraries imported before the plan are in the memory reading
     already."""
     return (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size
-            + workspace_bytes(config, threads=threads, context=context, sequences=sequences)
+            + workspace_bytes(config, threads=threads, context=context, sequences=sequences,
+                              chunk=chunk)
             + probe_memory_bytes(slot_bytes) + grammar_bytes)
 
 
@@ -337,7 +391,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
                         pin_fraction: float, reading: MemoryReading | None = None,
                         prefix_cache_bytes: int = 0, max_context_tokens: int | None = None,
                         threads: int | None = None, sequences_fixed: bool = False,
-                        grammar_compile_memory_bytes: int = DEFAULT_MEMORY_BYTES) -> ServingPlan:
+                        grammar_compile_memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                        prefill_chunk: int = PREFILL_CHUNK) -> ServingPlan:
     """Plan `moed serve`'s memory for the model in `model_dir` from one reading of the
     machine (default: `read_memory()`), through scheduler.planner.plan_memory:
 
@@ -359,7 +414,8 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     the expert cache gets the rest. When even the floor context does not fit
     max_concurrent_sequences sequences, the plan lowers that number (to 1 at least) unless
     sequences_fixed (the operator set it); a max_context_tokens given is never cut.
-    threads: compute threads (default: the CPUs available). Raises MemoryPlanError (a
+    threads: compute threads (default: the CPUs available); prefill_chunk: the model's
+    step size, which sizes the workspaces. Raises MemoryPlanError (a
     ValueError naming what to lower and giving every number) when even the minimum does not
     fit or a fixed number would have to be lowered, and the model loaders' errors.
     """
@@ -386,12 +442,12 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
             max_concurrent_sequences=max_concurrent_sequences, context_tokens=wanted,
             runtime_bytes=runtime_bytes(config, threads=threads, context=wanted,
                                         sequences=max_concurrent_sequences, slot_bytes=slot,
-                                        grammar_bytes=grammar_bytes),
+                                        grammar_bytes=grammar_bytes, chunk=prefill_chunk),
             slot_bytes=slot, min_dynamic_slots=config.top_k * sum(config.moe_layers),
             prefix_cache_bytes=prefix_cache_bytes, all_experts_bytes=all_experts,
             pin_fraction=pin_fraction, margin_fraction=MARGIN_FRACTION,
             sequences_fixed=sequences_fixed, context_fixed=max_context_tokens is not None,
-            runtime_bytes_per_context_token=4 * 2 * threads,
+            runtime_bytes_per_context_token=4 * ATTENTION_ROWS * threads,
             runtime_bytes_per_sequence=4 * LOGIT_COPIES * config.vocab_size)
     try:
         plan = plan_with(grammar)

@@ -18,7 +18,7 @@ from daemon.store.state import StateStore, default_state_dir
 from daemon.store.trace import RecordingProvider, TraceWriter
 from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, check_cache_budget,
                                     expert_counters, flush_usage, load_usage_state)
-from ext.models.model import Model
+from ext.models.model import PREFILL_CHUNK, Model
 from scheduler.usage import max_state_file_bytes
 from telemetry.logs import get_logger
 from telemetry.metrics import ExpertCounters
@@ -164,14 +164,16 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                state_dir: str | Path | None = None,
                environ: Mapping[str, str] = {},
                record_trace: str | Path | None = None, numerics: str = "exact",
-               baseline: bool = False, **streaming_options) -> tuple[Model, ExpertSession | None]:
+               baseline: bool = False, prefill_chunk: int = PREFILL_CHUNK,
+               **streaming_options) -> tuple[Model, ExpertSession | None]:
     """Load `model_dir`; (model, session) — session is None without a cache budget.
 
     experts: without cache_bytes, "mmap" or "resident". state_dir: where learned usage
     lives (None: $STATE_DIRECTORY, else ~/.local/state/moed, from `environ`). An
     unusable state directory is a warning, never an error: learning is only speed.
     record_trace: a file the decode routing is appended to, in the replay format
-    (daemon/store/trace.py). numerics: "auto", "exact", "fast" or "fast-bf16" (`Model.load`). baseline: the
+    (daemon/store/trace.py). numerics: "auto", "exact", "fast" or "fast-bf16", and
+    prefill_chunk: the most prompt tokens a forward step takes (`Model.load`). baseline: the
     naive cache (`BASELINE_OPTIONS`, overriding prefetch and pin_fraction); no state
     directory is read or written (it starts cold and leaves nothing behind), and a
     rebuild keeps it naive.
@@ -181,7 +183,8 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
     record_trace cannot be opened.
     """
     if cache_bytes is None:
-        model = Model.load(model_dir, n_threads=threads, experts=experts, numerics=numerics)
+        model = Model.load(model_dir, n_threads=threads, experts=experts, numerics=numerics,
+                           prefill_chunk=prefill_chunk)
         if record_trace is not None:
             moe = [l for l, m in enumerate(model.config.moe_layers) if m]
             model.experts = RecordingProvider(model.experts, TraceWriter(record_trace, len(moe))).bind(moe)
@@ -223,7 +226,8 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
         built.append((provider, store, fingerprint))
         return provider
 
-    model = Model.load(model_dir, n_threads=threads, experts=streaming, numerics=numerics)
+    model = Model.load(model_dir, n_threads=threads, experts=streaming, numerics=numerics,
+                       prefill_chunk=prefill_chunk)
     provider, store, fingerprint = built[0]
     if record_trace is not None:
         try:

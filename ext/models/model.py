@@ -43,7 +43,12 @@ from ext.models.routing import RouterWeights
 from ext.models.weights import Weight, read_weight
 
 F32 = np.float32
-PREFILL_CHUNK = 64  # tokens per forward chunk; any value gives the same logits
+PREFILL_CHUNK = 64  # tokens per forward step by default; any value gives the same logits
+# The step size moed serves with when the routed experts stream through a cache smaller
+# than all of them (`prefill_chunk = "auto"`, daemon/service/loading.py): a chunk reads
+# every expert it routes to once, so the disk bytes per prompt token fall as the chunk
+# grows (bench/prefill_streaming.py).
+STREAMING_PREFILL_CHUNK = 1024
 BROKEN_LAYERS_SAID = 4          # broken_weights() names the experts of this many layers
 
 
@@ -147,7 +152,8 @@ class Model:
     """
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint, layout: ExpertLayout,
-                 experts: ExpertProvider, n_threads: int, numerics: str = "exact"):
+                 experts: ExpertProvider, n_threads: int, numerics: str = "exact",
+                 prefill_chunk: int = PREFILL_CHUNK):
         if numerics not in NUMERICS_SETTINGS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS_SETTINGS)}, "
                              f"got {numerics!r}")
@@ -167,7 +173,12 @@ class Model:
         self.dense_weights: dict[str, StoredWeight] = {}   # every resident linear weight
         self._router_modules: set[str] = set()             # those computed exactly always
         self.family = family_of(config.model_type)
-        self.attention = self.family.attention(config, PREFILL_CHUNK, n_threads, fast=self.fast)
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        # Rows of one forward step at most (a prompt goes this many tokens a step): the
+        # size of the step's buffers; any value gives the same logits.
+        self.prefill_chunk = prefill_chunk
+        self.attention = self.family.attention(config, prefill_chunk, n_threads, fast=self.fast)
         self.routing = self.family.routing(config)
         # Called as moe_observer(layer, experts, weights, x [N, H], group_start) before each
         # batch of expert FFNs, with the rows of experts[g] at group_start[g]:group_start[g+1]
@@ -180,7 +191,7 @@ class Model:
         self.broken_experts: frozenset[tuple[int, int]] = frozenset()
         self.expert_ffn = self.family.experts(config, layout.transposed, fast=self.fast)
         self._load_dense()
-        self.ws = _Workspace(config, PREFILL_CHUNK)
+        self.ws = _Workspace(config, prefill_chunk)
         moe = [l for l, is_moe in enumerate(config.moe_layers) if is_moe]
         # The first MoE layer after each layer (None after the last one).
         self.next_moe_layer = [next((m for m in moe if m > l), None)
@@ -189,7 +200,7 @@ class Model:
     @classmethod
     def load(cls, model_dir: str | Path, *, n_threads: int | None = None,
              experts: str | ExpertProvider | Callable[..., ExpertProvider] = "mmap",
-             numerics: str = "exact") -> Model:
+             numerics: str = "exact", prefill_chunk: int = PREFILL_CHUNK) -> Model:
         """Open and validate a model directory, load the dense weights.
 
         Args:
@@ -208,8 +219,13 @@ class Model:
                 int8/int4/MXFP4 weights, else exact: `ext.kernels.resolve_numerics`; the
                 default of the daemon and the commands). `numerics_in_force()` says which
                 mode runs.
+            prefill_chunk: tokens of a prompt per forward step at most (default
+                PREFILL_CHUNK): the step buffers grow with it (about
+                daemon.service.loading.workspace_bytes), and with experts that stream a
+                larger chunk reads each routed expert once for more tokens. Logits do not
+                depend on it.
         Raises:
-            ValueError: an unknown `numerics` or `experts`.
+            ValueError: an unknown `numerics` or `experts`, a prefill_chunk below 1.
             ConfigError / CheckpointError subclasses naming the field, file or tensor
             (QuantizationError ones for quantised weights: ext/formats/quant.py).
         """
@@ -229,7 +245,8 @@ class Model:
             provider = experts(checkpoint, layout, config)
         else:
             raise ValueError(f"experts must be 'mmap', 'resident' or an ExpertProvider, got {experts!r}")
-        return cls(config, checkpoint, layout, provider, n_threads or default_threads(), numerics)
+        return cls(config, checkpoint, layout, provider, n_threads or default_threads(), numerics,
+                   prefill_chunk)
 
     # ------------------------------------------------------------- loading
 
@@ -348,8 +365,8 @@ class Model:
         self._check_ids(ids)
         seq.kv.reserve(ids.size)
         outs = []
-        for start in range(0, ids.size, PREFILL_CHUNK):
-            chunk = ids[start:start + PREFILL_CHUNK]
+        for start in range(0, ids.size, self.prefill_chunk):
+            chunk = ids[start:start + self.prefill_chunk]
             last = start + chunk.size == ids.size
             h = self._forward_rows([(seq.kv, 0, chunk.size)], chunk)
             if all_logits or last:
@@ -389,12 +406,12 @@ class Model:
         Args:
             seqs: distinct sequences; each KV cache grows by len(token_ids[b]).
             token_ids: one non-empty [T_b] array (or list) per sequence, with
-                sum(T_b) <= PREFILL_CHUNK.
+                sum(T_b) <= prefill_chunk.
         Returns:
             [len(seqs), V] float32 logits of each sequence's last token (a new array).
         Raises:
             ValueError: no sequences, a sequence given twice, a length mismatch, an
-                empty chunk, more than PREFILL_CHUNK tokens in all, an id out of range,
+                empty chunk, more than prefill_chunk tokens in all, an id out of range,
                 or a context exceeded (checked for every sequence before any changes).
         """
         if not seqs or len(seqs) != len(token_ids):
@@ -406,8 +423,8 @@ class Model:
         if any(c.size == 0 for c in chunks):
             raise ValueError("forward_step got an empty token list")
         ids = np.concatenate(chunks)
-        if ids.size > PREFILL_CHUNK:
-            raise ValueError(f"forward_step takes at most {PREFILL_CHUNK} tokens in all, got {ids.size}")
+        if ids.size > self.prefill_chunk:
+            raise ValueError(f"forward_step takes at most {self.prefill_chunk} tokens in all, got {ids.size}")
         self._check_ids(ids)
         for seq, chunk in zip(seqs, chunks):
             if seq.kv.length + chunk.size > seq.kv.max_capacity:
@@ -430,7 +447,7 @@ class Model:
             raise ValueError(f"token id {bad} out of range [0, {self.config.vocab_size})")
 
     def _forward_rows(self, segments: Segments, ids: np.ndarray) -> np.ndarray:
-        """Embed → layers → final norm for T <= PREFILL_CHUNK rows; returns [T, H].
+        """Embed → layers → final norm for T <= prefill_chunk rows; returns [T, H].
 
         segments: (kv, r0, r1) — rows r0:r1 of `ids` continue that KV cache, in order,
         from its current length. One segment is a prefill chunk; one per row is a

@@ -320,6 +320,18 @@ def test_the_chunk_beside_decodes_follows_measured_step_times():
     assert t.prefill_rows(PREFILL_CHUNK - 2, 2.0) == 2               # the rows left in a step
 
 
+def test_a_larger_model_chunk_is_the_step_of_a_prompt_alone_and_bounds_mixed_steps():
+    """The model's prefill_chunk (1024 when experts stream) sizes the steps of a prompt
+    alone; beside decodes the measured rule still decides, within it."""
+    t = _StepTimes(1024)
+    assert t.prefill_rows(0, 2.0) == 1024
+    for _ in range(9):
+        t.observe(0.010, 0, 3)
+    t.observe(1.024, 1024, 0)                                        # a prompt row: 1 ms
+    assert t.prefill_rows(3, 2.0) == 10
+    assert t.prefill_rows(1020, 200.0) == 4                          # the rows left in a step
+
+
 def test_a_request_of_more_choices_than_places_left_fails_instead_of_blocking(model, tokenizer):
     engine = Engine(model, tokenizer, max_concurrent_sequences=4)      # not started yet
 

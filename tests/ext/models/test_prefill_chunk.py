@@ -1,0 +1,66 @@
+"""The prefill chunk (Model's `prefill_chunk`, the serving key `prefill_chunk`): any chunk
+gives a prompt the same logits, bit for bit, in every numerics mode; the step buffers and
+forward_step's limit follow it; "auto" grows it when the experts stream."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.service.loading import auto_prefill_chunk, workspace_bytes
+from ext.models.config import load_config
+from ext.models.model import PREFILL_CHUNK, STREAMING_PREFILL_CHUNK, Model
+from repacked_models import make_in_format
+
+PROMPT = [(7 * i + 3) % 250 + 1 for i in range(530)]     # crosses 512, 64 and 7
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunk")
+    shape = dict(arch="qwen3_moe", layers=2, experts=8, top_k=2, hidden=64, intermediate=32, seed=9,
+                 initializer_range=0.2)
+    int4 = make_in_format(root / "int4", "int4", **shape)
+    return {"int4": int4, "bf16": root / "int4-bf16"}
+
+
+def _logits(model_dir, numerics, chunk):
+    model = Model.load(model_dir, n_threads=2, numerics=numerics, prefill_chunk=chunk)
+    try:
+        assert model.prefill_chunk == chunk and model.ws.x.shape[0] == chunk
+        return model.forward(model.new_sequence(len(PROMPT)), PROMPT, all_logits=True)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("dtype, numerics", [("bf16", "exact"), ("int4", "fast"), ("bf16", "fast-bf16")])
+def test_chunkings_1_7_64_and_512_give_the_same_bits(dirs, dtype, numerics):
+    want = _logits(dirs[dtype], numerics, 64)
+    for chunk in (1, 7, 512):
+        got = _logits(dirs[dtype], numerics, chunk)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), chunk
+
+
+def test_forward_step_takes_at_most_the_chunk(dirs):
+    model = Model.load(dirs["bf16"], n_threads=1, prefill_chunk=8)
+    try:
+        with pytest.raises(ValueError, match="forward_step takes at most 8 tokens in all, got 9"):
+            model.forward_step([model.new_sequence()], [list(range(1, 10))])
+        model.forward_step([model.new_sequence()], [list(range(1, 9))])
+    finally:
+        model.close()
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1, got 0"):
+        Model.load(dirs["bf16"], prefill_chunk=0)
+
+
+def test_auto_chunk_grows_when_experts_stream_within_a_quarter_of_the_cache(dirs):
+    config = load_config(dirs["bf16"])
+    kw = dict(threads=2, context=4096, sequences=4)
+    assert auto_prefill_chunk(config, cache_bytes=None, **kw) == PREFILL_CHUNK
+    assert auto_prefill_chunk(config, cache_bytes=1 << 40, **kw) == STREAMING_PREFILL_CHUNK
+    base = workspace_bytes(config, **kw)
+    extra = {c: workspace_bytes(config, chunk=c, **kw) - base for c in (128, 256, 512, 1024)}
+    # a cache whose quarter holds 256 tokens' buffers and not 512's
+    cache = 4 * (extra[256] + extra[512]) // 2
+    assert auto_prefill_chunk(config, cache_bytes=cache, **kw) == 256
+    assert auto_prefill_chunk(config, cache_bytes=4 * extra[128] - 8, **kw) == PREFILL_CHUNK
+    assert workspace_bytes(config, chunk=1024, **kw) > workspace_bytes(config, **kw)
