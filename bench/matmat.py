@@ -9,8 +9,9 @@ interleaved round by round with the order rotated, median of `--repeats` rounds 
 the spread. Reported per (format, T): microseconds per token row of each, their ratio
 (speedup = matvecs / matmat; > 1 means the mat-mat is faster per row) and whether the
 mat-mat's rows are bit-equal to the mat-vecs' (they must be: the placement rule).
-`--fast` times fast mode (`matmul(..., fast=True)`) of the int8, int4 and mxfp4 formats
-instead of exact (other formats are exact in both).
+`--fast` times the fast numerics (`matmul(..., fast=2)`, `numerics = "fast-bf16"`): the
+int8, int4 and mxfp4 formats under q8x2-32 and bf16 under bf16-dp instead of exact
+(other formats are exact in both).
 
 Against numpy's f32 BLAS: per T, numpy's `x @ w.T` on the weight as float32 (4 bytes a
 weight, read cold like the others) is timed in the same rounds, and every format's
@@ -41,7 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="2,4,8,16", help="comma-separated T (default 2,4,8,16)")
     parser.add_argument("--shape", default="768x2048", help="RxC weight shape (default 768x2048)")
-    parser.add_argument("--fast", action="store_true", help="fast mode of the int8, int4 and mxfp4 formats")
+    parser.add_argument("--fast", action="store_true",
+                        help="fast numerics (fast-bf16: int8, int4, mxfp4 and bf16 weights)")
     args, formats = parse_timing_args(parser, flush_mib=128, pause=0.1)
     tokens = [int(t) for t in args.tokens.split(",")]
     R, C = (int(v) for v in args.shape.lower().split("x"))
@@ -54,14 +56,14 @@ def main() -> None:
     for name, w in weights.items():
         for T in tokens:
             together, alone = np.empty((T, R), np.float32), np.empty((T, R), np.float32)
-            _kernels.matmul(w, x[:T], together, args.threads, fast=args.fast)
+            _kernels.matmul(w, x[:T], together, args.threads, fast=2 if args.fast else 0)
             for t in range(T):
-                _kernels.matmul(w, x[t:t + 1], alone[t:t + 1], args.threads, fast=args.fast)
+                _kernels.matmul(w, x[t:t + 1], alone[t:t + 1], args.threads, fast=2 if args.fast else 0)
             bit_equal[name, T] = bool(np.array_equal(together.view(np.uint32), alone.view(np.uint32)))
 
     def matvecs(w, T):
         for t in range(T):
-            _kernels.matmul(w, x[t:t + 1], out[t:t + 1], args.threads, fast=args.fast)
+            _kernels.matmul(w, x[t:t + 1], out[t:t + 1], args.threads, fast=2 if args.fast else 0)
 
     runs = {}
     w32 = weights.get("f32")
@@ -70,7 +72,7 @@ def main() -> None:
         runs["numpy", T, "matmat"] = lambda T=T: np.matmul(x[:T], w32.T, out=out[:T])
     for name, w in weights.items():
         for T in tokens:
-            runs[name, T, "matmat"] = lambda w=w, T=T: _kernels.matmul(w, x[:T], out[:T], args.threads, fast=args.fast)
+            runs[name, T, "matmat"] = lambda w=w, T=T: _kernels.matmul(w, x[:T], out[:T], args.threads, fast=2 if args.fast else 0)
             runs[name, T, "matvecs"] = lambda w=w, T=T: matvecs(w, T)
     load_before = os.getloadavg()
     times = Timer(args.flush_mib, args.pause).rounds(runs, args.repeats)
