@@ -12,8 +12,8 @@ dropped from the page cache first (`drop_page_cache`: POSIX_FADV_DONTNEED; the r
 model holds its experts in its own memory, not in the page cache). Both prefill the same --prompt token ids in one
 `Model.forward` call (the model chunks it, `prefill_chunk` tokens a step: with
 --prefill-chunk auto, what `moed serve` would choose, `daemon.service.loading.
-auto_prefill_chunk`: PREFILL_CHUNK for the resident model, up to STREAMING_PREFILL_CHUNK
-for the streaming one; or N for both) and the time to first token is that call's time:
+auto_prefill_chunk`: RESIDENT_PREFILL_CHUNK for the resident model, up to
+STREAMING_PREFILL_CHUNK for the streaming one; or N for both) and the time to first token is that call's time:
 the first token's logits are its last row. The
 streaming model is built fresh each round, after the clock stops for the other, and no
 usage is learned beforehand (a cold start).
@@ -45,7 +45,7 @@ from ext.formats.checkpoint import Checkpoint  # noqa: E402
 from ext.kernels import _kernels  # noqa: E402
 from ext.models.config import load_config  # noqa: E402
 from ext.models.experts import ExpertLayout  # noqa: E402
-from ext.models.model import PREFILL_CHUNK, Model  # noqa: E402
+from ext.models.model import Model  # noqa: E402
 from scheduler.cache import PHASE_PREFILL  # noqa: E402
 
 
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     direct = probe_direct_io(checkpoint.shards[0])
     ids = [1 + (i * 7919) % (config.vocab_size - 1) for i in range(args.prompt)]
     if args.prefill_chunk == "auto":
-        chunk_resident = PREFILL_CHUNK
+        chunk_resident = auto_prefill_chunk(config, cache_bytes=None, threads=args.threads,
+                                            context=args.prompt, sequences=1)
         chunk_streaming = auto_prefill_chunk(config, cache_bytes=cache_bytes, threads=args.threads,
                                              context=args.prompt, sequences=1)
     else:

@@ -382,9 +382,9 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                "a step that prefills beside decodes aims at R decode steps' "
                                "time (higher: long prompts first; lower: streams first)"),
     "prefill_chunk": _Key(_prefill_chunk, "TOKENS|auto",
-                          "prompt tokens a forward step takes at most; auto: 64, or up to 1024 "
-                          "when the experts stream (fewer expert reads per prompt token), its "
-                          "buffers at most a quarter of the expert cache"),
+                          "prompt tokens a forward step takes at most; auto: 512 (64 when memory "
+                          "is short), or up to 1024 when the experts stream (fewer expert reads "
+                          "per prompt token), its buffers at most a quarter of the expert cache"),
     "prefix_cache_bytes": _Key(_size_or_zero, "SIZE", "KV of recent prompts kept for requests "
                                                       "that start the same way (0: off)"),
     "prefix_cache_scope": _Key(_choice(PREFIX_CACHE_SCOPES), "SCOPE",

@@ -32,7 +32,7 @@ from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 from ext.models.families import kv_bytes_per_token, unused_tensors
-from ext.models.model import PREFILL_CHUNK, STREAMING_PREFILL_CHUNK
+from ext.models.model import PREFILL_CHUNK, RESIDENT_PREFILL_CHUNK, STREAMING_PREFILL_CHUNK
 from ext.tokenizer import Tokenizer, stop_token_ids
 from scheduler.planner import MemoryPlanError, available_bytes, plan_memory
 from telemetry.logs import get_logger
@@ -134,15 +134,9 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                    context=planned.context,
                                    sequences=planned.plan.max_concurrent_sequences)
         if chunk > PREFILL_CHUNK:
-            try:
-                replanned = plan(chunk)
-            except MemoryPlanError:
-                chunk = PREFILL_CHUNK
-            else:
-                if replanned.stream:
-                    planned = replanned
-                else:                # (cannot happen: the buffers only shrink the cache)
-                    chunk = PREFILL_CHUNK
+            planned, chunk = _plan_for_chunk(plan, planned, chunk)
+    elif cache_bytes is None and auto_chunk:           # every expert in memory
+        planned, chunk = _plan_for_chunk(plan, planned, RESIDENT_PREFILL_CHUNK)
     elif cache_bytes is not None and auto_chunk:       # a budget the operator set
         chunk = auto_prefill_chunk(load_config(model_dir), cache_bytes=cache_bytes,
                                    threads=config.threads or len(os.sched_getaffinity(0)),
@@ -309,6 +303,21 @@ ATTENTION_ROWS = 8              # query rows per attention work item: scores scr
 PREFILL_CHUNK_CACHE_SHARE = 4   # auto: a streaming step's extra buffers <= 1/4 of the expert cache
 
 
+def _plan_for_chunk(plan, planned: ServingPlan, chunk: int) -> tuple[ServingPlan, int]:
+    """(the plan made again for a prompt step of `chunk` tokens, chunk) when it keeps
+    what `planned` (made for PREFILL_CHUNK) gives: the experts in memory or streamed
+    alike, the context and the concurrent sequences; else (planned, PREFILL_CHUNK): larger
+    step buffers never cost context, sequences or experts in memory."""
+    try:
+        again = plan(chunk)
+    except MemoryPlanError:
+        return planned, PREFILL_CHUNK
+    if (again.stream, again.context, again.plan.max_concurrent_sequences) != (
+            planned.stream, planned.context, planned.plan.max_concurrent_sequences):
+        return planned, PREFILL_CHUNK
+    return again, chunk
+
+
 def workspace_bytes(config, *, threads: int, context: int, sequences: int,
                     chunk: int = PREFILL_CHUNK) -> int:
     """The forward pass's buffers for `chunk` tokens (ext/models/model.py _Workspace,
@@ -336,14 +345,15 @@ def workspace_bytes(config, *, threads: int, context: int, sequences: int,
 
 def auto_prefill_chunk(config, *, cache_bytes: int | None, threads: int, context: int,
                        sequences: int) -> int:
-    """`prefill_chunk = "auto"`: PREFILL_CHUNK when every expert is in memory (no expert
-    cache: cache_bytes None); when they stream through a cache of cache_bytes, the largest
+    """`prefill_chunk = "auto"`: RESIDENT_PREFILL_CHUNK when every expert is in memory (no
+    expert cache: cache_bytes None; the caller checks that the plan still fits it); when
+    they stream through a cache of cache_bytes, the largest
     of STREAMING_PREFILL_CHUNK and its halvings whose step buffers take at most
     1 / PREFILL_CHUNK_CACHE_SHARE of that cache beyond PREFILL_CHUNK's (PREFILL_CHUNK at
     least). A chunk reads each
     expert it routes to once, so a larger one reads fewer bytes per prompt token."""
     if cache_bytes is None:
-        return PREFILL_CHUNK
+        return RESIDENT_PREFILL_CHUNK
     base = workspace_bytes(config, threads=threads, context=context, sequences=sequences)
     chunk = STREAMING_PREFILL_CHUNK
     while chunk > PREFILL_CHUNK and (workspace_bytes(config, threads=threads, context=context,

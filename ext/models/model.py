@@ -49,6 +49,10 @@ PREFILL_CHUNK = 64  # tokens per forward step by default; any value gives the sa
 # every expert it routes to once, so the disk bytes per prompt token fall as the chunk
 # grows (bench/prefill_streaming.py).
 STREAMING_PREFILL_CHUNK = 1024
+# ... and when every expert is in memory: each chunk still reads every expert weight it
+# touches from DRAM once (experts are far larger than the caches), and llama.cpp's
+# default micro-batch (n_ubatch) is 512 tokens too.
+RESIDENT_PREFILL_CHUNK = 512
 BROKEN_LAYERS_SAID = 4          # broken_weights() names the experts of this many layers
 
 

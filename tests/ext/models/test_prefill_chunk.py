@@ -8,7 +8,7 @@ import pytest
 
 from daemon.service.loading import auto_prefill_chunk, workspace_bytes
 from ext.models.config import load_config
-from ext.models.model import PREFILL_CHUNK, STREAMING_PREFILL_CHUNK, Model
+from ext.models.model import PREFILL_CHUNK, RESIDENT_PREFILL_CHUNK, STREAMING_PREFILL_CHUNK, Model
 from repacked_models import make_in_format
 
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(530)]     # crosses 512, 64 and 7
@@ -55,7 +55,7 @@ def test_forward_step_takes_at_most_the_chunk(dirs):
 def test_auto_chunk_grows_when_experts_stream_within_a_quarter_of_the_cache(dirs):
     config = load_config(dirs["bf16"])
     kw = dict(threads=2, context=4096, sequences=4)
-    assert auto_prefill_chunk(config, cache_bytes=None, **kw) == PREFILL_CHUNK
+    assert auto_prefill_chunk(config, cache_bytes=None, **kw) == RESIDENT_PREFILL_CHUNK
     assert auto_prefill_chunk(config, cache_bytes=1 << 40, **kw) == STREAMING_PREFILL_CHUNK
     base = workspace_bytes(config, **kw)
     extra = {c: workspace_bytes(config, chunk=c, **kw) - base for c in (128, 256, 512, 1024)}
@@ -64,3 +64,22 @@ def test_auto_chunk_grows_when_experts_stream_within_a_quarter_of_the_cache(dirs
     assert auto_prefill_chunk(config, cache_bytes=cache, **kw) == 256
     assert auto_prefill_chunk(config, cache_bytes=4 * extra[128] - 8, **kw) == PREFILL_CHUNK
     assert workspace_bytes(config, chunk=1024, **kw) > workspace_bytes(config, **kw)
+
+
+def test_a_larger_chunk_is_taken_only_when_its_plan_keeps_everything_else():
+    from types import SimpleNamespace as NS
+
+    from daemon.service.loading import _plan_for_chunk
+    from scheduler.planner import MemoryPlanError
+
+    def serving(stream=False, context=8192, sequences=4):
+        return NS(stream=stream, context=context, plan=NS(max_concurrent_sequences=sequences))
+    base = serving()
+    same = serving()
+    assert _plan_for_chunk(lambda c: same, base, 512) == (same, 512)
+    for worse in (serving(stream=True), serving(context=4096), serving(sequences=2)):
+        assert _plan_for_chunk(lambda c, w=worse: w, base, 512) == (base, PREFILL_CHUNK)
+
+    def refuse(chunk):
+        raise MemoryPlanError("no room")
+    assert _plan_for_chunk(refuse, base, 1024) == (base, PREFILL_CHUNK)
