@@ -43,7 +43,8 @@ engines of a subject back to back, which one first alternating from round to rou
 --pause seconds between runs. llama.cpp: `llama-bench -m F.gguf -t T -p P -n N -r 1 -o
 json` (its own warm-up run first), avg_ts of its pp and tg tests. moed: a fresh process
 per run (OMP_WAIT_POLICY=PASSIVE unless set, as the `moed` command sets it; libgomp reads
-it when it loads), Model.load(n_threads=T, experts="resident") so every weight is in RAM,
+it when it loads), Model.load(n_threads=T, experts="resident") so every weight is in RAM
+(with the prefill chunk moed serve takes then, RESIDENT_PREFILL_CHUNK, where Model.load has one),
 a short warm-up, then prefill = P random token ids in one forward call on a new sequence
 (P / seconds; the model chunks it internally), and decode = N one-token forward calls
 after a one-token prompt, greedy (bench/decode.py's moed_run), N / seconds, as
@@ -369,12 +370,16 @@ CHILD = r"""
 import json, os, sys, time
 args = json.loads(sys.argv[1])
 sys.path[:0] = [args["bench"], args["root"]]
+import inspect
 import numpy as np
 from decode import moed_run
 from ext.kernels._kernels import build_info
 from ext.models.model import Model
 
 kw = {"numerics": args["numerics"]} if args["pass_numerics"] else {}
+if "prefill_chunk" in inspect.signature(Model.load).parameters:
+    from ext.models.model import RESIDENT_PREFILL_CHUNK   # what moed serve takes, experts in RAM
+    kw["prefill_chunk"] = RESIDENT_PREFILL_CHUNK
 model = Model.load(args["model"], n_threads=args["threads"], experts="resident", **kw)
 P, N = args["prompt"], args["tokens"]
 ids = np.random.default_rng(0).integers(3, model.config.vocab_size, max(P, 1)).astype(np.int64)
@@ -389,6 +394,7 @@ if P:
     pp = P / (time.perf_counter() - t0)
 tg, _ = moed_run(model, [1], N + 1)                      # N one-token steps after the prompt
 print(json.dumps({"pp": pp, "tg": tg, "build_info": build_info(),
+                  "prefill_chunk": getattr(model, "prefill_chunk", 64),
                   "weight_formats": model.weight_formats(),
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
 model.close()
