@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from daemon.service.sdnotify import Notifier, listen_fds
 from daemon.service.serving import ServingState
 from daemon.store.reads import READ_SECONDS_BUCKETS
 from daemon.tuning.knobs import PREFETCH_WIDTH
+from ext.formats.files import read_json
 from ext.formats.quant import quantization_label
 from ext.kernels import resolve_numerics
 from ext.models.config import load_config as load_model_config
@@ -329,8 +329,8 @@ def _plain_format(model_dir) -> tuple[str, ...]:
     `torch_dtype` (or `dtype`): ("bf16",), ("f16",), ("f32",), or () when it says
     nothing readable. For the numerics label before the load (fast-bf16 changes bf16)."""
     try:
-        raw = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_json(Path(model_dir, "config.json"))
+    except (OSError, ValueError):                # ValueError: MetadataFileError, bad JSON
         return ()
     dtype = (raw.get("torch_dtype") or raw.get("dtype")) if isinstance(raw, dict) else None
     label = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype) if isinstance(dtype, str) else None

@@ -523,3 +523,15 @@ def test_the_concurrency_ceiling_is_the_engines_batch_limit():
         ServeConfig(max_concurrent_sequences=PREFILL_CHUNK + 1)
     with pytest.raises(ConfigError, match="shutdown_grace_s"):
         ServeConfig(shutdown_grace_s=1e10)
+
+
+def test_the_numerics_label_before_the_load_counts_the_plain_weights_dtype(tmp_path):
+    """fast-bf16 changes bf16 weights, so the label moed_build_info has before the load
+    reads config.json's torch_dtype (or dtype); anything unreadable counts as nothing."""
+    from daemon.service.daemon import _plain_format
+    for raw, want in (('{"torch_dtype": "bfloat16"}', ("bf16",)), ('{"dtype": "float16"}', ("f16",)),
+                      ('{"torch_dtype": "float32"}', ("f32",)), ('{"torch_dtype": 7}', ()),
+                      ("[1]", ()), ("{not json", ())):
+        (tmp_path / "config.json").write_text(raw)
+        assert _plain_format(tmp_path) == want, raw
+    assert _plain_format(tmp_path / "absent") == ()
