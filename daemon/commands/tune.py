@@ -8,8 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from daemon.commands.args import (MODEL_HELP, Parents, Progress, check_model_dir, cpu_threads,
-                                  nonempty, positive_int, size)
+from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, add_numerics,
+                                  check_model_dir, cpu_threads, nonempty, positive_int, size)
 
 
 def register(sub, parents: Parents) -> None:
@@ -26,10 +26,14 @@ def register(sub, parents: Parents) -> None:
                     "then the cache size and pinned share by replaying the routing it recorded. "
                     "Then tuned and default settings are compared from a cold cache, interleaved: "
                     "the tuned ones are saved only if that comparison confirms them, else the "
-                    "defaults are. Prints one JSON report (what it tried and kept) and saves the "
-                    "winners in the state "
-                    "directory for this model and this hardware; --threads and --io-workers "
-                    "give the defaults it starts from.",
+                    "defaults are. Last, the prefill chunk: one prompt prefilled with each chunk "
+                    "of 64 .. 1024 tokens (as far as the cache budget allows), rounds "
+                    "interleaved from an empty cache; the fixed rule's chunk is kept unless "
+                    "another is faster in every round and by 3 % in the median one. Prints one "
+                    "JSON report (what it tried and kept) and saves the winners in the state "
+                    "directory for this model and this hardware (moed serve starts from them; "
+                    "its prefill_chunk = auto takes the measured chunk); --threads and "
+                    "--io-workers give the defaults it starts from.",
         epilog="example: moed tune --model ./bench-model --expert-cache-bytes 768M")
     t.add_argument("--model", required=True, metavar="DIR", type=nonempty, help=MODEL_HELP)
     t.add_argument("--expert-cache-bytes", type=size, required=True, metavar="SIZE",
@@ -46,11 +50,19 @@ def register(sub, parents: Parents) -> None:
                    help="runs of each in that comparison (default: 5); the tuned settings are "
                         "saved only when they win the median pair and all pairs but one, else "
                         "the defaults are")
+    t.add_argument("--prefill-tokens", type=int, default=1024, metavar="N",
+                   help="prompt tokens of the prefill chunk measurement (default: 1024; 0 skips "
+                        "it and keeps what was saved before)")
+    t.add_argument("--prefill-rounds", type=positive_int, default=3, metavar="R",
+                   help="interleaved rounds of that measurement (default: 3)")
+    add_numerics(t)
     t.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
+    if args.prefill_tokens < 0:
+        raise UsageError(f"--prefill-tokens must be >= 0, got {args.prefill_tokens}")
     from daemon.commands.tune_runs import TuneConfig, run_tune
     from daemon.store.state import default_state_dir
 
@@ -67,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
                      state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(os.environ),
                      threads=args.threads or cpu_threads(), io_workers=args.io_workers,
                      window_steps=args.window_steps, pairs=args.pairs,
-                     compare_tokens=args.compare_tokens, compare_repeats=args.compare_repeats)
+                     compare_tokens=args.compare_tokens, compare_repeats=args.compare_repeats,
+                     prefill_tokens=args.prefill_tokens, prefill_rounds=args.prefill_rounds,
+                     numerics=args.numerics)
     try:
         report = run_tune(cfg, progress=progress)
     finally:

@@ -3,8 +3,8 @@ the foreground, on the built-in workload.
 
 `run_tune`: defaults measured, the A/B search run (daemon/tuning/search.py), the cache
 split chosen by replay, tuned vs default measured interleaved from a cold cache, the
-winners saved for this model and hardware (daemon/tuning/saved.py); `moed serve` starts
-from them.
+prefill chunk measured (daemon/tuning/prefill.py), the winners saved for this model and
+hardware (daemon/tuning/saved.py); `moed serve` starts from them.
 """
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.commands.figures import compare, spread
+from daemon.service.loading import auto_prefill_chunk, expert_slot_bytes
 from daemon.store.reads import drop_page_cache
 from daemon.store.session import open_model
 from daemon.store.state import StateReadOnlyError
 from daemon.tuning.knobs import (IO_WORKERS, PREFETCH_WIDTH, THREADS, LiveKnobs, default_knobs,
                                  probe_proposals)
-from daemon.tuning.saved import TunedStore, hardware_facts
+from daemon.tuning.prefill import (choose_prefill_chunk, measure_prefill_chunks, prefill_candidates,
+                                   prefill_prompt)
+from daemon.tuning.saved import PREFILL_CHUNK_SETTING, TunedStore, hardware_facts
 from daemon.tuning.search import WINDOW_STEPS, replay_cache_split, tune
 from daemon.tuning.workload import RoutingRecorder, Workload, workload_prompts
-from ext.models.model import Model
+from ext.models.config import load_config
+from ext.models.model import RESIDENT_PREFILL_CHUNK, Model
 from telemetry.logs import get_logger
 
 log = get_logger("tuning")
@@ -42,6 +46,9 @@ class TuneConfig:
     pairs: int = 4
     compare_tokens: int = 64
     compare_repeats: int = 5
+    prefill_tokens: int = 1024
+    prefill_rounds: int = 3
+    numerics: str = "auto"
     seed: int = 0
 
 def compare_settings(session, model: Model, prompts, settings_of: dict[str, dict], cfg: TuneConfig,
@@ -78,10 +85,17 @@ def confirms(pair_ratios: list[float], same: bool) -> bool:
 
 def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> dict:
     """`moed tune`: tune threads, io workers and prefetch width by A/B on the built-in
-    workload, the cache split by replay, compare tuned vs default, save the winners.
-    Returns the JSON report. Raises the model's load errors and CacheBudgetError."""
+    workload, the cache split by replay, compare tuned vs default, measure the prefill
+    chunk, save the winners. Returns the JSON report. Raises the model's load errors and
+    CacheBudgetError."""
+    prefill_tokens = min(cfg.prefill_tokens, load_config(cfg.model).max_position_embeddings - 1)
+    # the largest chunk serve's rule allows for this cache: the step buffers are built for
+    # it, and the measurement tries the chunks up to it
+    capacity = auto_prefill_chunk(load_config(cfg.model), cache_bytes=cfg.cache_bytes,
+                                  threads=cfg.threads, context=max(prefill_tokens, 1) + 1, sequences=1)
     model, session = open_model(cfg.model, threads=cfg.threads, cache_bytes=cfg.cache_bytes,
-                                io_workers=cfg.io_workers, state_dir=cfg.state_dir)
+                                io_workers=cfg.io_workers, state_dir=cfg.state_dir,
+                                numerics=cfg.numerics, prefill_chunk=capacity)
     try:
         if session is None:
             raise ValueError("moed tune needs an expert cache budget")
@@ -131,9 +145,30 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
             if not confirmed:
                 progress("the final comparison did not confirm the tuned settings "
                          f"(tuned / default by pair: {versus['pair_ratios']}): the defaults are saved")
+        prefill = None
+        if prefill_tokens > 0:
+            # with what is saved in force, from an empty cache and no page cache each run
+            LiveKnobs(model).apply(saved)
+
+            def fresh() -> None:
+                session.rebuild(cache_bytes=saved["cache_bytes"], pin_fraction=saved["pin_fraction"])
+                drop_page_cache(model.checkpoint.shards)
+
+            # the incumbent: serve's rule, the largest chunk its cache allows when the experts
+            # stream, RESIDENT_PREFILL_CHUNK when the cache holds them all
+            streams = cfg.cache_bytes < expert_slot_bytes(model.layout)[1]
+            incumbent = capacity if streams else min(capacity, RESIDENT_PREFILL_CHUNK)
+            prefill = tune_prefill_chunk(model, prompts, capacity, incumbent, prefill_tokens,
+                                         cfg.prefill_rounds, fresh, progress)
+            saved = {**saved, PREFILL_CHUNK_SETTING: prefill["chosen"]}
+        else:
+            previous = store.load() or {}
+            if PREFILL_CHUNK_SETTING in previous:
+                saved = {**saved, PREFILL_CHUNK_SETTING: previous[PREFILL_CHUNK_SETTING]}
         report = {
-            "model": str(cfg.model), "hardware": facts, "default": default, "tuned": tuned,
-            "confirmed": confirmed, "saved": saved,
+            "model": str(cfg.model), "hardware": facts, "numerics": model.numerics_in_force(),
+            "default": default, "tuned": tuned, "confirmed": confirmed, "saved": saved,
+            "prefill_chunk": prefill,
             "tokens_per_second": {
                 **{k: round(v["tokens_per_second"], 3) for k, v in compared.items()},
                 "ratio": round(compared["tuned"]["tokens_per_second"]
@@ -162,3 +197,25 @@ def run_tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None) -> 
     finally:
         model.close()
 
+
+
+def tune_prefill_chunk(model: Model, prompts, capacity: int, incumbent: int, tokens: int,
+                       rounds: int, before_run, progress=None) -> dict:
+    """The prefill chunk measurement of `moed tune` (daemon/tuning/prefill.py): every
+    candidate up to `capacity` (the model's step buffers) and `incumbent` (serve's fixed
+    rule) on one prompt of `tokens` tokens, `rounds` interleaved rounds, each run after
+    `before_run`. Returns the report: prompt tokens, candidates, tokens/s per chunk
+    (median and spread), the incumbent and the chosen chunk."""
+    ids = prefill_prompt(prompts, tokens)
+    candidates = sorted(set(prefill_candidates(capacity)) | {incumbent})
+    if progress:
+        progress(f"prefill chunk: {tokens}-token prompt, chunks {candidates}, {rounds} rounds")
+    runs = measure_prefill_chunks(model, ids, candidates, rounds, before_run, progress)
+    chosen = choose_prefill_chunk(runs, incumbent)
+    if progress:
+        progress(f"prefill chunk {chosen} (the rule's {incumbent}: "
+                 f"{statistics.median(runs[incumbent]):.1f} tokens/s, chosen "
+                 f"{statistics.median(runs[chosen]):.1f})")
+    return {"prompt_tokens": tokens, "rounds": rounds, "candidates": candidates,
+            "incumbent": incumbent, "chosen": chosen,
+            "tokens_per_second": {str(c): spread(v) for c, v in runs.items()}}

@@ -16,8 +16,8 @@ own thread, one step at a time:
 
 Chunked prefill. A prompt is prefilled a chunk per step beside the running decodes, as
 vLLM's chunked prefill and llama.cpp's n_ubatch do. While nothing decodes a step takes
-the model's prefill_chunk prompt tokens (`prefill_chunk`, 512 or 1024 under auto:
-daemon/service/loading.py); while sequences decode, the chunk is sized from measured
+the model's prefill_chunk prompt tokens (`prefill_chunk`; under auto 512 or up to 1024,
+or what `moed tune` measured fastest: daemon/service/loading.py); while sequences decode, the chunk is sized from measured
 step times so that a step takes about `prefill_step_ratio` times a decode step alone
 (the running streams keep their pace, the prompt still gets most of the machine). The
 ratio r trades one for the other: the prompt gets (r - 1) d of each step of r d, so its

@@ -25,8 +25,10 @@ from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.probe import probe_memory_bytes
 from daemon.store.session import open_model
+from daemon.store.state import default_state_dir
 from daemon.tuning.knobs import IO_WORKERS, PREFETCH_WIDTH, THREADS
 from daemon.tuning.live import start_live_tuning
+from daemon.tuning.saved import PREFILL_CHUNK_SETTING, TunedStore, hardware_facts
 from daemon.tuning.workload import Workload, workload_prompts
 from ext.formats.checkpoint import Checkpoint
 from ext.models.config import load_config
@@ -126,6 +128,11 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
             # the caches' budgets, may leave them too little to start)
             margin_bytes = planned.plan.margin_bytes + planned.grammar_bytes
             planned = None
+    # under auto, the chunk `moed tune` measured fastest on this machine and model, if it
+    # ran (within what the rule's memory bounds allow); else the rule's. The naive cache
+    # reads no state.
+    measured = (tuned_prefill_chunk(model_dir, config.state_dir, environ)
+                if auto_chunk and config.expert_cache_mode != "naive" else None)
     if cache_bytes is None and auto_chunk and planned.stream:
         # the experts stream: a larger step reads each routed expert once for more prompt
         # tokens; its buffers come out of the expert cache (at most a quarter of it)
@@ -133,14 +140,18 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                    threads=config.threads or len(os.sched_getaffinity(0)),
                                    context=planned.context,
                                    sequences=planned.plan.max_concurrent_sequences)
+        chunk = min(chunk, measured or chunk)
         if chunk > PREFILL_CHUNK:
             planned, chunk = _plan_for_chunk(plan, planned, chunk)
     elif cache_bytes is None and auto_chunk:           # every expert in memory
-        planned, chunk = _plan_for_chunk(plan, planned, RESIDENT_PREFILL_CHUNK)
+        chunk = measured or RESIDENT_PREFILL_CHUNK
+        if chunk > PREFILL_CHUNK:
+            planned, chunk = _plan_for_chunk(plan, planned, chunk)
     elif cache_bytes is not None and auto_chunk:       # a budget the operator set
         chunk = auto_prefill_chunk(load_config(model_dir), cache_bytes=cache_bytes,
                                    threads=config.threads or len(os.sched_getaffinity(0)),
                                    context=context or PLANNED_CONTEXT, sequences=sequences)
+        chunk = min(chunk, measured or chunk)
     if cache_bytes is None:          # the memory planner decides
         p = planned.plan
         log.info("memory_plan", available_bytes=p.available_bytes, dense_bytes=p.dense_bytes,
@@ -168,7 +179,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                                 record_trace=config.record_trace, numerics=config.numerics,
                                 baseline=config.expert_cache_mode == "naive", prefill_chunk=chunk)
     log.info("prefill_chunk", tokens=chunk, configured=config.prefill_chunk,
-             experts="streamed" if cache_bytes is not None else "in memory")
+             measured=measured, experts="streamed" if cache_bytes is not None else "in memory")
     engine = Engine(model, tokenizer, max_concurrent_sequences=sequences,
                     max_queue=config.max_queue, prefix_cache_bytes=prefix_bytes,
                     context_tokens=min(context or model.config.max_position_embeddings,
@@ -303,6 +314,29 @@ ATTENTION_ROWS = 8              # query rows per attention work item: scores scr
 PREFILL_CHUNK_CACHE_SHARE = 4   # auto: a streaming step's extra buffers <= 1/4 of the expert cache
 
 
+def expert_slot_bytes(layout: ExpertLayout) -> tuple[int, int]:
+    """(bytes of one expert cache slot, bytes of every routed expert in its slot): the
+    largest expert's load plan (daemon/store/plans.py), times the experts."""
+    slots = [p.slot_bytes for p in plans_for(layout).values()]
+    return max(slots), max(slots) * len(slots)
+
+
+def tuned_prefill_chunk(model_dir: str | os.PathLike, state_dir: str | os.PathLike | None,
+                        environ: Mapping[str, str]) -> int | None:
+    """The prefill chunk `moed tune` saved for this model on this hardware
+    (daemon/tuning/saved.py, in `state_dir`, else the default state directory of
+    `environ`), or None: never tuned, tuned on other hardware, a bad file (set aside, with
+    a warning), or a state directory that cannot be read (a warning)."""
+    try:
+        store = TunedStore(Path(state_dir) if state_dir else default_state_dir(environ),
+                           Checkpoint(model_dir).fingerprint(), hardware_facts(model_dir))
+        saved = store.load() or {}
+    except (OSError, ValueError) as e:
+        log.warning("tuned_settings_unavailable", error=str(e), setting=PREFILL_CHUNK_SETTING)
+        return None
+    return saved.get(PREFILL_CHUNK_SETTING)
+
+
 def _plan_for_chunk(plan, planned: ServingPlan, chunk: int) -> tuple[ServingPlan, int]:
     """(the plan made again for a prompt step of `chunk` tokens, chunk) when it keeps
     what `planned` (made for PREFILL_CHUNK) gives: the experts in memory or streamed
@@ -433,15 +467,13 @@ def plan_serving_memory(model_dir: str | os.PathLike, *, max_concurrent_sequence
     with Checkpoint(model_dir) as checkpoint:
         layout = ExpertLayout(checkpoint, config)
         expert_bytes = sum(loc.nbytes for loc in layout)
-        slots = [p.slot_bytes for p in plans_for(layout).values()]
+        slot, all_experts = expert_slot_bytes(layout)
         unused = sum(checkpoint.info(n).nbytes for n in unused_tensors(config, checkpoint.tensors))
         dense = checkpoint.total_bytes - expert_bytes - unused
     reading = reading or read_memory()
     available = available_bytes(reading.mem_available_bytes, reading.cgroup_limits)
     wanted = min(max_context_tokens or PLANNED_CONTEXT, config.max_position_embeddings)
     threads = threads or len(os.sched_getaffinity(0))
-    slot = max(slots)
-    all_experts = slot * len(slots)
     tokenizer_file = Path(model_dir) / "tokenizer.json"
     grammar = compile_reserve_bytes(grammar_compile_memory_bytes, config.vocab_size,
                                     tokenizer_file.stat().st_size if tokenizer_file.exists() else 0,

@@ -35,8 +35,13 @@ def hardware_fingerprint(facts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
+# The prefill chunk `moed tune` measured (daemon/tuning/prefill.py); `moed serve` takes it
+# under prefill_chunk = auto, within what its memory plan allows (daemon/service/loading.py).
+PREFILL_CHUNK_SETTING = "prefill_chunk"
+PREFILL_CHUNK_MAX = 16384       # the serve key's own bound (daemon/service/config.py)
+
 SETTING_RANGES = {THREADS: (1, 1024), IO_WORKERS: (1, 1024), PREFETCH_WIDTH: (0, 1 << 16),
-                  "cache_bytes": (1, 1 << 62)}
+                  "cache_bytes": (1, 1 << 62), PREFILL_CHUNK_SETTING: (1, PREFILL_CHUNK_MAX)}
 
 
 def valid_settings(settings: Mapping[str, Any], path: Path | str) -> dict[str, Any]:

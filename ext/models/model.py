@@ -179,9 +179,11 @@ class Model:
         self.family = family_of(config.model_type)
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
-        # Rows of one forward step at most (a prompt goes this many tokens a step): the
-        # size of the step's buffers; any value gives the same logits.
+        # Rows of one forward step at most (a prompt goes this many tokens a step); any
+        # value gives the same logits. The step's buffers hold step_capacity rows (the
+        # chunk the model was built with): set_prefill_chunk moves the chunk below it.
         self.prefill_chunk = prefill_chunk
+        self.step_capacity = prefill_chunk
         self.attention = self.family.attention(config, prefill_chunk, n_threads, fast=self.fast)
         self.routing = self.family.routing(config)
         # Called as moe_observer(layer, experts, weights, x [N, H], group_start) before each
@@ -251,6 +253,16 @@ class Model:
             raise ValueError(f"experts must be 'mmap', 'resident' or an ExpertProvider, got {experts!r}")
         return cls(config, checkpoint, layout, provider, n_threads or default_threads(), numerics,
                    prefill_chunk)
+
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """Take `tokens` prompt tokens per forward step from now on (1 ..
+        `step_capacity`, the chunk the step buffers were built for: nothing is
+        reallocated). Logits do not change; `moed tune` times prefill this way.
+        Raises ValueError for a value that is not an int in that range."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= self.step_capacity:
+            raise ValueError(f"prefill_chunk must be an int in 1..{self.step_capacity} "
+                             f"(the step buffers' rows), got {tokens!r}")
+        self.prefill_chunk = tokens
 
     # ------------------------------------------------------------- loading
 

@@ -383,10 +383,11 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
     state_dir = tmp_path / "state"
     assert main(["tune", "--model", str(model_dir), "--expert-cache-bytes", str(budget),
                  "--state-dir", str(state_dir), "--threads", "1", "--window-steps", "4",
-                 "--pairs", "2", "--compare-tokens", "8", "--compare-repeats", "1"]) == 0
+                 "--pairs", "2", "--compare-tokens", "8", "--compare-repeats", "1",
+                 "--prefill-tokens", "160", "--prefill-rounds", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {"default", "tuned", "tokens_per_second", "tuner", "cache_split",
-            "saved_to"} <= set(report)
+            "saved_to", "prefill_chunk", "numerics"} <= set(report)
     assert report["default"] == {THREADS: 1, IO_WORKERS: 2, PREFETCH_WIDTH: TOP_K,
                                  "cache_bytes": budget, "pin_fraction": 0.5}
     tuned, speed, split = report["tuned"], report["tokens_per_second"], report["cache_split"]
@@ -405,9 +406,36 @@ def test_moed_tune_prints_a_report_and_saves_the_winners(model_dir, slot_bytes, 
     assert (state_dir / f"usage-{fingerprint[:16]}.json").exists()    # its own file
     # what is saved is what the final comparison confirmed: the tuned settings, or else
     # the defaults it started from (one pair here: it confirms only a win in that pair)
-    assert report["saved"] == (tuned if report["confirmed"] else report["default"])
+    # and the prefill chunk it measured (a 160-token prompt, every chunk the cache allows)
+    prefill = report["prefill_chunk"]
+    assert prefill["prompt_tokens"] == 160 and prefill["rounds"] == 1
+    assert prefill["candidates"][0] == 64 and prefill["incumbent"] == prefill["candidates"][-1]
+    assert set(prefill["tokens_per_second"]) == {str(c) for c in prefill["candidates"]}
+    assert all(v["median"] > 0 for v in prefill["tokens_per_second"].values())
+    assert prefill["chosen"] in prefill["candidates"]
+    saved = dict(report["saved"])
+    assert saved.pop("prefill_chunk") == prefill["chosen"]
+    assert saved == (tuned if report["confirmed"] else report["default"])
     assert report["confirmed"] == (tuned != report["default"] and speed["pair_ratios"][0] > 1.0)
     assert TunedStore(state_dir, fingerprint, hardware_facts(model_dir)).load() == report["saved"]
+
+
+def test_moed_tune_without_the_prefill_measurement_keeps_the_chunk_saved_before(
+        model_dir, slot_bytes, tmp_path, capsys):
+    state_dir = tmp_path / "state"
+    store = TunedStore(state_dir, Checkpoint(model_dir).fingerprint(), hardware_facts(model_dir))
+    store.save({"prefill_chunk": 128})
+    args = ["tune", "--model", str(model_dir), "--expert-cache-bytes", str(12 * slot_bytes),
+            "--state-dir", str(state_dir), "--threads", "1", "--window-steps", "4", "--pairs", "2",
+            "--compare-tokens", "8", "--compare-repeats", "1"]
+    assert main(args + ["--prefill-tokens", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prefill_chunk"] is None and report["saved"]["prefill_chunk"] == 128
+    assert store.load()["prefill_chunk"] == 128
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--prefill-tokens", "-1"])
+    assert e.value.code == 2
+    assert "--prefill-tokens must be >= 0, got -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("default, tuned, same, want", [

@@ -52,6 +52,25 @@ def test_forward_step_takes_at_most_the_chunk(dirs):
         Model.load(dirs["bf16"], prefill_chunk=0)
 
 
+def test_the_chunk_moves_below_the_step_buffers_without_changing_a_bit(dirs):
+    want = _logits(dirs["int4"], "fast", 64)
+    model = Model.load(dirs["int4"], n_threads=2, numerics="fast", prefill_chunk=64)
+    try:
+        assert model.step_capacity == 64
+        for chunk in (7, 64, 1):
+            model.set_prefill_chunk(chunk)
+            got = model.forward(model.new_sequence(len(PROMPT)), PROMPT, all_logits=True)
+            assert model.prefill_chunk == chunk and model.ws.x.shape[0] == 64
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), chunk
+        for bad in (0, 65, True, 7.0):
+            with pytest.raises(ValueError, match=r"prefill_chunk must be an int in 1\.\.64 \(the step "
+                                                 r"buffers' rows\), got"):
+                model.set_prefill_chunk(bad)
+        assert model.prefill_chunk == 1
+    finally:
+        model.close()
+
+
 def test_auto_chunk_grows_when_experts_stream_within_a_quarter_of_the_cache(dirs):
     config = load_config(dirs["bf16"])
     kw = dict(threads=2, context=4096, sequences=4)
