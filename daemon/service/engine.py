@@ -10,27 +10,13 @@ own thread, one step at a time:
        cache holds for its first tokens;
     3. one step (`Model.forward_step`): a row for every decoding sequence, and beside
        them the next chunk of each prompt still being prefilled, within a token budget
-       (below); the union of the rows' experts is acquired once per MoE layer;
+       (daemon/service/steps.py); the union of the rows' experts is acquired once per MoE layer;
     4. sample each decode row, and each prompt whose last chunk ran, with the choice's
        own seeded sampler (its logit bias, penalties and grammar), detokenize, emit.
 
-Chunked prefill. A prompt is prefilled a chunk per step beside the running decodes, as
-vLLM's chunked prefill and llama.cpp's n_ubatch do. While nothing decodes a step takes
-the model's prefill_chunk prompt tokens (`prefill_chunk`; under auto 512 or up to 1024,
-or what `moed tune` measured fastest: daemon/service/loading.py); while sequences decode, the chunk is sized from measured
-step times so that a step takes about `prefill_step_ratio` times a decode step alone
-(the running streams keep their pace, the prompt still gets most of the machine). The
-ratio r trades one for the other: the prompt gets (r - 1) d of each step of r d, so its
-time to first token is at least r / (r - 1) times its time alone, while the streams'
-tokens come r times slower during it. It is more than that bound: the decode rows cost
-a step they share about what they cost alone (on a model whose experts are cached the
-rows share nothing worth having), and a small chunk costs more per token than a full
-one (each chunk reads the prompt's KV cache once more); bench/step_costs.py measures
-both. Measured on a small checkpoint: about 2.2 times at the default 2.75 on one
-thread; on two threads about 2.9 (measured when the kernels' threads were OpenMP's,
-waiting passively), since the small calls of a shared step ran on one thread (below the
-kernels' parallel_threshold) while a full chunk alone used both.
-Chunking never changes output: a position's logits depend only on the tokens up to it.
+Which rows go into a step, and how large a prompt's chunk is beside decodes, is the step
+scheduler's (daemon/service/steps.py: chunked prefill within a budget measured from step
+times).
 
 A row's logits do not depend on what else shares its step (the kernels are row-wise
 with a fixed reduction order), and each choice has its own sampler, so a request's
@@ -47,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import statistics
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -58,6 +43,7 @@ from typing import Protocol
 import numpy as np
 
 from daemon.service.prefix_cache import PrefixCache, PrefixCacheStats
+from daemon.service.steps import PREFILL_STEP_RATIO, StepScheduler
 from ext.models.model import PREFILL_CHUNK, Model, Sequence
 from ext.sampling import Sampler, SamplingParams, logprobs
 from ext.tokenizer import StreamDecoder, Tokenizer
@@ -67,10 +53,6 @@ from telemetry.logs import get_logger
 log = get_logger("engine")
 
 RATE_WINDOW_S = 10.0   # tokens_per_second averages the decode steps of this many seconds
-PREFILL_STEP_RATIO = 2.75  # a step with prefill rows aims at this many decode steps' time
-INITIAL_PREFILL_ROWS = 8   # the first chunk beside decodes, before any step was timed
-STEP_WINDOW = 9            # recent steps whose times size the chunk
-MIN_PREFILL_ROWS = 4       # prompt tokens a step takes beside decodes, at least
 
 
 class QueueFullError(RuntimeError):
@@ -288,54 +270,6 @@ class _Rate:
         return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
 
 
-class _StepTimes:
-    """Recent step times that size the prefill chunk beside decodes.
-
-    decode_s: the median of the last STEP_WINDOW steps of decode rows only. A step with
-    prefill rows tells what its prefill rows cost: its whole time alone, or its time
-    less decode_s beside decodes; prefill_row_s is the sum of those costs over the sum of
-    the rows of the last STEP_WINDOW such steps — a ratio of sums, so a large chunk
-    weighs as much as its rows and a small one's noise (a step slowed by something else
-    on the machine) cannot drive the chunk down to nothing. The chunk at most doubles or
-    halves from one step to the next and never drops below MIN_PREFILL_ROWS.
-    """
-
-    def __init__(self, chunk: int = PREFILL_CHUNK) -> None:
-        self.chunk = chunk                      # rows of a step at most (the model's prefill_chunk)
-        self._decode = collections.deque(maxlen=STEP_WINDOW)
-        self._prefill = collections.deque(maxlen=STEP_WINDOW)    # (seconds, rows)
-        self._last = INITIAL_PREFILL_ROWS
-
-    @property
-    def decode_s(self) -> float | None:
-        return statistics.median(self._decode) if self._decode else None
-
-    @property
-    def prefill_row_s(self) -> float | None:
-        rows = sum(n for _, n in self._prefill)
-        return sum(t for t, _ in self._prefill) / rows if rows else None
-
-    def observe(self, seconds: float, prefill_rows: int, decode_rows: int) -> None:
-        if prefill_rows == 0:
-            self._decode.append(seconds)
-        elif decode_rows == 0:
-            self._prefill.append((seconds, prefill_rows))
-        elif self._decode:
-            self._prefill.append((max(seconds - self.decode_s, 0.05 * seconds), prefill_rows))
-
-    def prefill_rows(self, decode_rows: int, ratio: float) -> int:
-        """Prompt tokens for the next step beside `decode_rows` decode rows."""
-        room = self.chunk - decode_rows
-        if decode_rows == 0:
-            return room
-        decode_s, row_s = self.decode_s, self.prefill_row_s
-        if not decode_s or not row_s:           # nothing timed yet (or a clock that stands)
-            return min(room, INITIAL_PREFILL_ROWS)
-        want = int((ratio - 1) * decode_s / row_s)
-        self._last = min(room, max(MIN_PREFILL_ROWS, self._last // 2, min(want, 2 * self._last)))
-        return self._last
-
-
 class Engine:
     """Runs generation requests on `model` from one thread, batching their steps.
 
@@ -363,8 +297,7 @@ class Engine:
                  on_finish: Callable[[RequestHandle], None] | None = None,
                  on_decode_step: Callable[[float], None] | None = None,
                  on_token_gap: Callable[[float], None] | None = None):
-        if not prefill_step_ratio > 1:
-            raise ValueError(f"prefill_step_ratio must be > 1, got {prefill_step_ratio}")
+        self.scheduler = StepScheduler(getattr(model, "prefill_chunk", PREFILL_CHUNK), prefill_step_ratio)
         self.model = model
         model_context = model.config.max_position_embeddings
         if context_tokens is not None and not 1 <= context_tokens <= model_context:
@@ -380,8 +313,6 @@ class Engine:
         self.clock = clock
         self.prefix_cache = PrefixCache(model.attention.kv_bytes_per_token(model.config),
                                         prefix_cache_bytes)
-        self.prefill_step_ratio = prefill_step_ratio
-        self._times = _StepTimes(getattr(model, "prefill_chunk", PREFILL_CHUNK))
         self._cond = threading.Condition()
         self.set_limits(max_concurrent_sequences, max_queue)
         self._waiting: collections.deque[RequestHandle] = collections.deque()
@@ -401,6 +332,15 @@ class Engine:
         self.decode_io_wait_seconds = 0.0
         self.decode_compute_seconds = 0.0
         self._rate = _Rate()
+
+    @property
+    def prefill_step_ratio(self) -> float:
+        """The step scheduler's ratio (settable live; ValueError unless > 1)."""
+        return self.scheduler.ratio
+
+    @prefill_step_ratio.setter
+    def prefill_step_ratio(self, value: float) -> None:
+        self.scheduler.ratio = value
 
     # ------------------------------------------------------------ the asyncio side
 
@@ -598,15 +538,10 @@ class Engine:
                 self._running.append(r)
 
     def _step_all(self) -> None:
-        """Plan one step (decode rows, then prompt chunks within the budget) and run it;
-        a failed step of several sequences is retried one sequence at a time."""
-        rows = [(r, np.array([r.last_token], np.int64)) for r in self._running if not r.prefilling]
-        budget = self._times.prefill_rows(len(rows), self.prefill_step_ratio)
-        for r in self._running:
-            if r.prefilling and budget > 0:
-                take = min(budget, r.prompt.size - r.prefilled)
-                rows.append((r, r.prompt[r.prefilled:r.prefilled + take]))
-                budget -= take
+        """Plan one step (the step scheduler: decode rows, then prompt chunks within the
+        budget) and run it; a failed step of several sequences is retried one sequence at
+        a time."""
+        rows = self.scheduler.plan(self._running)
         try:
             self._step(rows)
         except (OSError, ValueError) as e:
@@ -635,7 +570,7 @@ class Engine:
         now = self.clock()
         self._charge([r for r, _ in rows], before)
         seconds = now - start
-        self._times.observe(seconds, prefill_rows, decode_rows)
+        self.scheduler.observe(seconds, prefill_rows, decode_rows)
         if decode_rows:
             wait = max(0.0, self._io_wait_s() - wait_before)
             self.decode_steps += 1

@@ -10,9 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from daemon.service.engine import (INITIAL_PREFILL_ROWS, MIN_PREFILL_ROWS, Engine, EngineRequest,
-                                   _StepTimes)
+from daemon.service.engine import Engine, EngineRequest
 from daemon.service.prefix_cache import PrefixCache, block_bytes
+from daemon.service.steps import INITIAL_PREFILL_ROWS, MIN_PREFILL_ROWS, StepTimes
 from ext.makemodel import make_model
 from ext.models.model import PREFILL_CHUNK, Model
 from ext.sampling import SamplingParams
@@ -306,7 +306,7 @@ def test_penalties_and_logit_bias_follow_openais_formula(model, tokenizer):
 def test_the_chunk_beside_decodes_follows_measured_step_times():
     """(ratio - 1) x decode step / cost of a prompt row; a step slowed by the machine
     halves the chunk at most, and it never drops below MIN_PREFILL_ROWS."""
-    t = _StepTimes()
+    t = StepTimes()
     assert t.prefill_rows(0, 2.0) == PREFILL_CHUNK                   # nothing decodes
     assert t.prefill_rows(3, 2.0) == INITIAL_PREFILL_ROWS            # nothing timed yet
     for _ in range(9):
@@ -323,7 +323,7 @@ def test_the_chunk_beside_decodes_follows_measured_step_times():
 def test_a_larger_model_chunk_is_the_step_of_a_prompt_alone_and_bounds_mixed_steps():
     """The model's prefill_chunk (1024 when experts stream) sizes the steps of a prompt
     alone; beside decodes the measured rule still decides, within it."""
-    t = _StepTimes(1024)
+    t = StepTimes(1024)
     assert t.prefill_rows(0, 2.0) == 1024
     for _ in range(9):
         t.observe(0.010, 0, 3)

@@ -1,0 +1,64 @@
+"""The step scheduler (daemon/service/steps.py): a step's rows are every decoding
+sequence's next token, then the prompts' next chunks in admission order within the
+budget StepTimes gives; the ratio is checked wherever it is set."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from daemon.service.steps import INITIAL_PREFILL_ROWS, PREFILL_STEP_RATIO, StepScheduler
+
+
+@dataclass
+class Row:
+    prompt: np.ndarray
+    prefilled: int = 0
+    last_token: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt.size
+
+
+def _prompt(n: int) -> np.ndarray:
+    return np.arange(1, n + 1, dtype=np.int64)
+
+
+def test_a_step_alone_takes_the_whole_chunk_across_prompts_in_order():
+    s = StepScheduler(chunk=16)
+    a, b, c = Row(_prompt(10), prefilled=3), Row(_prompt(20)), Row(_prompt(5))
+    rows = s.plan([a, b, c])
+    assert [(r, t.tolist()) for r, t in rows] == [(a, list(range(4, 11))),     # its 7 left
+                                                  (b, list(range(1, 10)))]     # 9 of 20
+    assert sum(t.size for _, t in rows) == 16
+
+
+def test_decode_rows_come_first_and_prompts_get_the_measured_budget_beside_them():
+    s = StepScheduler(chunk=64)
+    d1, d2 = Row(_prompt(3), prefilled=3, last_token=7), Row(_prompt(2), prefilled=2, last_token=9)
+    p = Row(_prompt(100))
+    rows = s.plan([p, d1, d2])
+    assert [(r, t.tolist()) for r, t in rows] == [(d1, [7]), (d2, [9]),
+                                                  (p, list(range(1, INITIAL_PREFILL_ROWS + 1)))]
+    for _ in range(9):
+        s.observe(0.010, 0, 2)                 # decode steps of 10 ms
+    s.observe(0.064, 64, 0)                    # a prompt row costs 1 ms
+    rows = s.plan([p, d1, d2])
+    want = int((PREFILL_STEP_RATIO - 1) * 0.010 / 0.001)
+    assert [t.size for _, t in rows] == [1, 1, min(want, 2 * INITIAL_PREFILL_ROWS)]
+
+
+def test_nothing_running_plans_nothing():
+    assert StepScheduler(chunk=8).plan([]) == []
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, float("nan")])
+def test_a_ratio_not_above_one_is_refused_at_start_and_when_set(ratio):
+    with pytest.raises(ValueError, match="prefill_step_ratio must be > 1"):
+        StepScheduler(ratio=ratio)
+    s = StepScheduler(ratio=2.0)
+    with pytest.raises(ValueError, match="prefill_step_ratio must be > 1"):
+        s.ratio = ratio
+    assert s.ratio == 2.0
