@@ -6,6 +6,7 @@ daemon a test stops or sees exit is held to the log contract (tests/log_contract
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import log_contract
@@ -187,6 +188,32 @@ class Daemon:
         if self.proc.poll() is None:
             self.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, *args: str) -> Iterator[Daemon]:
+    """`moed serve` on model_dir with args for the block: stopped with SIGTERM at the end
+    (exit 0 asserted, the log contract checked), its files removed whatever happens."""
+    d = Daemon(model_dir, short_dir(), *args)
+    try:
+        yield d
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+        d.proc.stdout.close()
+        d.proc.stderr.close()
+
+
+@contextlib.contextmanager
+def openai_client(daemon: Daemon, timeout_s: float = 120.0):
+    """The official `openai` client on the daemon's socket (no retries)."""
+    import httpx
+    import openai
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=daemon.socket), base_url="http://localhost",
+                        timeout=httpx.Timeout(timeout_s))
+    with http:
+        yield openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=http,
+                            max_retries=0)
 
 
 def serve_and_complete(model_dir: Path, prompt: list[int], max_tokens: int, *args: str) -> dict:

@@ -21,17 +21,22 @@ is a 400 with code "context_length_exceeded" — refused before it is tokenized 
 length in bytes already proves it; max_tokens beyond the room left, or beyond the
 server's max_tokens ceiling, is cut to fit (the answer then ends with finish_reason
 "length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
-and what cut it. What stays unsupported (best_of > 1, tools, echo, suffix) is a 400
-naming the field.
+and what cut it. Chat takes tools, tool_choice and parallel_tool_calls (assistant
+messages with tool_calls and tool messages in the history; the answer's calls parsed into
+tool_calls, finish_reason "tool_calls": daemon/service/tools.py). What stays unsupported
+(best_of > 1, functions and function_call, echo, suffix) is a 400 naming the field.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from daemon.service.engine import EngineRequest, RequestStats
+from daemon.service.reasoning import AnswerParser, opens_thinking, thinks
+from daemon.service.tools import ToolCall, ToolError, ToolRequest, parse_tools
 from ext.sampling import SamplingParamError, SamplingParams
 from ext.tokenizer import ChatTemplateError, Tokenizer
 
@@ -82,6 +87,23 @@ class ParsedRequest:
     # caller compiles it (Grammars.compile, bounded, on the event loop) and sets
     # engine.constraint before it submits the request.
     grammar: object | None = None
+    grammar_param: str = "response_format"      # the field a grammar error names
+    # The tools offered (daemon/service/tools.py): the answer's text is parsed into
+    # tool_calls. None: no tools, or tool_choice "none".
+    tools: ToolRequest | None = None
+    # The model's template writes reasoning in <think> blocks (daemon/service/reasoning.py):
+    # the answer's thinking goes to reasoning_content; reasoning_started: the prompt left
+    # one open.
+    reasoning: bool = False
+    reasoning_started: bool = False
+
+    def answer_parser(self) -> AnswerParser | None:
+        """A parser of one choice's text (reasoning, content, tool calls), or None when
+        the text is all content."""
+        if self.tools is None and not self.reasoning:
+            return None
+        return AnswerParser(reasoning=self.reasoning, started=self.reasoning_started,
+                            tools=self.tools is not None)
 
     @property
     def logprobs(self) -> bool:
@@ -137,12 +159,13 @@ def _unsupported(body: dict, chat: bool) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("'best_of' > 1 is not supported", "best_of")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise bad(f"'{key}' is not supported: moed has no tool calling", key)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("'tool_choice' is not supported: moed has no tool calling", "tool_choice")
+    for key in ("functions", "function_call"):          # deprecated by OpenAI for tools
+        if body.get(key) is not None:
+            raise bad(f"'{key}' is not supported: send 'tools' and 'tool_choice'", key)
     if not chat:
+        for key in ("tools", "tool_choice"):
+            if body.get(key) is not None:
+                raise bad(f"'{key}' is only for /v1/chat/completions", key)
         if body.get("echo"):
             raise bad("'echo' is not supported", "echo")
         if body.get("suffix"):
@@ -234,6 +257,58 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(_unicode(s, "stop") for s in stop if s)
 
 
+def _history_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant message's tool_calls, for the template: OpenAI's shape, with the
+    arguments as an object where they are JSON text of one (templates write objects with
+    tojson; transformers' documentation asks for them so), else the text."""
+    if not isinstance(calls, list):
+        raise bad(f"'messages[{i}].tool_calls' must be a list", "messages")
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", ""), str)):
+            raise bad(f"'messages[{i}].tool_calls[{k}]' must be {{\"id\", \"type\": \"function\", "
+                      "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}", "messages")
+        arguments: Any = fn.get("arguments", "")
+        try:
+            parsed = json.loads(arguments) if arguments else {}
+            if isinstance(parsed, dict):
+                arguments = parsed
+        except ValueError:
+            pass
+        entry = {"type": "function", "function": {"name": _unicode(fn["name"], "messages"),
+                                                  "arguments": arguments}}
+        if isinstance(c.get("id"), str):
+            entry["id"] = c["id"]
+        out.append(entry)
+    return out
+
+
+MAX_TEMPLATE_KWARGS = 16
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    """chat_template_kwargs (as vLLM and llama-server take them): extra variables of the
+    chat template, such as {"enable_thinking": false}; at most MAX_TEMPLATE_KWARGS, names
+    that are not the template's own variables, values JSON scalars."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise bad(f"'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_KWARGS} "
+                  "variables", "chat_template_kwargs")
+    for name, value in kwargs.items():
+        if name in RESERVED_TEMPLATE_VARIABLES or not name.isidentifier():
+            raise bad(f"'chat_template_kwargs' cannot set '{clip(name)}'", "chat_template_kwargs")
+        if not (value is None or isinstance(value, (bool, int, float))
+                or (isinstance(value, str) and len(value) <= 256)):
+            raise bad(f"'chat_template_kwargs.{name}' must be a boolean, a number, null or a "
+                      "string of at most 256 characters", "chat_template_kwargs")
+    return dict(kwargs)
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -245,6 +320,15 @@ def _messages(body: dict) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise bad(f"'messages[{i}].role' must be a non-empty string", "messages")
+        extra: dict[str, Any] = {}
+        if role == "assistant" and m.get("tool_calls"):
+            extra["tool_calls"] = _history_calls(i, m["tool_calls"])
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise bad(f"'messages[{i}].{key}' must be a string", "messages")
+                    extra[key] = _unicode(m[key], "messages")
         if isinstance(content, list):        # content parts: only text is understood
             texts = []
             for part in content:
@@ -258,7 +342,8 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"'messages[{i}].content' must be a string or a list of text parts", "messages")
-        out.append({"role": _unicode(role, "messages"), "content": _unicode(content, "messages")})
+        out.append({"role": _unicode(role, "messages"), "content": _unicode(content, "messages"),
+                    **extra})
     return out
 
 
@@ -317,6 +402,25 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     except SamplingParamError as e:
         raise bad(str(e), e.field) from None
     constraint = _constraint(body, grammars)
+    grammar_param = "response_format"
+    tool_req = None
+    if chat:
+        try:
+            tool_req = parse_tools(body, tokenizer.chat_template)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+    if tool_req is not None and tool_req.constrained:
+        if constraint is not None:
+            raise bad("'tool_choice' that requires a call cannot be combined with a "
+                      "'response_format' other than text", "tool_choice")
+        if grammars is None:
+            raise bad("'tool_choice' that requires a call is not available: the grammar library "
+                      "could not be loaded for this tokenizer", "tool_choice")
+        try:
+            constraint = grammars.spec_lark(tool_req.grammar())
+        except ValueError as e:
+            raise bad(f"the tools' parameters cannot be used: {e}", "tools") from None
+        grammar_param = "tools"
     default_max = max_tokens_cap if chat else COMPLETIONS_MAX_TOKENS_DEFAULT
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     asked = _integer(body, key, None, low=1)
@@ -327,12 +431,17 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     if chat:
         messages = _messages(body)
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            extra = _template_kwargs(body)
+            if tool_req is not None and tool_req.offered:
+                extra["tools"] = tool_req.template_tools()
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
         _refuse_untokenized(tokenizer, text, context, "messages")
         prompt_ids = _encode(tokenizer, text, add_special_tokens=False)
         prompt_param = "messages"
+        reasoning = thinks(tokenizer.chat_template)
+        reasoning_started = reasoning and opens_thinking(text)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -361,6 +470,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         else:
             raise bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
         prompt_param = "prompt"
+        reasoning = reasoning_started = False
     if not prompt_ids:
         raise bad("the prompt is empty", prompt_param)
     if len(prompt_ids) >= context:
@@ -377,7 +487,9 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, cache_salt=cache_salt)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
                          include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by,
-                         grammar=constraint)
+                         grammar=constraint, grammar_param=grammar_param,
+                         tools=tool_req if tool_req is not None and tool_req.offered else None,
+                         reasoning=reasoning, reasoning_started=reasoning_started)
 
 
 def max_tokens_header(req: ParsedRequest, context: int, cap: int) -> dict[str, str]:
@@ -456,11 +568,14 @@ class LogprobFormatter:
 
 @dataclass
 class Choice:
-    """One choice of a finished answer: its text, finish_reason and logprobs object."""
+    """One choice of a finished answer: its text, finish_reason and logprobs object, and
+    the tool calls parsed out of its text (chat with tools)."""
 
     text: str
     finish_reason: str | None
     logprobs: dict | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
 
 
 def _base(req: ParsedRequest, created: int) -> dict:
@@ -477,8 +592,14 @@ def full_response(req: ParsedRequest, choices: list[Choice], stats: RequestStats
     out["choices"] = []
     for i, c in enumerate(choices):
         if req.chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.reasoning is not None:
+                message["reasoning_content"] = c.reasoning
+            if c.tool_calls:
+                message["content"] = c.text or None
+                message["tool_calls"] = [call.message_entry() for call in c.tool_calls]
+            choice = {"index": i, "message": message, "logprobs": c.logprobs,
+                      "finish_reason": c.finish_reason}
         else:
             choice = {"index": i, "text": c.text, "logprobs": c.logprobs,
                       "finish_reason": c.finish_reason}
@@ -489,12 +610,16 @@ def full_response(req: ParsedRequest, choices: list[Choice], stats: RequestStats
 
 def chunk(req: ParsedRequest, created: int, *, text: str | None = None, role: bool = False,
           finish_reason: str | None = None, stats: RequestStats | None = None, index: int = 0,
-          logprobs: dict | None = None) -> dict:
+          logprobs: dict | None = None, tool_call: tuple[int, ToolCall] | None = None,
+          reasoning: str | None = None) -> dict:
     """One Server-Sent Event payload of a streamed answer, for choice `index`.
 
     role: the chat's first chunk (delta {"role": "assistant", "content": ""}).
     stats: the usage chunk (choices empty), sent when stream_options.include_usage.
     logprobs: the logprobs object of this chunk's tokens.
+    tool_call: (its index in the choice's calls, the call): a delta of the whole call,
+    id, name and arguments at once (a client adds the deltas of one index up).
+    reasoning: text of the model's thinking (delta {"reasoning_content": ...}).
     """
     out = _base(req, created)
     if stats is not None:
@@ -507,6 +632,11 @@ def chunk(req: ParsedRequest, created: int, *, text: str | None = None, role: bo
             delta = {"role": "assistant", "content": ""}
         elif text:
             delta = {"content": text}
+        elif reasoning:
+            delta = {"reasoning_content": reasoning}
+        elif tool_call is not None:
+            k, call = tool_call
+            delta = {"tool_calls": [{"index": k, **call.message_entry()}]}
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:

@@ -32,6 +32,7 @@ from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, Gramma
                                     GrammarLimitError)
 from daemon.service.loading import Loaded
 from daemon.service.serving import ServingState
+from daemon.service.reasoning import split_answer
 from telemetry.logs import get_logger
 
 log = get_logger("server")
@@ -327,14 +328,14 @@ class HttpApp:
             raise ApiError(503, "moed is shutting down", type="service_unavailable",
                            code="shutting_down") from None
         except GrammarBusyError as e:
-            raise ApiError(429, str(e), type="rate_limit_error", param="response_format",
+            raise ApiError(429, str(e), type="rate_limit_error", param=parsed.grammar_param,
                            code="grammar_compile_busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except GrammarLimitError as e:
-            raise ApiError(400, str(e), param="response_format",
+            raise ApiError(400, str(e), param=parsed.grammar_param,
                            code="grammar_compile_limit") from None
         except GrammarError as e:
-            raise ApiError(400, str(e), param="response_format") from None
+            raise ApiError(400, str(e), param=parsed.grammar_param) from None
         return replace(parsed, grammar=None, engine=replace(parsed.engine, constraint=factory))
 
     async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
@@ -357,6 +358,13 @@ class HttpApp:
         choices = [api.Choice("".join(parts[i]), reasons[i],
                               api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
                               if parsed.logprobs else None) for i in range(n)]
+        if parsed.answer_parser() is not None:
+            for c in choices:
+                c.reasoning, c.text, c.tool_calls = split_answer(
+                    c.text, reasoning=parsed.reasoning, started=parsed.reasoning_started,
+                    tools=parsed.tools is not None)
+                if c.tool_calls and c.finish_reason == "stop":
+                    c.finish_reason = "tool_calls"
         return web.json_response(api.full_response(parsed, choices, event.stats))
 
     async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
@@ -372,6 +380,26 @@ class HttpApp:
             data = payload if isinstance(payload, bytes) else json.dumps(payload, separators=(",", ":")).encode()
             await response.write(b"data: " + data + b"\n\n")
 
+        # with tools or a thinking model, each choice's text goes through its parser
+        # (daemon/service/reasoning.py): reasoning, content and tool calls
+        parsers = ([parsed.answer_parser() for _ in range(parsed.engine.n)]
+                   if parsed.answer_parser() is not None else None)
+        sent_calls = [0] * parsed.engine.n
+
+        async def pieces(index: int, items, logprobs) -> None:
+            for kind, value in items:
+                if kind == "content":
+                    await send(api.chunk(parsed, created, text=value, index=index, logprobs=logprobs))
+                elif kind == "reasoning":
+                    await send(api.chunk(parsed, created, reasoning=value, index=index, logprobs=logprobs))
+                else:
+                    await send(api.chunk(parsed, created, index=index, logprobs=logprobs,
+                                         tool_call=(sent_calls[index], value)))
+                    sent_calls[index] += 1
+                logprobs = None
+            if logprobs:
+                await send(api.chunk(parsed, created, index=index, logprobs=logprobs))
+
         try:
             if parsed.chat:
                 for i in range(parsed.engine.n):
@@ -380,13 +408,20 @@ class HttpApp:
             while True:
                 event = await handle.events.get()
                 logprobs = formatters[event.index].format(event.logprobs) if parsed.logprobs and event.logprobs else None
-                if event.text or logprobs:
+                reason = event.finish_reason
+                if parsers is not None:
+                    parser = parsers[event.index]
+                    items = parser.feed(event.text) + (parser.finish() if reason is not None else [])
+                    await pieces(event.index, items, logprobs)
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
+                elif event.text or logprobs:
                     await send(api.chunk(parsed, created, text=event.text, index=event.index,
                                          logprobs=logprobs))
-                if event.finish_reason == "error":
+                if reason == "error":
                     failed = event.error
-                elif event.finish_reason is not None:
-                    await send(api.chunk(parsed, created, finish_reason=event.finish_reason,
+                elif reason is not None:
+                    await send(api.chunk(parsed, created, finish_reason=reason,
                                          index=event.index))
                 if event.last:
                     break

@@ -338,6 +338,17 @@ class Grammars:
         return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
                            .hexdigest())
 
+    def spec_lark(self, lark: str) -> GrammarSpec:
+        """What to compile for a grammar in llguidance's Lark dialect (tool calls:
+        daemon/service/tools.py); cheap (no compile). Raises GrammarError when the text
+        is not a grammar llguidance reads."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise GrammarError(f"the grammar cannot be used: {e}") from None
+        return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
+                           .hexdigest())
+
     async def compile(self, spec: GrammarSpec, client: Hashable = ("unknown",)):
         """A factory of JsonConstraint for `spec` (call on the event loop). client: who
         asks (compile_slots.client_of), for the fair share of the slots. Raises

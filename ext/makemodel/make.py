@@ -36,7 +36,8 @@ from ext.makemodel.lowbit import (_PLAIN, MXFP4_GROUP, SCALE_DTYPES, Encoding, F
                                   quantization_config)
 from ext.makemodel.shards import write_json, write_shards, writing
 from ext.makemodel.skew import skew_adjustments
-from ext.makemodel.tokenizer import SPECIAL_TOKENS, build_tokenizer, tokenizer_config
+from ext.makemodel.tokenizer import (CHAT_TEMPLATES, CHATML_TEMPLATE, SPECIAL_TOKENS, build_tokenizer,
+                                     tokenizer_config)
 
 _VOCAB_MULTIPLE = 64
 DEFAULT_SHARD_SIZE = 2 << 30  # bytes
@@ -238,7 +239,8 @@ def make_model(
         with writing(out / "tokenizer.json"):
             (tmp / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         with writing(out / "tokenizer_config.json"):
-            write_json(tmp / "tokenizer_config.json", tokenizer_config(ids, max_position_embeddings))
+            write_json(tmp / "tokenizer_config.json", tokenizer_config(
+                ids, max_position_embeddings, CHAT_TEMPLATES.get(arch, CHATML_TEMPLATE)))
     return out
 
 

@@ -1,6 +1,8 @@
 """The tokenizer files of a generated checkpoint: a byte-level BPE trained on a fixed text,
-three special tokens and the ChatML chat template."""
+three special tokens and a chat template (ChatML, or the family's own: CHAT_TEMPLATES)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -12,6 +14,17 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Qwen3's chat template (tokenizer_config.json of the Qwen3 MoE checkpoints): ChatML, the
+# tools in a system block and calls as <tool_call> JSON ("hermes", daemon/service/tools.py),
+# tool results as <tool_response> in a user turn, <think> reasoning kept only after the
+# last user query, and enable_thinking=False closing an empty <think> block.
+QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read_text(encoding="utf-8")
+                  .removesuffix("\n"))
+
+# The chat template make-model writes per architecture (ChatML where the family's own is
+# not written yet).
+CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE}
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.
@@ -75,8 +88,9 @@ def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tokenizer
 
 
-def tokenizer_config(ids: dict, model_max_length: int) -> dict:
-    """tokenizer_config.json contents: special tokens and the ChatML chat template."""
+def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE) -> dict:
+    """tokenizer_config.json contents: special tokens and the chat template (ChatML unless
+    given: `CHAT_TEMPLATES` has the families' own)."""
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -85,7 +99,7 @@ def tokenizer_config(ids: dict, model_max_length: int) -> dict:
                             "rstrip": False, "single_word": False, "special": True}
             for token, token_id in sorted(ids.items(), key=lambda kv: kv[1])},
         "bos_token": None,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "model_max_length": model_max_length,

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from daemon_proc import Daemon, short_dir
+from daemon_proc import openai_client, serving
 
 from ext.makemodel import make_model
 from ext.tokenizer import Tokenizer
@@ -33,24 +33,15 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def daemon(model_dir):
-    d = Daemon(model_dir, short_dir(), "--threads", "1", "--max-body-bytes", str(MAX_BODY),
-               "--max-concurrent-sequences", "4")
-    try:
+    with serving(model_dir, "--threads", "1", "--max-body-bytes", str(MAX_BODY),
+                 "--max-concurrent-sequences", "4") as d:
         yield d
-        assert d.stop() == 0
-    finally:
-        d.cleanup()
-        d.proc.stdout.close()
-        d.proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
 def client(daemon):
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=daemon.socket),
-                        base_url="http://localhost", timeout=TIMEOUT)
-    with http:
-        yield openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=http,
-                            max_retries=0)
+    with openai_client(daemon, TIMEOUT.read) as c:
+        yield c
 
 
 def _obj(properties: dict, required=None) -> dict:

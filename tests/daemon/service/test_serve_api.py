@@ -580,6 +580,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hello"}]
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 BAD_REQUESTS = [
     # (id, path, body (bytes are sent as they are), status, param, code)
     ("malformed-json", CHAT, b'{"messages": [', 400, None, None),
@@ -629,8 +630,37 @@ BAD_REQUESTS = [
     ("json-schema-invalid", CHAT, {"messages": HELLO, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      400, "response_format", None),
-    ("tools", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {}}}}]}, 400, "tools", None),
+    ("tools-not-a-list", CHAT, {"messages": HELLO, "tools": {"type": "function"}}, 400, "tools", None),
+    ("tool-not-a-function", CHAT, {"messages": HELLO, "tools": [{"type": "retrieval"}]}, 400,
+     "tools", None),
+    ("tool-name-with-a-space", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
+        "name": "get weather"}}]}, 400, "tools", None),
+    ("tool-named-twice", CHAT, {"messages": HELLO, "tools": [TOOL, TOOL]}, 400, "tools", None),
+    ("tool-parameters-not-a-schema", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": [1]}}]}, 400, "tools", None),
+    ("tool-choice-names-no-tool", CHAT, {"messages": HELLO, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, 400, "tool_choice", None),
+    ("tool-choice-unknown", CHAT, {"messages": HELLO, "tools": [TOOL], "tool_choice": "always"},
+     400, "tool_choice", None),
+    ("tool-choice-without-tools", CHAT, {"messages": HELLO, "tool_choice": "required"}, 400,
+     "tool_choice", None),
+    ("tool-choice-required-with-json", CHAT, {"messages": HELLO, "tools": [TOOL], "tool_choice": "required",
+                                              "response_format": {"type": "json_object"}}, 400,
+     "tool_choice", None),
+    ("parallel-tool-calls-string", CHAT, {"messages": HELLO, "tools": [TOOL],
+                                          "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls", None),
+    ("tools-on-completions", COMPLETIONS, {"prompt": "a", "tools": [TOOL]}, 400, "tools", None),
+    ("functions-deprecated", CHAT, {"messages": HELLO, "functions": [TOOL["function"]]}, 400,
+     "functions", None),
+    ("history-tool-calls-not-a-list", CHAT, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": {"a": 1}}]},
+     400, "messages", None),
+    ("history-tool-call-without-function", CHAT, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
+     400, "messages", None),
+    ("tool-message-id-not-a-string", CHAT, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": 5, "content": "x"}]},
+     400, "messages", None),
     ("unknown-model", CHAT, {"model": "gpt-4o", "messages": HELLO}, 404, "model",
      "model_not_found"),
     ("prompt-missing", COMPLETIONS, {"model": MODEL}, 400, "prompt", None),

@@ -1,0 +1,285 @@
+"""Tool calls (daemon/service/tools.py): the hermes parser on whole and streamed text, the
+grammar of a required or named call, the Qwen3 template rendering tools as transformers
+does, and OpenAI's client through `moed serve`: required and named calls parse (streamed
+and not) whatever the weights, and the answer to a call continues the conversation."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import pytest
+import tokenizers
+from daemon_proc import openai_client, serving
+
+from daemon.service import api
+from daemon.service.tools import (CallParser, Tool, ToolError, detect_format, hermes_grammar,
+                                  parse_tools, split_calls)
+from ext.makemodel import CHATML_TEMPLATE, QWEN3_TEMPLATE, make_model
+from ext.tokenizer import Tokenizer
+
+MODEL = "model"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("tools") / MODEL, arch="qwen3_moe", layers=2,
+                      experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=11)
+
+
+# ------------------------------------------------------------------ the parser
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+
+
+def _stream(text: str, step: int) -> list:
+    parser = CallParser()
+    out = []
+    for i in range(0, len(text), step):
+        out += parser.feed(text[i:i + step])
+    return out + parser.finish()
+
+
+def _merged(pieces) -> list:
+    """Adjacent content pieces joined (a stream may split text anywhere)."""
+    out: list = []
+    for kind, value in pieces:
+        if kind == "content" and out and out[-1][0] == "content":
+            out[-1] = ("content", out[-1][1] + value)
+        else:
+            out.append((kind, value))
+    return [(k, v if k == "content" else (v.name, json.loads(v.arguments))) for k, v in out]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("Just text.", [("content", "Just text.")]),
+    ("Let me check.\n" + CALL, [("content", "Let me check.\n"),
+                                ("call", ("get_weather", {"city": "Oslo", "unit": "C"}))]),
+    (CALL + "\n" + CALL.replace("Oslo", "Lima"),
+     [("call", ("get_weather", {"city": "Oslo", "unit": "C"})),
+      ("call", ("get_weather", {"city": "Lima", "unit": "C"}))]),
+    # arguments given as JSON text are kept as that text
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', [("call", ("f", {"a": 1}))]),
+    # not a call: the text as generated
+    ("<tool_call>\nnot json\n</tool_call> after",
+     [("content", "<tool_call>\nnot json\n</tool_call> after")]),
+    ('<tool_call>{"arguments": {}}</tool_call>', [("content", '<tool_call>{"arguments": {}}</tool_call>')]),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     [("content", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>')]),
+    # an unclosed call that parses is a call; one that does not is text
+    ('<tool_call>\n{"name": "f", "arguments": {}}', [("call", ("f", {}))]),
+    ('<tool_call>\n{"name": "f", "argu', [("content", '<tool_call>\n{"name": "f", "argu')]),
+    # a partial tag at the end is text after all
+    ("a <tool_ca", [("content", "a <tool_ca")]),
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_the_parser_splits_content_and_calls_however_the_text_streams(text, want, step):
+    assert _merged(_stream(text, step)) == want
+
+
+def test_held_back_text_is_only_a_possible_tag_start():
+    parser = CallParser()
+    assert parser.feed("The answer <") == [("content", "The answer ")]
+    assert parser.feed("b>") == [("content", "<b>")]
+    assert parser.feed("<tool_call>") == []
+    assert parser.feed('{"name": "f", "arguments": {}}</tool_call>\n') [0][0] == "call"
+    assert parser.finish() == []          # whitespace after a call is not content
+
+
+def test_a_whole_answers_content_is_stripped_around_its_calls_and_ids_differ():
+    content, calls = split_calls("Sure.\n\n" + CALL + "\n" + CALL)
+    assert content == "Sure." and [c.name for c in calls] == ["get_weather", "get_weather"]
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_") and len(calls[0].id) == 29
+    assert split_calls("plain ") == ("plain ", [])
+
+
+# ------------------------------------------------------------------ the request
+
+def test_the_format_is_read_off_the_template():
+    assert detect_format(QWEN3_TEMPLATE) == "hermes"
+    assert detect_format(CHATML_TEMPLATE) is None
+    assert detect_format(None) is None
+    assert detect_format("{% if tools %}<arg_key>{% endif %}<tool_call>") is None      # GLM-4.5
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "names the function 'nope', which is not in 'tools'"),
+    ({"tools": [WEATHER] * 129}, "tools", "at most 128 tools"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools", "1 to 64"),
+    ({"tools": [WEATHER], "parallel_tool_calls": 1}, "parallel_tool_calls", "a boolean"),
+])
+def test_bad_tool_fields_name_the_field(body, param, message):
+    with pytest.raises(ToolError, match=message) as e:
+        parse_tools(body, QWEN3_TEMPLATE)
+    assert e.value.param == param
+
+
+def test_a_template_without_a_known_call_format_refuses_tools_but_not_tool_choice_none():
+    with pytest.raises(ToolError, match="no tool-call format moed can read"):
+        parse_tools({"tools": [WEATHER]}, CHATML_TEMPLATE)
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, CHATML_TEMPLATE).offered is False
+    assert parse_tools({"tool_choice": "none"}, CHATML_TEMPLATE) is None
+
+
+def test_the_tools_render_as_transformers_renders_them(model_dir):
+    transformers = pytest.importorskip("transformers")
+    ours = Tokenizer.from_model_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo and the time in zone 1?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": {"city": "Oslo", "unit": "C"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {"zone": 1}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 C, rain"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+        {"role": "assistant", "content": "<think>\nadd up\n</think>\n\nRain, 4 C, at 14:05."},
+        {"role": "user", "content": "Thanks"}]
+    for messages in (history[:2], history[:5], history):
+        for tools in (None, [WEATHER, TIME]):
+            want = theirs.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            got = ours.apply_chat_template(messages, add_generation_prompt=True,
+                                           **({"tools": tools} if tools else {}))
+            assert got == want
+    want = theirs.apply_chat_template(history[:2], add_generation_prompt=True, tokenize=False,
+                                      enable_thinking=False)
+    assert ours.apply_chat_template(history[:2], enable_thinking=False) == want
+    assert want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_request_passes_openais_history_to_the_template_with_object_arguments(model_dir):
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    body = {"messages": [
+        {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "4 C"}], "tools": [WEATHER]}
+    parsed = api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
+                               stop_ids=frozenset(), context=4096, max_tokens_cap=64,
+                               request_timeout_s=60, now=0.0)
+    text = tokenizer.decode(parsed.engine.prompt_ids, skip_special_tokens=False)
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n'
+            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n4 C\n</tool_response>') in text
+    assert '"name": "get_weather", "description": "The weather in a city now."' in text   # the tools block
+    assert parsed.tools is not None and parsed.grammar is None            # auto: nothing constrained
+    none = api.parse_request({**body, "tool_choice": "none"}, chat=True, model_names=(MODEL,),
+                             tokenizer=tokenizer, stop_ids=frozenset(), context=4096,
+                             max_tokens_cap=64, request_timeout_s=60, now=0.0)
+    assert none.tools is None and "# Tools" not in tokenizer.decode(none.engine.prompt_ids,
+                                                                    skip_special_tokens=False)
+
+
+# ------------------------------------------------------------------ the grammar
+
+def _matcher(model_dir, lark: str):
+    text = (model_dir / "tokenizer.json").read_text()
+    tok = tokenizers.Tokenizer.from_str(text)
+    ll = llguidance.LLTokenizer(text, n_vocab=tok.get_vocab_size())
+    return tok, llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+
+
+@pytest.mark.parametrize("text, ok", [
+    (CALL, True),
+    (CALL.replace("Oslo", "Rome"), False),                       # not in the enum
+    (CALL.replace("get_weather", "get_time"), False),            # get_time's arguments differ
+    ('<tool_call>\n{"name":"get_time","arguments":{"zone":3}}\n</tool_call>', True),
+    ("Sure: " + CALL, False),                                    # a required call comes first
+])
+def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
+    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in (WEATHER, TIME)]
+    tok, m = _matcher(model_dir, hermes_grammar(tools, parallel=False))
+    assert not m.is_error(), m.get_error()
+    compact = text.replace('": ', '":').replace(', "', ',"')   # the JSON grammar's own spacing
+    took = all(m.consume_token(t) for t in tok.encode(compact, add_special_tokens=False).ids)
+    assert (took and m.is_stopped()) is ok
+
+
+def test_a_parallel_grammar_takes_several_calls_and_may_end_after_any(model_dir):
+    tools = [Tool("get_time", None, SCHEMAS["get_time"])]
+    tok, m = _matcher(model_dir, hermes_grammar(tools, parallel=True))
+    one = '<tool_call>\n{"name":"get_time","arguments":{"zone":3}}\n</tool_call>'
+    assert all(m.consume_token(t) for t in tok.encode(one, add_special_tokens=False).ids)
+    assert m.is_accepting() and not m.is_stopped()
+    assert all(m.consume_token(t) for t in tok.encode("\n" + one, add_special_tokens=False).ids)
+    assert m.is_accepting()
+
+
+# ------------------------------------------------------------------ through moed serve
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    with serving(model_dir, "--threads", "1", "--max-concurrent-sequences", "4") as d, openai_client(d) as c:
+        yield c
+
+
+QUESTION = [{"role": "user", "content": "What is the weather in Oslo, and the time in zone 1?"}]
+
+
+def _check_call(call, name=None):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_required_call_parses_whatever_the_weights(client, seed):
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=200, seed=seed)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    _check_call(choice.message.tool_calls[0])
+
+
+def test_a_named_call_streams_as_openais_deltas_and_equals_the_unstreamed_one(client):
+    kw = dict(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], max_tokens=200, seed=5,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    [call] = whole.message.tool_calls
+    _check_call(call, "get_time")
+    deltas, reasons, content = [], [], []
+    for ev in client.chat.completions.create(stream=True, **kw):
+        for c in ev.choices:
+            if c.delta.tool_calls:
+                deltas += c.delta.tool_calls
+            if c.delta.content:
+                content.append(c.delta.content)
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"] and not content
+    [d] = deltas
+    assert (d.index, d.type, d.function.name, d.function.arguments) == (
+        0, "function", "get_time", call.function.arguments)
+
+
+def test_the_models_answer_to_a_call_continues_the_conversation(client):
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME],
+                                           tool_choice="required", max_tokens=200, seed=1,
+                                           parallel_tool_calls=False).choices[0].message
+    [call] = first.tool_calls
+    history = QUESTION + [first.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "4 C, rain"}]
+    second = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME],
+                                            max_tokens=8, seed=2)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens > 100          # the tools, the call and its result
+    # with tool_choice none the same history is answered as text, the tools not offered
+    third = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME],
+                                           tool_choice="none", max_tokens=8, seed=2)
+    assert third.choices[0].message.tool_calls is None
+    assert third.usage.prompt_tokens < second.usage.prompt_tokens
