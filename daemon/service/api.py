@@ -347,6 +347,36 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+def _tool_request(body: dict, tokenizer: Tokenizer) -> ToolRequest | None:
+    try:
+        return parse_tools(body, tokenizer.chat_template)
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+
+
+def render_chat(body: dict, tokenizer: Tokenizer, tool_req: ToolRequest | None) -> str:
+    """The prompt text of a chat request: its messages (and the tools offered, and its
+    chat_template_kwargs) through the model's chat template, with the generation prompt.
+    Raises ApiError (400) naming the field at fault."""
+    messages = _messages(body)
+    extra = _template_kwargs(body)
+    if tool_req is not None and tool_req.offered:
+        extra["tools"] = tool_req.template_tools()
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+    except ChatTemplateError as e:
+        raise bad(str(e), "messages") from None
+
+
+def apply_template(body: Any, tokenizer: Tokenizer) -> dict:
+    """POST /apply-template as llama-server answers it: a chat request's body (messages,
+    tools, tool_choice, chat_template_kwargs) -> {"prompt": the text the model would be
+    given}. Raises ApiError (400) naming the field at fault."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return {"prompt": render_chat(body, tokenizer, _tool_request(body, tokenizer))}
+
+
 def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokenizer: Tokenizer,
                   stop_ids: frozenset[int], context: int, max_tokens_cap: int,
                   request_timeout_s: float, now: float, grammars=None,
@@ -403,12 +433,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         raise bad(str(e), e.field) from None
     constraint = _constraint(body, grammars)
     grammar_param = "response_format"
-    tool_req = None
-    if chat:
-        try:
-            tool_req = parse_tools(body, tokenizer.chat_template)
-        except ToolError as e:
-            raise bad(str(e), e.param) from None
+    tool_req = _tool_request(body, tokenizer) if chat else None
     if tool_req is not None and tool_req.constrained:
         if constraint is not None:
             raise bad("'tool_choice' that requires a call cannot be combined with a "
@@ -429,14 +454,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     ignore_eos = _boolean(body, "ignore_eos")
     cache_salt = _cache_salt(body)
     if chat:
-        messages = _messages(body)
-        try:
-            extra = _template_kwargs(body)
-            if tool_req is not None and tool_req.offered:
-                extra["tools"] = tool_req.template_tools()
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        except ChatTemplateError as e:
-            raise bad(str(e), "messages") from None
+        text = render_chat(body, tokenizer, tool_req)
         _refuse_untokenized(tokenizer, text, context, "messages")
         prompt_ids = _encode(tokenizer, text, add_special_tokens=False)
         prompt_param = "messages"

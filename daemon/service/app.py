@@ -1,7 +1,8 @@
 """The HTTP side of `moed serve`: routes, middlewares and OpenAI-shaped answers (aiohttp).
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
-POST /v1/chat/completions, POST /tokenize and /detokenize (llama-server's shapes), GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
+POST /v1/chat/completions, POST /tokenize, /detokenize and /apply-template (llama-server's
+shapes), GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
 the daemon's uid or root, from SO_PEERCRED; refused on TCP). Errors are OpenAI-shaped.
 
 `HttpApp` reads the serving state of its `Daemon` (phase, loaded model, configuration)
@@ -97,6 +98,7 @@ class HttpApp:
         post = partial(app.router.add_post, expect_handler=self._expect)
         post("/tokenize", self.tokenize, name="tokenize")
         post("/detokenize", self.detokenize, name="detokenize")
+        post("/apply-template", self.apply_template, name="apply_template")
         post("/v1/completions", self.completions, name="completions")
         post("/v1/chat/completions", self.chat_completions, name="chat_completions")
         app.router.add_get("/metrics", self.metrics, name="metrics")
@@ -272,6 +274,12 @@ class HttpApp:
         loaded = self._require_ready()
         body = await self._json(request)
         return web.json_response(await asyncio.to_thread(api.detokenize, body, loaded.engine.tokenizer))
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        loaded = self._require_ready()
+        body = await self._json(request)
+        return web.json_response(await asyncio.to_thread(api.apply_template, body,
+                                                         loaded.engine.tokenizer))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)

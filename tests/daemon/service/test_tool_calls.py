@@ -220,9 +220,28 @@ def test_a_parallel_grammar_takes_several_calls_and_may_end_after_any(model_dir)
 # ------------------------------------------------------------------ through moed serve
 
 @pytest.fixture(scope="module")
-def client(model_dir):
-    with serving(model_dir, "--threads", "1", "--max-concurrent-sequences", "4") as d, openai_client(d) as c:
+def daemon(model_dir):
+    with serving(model_dir, "--threads", "1", "--max-concurrent-sequences", "4") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with openai_client(daemon) as c:
         yield c
+
+
+def test_apply_template_answers_the_prompt_a_chat_request_would_get(daemon, model_dir):
+    body = {"messages": QUESTION, "tools": [WEATHER], "chat_template_kwargs": {"enable_thinking": False}}
+    status, got = daemon.json("POST", "/apply-template", body)
+    want = Tokenizer.from_model_dir(model_dir).apply_chat_template(
+        QUESTION, tools=[WEATHER], enable_thinking=False)
+    assert status == 200 and got == {"prompt": want}
+    assert "# Tools" in want and want.endswith("<think>\n\n</think>\n\n")
+    status, got = daemon.json("POST", "/apply-template", {"messages": QUESTION, "tools": [{"type": "x"}]})
+    assert status == 400 and got["error"]["param"] == "tools"
+    status, got = daemon.json("POST", "/apply-template", [1])
+    assert status == 400 and "JSON object" in got["error"]["message"]
 
 
 QUESTION = [{"role": "user", "content": "What is the weather in Oslo, and the time in zone 1?"}]
