@@ -648,7 +648,7 @@ def chunk(req: ParsedRequest, created: int, *, text: str | None = None, role: bo
         delta: dict = {}
         if role:
             delta = {"role": "assistant", "content": ""}
-        elif text:
+        elif text is not None:
             delta = {"content": text}
         elif reasoning:
             delta = {"reasoning_content": reasoning}

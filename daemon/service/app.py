@@ -420,10 +420,12 @@ class HttpApp:
                 if parsers is not None:
                     parser = parsers[event.index]
                     items = parser.feed(event.text) + (parser.finish() if reason is not None else [])
+                    if not items and event.token_ids:     # a token whose text is held: an event still
+                        items = [("content", "")]
                     await pieces(event.index, items, logprobs)
                     if parser.calls and reason == "stop":
                         reason = "tool_calls"
-                elif event.text or logprobs:
+                elif event.text or logprobs or event.token_ids:   # an event per token, "" too
                     await send(api.chunk(parsed, created, text=event.text, index=event.index,
                                          logprobs=logprobs))
                 if reason == "error":

@@ -666,8 +666,10 @@ class Engine:
             r.held = ""
             self._finish(r, "stop", flush=False)   # what follows a stop string is not output
             return
-        if text:
-            self._emit(r, text)
+        # every token is an event, its text "" while it is held back (a stop string's
+        # possible start, an incomplete UTF-8 character, a token of no text): a client
+        # sees each token as llama-server sends it
+        self._emit(r, text)
         if r.constraint is not None and r.constraint.done():
             self._finish(r, "stop")
         elif r.generated >= r.max_tokens:

@@ -108,6 +108,27 @@ def test_json_object_and_the_same_tokens_streamed(client, tokenizer):
     assert streamed == full.choices[0].message.content
 
 
+@pytest.mark.parametrize("stop", [None, ["zq", "<|"]])
+def test_every_generated_token_is_an_event_of_its_own_held_text_included(client, stop):
+    """As llama-server streams: one chunk per token, its content "" when the token has
+    no text yet (part of a UTF-8 character, the possible start of a stop string, a token
+    of no text), so a client can time every token."""
+    kwargs = dict(model=MODEL, max_tokens=24, temperature=1.0, seed=7, stream=True,
+                  stream_options={"include_usage": True}, stop=stop, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "go"}], **kwargs))
+    tokens = [c for c in chunks if c.choices and c.choices[0].delta.content is not None
+              and c.choices[0].delta.role is None]
+    n = chunks[-1].usage.completion_tokens
+    assert n == 24
+    # one more when text held to the end (a stop string's possible start, part of a
+    # character) is let out as the answer ends
+    assert len(tokens) in (n, n + 1)
+    assert sum(1 for c in tokens if c.choices[0].delta.content == "") > 0 or stop is None
+    texts = [c for c in client.completions.create(prompt="go", **kwargs)
+             if c.choices and c.choices[0].finish_reason is None]
+    assert len(texts) in (n, n + 1)
+
+
 def test_chat_logprobs_streamed_and_not(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
                   temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
