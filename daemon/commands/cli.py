@@ -75,7 +75,8 @@ COMMANDS = (
     Command("bench", "daemon.commands.bench",
             "measure decode speed of the expert cache against its naive mode and the roofline"),
     Command("tune", "daemon.commands.tune",
-            "find the best threads, io workers, prefetch width and cache split for a model here"),
+            "find the best threads, io workers, prefetch width, cache split and prefill chunk for a "
+            "model here"),
     Command("iobench", "daemon.commands.iobench",
             "measure random expert-sized reads from the disk, per io path and queue depth"),
     Command("replay-trace", "daemon.commands.replay",

@@ -323,6 +323,10 @@ def _messages(body: dict) -> list[dict]:
         extra: dict[str, Any] = {}
         if role == "assistant" and m.get("tool_calls"):
             extra["tool_calls"] = _history_calls(i, m["tool_calls"])
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            if not isinstance(m["reasoning_content"], str):
+                raise bad(f"'messages[{i}].reasoning_content' must be a string", "messages")
+            extra["reasoning_content"] = _unicode(m["reasoning_content"], "messages")
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
@@ -594,6 +598,7 @@ class Choice:
     logprobs: dict | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None
+    stop_string: str | None = None         # the stop string that ended it, if one did
 
 
 def _base(req: ParsedRequest, created: int) -> dict:

@@ -33,7 +33,8 @@ from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, Gramma
                                     GrammarLimitError)
 from daemon.service.loading import Loaded
 from daemon.service.serving import ServingState
-from daemon.service.reasoning import split_answer
+from daemon.service import messages_api
+from daemon.service.reasoning import AnswerParser, split_answer
 from telemetry.logs import get_logger
 
 log = get_logger("server")
@@ -75,8 +76,10 @@ def api_key_matches(authorization: str, api_key: str) -> bool:
         api_key.encode("utf-8", "surrogateescape"))
 
 
-def error_response(e: ApiError) -> web.Response:
-    response = web.json_response(e.body(), status=e.status, headers=e.headers)
+def error_response(e: ApiError, anthropic: bool = False) -> web.Response:
+    """The error in OpenAI's shape, or Anthropic's for /v1/messages."""
+    body = messages_api.error_body(e) if anthropic else e.body()
+    response = web.json_response(body, status=e.status, headers=e.headers)
     if e.headers.get("Connection") == "close":
         response.force_close()
     return response
@@ -101,6 +104,7 @@ class HttpApp:
         post("/apply-template", self.apply_template, name="apply_template")
         post("/v1/completions", self.completions, name="completions")
         post("/v1/chat/completions", self.chat_completions, name="chat_completions")
+        post("/v1/messages", self.messages, name="messages")
         app.router.add_get("/metrics", self.metrics, name="metrics")
         app.router.add_get("/v1/moed/stats", self.stats, name="stats")
         app.router.add_get("/v1/moed/pins", self.pins, name="pins")
@@ -155,7 +159,7 @@ class HttpApp:
         try:
             return await handler(request)
         except ApiError as e:
-            return error_response(e)
+            return error_response(e, anthropic=request.match_info.route.name == "messages")
         except RequestPayloadError as e:    # e.g. a body whose Content-Encoding is broken
             return error_response(ApiError(400, f"the request body cannot be read: {e}"))
         except web.HTTPException as e:      # aiohttp's own 404/405/413: OpenAI-shaped
@@ -176,10 +180,11 @@ class HttpApp:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if _is_tcp(request) and self.state.config.api_key:
-            if not api_key_matches(request.headers.get("Authorization", ""),
-                                   self.state.config.api_key):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                               code="invalid_api_key")
+            key = request.headers.get("x-api-key")          # Anthropic's clients send this
+            if not api_key_matches(request.headers.get("Authorization", "") if key is None
+                                   else "Bearer " + key, self.state.config.api_key):
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ..., or "
+                                    "x-api-key: ...)", code="invalid_api_key")
         return await handler(request)
 
     def _require_ready(self) -> Loaded:
@@ -282,14 +287,22 @@ class HttpApp:
                                                          loaded.engine.tokenizer))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completions")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat_completions")
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "messages")
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """endpoint: "completions", "chat_completions" or "messages" (Anthropic's, answered
+        through chat completions' parsing: daemon/service/messages_api.py)."""
         loaded = self._require_ready()
         body = await self._json(request)
+        chat = endpoint != "completions"
+        if endpoint == "messages":
+            body = messages_api.chat_body(body)
         engine = loaded.engine
         parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
             api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
@@ -311,12 +324,22 @@ class HttpApp:
                            code="shutting_down") from None
         except ValueError as e:
             raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
-        handle.endpoint = "chat_completions" if chat else "completions"
+        handle.endpoint = endpoint
         headers = api.max_tokens_header(parsed, loaded.context, self.state.config.max_tokens)
         try:
+            if endpoint == "messages" and parsed.stream:
+                return await self._stream_messages(request, parsed, handle, headers)
             if parsed.stream:
                 return await self._stream(request, parsed, handle, headers)
-            response = await self._collect(parsed, handle)
+            if endpoint == "messages":
+                [choice], event = await self._gather(parsed, handle)
+                response = web.json_response(messages_api.message(
+                    "msg_" + parsed.engine.request_id.removeprefix("chatcmpl-"), parsed.model,
+                    messages_api.content_blocks(choice.reasoning, choice.text, choice.tool_calls or []),
+                    messages_api.stop_reason(choice.finish_reason, choice.stop_string),
+                    choice.stop_string, event.stats))
+            else:
+                response = await self._collect(parsed, handle)
             response.headers.update(headers)
             return response
         finally:
@@ -347,16 +370,25 @@ class HttpApp:
         return replace(parsed, grammar=None, engine=replace(parsed.engine, constraint=factory))
 
     async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
+        choices, event = await self._gather(parsed, handle)
+        return web.json_response(api.full_response(parsed, choices, event.stats))
+
+    async def _gather(self, parsed: api.ParsedRequest, handle: RequestHandle):
+        """Every choice of a whole answer (text parsed into reasoning, content and tool
+        calls where the request has them) and the request's last event (its stats).
+        Raises ApiError (500) when generation failed."""
         n = parsed.engine.n
         parts: list[list[str]] = [[] for _ in range(n)]
         entries: list[list] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
+        stops: list[str | None] = [None] * n
         while True:
             event = await handle.events.get()
             parts[event.index].append(event.text)
             entries[event.index].extend(event.logprobs)
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
+                stops[event.index] = event.stop_string
             if event.last:
                 break
         if "error" in reasons:
@@ -365,7 +397,7 @@ class HttpApp:
         tokenizer = self.state.loaded.engine.tokenizer
         choices = [api.Choice("".join(parts[i]), reasons[i],
                               api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
-                              if parsed.logprobs else None) for i in range(n)]
+                              if parsed.logprobs else None, stop_string=stops[i]) for i in range(n)]
         if parsed.answer_parser() is not None:
             for c in choices:
                 c.reasoning, c.text, c.tool_calls = split_answer(
@@ -373,7 +405,7 @@ class HttpApp:
                     tools=parsed.tools is not None)
                 if c.tool_calls and c.finish_reason == "stop":
                     c.finish_reason = "tool_calls"
-        return web.json_response(api.full_response(parsed, choices, event.stats))
+        return choices, event
 
     async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
                       handle: RequestHandle, headers: dict[str, str]) -> web.StreamResponse:
@@ -446,6 +478,52 @@ class HttpApp:
             # The client left mid-answer ("Cannot write to closing transport"): its request
             # stops (the caller cancels it) and there is nobody to tell; aiohttp would log
             # the error as a traceback of its own.
+            request[CLIENT_GONE] = True
+        return response
+
+    async def _stream_messages(self, request: web.Request, parsed: api.ParsedRequest,
+                               handle: RequestHandle, headers: dict[str, str]) -> web.StreamResponse:
+        """Anthropic's event stream of one answer (daemon/service/messages_api.py)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache", **headers})
+        await response.prepare(request)
+
+        async def send(kind: str, payload: dict) -> None:
+            data = json.dumps(payload, separators=(",", ":")).encode()
+            await response.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+
+        parser = parsed.answer_parser() or AnswerParser(reasoning=False)
+        blocks = messages_api.BlockStream()
+        prompt = len(parsed.engine.prompt_ids)
+        try:
+            await send("message_start", {"type": "message_start", "message": {
+                "id": "msg_" + parsed.engine.request_id.removeprefix("chatcmpl-"), "type": "message",
+                "role": "assistant", "model": parsed.model, "content": [], "stop_reason": None,
+                "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}})
+            while True:
+                event = await handle.events.get()
+                items = parser.feed(event.text)
+                if event.finish_reason is not None:
+                    items += parser.finish()
+                for kind, value in items:
+                    for name, payload in blocks.events(kind, value):
+                        await send(name, payload)
+                if event.last:
+                    break
+            for name, payload in blocks.close():
+                await send(name, payload)
+            if event.finish_reason == "error":
+                await send("error", messages_api.error_body(ApiError(
+                    500, f"generation failed: {event.error}", type="server_error")))
+            else:
+                reason = "tool_calls" if parser.calls and event.finish_reason == "stop" else event.finish_reason
+                await send("message_delta", {"type": "message_delta", "delta": {
+                    "stop_reason": messages_api.stop_reason(reason, event.stop_string),
+                    "stop_sequence": event.stop_string},
+                    "usage": messages_api.usage(event.stats)})
+                await send("message_stop", {"type": "message_stop"})
+            await response.write_eof()
+        except ConnectionError:
             request[CLIENT_GONE] = True
         return response
 

@@ -161,6 +161,7 @@ class TokenEvent:
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     last: bool = False
+    stop_string: str | None = None      # on the last event of a choice a stop string ended
 
 
 class RequestHandle:
@@ -214,6 +215,7 @@ class _Running:
     fed: list[int] = field(default_factory=list)   # generated tokens in the KV cache
     last_token: int = 0
     held: str = ""                  # text withheld: it may be the start of a stop string
+    stop_string: str | None = None  # the stop string that ended it, if one did
     pending_ids: list[int] = field(default_factory=list)   # tokens whose text is not out yet
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     generated: int = 0
@@ -687,9 +689,11 @@ class Engine:
         stops = r.handle.request.stop_strings
         if not stops:
             return text, False
-        hits = [text.find(s) for s in stops if s and s in text]
+        hits = [(text.find(s), i) for i, s in enumerate(stops) if s and s in text]
         if hits:
-            return text[: min(hits)], True
+            at, i = min(hits)
+            r.stop_string = stops[i]
+            return text[:at], True
         keep = 0
         for s in stops:
             for n in range(min(len(s) - 1, len(text)), 0, -1):
@@ -725,7 +729,7 @@ class Engine:
         if not flush:
             r.pending_logprobs = []
         self._emit(r, tail, finish_reason=reason, error=error,
-                   stats=handle.stats if last else None, last=last)
+                   stats=handle.stats if last else None, last=last, stop_string=r.stop_string)
         if last:
             self._finished_hook(handle)
 
