@@ -2,7 +2,10 @@
 
 - `_watchdog`: WATCHDOG=1 pings to systemd;
 - `_status`: the STATUS= line (tokens/s, hit rate);
-- `_flusher`: learned usage into the state file every FLUSH_INTERVAL_S;
+- `_flusher`: learned usage into the state file every FLUSH_INTERVAL_S (and the prefix
+  cache into its file, when it changed);
+- `_prefix_saver`: the prefix cache into its file PREFIX_SAVE_IDLE_S after the last
+  request ended, when it changed: an agent's turn survives a kill -9 that follows it;
 - `_storage_probe`: one short `moed iobench` probe when idle after READY, if none is saved;
 - `_memory_watch`: the expert cache shrinks and grows with the memory available;
 - `_idle_tuning`: tuner = live+idle feeds the live tuner the built-in workload when idle.
@@ -32,6 +35,7 @@ PROBE_SECONDS = 4.0             # the storage probe after READY (issue: at most 
 PROBE_IDLE_S = 1.0              # ... once nothing has been served for this long
 FLUSH_INTERVAL_S = 60.0         # learned usage written to the state file this often
 STATUS_INTERVAL_S = 5.0         # systemd STATUS= line refresh
+PREFIX_SAVE_IDLE_S = 2.0        # the prefix cache saved once nothing has run for this long
 
 
 class BackgroundTasks:
@@ -44,7 +48,7 @@ class BackgroundTasks:
         """Create every loop in `tasks`; the tasks (the caller cancels them to stop)."""
         return [tasks.create_task(loop()) for loop in (
             self._watchdog, self._status, self._flusher, self._idle_tuning, self._memory_watch,
-            self._storage_probe)]
+            self._storage_probe, self._prefix_saver)]
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at the interval systemd asks for (none: nothing to do)."""
@@ -70,6 +74,25 @@ class BackgroundTasks:
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
             await self.state.flush_state()
+
+    async def _prefix_saver(self) -> None:
+        """Save the prefix cache when it changed and the engine has been idle for
+        PREFIX_SAVE_IDLE_S (its disk writes never compete with a request's expert reads)."""
+        idle_since = None
+        while True:
+            await asyncio.sleep(IDLE_POLL_S / 2)
+            loaded = self.state.loaded
+            if loaded is None or loaded.prefix_store is None or self.state.phase != "ready":
+                continue
+            stats = loaded.engine.stats()
+            if stats.running or stats.waiting:
+                idle_since = None
+                continue
+            now = time.monotonic()
+            idle_since = idle_since or now
+            if now - idle_since >= PREFIX_SAVE_IDLE_S and loaded.prefix_saved_version != \
+                    loaded.engine.prefix_cache.version:
+                await self.state.save_prefix_cache()
 
     async def _storage_probe(self) -> None:
         """Streamed experts and no saved `moed iobench` result for the model's disk: once

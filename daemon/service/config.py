@@ -391,6 +391,10 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                "who shares cached prefixes: shared (every client; cached_tokens "
                                "and timing show whether another client's prompt began the same "
                                "way) or client (only the same peer uid, address or /64)"),
+    "prefix_cache_persist_bytes": _Key(_size_or_zero, "SIZE", "KV of the prefix cache kept "
+                                                              "in the state directory across "
+                                                              "restarts, the most recent first "
+                                                              "(0: none)"),
     "max_context_tokens": _Key(_int(1), "N", "tokens one sequence may hold, prompt and "
                                              "completion (at most the model's)", True,
                                 "the model's; with the memory planner at most 8192, cut to "
@@ -481,6 +485,7 @@ class ServeConfig:
     prefill_chunk: int | str = "auto"
     prefix_cache_bytes: int = 512 * MIB
     prefix_cache_scope: str = "shared"
+    prefix_cache_persist_bytes: int = 512 * MIB
     max_context_tokens: int | None = None
     max_tokens: int = 4096
     max_body_bytes: int = 1 * MIB

@@ -13,6 +13,7 @@ the memory is free for them, which caps their address space (daemon/service/gram
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
 from daemon.service.engine import Engine, RequestHandle
 from daemon.service.grammar import DEFAULT_MEMORY_BYTES, DEFAULT_WORKERS, Grammars, compile_reserve_bytes
+from daemon.service.prefix_store import PrefixStore
 from daemon.service.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.probe import probe_memory_bytes
@@ -57,6 +59,8 @@ class Loaded:
     grammars: Grammars | None = None  # response_format's compiles (their worker processes)
     weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
     templates: TemplateWorkers | None = None   # the chat template's render processes
+    prefix_store: PrefixStore | None = None     # the prefix cache's file (None: not kept)
+    prefix_saved_version: int = 0               # PrefixCache.version when last saved or read
 
     def close(self) -> None:
         """Release what the load holds: the model's files, the render and compile processes."""
@@ -188,6 +192,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                     on_finish=lambda handle: request_finished(handle, telemetry),
                     on_decode_step=telemetry.decode_step_done if telemetry is not None else None,
                     on_token_gap=telemetry.token_gap if telemetry is not None else None)
+    prefix_store = restore_prefix_cache(config, engine, environ)
     tuner = workload = None
     if session is not None and config.tuner != "off":
         fixed = {knob for key, knob in (("threads", THREADS), ("io_workers", IO_WORKERS))
@@ -217,7 +222,39 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
                   context=engine.context_tokens, session=session,
                   model_type=model.config.model_type, tuner=tuner, workload=workload,
                   grammars=grammars, weight_formats=model.weight_formats(),
-                  templates=templates)
+                  templates=templates, prefix_store=prefix_store,
+                  prefix_saved_version=engine.prefix_cache.version)
+
+
+def restore_prefix_cache(config: ServeConfig, engine: Engine,
+                         environ: Mapping[str, str]) -> PrefixStore | None:
+    """The prefix cache's file (daemon/service/prefix_store.py) and the blocks it held
+    put back in the engine's empty prefix cache; None when nothing is kept (no prefix
+    cache, prefix_cache_persist_bytes 0, the naive cache, which reads no state) or the
+    state directory cannot be used (a warning)."""
+    cache = engine.prefix_cache
+    if (config.prefix_cache_persist_bytes == 0 or cache.capacity_bytes == 0
+            or config.expert_cache_mode == "naive"):
+        return None
+    model = engine.model
+    B = cache.block_tokens
+    template = model.attention.new_cache(B, B)
+    layout = [(tuple(a.shape[:-2]) + (B, a.shape[-1]), str(a.dtype)) for layer in template.layers for a in layer]
+    started = time.monotonic()
+    try:
+        store = PrefixStore(Path(config.state_dir) if config.state_dir else default_state_dir(environ),
+                            model.checkpoint.fingerprint(), numerics=model.numerics_in_force(),
+                            block_tokens=B, layout=layout, budget_bytes=config.prefix_cache_persist_bytes)
+        blocks = store.load(cache.capacity_blocks)
+    except OSError as e:
+        log.warning("prefix_cache_not_persisted", error=str(e),
+                    effect="the prefix cache lives in memory only")
+        return None
+    restored = cache.restore(blocks)
+    if restored:
+        log.info("prefix_cache_restored", path=str(store.path), blocks=restored, tokens=restored * B,
+                 bytes=restored * cache.block_bytes, seconds=round(time.monotonic() - started, 3))
+    return store
 
 
 def _memory_bound_known() -> bool:

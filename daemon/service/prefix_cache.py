@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from daemon.service.prefix_store import SavedBlock
 from ext.models.kvcache import KVCache
 
 BLOCK_TOKENS = 16               # positions per block (vLLM's default block size)
@@ -182,6 +183,52 @@ class PrefixCache:
         self.capacity_bytes = capacity_bytes
         while len(self._blocks) > self.capacity_blocks:
             self._evict(next(iter(self._blocks.values())))
+
+    @property
+    def version(self) -> int:
+        """Changes whenever blocks are stored or evicted (a save can be skipped when it
+        has not)."""
+        return self._counts["blocks_stored"] + self._counts["blocks_evicted"]
+
+    def snapshot(self) -> list[SavedBlock]:
+        """Every block, the most recent first (so a parent comes before its children):
+        its parent's index in the list (-1 for a chain's first block), its chain's salt,
+        tokens and arrays. The arrays are the cache's own (never written after a store):
+        the list may be saved from another thread while the cache goes on."""
+        out: list[SavedBlock] = []
+        index: dict[int, int] = {}
+        for block in reversed(self._blocks.values()):
+            parent, tokens = block.key
+            if isinstance(parent, int) and parent in self._by_id:
+                entry = SavedBlock(index[parent], None, tokens, block.data)
+            else:
+                salt = None if parent == 0 else parent[1]
+                entry = SavedBlock(-1, salt, tokens, block.data)
+            index[block.id] = len(out)
+            out.append(entry)
+        return out
+
+    def restore(self, saved: list[SavedBlock]) -> int:
+        """Fill an empty cache with saved blocks (`snapshot`'s order: most recent first,
+        parents first), as many as capacity_blocks holds; returns how many. Raises
+        ValueError when the cache is not empty or a block's tokens are not block_tokens."""
+        if self._blocks:
+            raise ValueError("restore fills an empty prefix cache")
+        built: list[_Block] = []
+        for entry in saved[:self.capacity_blocks]:
+            if len(entry.tokens) != self.block_tokens:
+                raise ValueError(f"a saved block of {len(entry.tokens)} tokens, not {self.block_tokens}")
+            parent = built[entry.parent] if entry.parent >= 0 else None
+            key = (parent.id if parent else self._root(entry.salt), tuple(entry.tokens))
+            block = _Block(next(self._ids), key, entry.data)
+            self._blocks[key] = block
+            self._by_id[block.id] = block
+            if parent is not None:
+                parent.children.add(block.id)
+            built.append(block)
+        for block in reversed(built):          # the least recent first: the first saved ends last
+            self._blocks.move_to_end(block.key)
+        return len(built)
 
     def clear(self) -> None:
         """Drop every block (the model changed); the counters stay."""

@@ -83,9 +83,33 @@ class ServingState:
                                 window_steps=loaded.tuner.window_steps * t.window_multiplier)
         return out
 
+    async def save_prefix_cache(self) -> None:
+        """The prefix cache's blocks into its file (daemon/service/prefix_store.py) if it
+        changed since the last save: listed on the engine thread (references, no copy),
+        written on a worker thread."""
+        loaded = self.loaded
+        if loaded is None or loaded.prefix_store is None:
+            return
+        cache = loaded.engine.prefix_cache
+        version, blocks = await asyncio.wrap_future(loaded.engine.call(lambda: (cache.version, cache.snapshot())))
+        if version == loaded.prefix_saved_version:
+            return
+        started = time.monotonic()
+        try:
+            n = await asyncio.to_thread(loaded.prefix_store.save, blocks)
+        except OSError as e:        # tried again once the cache changes again, not before
+            loaded.prefix_saved_version = version
+            log.warning("prefix_cache_save_failed", path=str(loaded.prefix_store.path), error=str(e))
+            return
+        loaded.prefix_saved_version = version
+        log.info("prefix_cache_saved", path=str(loaded.prefix_store.path), blocks=n,
+                 tokens=n * cache.block_tokens, seconds=round(time.monotonic() - started, 3))
+
     async def flush_state(self) -> None:
-        """Merge the learned usage into the state file (on the engine thread); a failed
-        write is a warning and the counts stay in memory for the next flush."""
+        """Merge the learned usage into the state file (on the engine thread), and save
+        the prefix cache when it changed; a failed write is a warning and what was learned
+        stays in memory for the next flush."""
+        await self.save_prefix_cache()
         loaded = self.loaded
         if loaded is None or loaded.session is None:
             return

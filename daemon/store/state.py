@@ -212,21 +212,7 @@ class StateStore:
         return StateRecord(self.fingerprint, float(written), tokens, payload)
 
     def _set_aside(self, bad: _Invalid) -> None:
-        stamp = datetime.datetime.fromtimestamp(self._clock(), datetime.timezone.utc)
-        base = f"{self.path.name}.{bad.kind}-{stamp:%Y%m%dT%H%M%S.%fZ}"
-        target = self.state_dir / base
-        n = 0
-        while target.exists():
-            n += 1
-            target = self.state_dir / f"{base}-{n}"
-        try:
-            os.rename(self.path, target)
-        except OSError as e:
-            log.warning("state_file_unusable", path=str(self.path), kind=bad.kind, reason=str(bad),
-                        error=f"could not move it aside: {e}", effect="learning starts fresh")
-            return
-        log.warning("state_file_set_aside", path=str(self.path), kind=bad.kind, reason=str(bad),
-                    moved_to=str(target), effect="learning starts fresh")
+        set_aside(self.path, bad.kind, str(bad), self._clock, effect="learning starts fresh")
 
     # -- writing
 
@@ -261,28 +247,7 @@ class StateStore:
         return record
 
     def _write_atomically(self, data: bytes) -> None:
-        tmp = self.state_dir / f"{self._tmp_prefix}{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                self._step("tmp_written")
-                os.fsync(f.fileno())
-                self._step("fsynced")
-            os.rename(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self._step("renamed")
-        self._fsync_dir()
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomically(self.path, lambda f: f.write(data), tmp_prefix=self._tmp_prefix, step=self._step)
 
     def _remove_stale_temps(self) -> None:
         """Temp files of writers that died mid-save (only a lock holder writes one)."""
@@ -296,6 +261,60 @@ class StateStore:
 
     def _locked(self) -> _FileLock:
         return _FileLock(self.lock_path)
+
+
+def write_atomically(path: Path, write: Callable, *, tmp_prefix: str | None = None,
+                     step: Callable[[str], None] | None = None) -> None:
+    """Replace `path` with what write(f) writes to a binary file, so that a crash at any
+    instant leaves the old file or the new one: a temp file in the same directory
+    (`tmp_prefix` + pid; mode FILE_MODE), flush, fsync, rename over, fsync of the
+    directory. step: called with each of FAULT_STEPS (a test hook). Raises OSError; the
+    temp file is removed on any failure."""
+    path = Path(path)
+    tmp = path.parent / f"{tmp_prefix or '.' + path.name + '.tmp-'}{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            if step:
+                step("tmp_written")
+            os.fsync(f.fileno())
+            if step:
+                step("fsynced")
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if step:
+        step("renamed")
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def set_aside(path: Path, kind: str, reason: str, clock: Callable[[], float], effect: str) -> None:
+    """Rename a bad state file to ``<name>.<kind>-<UTC stamp>`` (kind "corrupt" or
+    "foreign"), never to be read again, with a warning saying why and `effect`; a file
+    that cannot be moved is left and said so."""
+    path = Path(path)
+    stamp = datetime.datetime.fromtimestamp(clock(), datetime.timezone.utc)
+    base = f"{path.name}.{kind}-{stamp:%Y%m%dT%H%M%S.%fZ}"
+    target = path.parent / base
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.parent / f"{base}-{n}"
+    try:
+        os.rename(path, target)
+    except OSError as e:
+        log.warning("state_file_unusable", path=str(path), kind=kind, reason=reason,
+                    error=f"could not move it aside: {e}", effect=effect)
+        return
+    log.warning("state_file_set_aside", path=str(path), kind=kind, reason=reason,
+                moved_to=str(target), effect=effect)
 
 
 def _finite(x: int | float) -> bool:
