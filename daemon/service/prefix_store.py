@@ -13,25 +13,26 @@ the values of the KV depend on it), "block_tokens", "arrays" ([shape, dtype] of 
 arrays, as KVCache.read returns them), "blocks" ([parent, salt, tokens] per block, the
 most recent first, so a parent comes before its children: parent is the index of the
 parent block in this list or -1 for the first block of a chain, salt that chain's
-cache_salt / client key), "sha256" (of the payload)}. At most `budget_bytes` of blocks
+cache_salt / client key), "crc32" (one per block, of its bytes)}. At most `budget_bytes` of blocks
 are written: the most recent ones, and since a parent is always more recent than its
 children (daemon/service/prefix_cache.py), every chain kept is whole.
 
 Never trusted: a file of another model, numerics mode, block size or layout is
 "foreign", one that is truncated, does not parse or whose payload does not match its
-sha256 is "corrupt"; either is renamed to ``*.foreign-<UTC stamp>`` / ``*.corrupt-…``
+crc32 is "corrupt"; either is renamed to ``*.foreign-<UTC stamp>`` / ``*.corrupt-…``
 (kept for a look, never read again) with a warning, and the cache starts empty. Writes
 are atomic as the state files' are (daemon/store/state.py: temp file, fsync, rename,
 fsync of the directory): a crash or kill -9 at any instant leaves the previous file or
-the new one. A file larger than the budget allows (a budget lowered since) is read up to
-what the cache can hold.
+the new one. Only the blocks the cache can hold are read (and checked); the file's size
+must be that of every block it lists.
 """
 from __future__ import annotations
 
-import hashlib
+import os
 import json
 import struct
 import time
+import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,14 +130,16 @@ class PrefixStore:
             index[i] = len(kept)
             kept.append(b)
             header_blocks.append(entry)
-        digest = hashlib.sha256()
+        crcs = []
         for b in kept:
+            crc = 0
             for a in b.data:
-                digest.update(np.ascontiguousarray(a).data)
+                crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
+            crcs.append(crc)
         header = json.dumps({"version": VERSION, "fingerprint": self.fingerprint,
                              "numerics": self.numerics, "block_tokens": self.block_tokens,
                              "arrays": [[list(s), d] for s, d in self.layout],
-                             "blocks": header_blocks, "sha256": digest.hexdigest()},
+                             "blocks": header_blocks, "crc32": crcs},
                             separators=(",", ":")).encode()
 
         def write(f) -> None:
@@ -177,7 +180,7 @@ class PrefixStore:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise _Bad("corrupt", f"the header is not UTF-8 JSON ({e})") from None
-        needed = ("version", "fingerprint", "numerics", "block_tokens", "arrays", "blocks", "sha256")
+        needed = ("version", "fingerprint", "numerics", "block_tokens", "arrays", "blocks", "crc32")
         if not isinstance(header, dict) or any(k not in header for k in needed):
             raise _Bad("corrupt", "the header is not a prefix cache header")
         for key, want in (("version", VERSION), ("fingerprint", self.fingerprint),
@@ -186,31 +189,30 @@ class PrefixStore:
             if header.get(key) != want:
                 raise _Bad("foreign", f"{key} {str(header.get(key))[:80]!r}, this daemon needs "
                                       f"{str(want)[:80]!r}")
-        entries, digest = header.get("blocks"), header.get("sha256")
-        if not isinstance(entries, list) or not isinstance(digest, str):
-            raise _Bad("corrupt", "no block list or checksum")
+        entries, crcs = header.get("blocks"), header.get("crc32")
+        if not isinstance(entries, list) or not isinstance(crcs, list) or len(crcs) != len(entries):
+            raise _Bad("corrupt", "no block list, or not one checksum a block")
+        # the file's size says it holds every block, no more: nothing past what is kept is read
+        if os.fstat(f.fileno()).st_size != len(MAGIC) + 8 + size + len(entries) * self.block_bytes:
+            raise _Bad("corrupt", f"its size is not that of the {len(entries)} blocks it lists")
         out: list[SavedBlock] = []
-        check = hashlib.sha256()
-        for i, entry in enumerate(entries):
+        for i, entry in enumerate(entries[:max_blocks]):
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
                     and -1 <= entry[0] < i and isinstance(entry[2], list)
                     and len(entry[2]) == self.block_tokens
                     and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in entry[2])):
                 raise _Bad("corrupt", f"block {i} is not [parent, salt, tokens]")
-            data = []
+            data, crc = [], 0
             for shape, dtype in self.layout:
                 n = int(np.prod(shape)) * np.dtype(dtype).itemsize
                 buf = f.read(n)
                 if len(buf) != n:
                     raise _Bad("corrupt", f"truncated at block {i} of {len(entries)}")
-                check.update(buf)
+                crc = zlib.crc32(buf, crc)
                 data.append(np.frombuffer(buf, dtype).reshape(shape).copy())
-            if i < max_blocks:
-                out.append(SavedBlock(entry[0], _salt_from_json(entry[1]) if entry[0] < 0 else None,
-                                      tuple(entry[2]), data))
-        if f.read(1):
-            raise _Bad("corrupt", "bytes after the last block")
-        if check.hexdigest() != digest:
-            raise _Bad("corrupt", "the blocks do not match their sha256")
+            if crc != crcs[i]:
+                raise _Bad("corrupt", f"block {i} does not match its crc32")
+            out.append(SavedBlock(entry[0], _salt_from_json(entry[1]) if entry[0] < 0 else None,
+                                  tuple(entry[2]), data))
         return out
 
