@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
+import tokenizers
 
 MOED = str(Path(sys.executable).with_name("moed"))
 
@@ -83,6 +84,8 @@ class Serve:
         body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}
         with self.http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:500]!r}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -107,7 +110,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = min(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"],
+                tokenizers.Tokenizer.from_file(str(Path(args.model) / "tokenizer.json")).get_vocab_size())
     results = {m: {"ttft_s": [], "cached_tokens": [], "restored_blocks": [], "cold_ttft_s": []}
                for m in ("sigterm", "kill-9", "not-kept")}
     for r in range(args.rounds):
