@@ -35,7 +35,8 @@ prometheus_client.disable_created_metrics()
 
 # ------------------------------------------------------------------ closed label sets
 
-ENDPOINTS = ("health", "models", "completions", "chat_completions", "messages", "metrics", "stats", "pins",
+ENDPOINTS = ("health", "models", "completions", "chat_completions", "messages",
+             "responses", "metrics", "stats", "pins",
              "pins_reset", "other")                 # route names of daemon.service.app.HttpApp.application
 # Statuses moed answers with; 499: the client closed the connection before the answer ended.
 STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",

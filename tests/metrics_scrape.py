@@ -55,7 +55,8 @@ TYPES = {
     "process_open_fds": "gauge", "process_max_fds": "gauge",
 }
 MECHANISMS = ("prefetch", "idle_prefetch", "early_hints", "policy", "lrfu", "pins")
-ENDPOINTS = ("health", "models", "completions", "chat_completions", "messages", "metrics", "stats", "pins",
+ENDPOINTS = ("health", "models", "completions", "chat_completions", "messages",
+             "responses", "metrics", "stats", "pins",
              "pins_reset", "other")
 STATUSES = ("200", "400", "401", "403", "404", "405", "408", "413", "429", "499", "500", "503",
             "other")

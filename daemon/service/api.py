@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,6 +256,36 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     if len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     return tuple(_unicode(s, "stop") for s in stop if s)
+
+
+def join_text(content: Any, where: str, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A string, or a list of text parts ({"type": one of kinds, "text": str}) joined.
+    Raises ApiError (400) naming `where` and `param` for anything else (images, files:
+    moed serves text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"'{where}' must be a string or a list of text parts", param)
+    out = []
+    for k, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in kinds and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad(f"'{where}[{k}]' of type {str(kind)[:32]!r} is not supported here: moed serves "
+                      f"text ({', '.join(kinds)} parts)", param)
+        out.append(part["text"])
+    return "".join(out)
+
+
+def function_tools(body: dict, function: Callable[[int, Any], dict]) -> list[dict] | None:
+    """A request's `tools` (None when absent) as chat completions' function tools, each
+    entry turned into {"name", "description", "parameters"} by function(index, entry)
+    (which raises ApiError for one it cannot serve)."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list", "tools")
+    return [{"type": "function", "function": function(i, t)} for i, t in enumerate(tools)]
 
 
 def _history_calls(i: int, calls: Any) -> list[dict]:

@@ -1,7 +1,8 @@
 """The HTTP side of `moed serve`: routes, middlewares and OpenAI-shaped answers (aiohttp).
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
-POST /v1/chat/completions, POST /tokenize, /detokenize and /apply-template (llama-server's
+POST /v1/chat/completions, POST /v1/messages (Anthropic's), POST /v1/responses, POST
+/tokenize, /detokenize and /apply-template (llama-server's
 shapes), GET /metrics, GET /v1/moed/stats, GET /v1/moed/pins, POST /v1/moed/pins/reset (admin:
 the daemon's uid or root, from SO_PEERCRED; refused on TCP). Errors are OpenAI-shaped.
 
@@ -33,7 +34,7 @@ from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, Gramma
                                     GrammarLimitError)
 from daemon.service.loading import Loaded
 from daemon.service.serving import ServingState
-from daemon.service import messages_api
+from daemon.service import messages_api, responses_api
 from daemon.service.reasoning import AnswerParser, split_answer
 from telemetry.logs import get_logger
 
@@ -76,6 +77,25 @@ def api_key_matches(authorization: str, api_key: str) -> bool:
         api_key.encode("utf-8", "surrogateescape"))
 
 
+async def _pump(handle: RequestHandle, parser, stream, send):
+    """Feed a one-choice answer's events through its parser (daemon/service/reasoning.py)
+    and send the events `stream` (messages_api.BlockStream, responses_api.ItemStream)
+    makes of the pieces, closing the last item at the end; returns the last event."""
+    while True:
+        event = await handle.events.get()
+        pieces = parser.feed(event.text)
+        if event.finish_reason is not None:
+            pieces += parser.finish()
+        for kind, value in pieces:
+            for name, payload in stream.events(kind, value):
+                await send(name, payload)
+        if event.last:
+            break
+    for name, payload in stream.close():
+        await send(name, payload)
+    return event
+
+
 def error_response(e: ApiError, anthropic: bool = False) -> web.Response:
     """The error in OpenAI's shape, or Anthropic's for /v1/messages."""
     body = messages_api.error_body(e) if anthropic else e.body()
@@ -105,6 +125,7 @@ class HttpApp:
         post("/v1/completions", self.completions, name="completions")
         post("/v1/chat/completions", self.chat_completions, name="chat_completions")
         post("/v1/messages", self.messages, name="messages")
+        post("/v1/responses", self.responses, name="responses")
         app.router.add_get("/metrics", self.metrics, name="metrics")
         app.router.add_get("/v1/moed/stats", self.stats, name="stats")
         app.router.add_get("/v1/moed/pins", self.pins, name="pins")
@@ -295,14 +316,20 @@ class HttpApp:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "messages")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        """endpoint: "completions", "chat_completions" or "messages" (Anthropic's, answered
-        through chat completions' parsing: daemon/service/messages_api.py)."""
+        """endpoint: "completions", "chat_completions", "messages" (Anthropic's) or
+        "responses" (OpenAI's Responses API); the last two are answered through chat
+        completions' parsing (daemon/service/messages_api.py, responses_api.py)."""
         loaded = self._require_ready()
-        body = await self._json(request)
+        original = body = await self._json(request)
         chat = endpoint != "completions"
         if endpoint == "messages":
             body = messages_api.chat_body(body)
+        elif endpoint == "responses":
+            body = responses_api.chat_body(body)
         engine = loaded.engine
         parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
             api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
@@ -329,6 +356,16 @@ class HttpApp:
         try:
             if endpoint == "messages" and parsed.stream:
                 return await self._stream_messages(request, parsed, handle, headers)
+            if endpoint == "responses" and parsed.stream:
+                return await self._stream_responses(request, parsed, handle, headers, original)
+            if endpoint == "responses":
+                [choice], event = await self._gather(parsed, handle)
+                response = web.json_response(responses_api.response(
+                    original, "resp_" + parsed.engine.request_id.removeprefix("chatcmpl-"), parsed.model,
+                    responses_api.output_items(choice.reasoning, choice.text, choice.tool_calls or []),
+                    choice.finish_reason, event.stats))
+                response.headers.update(headers)
+                return response
             if parsed.stream:
                 return await self._stream(request, parsed, handle, headers)
             if endpoint == "messages":
@@ -500,18 +537,7 @@ class HttpApp:
                 "id": "msg_" + parsed.engine.request_id.removeprefix("chatcmpl-"), "type": "message",
                 "role": "assistant", "model": parsed.model, "content": [], "stop_reason": None,
                 "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}})
-            while True:
-                event = await handle.events.get()
-                items = parser.feed(event.text)
-                if event.finish_reason is not None:
-                    items += parser.finish()
-                for kind, value in items:
-                    for name, payload in blocks.events(kind, value):
-                        await send(name, payload)
-                if event.last:
-                    break
-            for name, payload in blocks.close():
-                await send(name, payload)
+            event = await _pump(handle, parser, blocks, send)
             if event.finish_reason == "error":
                 await send("error", messages_api.error_body(ApiError(
                     500, f"generation failed: {event.error}", type="server_error")))
@@ -522,6 +548,47 @@ class HttpApp:
                     "stop_sequence": event.stop_string},
                     "usage": messages_api.usage(event.stats)})
                 await send("message_stop", {"type": "message_stop"})
+            await response.write_eof()
+        except ConnectionError:
+            request[CLIENT_GONE] = True
+        return response
+
+    async def _stream_responses(self, request: web.Request, parsed: api.ParsedRequest,
+                                handle: RequestHandle, headers: dict[str, str],
+                                body: dict) -> web.StreamResponse:
+        """The Responses API's event stream of one answer (daemon/service/responses_api.py)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache", **headers})
+        await response.prepare(request)
+        sequence = 0
+
+        async def send(kind: str, payload: dict) -> None:
+            nonlocal sequence
+            data = json.dumps({"type": kind, "sequence_number": sequence, **payload},
+                              separators=(",", ":")).encode()
+            sequence += 1
+            await response.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+
+        request_id = "resp_" + parsed.engine.request_id.removeprefix("chatcmpl-")
+        created = int(time.time())
+        parser = parsed.answer_parser() or AnswerParser(reasoning=False)
+        items = responses_api.ItemStream()
+        try:
+            start = responses_api.response(body, request_id, parsed.model, [], None, None, created,
+                                           status="in_progress")
+            await send("response.created", {"response": start})
+            await send("response.in_progress", {"response": start})
+            event = await _pump(handle, parser, items, send)
+            if event.finish_reason == "error":
+                failed = responses_api.response(body, request_id, parsed.model, items.items, None,
+                                                event.stats, created, status="failed")
+                failed["error"] = {"code": "server_error", "message": f"generation failed: {event.error}"}
+                await send("response.failed", {"response": failed})
+            else:
+                final = responses_api.response(body, request_id, parsed.model, items.items,
+                                               event.finish_reason, event.stats, created)
+                await send("response.completed" if final["status"] == "completed" else "response.incomplete",
+                           {"response": final})
             await response.write_eof()
         except ConnectionError:
             request[CLIENT_GONE] = True

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from daemon.service.api import ApiError, bad
+from daemon.service.api import ApiError, bad, function_tools, join_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -49,16 +49,7 @@ def error_body(e: ApiError) -> dict:
 
 def _text_of(blocks: Any, where: str) -> str:
     """A string, or text blocks joined."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise bad(f"'{where}' must be a string or a list of text blocks", "messages")
-    parts = []
-    for b in blocks:
-        if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)):
-            raise bad(f"'{where}' blocks must be {{\"type\": \"text\", \"text\": ...}} here", "messages")
-        parts.append(b["text"])
-    return "".join(parts)
+    return join_text(blocks, where, "messages")
 
 
 def _message(i: int, m: Any) -> list[dict]:
@@ -109,20 +100,18 @@ def _message(i: int, m: Any) -> list[dict]:
 def _tools(body: dict) -> dict:
     """tools and tool_choice as chat completions takes them."""
     out: dict[str, Any] = {}
-    tools = body.get("tools")
+
+    def function(i: int, t: Any) -> dict:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise bad(f"'tools[{i}]' must be a custom tool {{\"name\", \"description\", "
+                      "\"input_schema\"}} (server tools are not served)", "tools")
+        fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        return fn
+    tools = function_tools(body, function)
     if tools is not None:
-        if not isinstance(tools, list):
-            raise bad("'tools' must be a list", "tools")
-        converted = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-                raise bad(f"'tools[{i}]' must be a custom tool {{\"name\", \"description\", "
-                          "\"input_schema\"}} (server tools are not served)", "tools")
-            fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
-            if t.get("description") is not None:
-                fn["description"] = t["description"]
-            converted.append({"type": "function", "function": fn})
-        out["tools"] = converted
+        out["tools"] = tools
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict):
