@@ -61,6 +61,7 @@ class Loaded:
     templates: TemplateWorkers | None = None   # the chat template's render processes
     prefix_store: PrefixStore | None = None     # the prefix cache's file (None: not kept)
     prefix_saved_version: int = 0               # PrefixCache.version when last saved or read
+    prefix_save_failed: bool = False            # the last save failed: only flushes try again
 
     def close(self) -> None:
         """Release what the load holds: the model's files, the render and compile processes."""

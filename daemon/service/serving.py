@@ -97,10 +97,12 @@ class ServingState:
         started = time.monotonic()
         try:
             n = await asyncio.to_thread(loaded.prefix_store.save, blocks)
-        except OSError as e:        # tried again once the cache changes again, not before
+        except OSError as e:        # tried again once the cache changes, at the next flush
             loaded.prefix_saved_version = version
+            loaded.prefix_save_failed = True
             log.warning("prefix_cache_save_failed", path=str(loaded.prefix_store.path), error=str(e))
             return
+        loaded.prefix_save_failed = False
         loaded.prefix_saved_version = version
         log.info("prefix_cache_saved", path=str(loaded.prefix_store.path), blocks=n,
                  tokens=n * cache.block_tokens, seconds=round(time.monotonic() - started, 3))

@@ -6,6 +6,7 @@ one left (cached_tokens) and answers with the same tokens."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -219,3 +220,30 @@ def test_a_foreign_file_in_the_state_directory_is_set_aside_at_start(model_dir):
     finally:
         d.cleanup()
     assert [p.name for p in state.iterdir() if ".corrupt-" in p.name]
+
+
+def test_a_failed_save_is_said_once_and_left_to_the_flushes(model_dir):
+    """The state directory gone (a file in its place) after the start: the idle save fails
+    with one warning and is not retried on every idle moment after that."""
+    work = short_dir()
+    state = Path(work) / "state-gone"
+    d = Daemon(model_dir, short_dir(), "--threads", "1", state_dir=str(state))
+    try:
+        shutil.rmtree(state)
+        state.write_text("not a directory")
+        _ask(d)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not _named(d, "prefix_cache_save_failed"):
+            time.sleep(0.2)
+        assert len(_named(d, "prefix_cache_save_failed")) == 1
+        d.json("POST", "/v1/completions", {"prompt": "other words here " * 8, "max_tokens": 2})
+        time.sleep(4)                                 # two idle periods
+        assert len(_named(d, "prefix_cache_save_failed")) == 1
+        assert d.json("GET", "/health")[0] == 200
+    finally:
+        d.kill()
+        d.cleanup()
+
+
+def _named(d: Daemon, event: str) -> list[dict]:
+    return [e for e in d.events if e.get("event") == event]
