@@ -104,7 +104,7 @@ class ParsedRequest:
         if self.tools is None and not self.reasoning:
             return None
         return AnswerParser(reasoning=self.reasoning, started=self.reasoning_started,
-                            tools=self.tools is not None)
+                            tools=self.tools.parser() if self.tools is not None else False)
 
     @property
     def logprobs(self) -> bool:
@@ -301,12 +301,12 @@ def _history_calls(i: int, calls: Any) -> list[dict]:
                 and isinstance(fn.get("arguments", ""), str)):
             raise bad(f"'messages[{i}].tool_calls[{k}]' must be {{\"id\", \"type\": \"function\", "
                       "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}", "messages")
-        arguments: Any = fn.get("arguments", "")
+        arguments: Any = _unicode(fn.get("arguments", ""), "messages")
         try:
             parsed = json.loads(arguments) if arguments else {}
             if isinstance(parsed, dict):
                 arguments = parsed
-        except ValueError:
+        except (ValueError, RecursionError):      # kept as the text it is
             pass
         entry = {"type": "function", "function": {"name": _unicode(fn["name"], "messages"),
                                                   "arguments": arguments}}
@@ -337,6 +337,8 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
                 or (isinstance(value, str) and len(value) <= 256)):
             raise bad(f"'chat_template_kwargs.{name}' must be a boolean, a number, null or a "
                       "string of at most 256 characters", "chat_template_kwargs")
+        if isinstance(value, str):
+            _unicode(value, "chat_template_kwargs")
     return dict(kwargs)
 
 

@@ -177,12 +177,13 @@ class HttpApp:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        anthropic = request.path.rstrip("/") == "/v1/messages"      # Anthropic's error shape
         try:
             return await handler(request)
         except ApiError as e:
-            return error_response(e, anthropic=request.match_info.route.name == "messages")
+            return error_response(e, anthropic=anthropic)
         except RequestPayloadError as e:    # e.g. a body whose Content-Encoding is broken
-            return error_response(ApiError(400, f"the request body cannot be read: {e}"))
+            return error_response(ApiError(400, f"the request body cannot be read: {e}"), anthropic)
         except web.HTTPException as e:      # aiohttp's own 404/405/413: OpenAI-shaped
             if e.status < 400:
                 raise
@@ -190,13 +191,13 @@ class HttpApp:
                     413: "invalid_request_error"}.get(e.status, "invalid_request_error")
             allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 must say
             return error_response(ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
-                                           type=kind, headers=allow))
+                                           type=kind, headers=allow), anthropic)
         except (asyncio.CancelledError, ConnectionError):
             raise                            # the client went away: nobody to answer
         except Exception as e:              # a bug: answer in OpenAI's shape, keep serving
             log.exception("request_failed", path=request.path)
             return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
-                                           type="server_error", code="internal_error"))
+                                           type="server_error", code="internal_error"), anthropic)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -439,7 +440,7 @@ class HttpApp:
             for c in choices:
                 c.reasoning, c.text, c.tool_calls = split_answer(
                     c.text, reasoning=parsed.reasoning, started=parsed.reasoning_started,
-                    tools=parsed.tools is not None)
+                    tools=parsed.tools.parser() if parsed.tools is not None else False)
                 if c.tool_calls and c.finish_reason == "stop":
                     c.finish_reason = "tool_calls"
         return choices, event
@@ -531,7 +532,7 @@ class HttpApp:
 
         parser = parsed.answer_parser() or AnswerParser(reasoning=False)
         blocks = messages_api.BlockStream()
-        prompt = len(parsed.engine.prompt_ids)
+        prompt = len(parsed.engine.prompt_ids)     # (the cache's share is known at the end)
         try:
             await send("message_start", {"type": "message_start", "message": {
                 "id": "msg_" + parsed.engine.request_id.removeprefix("chatcmpl-"), "type": "message",

@@ -251,7 +251,12 @@ def restore_prefix_cache(config: ServeConfig, engine: Engine,
         log.warning("prefix_cache_not_persisted", error=str(e),
                     effect="the prefix cache lives in memory only")
         return None
-    restored = cache.restore(blocks)
+    try:
+        restored = cache.restore(blocks)
+    except ValueError as e:          # blocks the store passed that the cache cannot hold together
+        cache.clear()
+        log.warning("prefix_cache_not_restored", path=str(store.path), error=str(e))
+        restored = 0
     if restored:
         log.info("prefix_cache_restored", path=str(store.path), blocks=restored, tokens=restored * B,
                  bytes=restored * cache.block_bytes, seconds=round(time.monotonic() - started, 3))

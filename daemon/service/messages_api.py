@@ -102,7 +102,8 @@ def _tools(body: dict) -> dict:
     out: dict[str, Any] = {}
 
     def function(i: int, t: Any) -> dict:
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        if (not isinstance(t, dict) or not isinstance(t.get("name"), str)
+                or t.get("type", "custom") != "custom"):
             raise bad(f"'tools[{i}]' must be a custom tool {{\"name\", \"description\", "
                       "\"input_schema\"}} (server tools are not served)", "tools")
         fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
@@ -168,7 +169,10 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
 
 
 def usage(stats) -> dict:
-    return {"input_tokens": stats.prompt_tokens, "output_tokens": stats.completion_tokens,
+    """Anthropic's usage: input_tokens are those not read from the cache (a client adds
+    cache_read_input_tokens to get the prompt's)."""
+    return {"input_tokens": stats.prompt_tokens - stats.cached_tokens,
+            "output_tokens": stats.completion_tokens,
             "cache_read_input_tokens": stats.cached_tokens, "cache_creation_input_tokens": 0}
 
 

@@ -211,7 +211,8 @@ class PrefixCache:
     def restore(self, saved: list[SavedBlock]) -> int:
         """Fill an empty cache with saved blocks (`snapshot`'s order: most recent first,
         parents first), as many as capacity_blocks holds; returns how many. Raises
-        ValueError when the cache is not empty or a block's tokens are not block_tokens."""
+        ValueError when the cache is not empty, a block's tokens are not block_tokens or a
+        block repeats another (the cache is then to be cleared)."""
         if self._blocks:
             raise ValueError("restore fills an empty prefix cache")
         built: list[_Block] = []
@@ -220,6 +221,8 @@ class PrefixCache:
                 raise ValueError(f"a saved block of {len(entry.tokens)} tokens, not {self.block_tokens}")
             parent = built[entry.parent] if entry.parent >= 0 else None
             key = (parent.id if parent else self._root(entry.salt), tuple(entry.tokens))
+            if key in self._blocks:
+                raise ValueError(f"saved block {len(built)} repeats an earlier one")
             block = _Block(next(self._ids), key, entry.data)
             self._blocks[key] = block
             self._by_id[block.id] = block

@@ -28,8 +28,10 @@ must be that of every block it lists.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import json
+import os
+import stat
 import struct
 import time
 import zlib
@@ -47,6 +49,7 @@ log = get_logger("prefix_store")
 MAGIC = b"MOEDKV1\n"
 VERSION = 1
 MAX_HEADER_BYTES = 64 << 20          # the header of a file of millions of blocks
+HEADER_BYTES_PER_BLOCK = 1024        # what one block's header entry takes, at most (salts included)
 Layout = list[tuple[tuple[int, ...], str]]
 
 
@@ -104,6 +107,24 @@ class PrefixStore:
         self.block_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in self.layout)
         self.budget_bytes = budget_bytes
         self._clock = clock
+        self._remove_stale_temps()
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files of saves whose process died mid-write (kill -9, a crash): each
+        names its writer's pid; those of processes still alive are theirs."""
+        prefix = f".{self.path.name}.tmp-"
+        for entry in os.scandir(self.state_dir):
+            if not entry.name.startswith(prefix):
+                continue
+            try:
+                os.kill(int(entry.name[len(prefix):]), 0)
+            except ValueError:
+                continue
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+            except PermissionError:      # alive, another user's
+                continue
 
     # -- writing
 
@@ -155,16 +176,24 @@ class PrefixStore:
     def load(self, max_blocks: int) -> list[SavedBlock]:
         """The saved blocks (at most max_blocks, the most recent; parents before
         children), or [] when there is no file or a bad one (set aside, with a warning)."""
-        try:
-            f = open(self.path, "rb")
+        try:     # non-blocking: a FIFO put there must not hang the start
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return []
+        except IsADirectoryError:
+            fd = None
         try:
-            with f:
+            if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _Bad("corrupt", "not a regular file")
+            with os.fdopen(fd, "rb") as f:
+                fd = None
                 return self._read(f, max_blocks)
         except _Bad as bad:
             set_aside(self.path, bad.kind, str(bad), self._clock, effect="the prefix cache starts empty")
             return []
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _read(self, f, max_blocks: int) -> list[SavedBlock]:
         if f.read(len(MAGIC)) != MAGIC:
@@ -173,8 +202,12 @@ class PrefixStore:
         if len(raw) != 8:
             raise _Bad("corrupt", "truncated header")
         (size,) = struct.unpack("<Q", raw)
-        if size > MAX_HEADER_BYTES:
-            raise _Bad("corrupt", f"a header of {size} bytes")
+        # a block's header entry is under HEADER_BYTES_PER_BLOCK bytes (16 token ids, a
+        # parent, a salt, a crc): more than the blocks this store or cache could keep is
+        # not a file this daemon wrote, and is not parsed
+        allowed = max(max_blocks, self.budget_bytes // max(self.block_bytes, 1))
+        if size > min(MAX_HEADER_BYTES, 4096 + HEADER_BYTES_PER_BLOCK * (allowed + 1)):
+            raise _Bad("corrupt", f"a header of {size} bytes, more than {allowed} blocks take")
         raw = f.read(size)
         try:
             header = json.loads(raw.decode("utf-8"))
@@ -196,6 +229,7 @@ class PrefixStore:
         if os.fstat(f.fileno()).st_size != len(MAGIC) + 8 + size + len(entries) * self.block_bytes:
             raise _Bad("corrupt", f"its size is not that of the {len(entries)} blocks it lists")
         out: list[SavedBlock] = []
+        keys: set = set()
         for i, entry in enumerate(entries[:max_blocks]):
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
                     and -1 <= entry[0] < i and isinstance(entry[2], list)
@@ -212,6 +246,10 @@ class PrefixStore:
                 data.append(np.frombuffer(buf, dtype).reshape(shape).copy())
             if crc != crcs[i]:
                 raise _Bad("corrupt", f"block {i} does not match its crc32")
+            key = (entry[0], json.dumps(entry[1]) if entry[0] < 0 else None, tuple(entry[2]))
+            if key in keys:             # a cache never holds one chain twice
+                raise _Bad("corrupt", f"block {i} repeats an earlier block")
+            keys.add(key)
             out.append(SavedBlock(entry[0], _salt_from_json(entry[1]) if entry[0] < 0 else None,
                                   tuple(entry[2]), data))
         return out

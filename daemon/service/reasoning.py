@@ -36,12 +36,13 @@ def opens_thinking(prompt_text: str) -> bool:
 class AnswerParser:
     """One choice's text, fed as it streams, as pieces ("reasoning", str), ("content",
     str) and ("call", ToolCall) in order. reasoning: the template thinks; started: the
-    prompt left a <think> open; tools: the request offered tools (calls are parsed)."""
+    prompt left a <think> open; tools: the request offered tools (calls are parsed; a
+    CallParser: with it, in its format)."""
 
-    def __init__(self, *, reasoning: bool, started: bool = False, tools: bool = False):
+    def __init__(self, *, reasoning: bool, started: bool = False, tools: bool | CallParser = False):
         self._state = ("think" if started else "start") if reasoning else "answer"
         self._buf = ""
-        self._calls = CallParser() if tools else None
+        self._calls = tools if isinstance(tools, CallParser) else CallParser() if tools else None
         self._after_think = False        # the answer follows a think block: newlines dropped
 
     @property
@@ -96,7 +97,7 @@ class AnswerParser:
 
 
 def split_answer(text: str, *, reasoning: bool, started: bool = False,
-                 tools: bool = False) -> tuple[str | None, str, list]:
+                 tools: bool | CallParser = False) -> tuple[str | None, str, list]:
     """A whole answer's (reasoning_content or None, content, tool calls)."""
     parser = AnswerParser(reasoning=reasoning, started=started, tools=tools)
     pieces = parser.feed(text) + parser.finish()

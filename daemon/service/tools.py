@@ -11,9 +11,15 @@ the format its template teaches, which `detect_format` reads off the template:
   call is `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`, several
   separated by newlines, after the message's text if any.
 
-Other families' formats (DeepSeek-V3's call markers, GLM-4.5's <arg_key>/<arg_value>,
-GPT-OSS's harmony `functions` namespace) are not read yet: a request with tools to a
-model whose template uses none of the known formats is a 400 saying so.
+- "glm" (GLM-4.5, GLM-4.6): each call is `<tool_call>NAME` then, per argument, a line
+  `<arg_key>KEY</arg_key>` and a line `<arg_value>VALUE</arg_value>`, then
+  `</tool_call>`; a value is the text itself for a string parameter and JSON for any
+  other type (as the published template writes history calls: `v if v is string else
+  v | tojson`).
+
+Other families' formats (DeepSeek-V3's call markers, GPT-OSS's harmony `functions`
+namespace) are not read yet: a request with tools to a model whose template uses none of
+the known formats is a 400 saying so.
 
 tool_choice: "auto" (the default with tools: the model chooses, the text is parsed),
 "none" (the tools are not offered and nothing is parsed), "required" (at least one call)
@@ -31,6 +37,7 @@ so does an unfinished call. Calls get ids "call_" + 24 hex digits.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +45,11 @@ from typing import Any
 MAX_TOOLS = 128                 # tools of one request
 MAX_TOOL_NAME_CHARS = 64        # OpenAI's limit on a function name
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# The JSON a constrained call writes: no whitespace beyond the separators (llguidance's
+# default lets a model pad without end), and the separators of the format's own history
+# calls (Qwen's templates write json.dumps' ", " and ": "; GLM's tojson the same).
+HERMES_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+GLM_JSON = HERMES_JSON
 
 
 class ToolError(ValueError):
@@ -103,15 +115,21 @@ class ToolRequest:
     def grammar(self) -> str:
         """The Lark grammar (llguidance's dialect) of a constrained choice's output."""
         tools = [t for t in self.tools if self.choice != "function" or t.name == self.name]
-        return hermes_grammar(tools, self.parallel)
+        return (glm_grammar if self.format == "glm" else hermes_grammar)(tools, self.parallel)
+
+    def parser(self) -> CallParser:
+        """A parser of this request's calls in the model's format."""
+        return CallParser(self.tools, self.format)
 
 
 def detect_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches ("hermes"), or None."""
+    """The tool-call format a chat template teaches ("hermes" or "glm"), or None."""
     if not chat_template or "tools" not in chat_template:
         return None
-    if "<arg_key>" in chat_template or "tool▁call" in chat_template or "<|call|>" in chat_template:
-        return None          # GLM-4.5, DeepSeek-V3, harmony: not read yet
+    if "tool▁call" in chat_template or "<|call|>" in chat_template:
+        return None          # DeepSeek-V3, harmony: not read yet
+    if "<arg_key>" in chat_template:
+        return "glm"
     if HERMES_OPEN in chat_template:
         return "hermes"
     return None
@@ -133,7 +151,21 @@ def _tool(i: int, entry: Any) -> Tool:
     parameters = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise ToolError(f"'{where}.function.parameters' must be a JSON schema (an object)", "tools")
+    if not unicode_text(description) or not unicode_text(parameters):
+        raise ToolError(f"'{where}.function' holds a lone UTF-16 surrogate: not valid Unicode text", "tools")
     return Tool(name, description, parameters)
+
+
+def unicode_text(value: Any) -> bool:
+    """Whether every string in `value` (JSON: nested lists and objects, keys too) is
+    valid Unicode: no lone surrogates, which JSON can carry and UTF-8 cannot."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, TypeError, RecursionError):
+        return True                      # not JSON text at all: other checks say why
+    return True
 
 
 def parse_tools(body: dict, chat_template: str | None) -> ToolRequest | None:
@@ -175,7 +207,8 @@ def parse_tools(body: dict, chat_template: str | None) -> ToolRequest | None:
     fmt = detect_format(chat_template)
     if fmt is None and kind != "none":
         raise ToolError("this model's chat template has no tool-call format moed can read (it "
-                        "reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes); send "
+                        "reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes, and "
+                        "GLM-4.5's <arg_key>/<arg_value> calls); send "
                         "the request without 'tools'", "tools")
     return ToolRequest(tools, kind, name, parallel, fmt or "hermes")
 
@@ -191,11 +224,72 @@ def hermes_grammar(tools: list[Tool], parallel: bool) -> str:
     schema = {"anyOf": [{"type": "object",
                          "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                          "required": ["name", "arguments"], "additionalProperties": False}
-                        for t in tools]}
+                        for t in tools],
+              "x-guidance": HERMES_JSON}
     calls = 'call ("\\n" call)*' if parallel else "call"
     return (f"start: {calls}\n"
             f"call: {_lark_string(HERMES_OPEN + chr(10))} body {_lark_string(chr(10) + HERMES_CLOSE)}\n"
             f"body: %json {json.dumps(schema, separators=(',', ':'))}\n")
+
+
+def glm_grammar(tools: list[Tool], parallel: bool) -> str:
+    """One call (or several, newline-separated, when parallel) of one of `tools` in
+    GLM-4.5's format: its arguments in the order of the parameters' properties, the
+    required ones always and the others optional; a string value is text without "<",
+    one with an enum one of them, any other value JSON following its schema."""
+    nl = _lark_string(chr(10))
+    rules = []
+    for k, t in enumerate(tools):
+        props = t.parameters.get("properties", {}) if isinstance(t.parameters, dict) else {}
+        required = set(t.parameters.get("required", [])) if isinstance(t.parameters, dict) else set()
+        parts = []
+        for j, (key, schema) in enumerate(props.items()):
+            value = f"v{k}_{j}"
+            if isinstance(schema, dict) and schema.get("type") == "string" and "enum" in schema:
+                rules.append(f"{value}: " + " | ".join(_lark_string(str(e)) for e in schema["enum"]))
+            elif isinstance(schema, dict) and schema.get("type") == "string":
+                rules.append(f"{value}: /[^<]*/")
+            else:
+                typed = {**schema, "x-guidance": GLM_JSON} if isinstance(schema, dict) else schema
+                rules.append(f"{value}: %json {json.dumps(typed, separators=(',', ':'))}")
+            arg = (f"{nl} {_lark_string('<arg_key>' + key + '</arg_key>')} "
+                   f"{_lark_string(chr(10) + '<arg_value>')} {value} {_lark_string('</arg_value>')}")
+            parts.append(arg if key in required else f"({arg})?")
+        rules.append(f"f{k}: {_lark_string(t.name)} {' '.join(parts)}")
+    calls = f"call ({nl} call)*" if parallel else "call"
+    alternatives = " | ".join(f"f{k}" for k in range(len(tools)))
+    lines = [f"start: {calls}",
+             f"call: {_lark_string(HERMES_OPEN)} ({alternatives}) {_lark_string(chr(10) + HERMES_CLOSE)}",
+             *rules]
+    return chr(10).join(lines) + chr(10)
+
+
+def _call_from_glm(body: str, tools: dict[str, Tool]) -> ToolCall | None:
+    """A GLM-4.5 call body: the name on its first line, then <arg_key>/<arg_value>
+    pairs; a value is kept as text for a string parameter (or one moed does not know),
+    else read as JSON (kept as text when it is not)."""
+    name, _, rest = body.strip().partition("\n")
+    name = name.strip()
+    if not name or "<" in name:
+        return None
+    props = tools[name].parameters.get("properties", {}) if name in tools and isinstance(
+        tools[name].parameters, dict) else {}
+    arguments: dict[str, Any] = {}
+    for key, value in _GLM_ARG.findall(rest):
+        schema = props.get(key)
+        if isinstance(schema, dict) and schema.get("type") not in (None, "string"):
+            try:
+                arguments[key] = json.loads(value)
+                continue
+            except (ValueError, RecursionError):
+                pass
+        arguments[key] = value
+    if _GLM_ARG.sub("", rest).strip():
+        return None                      # text beside the pairs: not a call of this format
+    return ToolCall("call_" + uuid.uuid4().hex[:24], name, json.dumps(arguments, ensure_ascii=False))
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def _call_from_json(body: str) -> ToolCall | None:
@@ -210,7 +304,7 @@ def _call_from_json(body: str) -> ToolCall | None:
         try:
             if not isinstance(json.loads(arguments), dict):
                 return None
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         text = arguments
     elif isinstance(arguments, dict):
@@ -222,20 +316,30 @@ def _call_from_json(body: str) -> ToolCall | None:
 
 class CallParser:
     """Splits one choice's generated text, as it streams, into content and tool calls
-    (the hermes format). `feed(text)` and `finish()` return the pieces now known, in
+    (hermes, or GLM-4.5's with `tools` telling a string parameter from others).
+    `feed(text)` and `finish()` return the pieces now known, in
     order: ("content", str) or ("call", ToolCall). Text that may be the start of a call
     tag is held back until it is known; after the first call, whitespace between calls
     is not content."""
 
-    def __init__(self, open_tag: str = HERMES_OPEN, close_tag: str = HERMES_CLOSE):
-        self.open, self.close = open_tag, close_tag
+    def __init__(self, tools: tuple[Tool, ...] = (), fmt: str = "hermes"):
+        self.open, self.close = HERMES_OPEN, HERMES_CLOSE          # both formats' tags
+        self._read = ((lambda body: _call_from_glm(body, {t.name: t for t in tools})) if fmt == "glm"
+                      else (lambda body: _call_from_json(body.strip())))
         self._buf = ""
         self._in_call = False
+        self._ws = ""                    # whitespace after a call, held (`_content`)
         self.calls = 0
 
     def _content(self, text: str) -> list[tuple[str, Any]]:
-        if not text or (self.calls and not text.strip()):
+        """After a call, whitespace is held until text follows it (then it goes out with
+        the text) or another call or the end does (then it was only the calls' spacing)."""
+        if not text:
             return []
+        if self.calls and not text.strip():
+            self._ws += text
+            return []
+        text, self._ws = self._ws + text, ""
         return [("content", text)]
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
@@ -262,10 +366,12 @@ class CallParser:
                 self._in_call = True
 
     def _ended(self, body: str, closed: bool) -> list[tuple[str, Any]]:
-        call = _call_from_json(body.strip())
+        call = self._read(body)
         if call is None:                 # not a call after all: the text as it came
-            return [("content", self.open + body + (self.close if closed else ""))]
+            text, self._ws = self._ws + self.open + body + (self.close if closed else ""), ""
+            return [("content", text)]
         self.calls += 1
+        self._ws = ""
         return [("call", call)]
 
     def finish(self) -> list[tuple[str, Any]]:
@@ -286,9 +392,9 @@ def _prefix_overlap(text: str, tag: str) -> int:
     return 0
 
 
-def split_calls(text: str) -> tuple[str, list[ToolCall]]:
+def split_calls(text: str, tools: tuple[Tool, ...] = (), fmt: str = "hermes") -> tuple[str, list[ToolCall]]:
     """A whole answer's (content, calls): the content's text with the calls taken out."""
-    parser = CallParser()
+    parser = CallParser(tools, fmt)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(p for k, p in pieces if k == "content")
     calls = [p for k, p in pieces if k == "call"]

@@ -22,9 +22,16 @@ CHATML_TEMPLATE = (
 QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read_text(encoding="utf-8")
                   .removesuffix("\n"))
 
+# GLM-4.5's chat format (its checkpoints' chat_template.jinja): [gMASK]<sop>, <|system|>,
+# <|user|>, <|assistant|> and <|observation|> turns, the tools in a system block, calls as
+# <tool_call>NAME with <arg_key>/<arg_value> lines ("glm", daemon/service/tools.py), tool
+# results in <tool_response> after <|observation|>, and <think> blocks.
+GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_text(encoding="utf-8")
+                  .removesuffix("\n"))
+
 # The chat template make-model writes per architecture (ChatML where the family's own is
 # not written yet).
-CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE}
+CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE}
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.

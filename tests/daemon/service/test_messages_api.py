@@ -129,7 +129,10 @@ def test_history_thinking_blocks_reach_the_template_and_thinking_can_be_off(daem
     status, on = daemon.json("POST", "/v1/messages", body)
     assert status == 200, on
     status, off = daemon.json("POST", "/v1/messages", {**body, "thinking": {"type": "disabled"}})
-    assert status == 200 and off["usage"]["input_tokens"] > on["usage"]["input_tokens"]
+
+    def prompt(answer):
+        return answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"]
+    assert status == 200 and prompt(off) > prompt(on)
     chat = messages_api.chat_body(body)
     assert chat["messages"][1] == {"role": "assistant", "content": "Hello.", "reasoning_content": "greet back"}
 
@@ -148,6 +151,9 @@ def test_history_thinking_blocks_reach_the_template_and_thinking_can_be_off(daem
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "web_search_20250305", "name": 5}]}, 400, "invalid_request_error", "custom tool"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
+     "server tools are not served"),
+    ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "thinking": {"type": "maybe"}}, 400, "invalid_request_error", "'thinking'"),
     ({"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}, 404,
      "not_found_error", "does not exist"),
@@ -159,6 +165,25 @@ def test_errors_have_anthropics_shape(daemon, body, status, kind, text):
     assert got == status and answer["type"] == "error"
     assert answer["error"]["type"] == kind and text in answer["error"]["message"]
     assert set(answer) == {"type", "error"}
+
+
+def test_every_error_of_the_route_has_anthropics_shape(daemon):
+    for method, body in (("GET", None), ("POST", b'{"max_tokens": 4, "messages": [{"role": "user", '
+                                                  b'"content": [{"type": "tool_use", "name": "f", '
+                                                  b'"input": {"x": "\\ud800"}}]}]}')):
+        status, _, raw = daemon.request(method, "/v1/messages", body)
+        answer = json.loads(raw)
+        assert status in (400, 405) and answer["type"] == "error" and set(answer) == {"type", "error"}
+
+
+def test_input_tokens_leave_out_what_the_cache_read(daemon):
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "w " * 120}]}
+    status, first = daemon.json("POST", "/v1/messages", body)
+    assert status == 200 and first["usage"]["cache_read_input_tokens"] == 0
+    status, again = daemon.json("POST", "/v1/messages", body)
+    u = again["usage"]
+    assert status == 200 and u["cache_read_input_tokens"] > 0
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == first["usage"]["input_tokens"]
 
 
 def test_the_anthropic_client_raises_its_own_error_types(client):

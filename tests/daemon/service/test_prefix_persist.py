@@ -128,6 +128,45 @@ def test_a_damaged_file_is_corrupt_and_set_aside(tmp_path, damage):
     assert not store.path.exists()
 
 
+def test_a_forged_file_repeating_a_block_is_corrupt(tmp_path):
+    cache, _ = _filled()
+    store = _store(tmp_path)
+    blocks = cache.snapshot()
+    root = next(i for i, b in enumerate(blocks) if b.parent < 0 and b.salt is None)
+    child = next(b for b in blocks if b.parent == root)
+    twice = blocks[:root + 1] + [child, child]
+    store.save([b if b is not child else type(b)(root, None, b.tokens, b.data) for b in twice])
+    assert store.load(100) == []
+    assert [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+
+
+def test_a_fifo_or_a_directory_in_its_place_is_set_aside_without_waiting(tmp_path):
+    store = _store(tmp_path)
+    os.mkfifo(store.path)
+    started = time.monotonic()
+    assert store.load(100) == [] and time.monotonic() - started < 5
+    assert not store.path.exists()
+    store.path.mkdir()
+    assert store.load(100) == []
+    assert len([p for p in tmp_path.iterdir() if ".corrupt-" in p.name]) == 2
+
+
+def test_a_header_larger_than_the_blocks_it_may_hold_is_not_parsed(tmp_path):
+    store = _store(tmp_path, budget=2 * 2 * 2 * B * 3 * 4)              # two blocks
+    store.path.write_bytes(b"MOEDKV1\n" + (1 << 20).to_bytes(8, "little") + b" " * (1 << 20))
+    assert store.load(2) == []
+    assert [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+
+
+def test_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+    dead = tmp_path / ".prefix-ffffffffffffffff.kv.tmp-4194303"        # above pid_max's default
+    live = tmp_path / f".prefix-ffffffffffffffff.kv.tmp-{os.getpid()}"
+    dead.write_bytes(b"x")
+    live.write_bytes(b"x")
+    _store(tmp_path)
+    assert not dead.exists() and live.exists()
+
+
 def test_a_save_is_atomic_and_leaves_no_temp_file(tmp_path, monkeypatch):
     cache, _ = _filled()
     store = _store(tmp_path)

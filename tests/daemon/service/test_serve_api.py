@@ -676,6 +676,16 @@ BAD_REQUESTS = [
     ("prompt-lone-surrogate", COMPLETIONS, b'{"prompt": "hi \\ud800"}', 400, "prompt", None),
     ("message-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
      400, "messages", None),
+    ("tool-description-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"tools": [{"type": "function", "function": {"name": "a", "description": "\\ud800"}}]}', 400, "tools", None),
+    ("tool-parameters-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"tools": [{"type": "function", "function": {"name": "a", "parameters": {"\\udc00": 1}}}]}',
+     400, "tools", None),
+    ("history-arguments-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "hi"}, '
+     b'{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", '
+     b'"arguments": "{\\"x\\": \\"\\ud800\\"}"}}]}]}', 400, "messages", None),
+    ("template-kwarg-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"chat_template_kwargs": {"x": "\\ud800"}}', 400, "chat_template_kwargs", None),
     ("chat-too-long", CHAT, {"messages": [{"role": "user", "content": "hello " * 1100}]},
      400, "messages", "context_length_exceeded"),
 ]
