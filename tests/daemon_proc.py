@@ -190,6 +190,14 @@ class Daemon:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def small_chat_model(root: Path, seed: int, arch: str = "qwen3_moe") -> Path:
+    """A tiny checkpoint with its family's chat template (make-model: 2 layers, 8
+    experts of hidden 64) in root/model, for the tests of the chat surfaces."""
+    from ext.makemodel import make_model
+    return make_model(Path(root) / "model", arch=arch, layers=2, experts=8, top_k=2, hidden=64,
+                      intermediate=32, dtype="bf16", seed=seed)
+
+
 @contextlib.contextmanager
 def serving(model_dir: Path, *args: str) -> Iterator[Daemon]:
     """`moed serve` on model_dir with args for the block: stopped with SIGTERM at the end

@@ -98,10 +98,15 @@ class ParsedRequest:
     reasoning: bool = False
     reasoning_started: bool = False
 
+    @property
+    def parses_answer(self) -> bool:
+        """Whether a choice's text is split into reasoning, content and tool calls."""
+        return self.tools is not None or self.reasoning
+
     def answer_parser(self) -> AnswerParser | None:
         """A parser of one choice's text (reasoning, content, tool calls), or None when
         the text is all content."""
-        if self.tools is None and not self.reasoning:
+        if not self.parses_answer:
             return None
         return AnswerParser(reasoning=self.reasoning, started=self.reasoning_started,
                             tools=self.tools.parser() if self.tools is not None else False)
@@ -400,9 +405,12 @@ def render_chat(body: dict, tokenizer: Tokenizer, tool_req: ToolRequest | None) 
     if tool_req is not None and tool_req.offered:
         extra["tools"] = tool_req.template_tools()
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except ChatTemplateError as e:
         raise bad(str(e), "messages") from None
+    # each field is checked where it is read, naming it; this catches what a template
+    # prints from anywhere else, before the tokenizer would fail on it (a 500)
+    return _unicode(text, "messages")
 
 
 def apply_template(body: Any, tokenizer: Tokenizer) -> dict:

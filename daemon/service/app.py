@@ -436,7 +436,7 @@ class HttpApp:
         choices = [api.Choice("".join(parts[i]), reasons[i],
                               api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
                               if parsed.logprobs else None, stop_string=stops[i]) for i in range(n)]
-        if parsed.answer_parser() is not None:
+        if parsed.parses_answer:
             for c in choices:
                 c.reasoning, c.text, c.tool_calls = split_answer(
                     c.text, reasoning=parsed.reasoning, started=parsed.reasoning_started,
@@ -460,8 +460,7 @@ class HttpApp:
 
         # with tools or a thinking model, each choice's text goes through its parser
         # (daemon/service/reasoning.py): reasoning, content and tool calls
-        parsers = ([parsed.answer_parser() for _ in range(parsed.engine.n)]
-                   if parsed.answer_parser() is not None else None)
+        parsers = [parsed.answer_parser() for _ in range(parsed.engine.n)] if parsed.parses_answer else None
         sent_calls = [0] * parsed.engine.n
 
         async def pieces(index: int, items, logprobs) -> None:

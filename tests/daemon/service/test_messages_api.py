@@ -11,11 +11,10 @@ import anthropic
 import httpx2
 import jsonschema
 import pytest
-from daemon_proc import serving
+from daemon_proc import serving, small_chat_model
 
 from daemon.service import messages_api
 from daemon.service.api import ApiError
-from ext.makemodel import make_model
 
 MODEL = "model"
 TOOLS = [
@@ -33,9 +32,7 @@ SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("messages") / MODEL, arch="qwen3_moe", layers=2,
-                           experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=13)
-    with serving(model_dir, "--threads", "1") as d:
+    with serving(small_chat_model(tmp_path_factory.mktemp("messages"), 13), "--threads", "1") as d:
         yield d
 
 

@@ -9,9 +9,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from daemon_proc import openai_client, serving
+from daemon_proc import openai_client, serving, small_chat_model
 
-from ext.makemodel import make_model
 
 MODEL = "model"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -25,9 +24,7 @@ SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, ZONE)}
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("responses") / MODEL, arch="qwen3_moe", layers=2,
-                           experts=8, top_k=2, hidden=64, intermediate=32, dtype="bf16", seed=15)
-    with serving(model_dir, "--threads", "1") as d:
+    with serving(small_chat_model(tmp_path_factory.mktemp("responses"), 15), "--threads", "1") as d:
         yield d
 
 
