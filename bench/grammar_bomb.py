@@ -1,4 +1,4 @@
-"""What a schema whose compile never ends costs `moed serve` (daemon/service/grammar.py):
+"""What a schema whose compile never ends costs `moed serve` (daemon/workers/grammar.py):
 the answer time of one such request (an allOf of 30 `.*x.*` string patterns), then
 `--bombs` different ones at once while another client streams a completion: the
 daemon's peak RSS (VmHWM, and its growth), the compile workers' largest summed RSS

@@ -164,8 +164,8 @@ def _library(repeats: int, workdir: str) -> dict:
 
 
 def _moed(repeats: int, workdir: str) -> dict:
-    from daemon.service.engine import Engine, EngineRequest
-    from daemon.service.grammar import Grammars
+    from daemon.engine.engine import Engine, EngineRequest
+    from daemon.workers.grammar import Grammars
     from ext.makemodel import make_model
     from ext.models.model import Model
     from ext.sampling import SamplingParams

@@ -1,5 +1,5 @@
 """Benchmark: time to first token of a long prompt after `moed serve` restarts, with the
-prefix cache kept in the state directory (daemon/service/prefix_store.py) against a cold
+prefix cache kept in the state directory (daemon/engine/prefix_store.py) against a cold
 start.
 
 For each round: a daemon on a fresh state directory answers a prompt of `--prompt`

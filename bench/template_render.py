@@ -1,6 +1,6 @@
 """What rendering chat templates in worker processes costs: microseconds per render of a
 chat request, in this process (ext.chat_template) against moed serve's bounded workers
-(daemon/service/templates.py), interleaved round by round; JSON on stdout.
+(daemon/workers/templates.py), interleaved round by round; JSON on stdout.
 
     .venv/bin/python bench/template_render.py [--rounds 7] [--renders 200] [--turns 4]
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemon.service.templates import TemplateWorkers  # noqa: E402
+from daemon.workers.templates import TemplateWorkers  # noqa: E402
 from ext.chat_template import compile_template, render  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

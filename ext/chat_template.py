@@ -15,7 +15,7 @@ than `max_chars` characters or has taken longer than `timeout_s`; both are check
 between the pieces Jinja yields, so one expression that builds a huge string in a single
 step (``{{ "x" * 10**9 }}``) is bounded only by the memory of the process it runs in.
 The daemon therefore renders in worker processes with an address-space limit
-(daemon/service/templates.py), where that ends as a MemoryError, reported here as a
+(daemon/workers/templates.py), where that ends as a MemoryError, reported here as a
 `ChatTemplateLimitError` too. This module imports only jinja2 and the standard library,
 so such a worker stays small.
 """

@@ -11,8 +11,11 @@ Between the top-level folders:
 Between the rooms inside a folder (an arrow may only run downward):
 
 | room               | may import of its own folder                                |
-| daemon/commands/   | every room                                                  |
-| daemon/service/    | service, tuning, store, machine                             |
+| daemon/commands/   | service, engine, tuning, store, machine                     |
+| daemon/service/    | service, api, engine, workers, tuning, store, machine       |
+| daemon/api/        | api, engine                                                 |
+| daemon/engine/     | engine, store                                               |
+| daemon/workers/    | workers                                                     |
 | daemon/tuning/     | tuning, store, machine                                      |
 | daemon/store/      | store                                                       |
 | daemon/machine/    | machine                                                     |
@@ -48,8 +51,11 @@ SCHEDULER_FORBIDDEN_STDLIB = {"socket", "threading", "asyncio", "time", "concurr
 # Rooms of a folder, and the rooms of the same folder each may import ("" = the folder's
 # top-level modules).
 ROOMS = {
-    "daemon": {"commands": {"commands", "service", "tuning", "store", "machine"},
-               "service": {"service", "tuning", "store", "machine"},
+    "daemon": {"commands": {"commands", "service", "engine", "tuning", "store", "machine"},
+               "service": {"service", "api", "engine", "workers", "tuning", "store", "machine"},
+               "api": {"api", "engine"},
+               "engine": {"engine", "store"},
+               "workers": {"workers"},
                "tuning": {"tuning", "store", "machine"},
                "store": {"store"},
                "machine": {"machine"}},
@@ -188,7 +194,7 @@ def test_checker_catches_an_arrow_that_runs_up_between_rooms(tmp_path, monkeypat
     _tree(tmp_path, {
         "daemon/store/a.py": "from daemon.service import app\nfrom daemon.store import b\n",
         "daemon/store/b.py": "import aiohttp\n",
-        "daemon/tuning/c.py": "from daemon.service.engine import Engine\nfrom ..store import a\n",
+        "daemon/tuning/c.py": "from daemon.engine.engine import Engine\nfrom ..store import a\n",
         "daemon/service/d.py": "import daemon.commands.cli\nfrom daemon.tuning import c\n",
         "daemon/machine/e.py": "from daemon import store\n",
         "daemon/commands/f.py": "from daemon.service import d\nfrom daemon.machine import e\n",

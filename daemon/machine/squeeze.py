@@ -15,7 +15,7 @@ relative to it (`scheduler.planner.default_squeeze_policy`). Every `MEMORY_POLL_
               host's /proc/pressure/memory.
 
 and when the budget changes, rebuilds the streaming provider on the engine thread between
-two steps. The prefix cache (daemon/service/prefix_cache.py) gives way before the expert
+two steps. The prefix cache (daemon/engine/prefix_cache.py) gives way before the expert
 cache: what a shrink asks for comes first off its capacity (its least recently used blocks
 are evicted), and only what that does not free comes off the expert cache; it grows back
 last, once the expert cache is at its budget, by the same steps after the same calm

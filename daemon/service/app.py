@@ -25,17 +25,18 @@ from functools import partial
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from daemon.service import api
-from daemon.service.api import ApiError
-from daemon.service.compile_slots import client_of
-from daemon.service.compile_slots import peer_uid as transport_peer_uid
-from daemon.service.engine import EngineClosedError, QueueFullError, RequestHandle
-from daemon.service.grammar import (GrammarBusyError, GrammarClosedError, GrammarError,
-                                    GrammarLimitError)
+from daemon.api import chat as chat_api
+from daemon.api import messages as messages_api
+from daemon.api import responses as responses_api
+from daemon.api.chat import ApiError
+from daemon.api.reasoning import AnswerParser, split_answer
+from daemon.engine.engine import EngineClosedError, QueueFullError, RequestHandle
 from daemon.service.loading import Loaded
 from daemon.service.serving import ServingState
-from daemon.service import messages_api, responses_api
-from daemon.service.reasoning import AnswerParser, split_answer
+from daemon.workers.compile_slots import client_of
+from daemon.workers.compile_slots import peer_uid as transport_peer_uid
+from daemon.workers.grammar import (GrammarBusyError, GrammarClosedError, GrammarError,
+                                    GrammarLimitError)
 from telemetry.logs import get_logger
 
 log = get_logger("server")
@@ -78,7 +79,7 @@ def api_key_matches(authorization: str, api_key: str) -> bool:
 
 
 async def _pump(handle: RequestHandle, parser, stream, send):
-    """Feed a one-choice answer's events through its parser (daemon/service/reasoning.py)
+    """Feed a one-choice answer's events through its parser (daemon/api/reasoning.py)
     and send the events `stream` (messages_api.BlockStream, responses_api.ItemStream)
     makes of the pieces, closing the last item at the end; returns the last event."""
     while True:
@@ -288,24 +289,24 @@ class HttpApp:
         loaded = self._require_ready()
         model_id = request.match_info["model_id"]
         if model_id not in loaded.model_names:
-            raise ApiError(404, f"the model '{api.clip(model_id, 64)}' does not exist; this daemon serves "
+            raise ApiError(404, f"the model '{chat_api.clip(model_id, 64)}' does not exist; this daemon serves "
                                 f"'{loaded.model_names[0]}'", param="model", code="model_not_found")
         return web.json_response(self._model_card(loaded))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
         body = await self._json(request)
-        return web.json_response(await asyncio.to_thread(api.tokenize, body, loaded.engine.tokenizer))
+        return web.json_response(await asyncio.to_thread(chat_api.tokenize, body, loaded.engine.tokenizer))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
         body = await self._json(request)
-        return web.json_response(await asyncio.to_thread(api.detokenize, body, loaded.engine.tokenizer))
+        return web.json_response(await asyncio.to_thread(chat_api.detokenize, body, loaded.engine.tokenizer))
 
     async def apply_template(self, request: web.Request) -> web.Response:
         loaded = self._require_ready()
         body = await self._json(request)
-        return web.json_response(await asyncio.to_thread(api.apply_template, body,
+        return web.json_response(await asyncio.to_thread(chat_api.apply_template, body,
                                                          loaded.engine.tokenizer))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -323,7 +324,7 @@ class HttpApp:
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         """endpoint: "completions", "chat_completions", "messages" (Anthropic's) or
         "responses" (OpenAI's Responses API); the last two are answered through chat
-        completions' parsing (daemon/service/messages_api.py, responses_api.py)."""
+        completions' parsing (daemon/api/messages.py, responses_api.py)."""
         loaded = self._require_ready()
         original = body = await self._json(request)
         chat = endpoint != "completions"
@@ -333,7 +334,7 @@ class HttpApp:
             body = responses_api.chat_body(body)
         engine = loaded.engine
         parsed = await asyncio.to_thread(      # templates and tokenization are CPU work
-            api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
+            chat_api.parse_request, body, chat=chat, model_names=loaded.model_names, tokenizer=engine.tokenizer,
             stop_ids=loaded.stop_ids, context=loaded.context, max_tokens_cap=self.state.config.max_tokens,
             request_timeout_s=self.state.config.request_timeout_s, now=engine.clock(),
             grammars=loaded.grammars, max_n=self.state.config.max_concurrent_sequences)
@@ -353,7 +354,7 @@ class HttpApp:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
         handle.endpoint = endpoint
-        headers = api.max_tokens_header(parsed, loaded.context, self.state.config.max_tokens)
+        headers = chat_api.max_tokens_header(parsed, loaded.context, self.state.config.max_tokens)
         try:
             if endpoint == "messages" and parsed.stream:
                 return await self._stream_messages(request, parsed, handle, headers)
@@ -385,10 +386,10 @@ class HttpApp:
                 handle.cancel()      # the client went away (or we failed): free the place
 
     @staticmethod
-    async def _compile_grammar(parsed: api.ParsedRequest, loaded: Loaded,
-                               request: web.Request) -> api.ParsedRequest:
+    async def _compile_grammar(parsed: chat_api.ParsedRequest, loaded: Loaded,
+                               request: web.Request) -> chat_api.ParsedRequest:
         """`parsed` with its constraint: response_format compiled in a bounded worker
-        (daemon/service/grammar.py), awaited here so that no thread waits on it; the
+        (daemon/workers/grammar.py), awaited here so that no thread waits on it; the
         compile slots are shared fairly between the clients (peers) that ask."""
         client = _client(request)
         try:
@@ -407,11 +408,11 @@ class HttpApp:
             raise ApiError(400, str(e), param=parsed.grammar_param) from None
         return replace(parsed, grammar=None, engine=replace(parsed.engine, constraint=factory))
 
-    async def _collect(self, parsed: api.ParsedRequest, handle: RequestHandle) -> web.Response:
+    async def _collect(self, parsed: chat_api.ParsedRequest, handle: RequestHandle) -> web.Response:
         choices, event = await self._gather(parsed, handle)
-        return web.json_response(api.full_response(parsed, choices, event.stats))
+        return web.json_response(chat_api.full_response(parsed, choices, event.stats))
 
-    async def _gather(self, parsed: api.ParsedRequest, handle: RequestHandle):
+    async def _gather(self, parsed: chat_api.ParsedRequest, handle: RequestHandle):
         """Every choice of a whole answer (text parsed into reasoning, content and tool
         calls where the request has them) and the request's last event (its stats).
         Raises ApiError (500) when generation failed."""
@@ -433,8 +434,8 @@ class HttpApp:
             raise ApiError(500, f"generation failed: {event.error}", type="server_error",
                            code="engine_error")
         tokenizer = self.state.loaded.engine.tokenizer
-        choices = [api.Choice("".join(parts[i]), reasons[i],
-                              api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
+        choices = [chat_api.Choice("".join(parts[i]), reasons[i],
+                              chat_api.LogprobFormatter(tokenizer, parsed.chat).format(entries[i])
                               if parsed.logprobs else None, stop_string=stops[i]) for i in range(n)]
         if parsed.parses_answer:
             for c in choices:
@@ -445,42 +446,42 @@ class HttpApp:
                     c.finish_reason = "tool_calls"
         return choices, event
 
-    async def _stream(self, request: web.Request, parsed: api.ParsedRequest,
+    async def _stream(self, request: web.Request, parsed: chat_api.ParsedRequest,
                       handle: RequestHandle, headers: dict[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
         created = int(time.time())
         tokenizer = self.state.loaded.engine.tokenizer
-        formatters = [api.LogprobFormatter(tokenizer, parsed.chat) for _ in range(parsed.engine.n)]
+        formatters = [chat_api.LogprobFormatter(tokenizer, parsed.chat) for _ in range(parsed.engine.n)]
 
         async def send(payload) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload, separators=(",", ":")).encode()
             await response.write(b"data: " + data + b"\n\n")
 
         # with tools or a thinking model, each choice's text goes through its parser
-        # (daemon/service/reasoning.py): reasoning, content and tool calls
+        # (daemon/api/reasoning.py): reasoning, content and tool calls
         parsers = [parsed.answer_parser() for _ in range(parsed.engine.n)] if parsed.parses_answer else None
         sent_calls = [0] * parsed.engine.n
 
         async def pieces(index: int, items, logprobs) -> None:
             for kind, value in items:
                 if kind == "content":
-                    await send(api.chunk(parsed, created, text=value, index=index, logprobs=logprobs))
+                    await send(chat_api.chunk(parsed, created, text=value, index=index, logprobs=logprobs))
                 elif kind == "reasoning":
-                    await send(api.chunk(parsed, created, reasoning=value, index=index, logprobs=logprobs))
+                    await send(chat_api.chunk(parsed, created, reasoning=value, index=index, logprobs=logprobs))
                 else:
-                    await send(api.chunk(parsed, created, index=index, logprobs=logprobs,
+                    await send(chat_api.chunk(parsed, created, index=index, logprobs=logprobs,
                                          tool_call=(sent_calls[index], value)))
                     sent_calls[index] += 1
                 logprobs = None
             if logprobs:
-                await send(api.chunk(parsed, created, index=index, logprobs=logprobs))
+                await send(chat_api.chunk(parsed, created, index=index, logprobs=logprobs))
 
         try:
             if parsed.chat:
                 for i in range(parsed.engine.n):
-                    await send(api.chunk(parsed, created, role=True, index=i))
+                    await send(chat_api.chunk(parsed, created, role=True, index=i))
             failed = None
             while True:
                 event = await handle.events.get()
@@ -495,12 +496,12 @@ class HttpApp:
                     if parser.calls and reason == "stop":
                         reason = "tool_calls"
                 elif event.text or logprobs or event.token_ids:   # an event per token, "" too
-                    await send(api.chunk(parsed, created, text=event.text, index=event.index,
+                    await send(chat_api.chunk(parsed, created, text=event.text, index=event.index,
                                          logprobs=logprobs))
                 if reason == "error":
                     failed = event.error
                 elif reason is not None:
-                    await send(api.chunk(parsed, created, finish_reason=reason,
+                    await send(chat_api.chunk(parsed, created, finish_reason=reason,
                                          index=event.index))
                 if event.last:
                     break
@@ -508,7 +509,7 @@ class HttpApp:
                 await send(ApiError(500, f"generation failed: {failed}", type="server_error",
                                     code="engine_error").body())
             elif parsed.include_usage:
-                await send(api.chunk(parsed, created, stats=event.stats))
+                await send(chat_api.chunk(parsed, created, stats=event.stats))
             await send(b"[DONE]")
             await response.write_eof()
         except ConnectionError:
@@ -518,9 +519,9 @@ class HttpApp:
             request[CLIENT_GONE] = True
         return response
 
-    async def _stream_messages(self, request: web.Request, parsed: api.ParsedRequest,
+    async def _stream_messages(self, request: web.Request, parsed: chat_api.ParsedRequest,
                                handle: RequestHandle, headers: dict[str, str]) -> web.StreamResponse:
-        """Anthropic's event stream of one answer (daemon/service/messages_api.py)."""
+        """Anthropic's event stream of one answer (daemon/api/messages.py)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
@@ -553,10 +554,10 @@ class HttpApp:
             request[CLIENT_GONE] = True
         return response
 
-    async def _stream_responses(self, request: web.Request, parsed: api.ParsedRequest,
+    async def _stream_responses(self, request: web.Request, parsed: chat_api.ParsedRequest,
                                 handle: RequestHandle, headers: dict[str, str],
                                 body: dict) -> web.StreamResponse:
-        """The Responses API's event stream of one answer (daemon/service/responses_api.py)."""
+        """The Responses API's event stream of one answer (daemon/api/responses.py)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
         await response.prepare(request)

@@ -349,7 +349,7 @@ EXPERT_CACHE_MODES = ("moed", "naive")
 _tuner = _choice(TUNER_MODES)
 # Who shares prefix cache blocks: "shared", every request of the same cache_salt (or of
 # none); "client", only requests of the same client (peer uid on the Unix socket, peer
-# address or IPv6 /64 over TCP; daemon/service/compile_slots.py) and the same cache_salt.
+# address or IPv6 /64 over TCP; daemon/workers/compile_slots.py) and the same cache_salt.
 PREFIX_CACHE_SCOPES = ("shared", "client")
 
 

@@ -50,7 +50,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from daemon.service.compile_slots import client_of_transport
+from daemon.workers.compile_slots import client_of_transport
 from telemetry.logs import get_logger
 
 log = get_logger("server")

@@ -8,7 +8,7 @@ memory planner (scheduler/planner.py); with one larger than the plan leaves the 
 cache, it is clamped to the plan's (an OOM kill otherwise, as the mlocked slots fill),
 and `reload_expert_cache_bytes` does the same on SIGHUP. The plan's runtime reserves the
 grammar compile workers (`compile_reserve_bytes`); `grammar_room_bytes` says how much of
-the memory is free for them, which caps their address space (daemon/service/grammar.py).
+the memory is free for them, which caps their address space (daemon/workers/grammar.py).
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from daemon.machine.memory import MemoryReading, read_memory
 from daemon.service.config import DEFAULT_SOURCE, ServeConfig
-from daemon.service.engine import Engine, RequestHandle
-from daemon.service.grammar import DEFAULT_MEMORY_BYTES, DEFAULT_WORKERS, Grammars, compile_reserve_bytes
-from daemon.service.prefix_store import PrefixStore
-from daemon.service.templates import TemplateWorkers
+from daemon.engine.engine import Engine, RequestHandle
+from daemon.workers.grammar import DEFAULT_MEMORY_BYTES, DEFAULT_WORKERS, Grammars, compile_reserve_bytes
+from daemon.engine.prefix_store import PrefixStore
+from daemon.workers.templates import TemplateWorkers
 from daemon.store.plans import plans_for
 from daemon.store.probe import probe_memory_bytes
 from daemon.store.session import open_model
@@ -229,7 +229,7 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
 
 def restore_prefix_cache(config: ServeConfig, engine: Engine,
                          environ: Mapping[str, str]) -> PrefixStore | None:
-    """The prefix cache's file (daemon/service/prefix_store.py) and the blocks it held
+    """The prefix cache's file (daemon/engine/prefix_store.py) and the blocks it held
     put back in the engine's empty prefix cache; None when nothing is kept (no prefix
     cache, prefix_cache_persist_bytes 0, the naive cache, which reads no state) or the
     state directory cannot be used (a warning)."""
@@ -447,7 +447,7 @@ def runtime_bytes(config, *, threads: int, context: int, sequences: int, slot_by
     idle storage probe's buffers and workers over expert slots of `slot_bytes`
     (daemon/store/probe.py `probe_memory_bytes`; the daemon runs it after READY when the
     experts stream, with every cache already full) + `grammar_bytes`, the grammar compile
-    workers' reserve (daemon/service/grammar.py `compile_reserve_bytes`). The
+    workers' reserve (daemon/workers/grammar.py `compile_reserve_bytes`). The
     interpreter and the libraries imported before the plan are in the memory reading
     already."""
     return (LOAD_BASE_BYTES + LOAD_BYTES_PER_VOCAB_TOKEN * config.vocab_size

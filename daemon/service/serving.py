@@ -84,7 +84,7 @@ class ServingState:
         return out
 
     async def save_prefix_cache(self) -> None:
-        """The prefix cache's blocks into its file (daemon/service/prefix_store.py) if it
+        """The prefix cache's blocks into its file (daemon/engine/prefix_store.py) if it
         changed since the last save: listed on the engine thread (references, no copy),
         written on a worker thread."""
         loaded = self.loaded

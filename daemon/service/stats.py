@@ -20,7 +20,7 @@ def collect(engine, session, *, memory_budget_bytes: int, memory_available_bytes
             model_load_seconds: float, rss_bytes: int | None = None) -> tuple[Snapshot, dict]:
     """(the metrics snapshot, the `moed stats` document) from one reading.
 
-    engine: daemon.service.engine.Engine. session: its ExpertSession, or None (experts not
+    engine: daemon.engine.engine.Engine. session: its ExpertSession, or None (experts not
     streamed). memory_available_bytes: what the daemon may still add — MemAvailable bounded
     by its cgroups' headroom (daemon.machine.memory.read_available_bytes; None when
     unreadable: 0 in metrics).

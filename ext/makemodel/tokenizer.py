@@ -16,7 +16,7 @@ CHATML_TEMPLATE = (
 )
 
 # Qwen3's chat template (tokenizer_config.json of the Qwen3 MoE checkpoints): ChatML, the
-# tools in a system block and calls as <tool_call> JSON ("hermes", daemon/service/tools.py),
+# tools in a system block and calls as <tool_call> JSON ("hermes", daemon/api/tools.py),
 # tool results as <tool_response> in a user turn, <think> reasoning kept only after the
 # last user query, and enable_thinking=False closing an empty <think> block.
 QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read_text(encoding="utf-8")
@@ -24,7 +24,7 @@ QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read
 
 # GLM-4.5's chat format (its checkpoints' chat_template.jinja): [gMASK]<sop>, <|system|>,
 # <|user|>, <|assistant|> and <|observation|> turns, the tools in a system block, calls as
-# <tool_call>NAME with <arg_key>/<arg_value> lines ("glm", daemon/service/tools.py), tool
+# <tool_call>NAME with <arg_key>/<arg_value> lines ("glm", daemon/api/tools.py), tool
 # results in <tool_response> after <|observation|>, and <think> blocks.
 GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_text(encoding="utf-8")
                   .removesuffix("\n"))

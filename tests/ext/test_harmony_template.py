@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from daemon.service.templates import TemplateWorkers
+from daemon.workers.templates import TemplateWorkers
 from ext.chat_template import ChatTemplateError
 from ext.makemodel import make_model
 from ext.tokenizer import Tokenizer

@@ -374,7 +374,7 @@ def test_the_plan_reserves_the_grammar_compile_workers(planned_model):
     """The runtime holds, for each of the 2 compile slots, a worker's start (measured:
     32 MiB + 576 B a vocabulary token + 3 B a tokenizer.json byte) and 16 MiB for its
     compiles, at most grammar_compile_memory_bytes; the runtime grows by just that."""
-    from daemon.service import grammar
+    from daemon.workers import grammar
     config = load_config(planned_model)
     tokenizer_bytes = (planned_model / "tokenizer.json").stat().st_size
     floor = (32 << 20) + 576 * config.vocab_size + 3 * tokenizer_bytes

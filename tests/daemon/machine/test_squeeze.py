@@ -166,7 +166,7 @@ def test_the_prefix_cache_gives_way_first_and_grows_back_last():
     """A shrink comes off the prefix cache's capacity first (its blocks are evicted); only
     what it did not hold comes off the expert cache; back to calm, the expert cache grows
     back to its budget before the prefix cache does."""
-    from daemon.service.prefix_cache import PrefixCache
+    from daemon.engine.prefix_cache import PrefixCache
     from ext.models.kvcache import KVCache
 
     prefix = PrefixCache(kv_bytes_per_token=64 * 1024, capacity_bytes=32 * MIB)   # 1 MiB blocks

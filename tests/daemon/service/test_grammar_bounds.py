@@ -1,4 +1,4 @@
-"""response_format compiles are bounded (daemon/service/grammar.py): a schema whose compile
+"""response_format compiles are bounded (daemon/workers/grammar.py): a schema whose compile
 never ends is a 400 naming the limit within the timeout, in a worker whose memory is capped;
 a schema no value satisfies is a 400 at validation; compiled schemas are reused; compiles
 fill no pool other requests need, and shutdown does not wait for them.
@@ -196,7 +196,7 @@ def test_sigterm_during_a_long_compile_exits_promptly(model_dir):
 def test_the_workers_memory_limit_is_a_400_naming_it(model_dir):
     """In-process (no daemon): a worker of 260 MB address space meets the bomb's growth
     before its 30 s deadline; the error names grammar_compile_memory_bytes."""
-    from daemon.service.grammar import GrammarLimitError, Grammars
+    from daemon.workers.grammar import GrammarLimitError, Grammars
     from ext.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_model_dir(model_dir)
     grammars = Grammars(tokenizer, tokenizer.vocab_size, frozenset(), timeout_s=30.0,
@@ -215,7 +215,7 @@ def test_the_workers_memory_limit_is_a_400_naming_it(model_dir):
 def test_the_cache_is_bounded_and_identical_compiles_run_once(model_dir, monkeypatch):
     """In-process: CACHE_ENTRIES compiled schemas are kept, the least recently used goes
     first; concurrent requests for one schema share its compile."""
-    from daemon.service import grammar
+    from daemon.workers import grammar
     from ext.tokenizer import Tokenizer
     monkeypatch.setattr(grammar, "CACHE_ENTRIES", 2)
     tokenizer = Tokenizer.from_model_dir(model_dir)
@@ -244,7 +244,7 @@ def test_the_cache_is_bounded_and_identical_compiles_run_once(model_dir, monkeyp
 
 
 def _grammars(model_dir, **kwargs):
-    from daemon.service.grammar import Grammars
+    from daemon.workers.grammar import Grammars
     from ext.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_model_dir(model_dir)
     return Grammars(tokenizer, tokenizer.vocab_size, frozenset(), **kwargs)
@@ -253,9 +253,9 @@ def _grammars(model_dir, **kwargs):
 def test_workers_are_the_oom_killers_first_choice(model_dir):
     """Every worker (grammar compiles, chat templates) sets its oom_score_adj to 1000, so
     that in a small memory cgroup the kernel kills a worker, not the daemon."""
-    from daemon.service.workers import WorkerProcess
+    from daemon.workers.process import WorkerProcess
     grammars = _grammars(model_dir)
-    template = WorkerProcess([sys.executable, "-m", "daemon.service.template_worker",
+    template = WorkerProcess([sys.executable, "-m", "daemon.workers.template_worker",
                               str(256 << 20)], 256 << 20)
     try:
         grammars.start()
@@ -276,7 +276,7 @@ def test_a_worker_killed_mid_compile_is_a_400_saying_so(model_dir):
     """A compile process killed by SIGKILL before its deadline (what the OOM killer does)
     is reported as killed, not as grammar_compile_memory_bytes, and not cached."""
     import signal
-    from daemon.service.grammar import GrammarKilledError
+    from daemon.workers.grammar import GrammarKilledError
     grammars = _grammars(model_dir, timeout_s=30.0, memory_bytes=512 << 20)
     grammars.start()
     [worker] = grammars._idle
@@ -318,7 +318,7 @@ def test_the_cache_is_charged_what_its_matchers_hold(model_dir, monkeypatch):
     resident growth gave), the charged bytes stay within CACHE_BYTES by evicting the
     least recently used, and this process's resident size stops growing near that budget
     (before: every schema stayed, ~2 MB of resident memory each)."""
-    from daemon.service import grammar
+    from daemon.workers import grammar
     budget, n = 16 << 20, 48
     monkeypatch.setattr(grammar, "CACHE_BYTES", budget)
     grammars = _grammars(model_dir, timeout_s=30.0)
@@ -347,7 +347,7 @@ def test_a_large_matcher_is_used_but_not_cached_and_a_larger_one_refused(model_d
     """A matcher above CACHE_BYTES / CACHE_ENTRY_FRACTION serves its request and is not
     kept; one above memory_bytes / COMPILED_FRACTION is a 400 naming
     grammar_compile_memory_bytes, before the daemon compiles it."""
-    from daemon.service import grammar
+    from daemon.workers import grammar
     monkeypatch.setattr(grammar, "CACHE_BYTES", 8 << 20)       # entries up to 1 MiB
     grammars = _grammars(model_dir, timeout_s=30.0, memory_bytes=512 << 20)
 
@@ -376,7 +376,7 @@ def test_an_anyof_past_llguidances_row_limit_is_a_400_at_validation(model_dir):
     items) fails only when a token is consumed; the worker consumes the first tokens, so
     the compile is refused with llguidance's message (a 400), not a 500 at the first
     token. The refusal is a verdict on the schema: cached."""
-    from daemon.service.grammar import GrammarError, GrammarLimitError
+    from daemon.workers.grammar import GrammarError, GrammarLimitError
     grammars = _grammars(model_dir)
     fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": {"anyOf": [
         {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
@@ -404,7 +404,7 @@ def test_a_clients_bombs_hold_one_slot_and_another_clients_schema_compiles_promp
     schema. A holds one slot (its other bombs wait), so B's compile takes the other at once
     and is done long before A's first bomb times out (before: A's bombs held both slots
     and B's compile waited out timeout_s, a 429)."""
-    from daemon.service.grammar import GrammarError
+    from daemon.workers.grammar import GrammarError
     timeout_s = 6.0
     grammars = _grammars(model_dir, timeout_s=timeout_s, workers=2)
     small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1, 2]}}}
@@ -439,7 +439,7 @@ def test_a_schema_that_timed_out_is_refused_at_once_for_a_while(model_dir, monke
     """In-process, with a clock of its own: a bomb that ran out of time is refused again at
     once (no second compile) until TIMED_OUT_S have passed, then compiled again; the record
     keeps TIMED_OUT_ENTRIES schemas."""
-    from daemon.service import grammar
+    from daemon.workers import grammar
     monkeypatch.setattr(grammar, "TIMED_OUT_ENTRIES", 1)
     now = [1000.0]
     grammars = _grammars(model_dir, timeout_s=1.0, clock=lambda: now[0])
@@ -476,7 +476,8 @@ def test_the_workers_memory_cap_is_what_the_memory_plan_reserves(model_dir, monk
     (1 GiB: two of them would take more than the cgroup has) nor half the margin alone
     (10 MiB: before, no worker started and every response_format was a 400)."""
     from daemon.machine.memory import MemoryReading
-    from daemon.service import grammar, loading
+    from daemon.service import loading
+    from daemon.workers import grammar
     from daemon.service.config import ServeConfig
     from scheduler.planner import CgroupLimit
     limit = 400 << 20
@@ -506,7 +507,8 @@ def test_with_an_expert_cache_set_the_workers_still_get_the_plans_share(model_di
     the reading leaves after the caches' budgets (560 MiB less the 512 MiB prefix cache:
     24 MiB a worker, too little to start one), so json_object compiles."""
     from daemon.machine.memory import MemoryReading
-    from daemon.service import grammar, loading
+    from daemon.service import loading
+    from daemon.workers import grammar
     from daemon.service.config import ServeConfig
     from scheduler.planner import CgroupLimit
     limit = 560 << 20
@@ -533,7 +535,7 @@ def test_a_worker_that_dies_at_start_says_how_and_under_what_cap(model_dir, monk
     """A cap below a worker's start: a warning when it is set (structured output is
     unavailable, and why), and a compile's 400 says the worker ended as it started (its
     exit, the cap in force, what it needs), not that it "did not start within 60 s"."""
-    from daemon.service import grammar
+    from daemon.workers import grammar
     warnings = []
     monkeypatch.setattr(grammar.log, "warning", lambda event, **f: warnings.append((event, f)))
     grammars = _grammars(model_dir, memory_bytes=8 << 20)
@@ -556,7 +558,7 @@ def test_a_worker_that_dies_at_start_says_how_and_under_what_cap(model_dir, monk
 def test_a_memory_error_names_the_lowered_cap(model_dir):
     """A bomb in a worker capped at half of a 400 MiB room (not the configured 1 GiB): the
     400 names the 200 MiB it ran into, and the configured value it replaced."""
-    from daemon.service.grammar import GrammarLimitError
+    from daemon.workers.grammar import GrammarLimitError
     grammars = _grammars(model_dir, timeout_s=30.0, memory_room_bytes=400 << 20)
     assert grammars.memory_bytes == 200 << 20
     try:

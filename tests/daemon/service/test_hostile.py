@@ -624,8 +624,8 @@ def test_a_client_that_leaves_mid_stream_is_a_499_not_a_traceback(monkeypatch):
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
-    from daemon.service import api
-    from daemon.service.engine import EngineRequest
+    from daemon.api import chat as chat_api
+    from daemon.engine.engine import EngineRequest
 
     counted = []
 
@@ -647,7 +647,7 @@ def test_a_client_that_leaves_mid_stream_is_a_499_not_a_traceback(monkeypatch):
     monkeypatch.setattr(web.StreamResponse, "write", closing)
     monkeypatch.setattr(web.StreamResponse, "prepare", prepared)
     http = app_module.HttpApp(State())
-    parsed = api.ParsedRequest(engine=EngineRequest(request_id="cmpl-1", prompt_ids=(1,),
+    parsed = chat_api.ParsedRequest(engine=EngineRequest(request_id="cmpl-1", prompt_ids=(1,),
                                                     max_tokens=2),
                                model="m", stream=True, include_usage=False, chat=True)
 

@@ -19,7 +19,7 @@ import pytest
 from daemon_proc import Daemon, short_dir
 from metrics_scrape import NOT_ZERO_AT_START, expected_series, parse, promtool_check, total, value
 
-from daemon.service.engine import Engine, EngineRequest
+from daemon.engine.engine import Engine, EngineRequest
 from daemon.service.stats import collect, status_line
 from daemon.store.plans import plans_for
 from daemon.store.session import open_model

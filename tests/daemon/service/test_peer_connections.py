@@ -19,7 +19,7 @@ import socket
 from aiohttp import web
 from daemon_proc import Daemon, short_dir
 
-from daemon.service.compile_slots import client_of
+from daemon.workers.compile_slots import client_of
 from daemon.service.config import ServeConfig
 from daemon.service.connections import ConnectionGate, GatedSite, tcp_socket
 from ext.makemodel import make_model

@@ -10,9 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from daemon.service.engine import Engine, EngineRequest
-from daemon.service.prefix_cache import PrefixCache, block_bytes
-from daemon.service.steps import INITIAL_PREFILL_ROWS, MIN_PREFILL_ROWS, StepTimes
+from daemon.engine.engine import Engine, EngineRequest
+from daemon.engine.prefix_cache import PrefixCache, block_bytes
+from daemon.engine.steps import INITIAL_PREFILL_ROWS, MIN_PREFILL_ROWS, StepTimes
 from ext.makemodel import make_model
 from ext.models.model import PREFILL_CHUNK, Model
 from ext.sampling import SamplingParams

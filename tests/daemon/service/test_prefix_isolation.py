@@ -1,4 +1,4 @@
-"""The prefix cache keeps one client's prompts from another (daemon/service/prefix_cache.py).
+"""The prefix cache keeps one client's prompts from another (daemon/engine/prefix_cache.py).
 
 The attack it closes: client A sends a secret prompt; client B sends guesses that start
 the same way, and the guess whose `cached_tokens` (or time to first token) is larger is

@@ -1,4 +1,4 @@
-"""The prefix cache across restarts (daemon/service/prefix_store.py): blocks saved in the
+"""The prefix cache across restarts (daemon/engine/prefix_store.py): blocks saved in the
 state directory and read back at start, whole chains only, within the budget, with the
 same bits; a corrupt or foreign file is set aside, never used; and through `moed serve`:
 a prompt's second request after SIGTERM and after kill -9 reuses the prefix the first
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from daemon_proc import Daemon, short_dir
 
-from daemon.service.prefix_cache import PrefixCache
-from daemon.service.prefix_store import PrefixStore
+from daemon.engine.prefix_cache import PrefixCache
+from daemon.engine.prefix_store import PrefixStore
 from ext.makemodel import make_model
 from ext.models.kvcache import KVCache
 

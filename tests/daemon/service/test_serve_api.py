@@ -716,15 +716,15 @@ def test_a_max_tokens_cut_by_the_context_says_so_in_a_header(daemon):
 
 
 def test_a_max_tokens_cut_by_the_server_ceiling_is_named_too():
-    from daemon.service import api
+    from daemon.api import chat as chat_api
 
     class Vocab:
         vocab_size = 100
-    parsed = api.parse_request({"prompt": [1, 2, 3], "max_tokens": 500}, chat=False,
+    parsed = chat_api.parse_request({"prompt": [1, 2, 3], "max_tokens": 500}, chat=False,
                                model_names=("m",), tokenizer=Vocab(), stop_ids=frozenset(),
                                context=4096, max_tokens_cap=64, request_timeout_s=60, now=0.0)
     assert parsed.engine.max_tokens == 64 and parsed.max_tokens_limited_by == "max_tokens"
-    assert api.max_tokens_header(parsed, 4096, 64) == {
+    assert chat_api.max_tokens_header(parsed, 4096, 64) == {
         "X-Moed-Max-Tokens": "64; limited by the server's max_tokens ceiling (64)"}
 
 
@@ -856,7 +856,7 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
     ({"prompt": "hi", "logit_bias": {"3": "x" * 5000}}, "logit_bias", "got 'xxxxxxxxxxxxxxxxxxx..."),
 ])
 def test_bad_fields_are_named_and_echo_at_most_a_short_piece_of_client_input(body, param, says):
-    from daemon.service import api
+    from daemon.api import chat as chat_api
 
     class Vocab:
         vocab_size = 100
@@ -864,8 +864,8 @@ def test_bad_fields_are_named_and_echo_at_most_a_short_piece_of_client_input(bod
         @staticmethod
         def encode(text, add_special_tokens=True):
             return [1] * len(text)
-    with pytest.raises(api.ApiError) as e:
-        api.parse_request({"max_tokens": 4, **body}, chat=False, model_names=("m",),
+    with pytest.raises(chat_api.ApiError) as e:
+        chat_api.parse_request({"max_tokens": 4, **body}, chat=False, model_names=("m",),
                           tokenizer=Vocab(), stop_ids=frozenset(), context=4096,
                           max_tokens_cap=64, request_timeout_s=60, now=0.0)
     assert e.value.status == 400 and e.value.param == param
@@ -913,10 +913,10 @@ def test_an_endless_body_after_its_413_is_not_read_on(daemon):
 
 
 def test_an_unknown_model_name_is_echoed_64_characters_at_most():
-    from daemon.service import api
+    from daemon.api import chat as chat_api
 
-    with pytest.raises(api.ApiError) as e:
-        api.parse_request({"prompt": [1], "model": "m" * 5000}, chat=False, model_names=("x",),
+    with pytest.raises(chat_api.ApiError) as e:
+        chat_api.parse_request({"prompt": [1], "model": "m" * 5000}, chat=False, model_names=("x",),
                           tokenizer=None, stop_ids=frozenset(), context=4096,
                           max_tokens_cap=64, request_timeout_s=60, now=0.0)
     assert e.value.status == 404 and e.value.code == "model_not_found"

@@ -1,20 +1,20 @@
-"""One chat-template render process (`python -m daemon.service.template_worker LIMIT`).
+"""One chat-template render process (`python -m daemon.workers.template_worker LIMIT`).
 
-Run by daemon/service/templates.py. It limits its own address space to LIMIT bytes
+Run by daemon/workers/templates.py. It limits its own address space to LIMIT bytes
 (RLIMIT_AS) before it reads anything, says ``{"ready": true}`` on stdout once it has
 imported what it needs, then answers requests, one JSON object per line:
 on stdin ``{"source": str, "variables": {...}, "max_chars": int, "timeout_s": float}``,
 on stdout ``{"text": str}`` or ``{"error": str, "limit": bool}`` (limit: the render was
 stopped by a bound, not by a fault of the template). Compiled templates are kept by
 source (the last few). It imports only ext.chat_template (jinja2) and the standard
-library (and daemon/service/workers.py, the loop shared with the grammar
+library (and daemon/workers/process.py, the loop shared with the grammar
 worker), and writes nothing else anywhere.
 """
 from __future__ import annotations
 
 import sys
 
-from daemon.service.workers import limit_memory, serve_lines
+from daemon.workers.process import limit_memory, serve_lines
 
 OUT_OF_MEMORY = {"error": "the chat template needed more memory than its render may use",
                  "limit": True}

@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) on the same engine as chat completions.
 
 A Responses request is translated into a chat completions body and parsed by
-daemon.service.api.parse_request, so it has the same limits, errors (OpenAI's shape),
+daemon.api.chat.parse_request, so it has the same limits, errors (OpenAI's shape),
 queue, prefix cache, tool calls and reasoning:
 
 - `instructions` -> a system message; `input`: a string (one user message) or items:
@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from daemon.service.api import bad, function_tools, join_text
+from daemon.api.chat import bad, function_tools, join_text
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 

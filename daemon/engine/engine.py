@@ -10,12 +10,12 @@ own thread, one step at a time:
        cache holds for its first tokens;
     3. one step (`Model.forward_step`): a row for every decoding sequence, and beside
        them the next chunk of each prompt still being prefilled, within a token budget
-       (daemon/service/steps.py); the union of the rows' experts is acquired once per MoE layer;
+       (daemon/engine/steps.py); the union of the rows' experts is acquired once per MoE layer;
     4. sample each decode row, and each prompt whose last chunk ran, with the choice's
        own seeded sampler (its logit bias, penalties and grammar), detokenize, emit.
 
 Which rows go into a step, and how large a prompt's chunk is beside decodes, is the step
-scheduler's (daemon/service/steps.py: chunked prefill within a budget measured from step
+scheduler's (daemon/engine/steps.py: chunked prefill within a budget measured from step
 times).
 
 A row's logits do not depend on what else shares its step (the kernels are row-wise
@@ -42,8 +42,8 @@ from typing import Protocol
 
 import numpy as np
 
-from daemon.service.prefix_cache import PrefixCache, PrefixCacheStats
-from daemon.service.steps import PREFILL_STEP_RATIO, StepScheduler
+from daemon.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from daemon.engine.steps import PREFILL_STEP_RATIO, StepScheduler
 from ext.models.model import PREFILL_CHUNK, Model, Sequence
 from ext.sampling import Sampler, SamplingParams, logprobs
 from ext.tokenizer import StreamDecoder, Tokenizer
@@ -92,7 +92,7 @@ class EngineRequest:
     log-probability. constraint: None, or a factory of one `Constraint` per choice.
     cache_salt: None, or a hashable (the request's cache_salt, with its client's identity
     under prefix_cache_scope "client"): only requests of the same cache_salt share prefix
-    cache blocks (daemon/service/prefix_cache.py).
+    cache blocks (daemon/engine/prefix_cache.py).
     """
 
     request_id: str

@@ -7,7 +7,7 @@ model's template does (`thinks`), the text of an answer that opens with `<think>
 whitespace) up to `</think>` is reasoning, and so is the start of an answer whose prompt
 already ended inside an open `<think>` (templates that open it in the generation prompt,
 DeepSeek-R1's). What follows `</think>` is the answer (newlines after the tag dropped),
-parsed for tool calls when the request offered tools (daemon/service/tools.py). A request
+parsed for tool calls when the request offered tools (daemon/api/tools.py). A request
 turns thinking off where the template allows it through chat_template_kwargs
 ({"enable_thinking": false} for Qwen3's: the prompt then holds an empty think block).
 An answer that never closes its `<think>` is all reasoning, as vLLM's and llama-server's
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.service.tools import CallParser, _prefix_overlap
+from daemon.api.tools import CallParser, _prefix_overlap
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

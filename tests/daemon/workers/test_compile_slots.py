@@ -1,4 +1,4 @@
-"""The compile slots are shared fairly (daemon/service/compile_slots.py): a client holds
+"""The compile slots are shared fairly (daemon/workers/compile_slots.py): a client holds
 one at a time, its other compiles wait in order while other clients take free slots, a
 bounded number wait, and a wait given up returns nothing held."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from daemon.service.compile_slots import CompileSlots, SlotRefused, client_of
+from daemon.workers.compile_slots import CompileSlots, SlotRefused, client_of
 
 
 def test_a_client_holds_one_slot_and_others_take_the_rest():

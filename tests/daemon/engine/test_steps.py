@@ -1,4 +1,4 @@
-"""The step scheduler (daemon/service/steps.py): a step's rows are every decoding
+"""The step scheduler (daemon/engine/steps.py): a step's rows are every decoding
 sequence's next token, then the prompts' next chunks in admission order within the
 budget StepTimes gives; the ratio is checked wherever it is set."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from daemon.service.steps import INITIAL_PREFILL_ROWS, PREFILL_STEP_RATIO, StepScheduler
+from daemon.engine.steps import INITIAL_PREFILL_ROWS, PREFILL_STEP_RATIO, StepScheduler
 
 
 @dataclass

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from repacked_models import REPACKED, make_in_format
 
-from daemon.service.engine import Engine, EngineClosedError, EngineRequest, QueueFullError
+from daemon.engine.engine import Engine, EngineClosedError, EngineRequest, QueueFullError
 from daemon.store.session import open_model
 from daemon.store.streaming import minimum_cache_bytes
 from ext.makemodel import make_model

@@ -3,7 +3,7 @@
 A chat template is code from the model directory, and Jinja's sandbox bounds what it may
 reach, not what it costs: one template rendered 300 M characters and grew the daemon to
 24 GB before the OOM killer ended it. Here each render runs in one of a few small worker
-processes (daemon/service/template_worker.py: the interpreter, jinja2, nothing of the
+processes (daemon/workers/template_worker.py: the interpreter, jinja2, nothing of the
 model) whose address space is capped at `worker_memory_bytes(max_chars)`; the worker
 stops a render that passes `max_chars` characters or `timeout_s` seconds; and the caller
 kills a worker that has not answered `timeout_s` + KILL_GRACE_S after it was asked (a
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from daemon.service.workers import WorkerProcess
+from daemon.workers.process import WorkerProcess
 from ext.chat_template import ChatTemplateError, ChatTemplateLimitError
 from telemetry.logs import get_logger
 
@@ -36,7 +36,7 @@ STARTUP_S = 30.0                # a new worker's interpreter start and imports (
 BASE_MEMORY_BYTES = 256 << 20   # a worker's interpreter and jinja2, with room to spare
 BYTES_PER_CHAR = 16             # the text as str (up to 4 bytes a character), its pieces, JSON
 DEFAULT_WORKERS = 2
-WORKER_COMMAND = (sys.executable, "-m", "daemon.service.template_worker")
+WORKER_COMMAND = (sys.executable, "-m", "daemon.workers.template_worker")
 
 
 def worker_memory_bytes(max_chars: int) -> int:

@@ -15,7 +15,7 @@ most recent first, so a parent comes before its children: parent is the index of
 parent block in this list or -1 for the first block of a chain, salt that chain's
 cache_salt / client key), "crc32" (one per block, of its bytes)}. At most `budget_bytes` of blocks
 are written: the most recent ones, and since a parent is always more recent than its
-children (daemon/service/prefix_cache.py), every chain kept is whole.
+children (daemon/engine/prefix_cache.py), every chain kept is whole.
 
 Never trusted: a file of another model, numerics mode, block size or layout is
 "foreign", one that is truncated, does not parse or whose payload does not match its

@@ -13,17 +13,17 @@ as vLLM does), logprobs (completions: an integer of alternatives, 0-20; chat: a 
 with top_logprobs 0-20; log-probabilities of the model's own distribution, streamed
 too), presence_penalty and frequency_penalty (-2..2, over the tokens generated so far),
 logit_bias (token id -> -100..100), response_format {"type": "text" | "json_object" |
-"json_schema"} (constrained decoding, daemon/service/grammar.py). Extensions accepted as
+"json_schema"} (constrained decoding, daemon/workers/grammar.py). Extensions accepted as
 vLLM accepts them: top_k, ignore_eos, seed, cache_salt (a string of 1 to
 MAX_CACHE_SALT_CHARS characters: only requests of the same cache_salt share prefix cache
-blocks, daemon/service/prefix_cache.py). A prompt that leaves no room in the context
+blocks, daemon/engine/prefix_cache.py). A prompt that leaves no room in the context
 is a 400 with code "context_length_exceeded" — refused before it is tokenized when its
 length in bytes already proves it; max_tokens beyond the room left, or beyond the
 server's max_tokens ceiling, is cut to fit (the answer then ends with finish_reason
 "length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
 and what cut it. Chat takes tools, tool_choice and parallel_tool_calls (assistant
 messages with tool_calls and tool messages in the history; the answer's calls parsed into
-tool_calls, finish_reason "tool_calls": daemon/service/tools.py). What stays unsupported
+tool_calls, finish_reason "tool_calls": daemon/api/tools.py). What stays unsupported
 (best_of > 1, functions and function_call, echo, suffix) is a 400 naming the field.
 """
 from __future__ import annotations
@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.service.engine import EngineRequest, RequestStats
-from daemon.service.reasoning import AnswerParser, opens_thinking, thinks
-from daemon.service.tools import ToolCall, ToolError, ToolRequest, parse_tools
+from daemon.engine.engine import EngineRequest, RequestStats
+from daemon.api.reasoning import AnswerParser, opens_thinking, thinks
+from daemon.api.tools import ToolCall, ToolError, ToolRequest, parse_tools
 from ext.sampling import SamplingParamError, SamplingParams
 from ext.tokenizer import ChatTemplateError, Tokenizer
 
@@ -84,15 +84,15 @@ class ParsedRequest:
     # prompt leaves only that many tokens of the model's context) or "max_tokens" (the
     # server's ceiling, configuration key max_tokens). Said in the X-Moed-Max-Tokens header.
     max_tokens_limited_by: str | None = None
-    # response_format's grammar (a daemon.service.grammar.GrammarSpec), None for text: the
+    # response_format's grammar (a daemon.workers.grammar.GrammarSpec), None for text: the
     # caller compiles it (Grammars.compile, bounded, on the event loop) and sets
     # engine.constraint before it submits the request.
     grammar: object | None = None
     grammar_param: str = "response_format"      # the field a grammar error names
-    # The tools offered (daemon/service/tools.py): the answer's text is parsed into
+    # The tools offered (daemon/api/tools.py): the answer's text is parsed into
     # tool_calls. None: no tools, or tool_choice "none".
     tools: ToolRequest | None = None
-    # The model's template writes reasoning in <think> blocks (daemon/service/reasoning.py):
+    # The model's template writes reasoning in <think> blocks (daemon/api/reasoning.py):
     # the answer's thinking goes to reasoning_content; reasoning_started: the prompt left
     # one open.
     reasoning: bool = False
@@ -431,7 +431,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
     body: the decoded JSON. chat: /v1/chat/completions (else /v1/completions).
     model_names: names this daemon answers to (the first is the canonical one).
     context: max_position_embeddings. max_tokens_cap: the configured ceiling.
-    now: clock() seconds, for the deadline. grammars: a daemon.service.grammar.Grammars
+    now: clock() seconds, for the deadline. grammars: a daemon.workers.grammar.Grammars
     for response_format (None: only "text" is accepted); its schema is only checked here,
     the caller compiles `ParsedRequest.grammar`. max_n: the most choices a
     request may ask for (max_concurrent_sequences).
@@ -607,7 +607,7 @@ class LogprobFormatter:
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     def format(self, entries) -> dict:
-        """entries: daemon.service.engine.TokenLogprob, in order."""
+        """entries: daemon.engine.engine.TokenLogprob, in order."""
         if self.chat:
             content = []
             for e in entries:

@@ -1,6 +1,6 @@
-"""One grammar-compile process (`python -m daemon.service.grammar_worker LIMIT`).
+"""One grammar-compile process (`python -m daemon.workers.grammar_worker LIMIT`).
 
-Run by daemon/service/grammar.py. It limits its own address space to LIMIT bytes
+Run by daemon/workers/grammar.py. It limits its own address space to LIMIT bytes
 (RLIMIT_AS) before it reads anything and lowers its CPU priority (decoding comes
 first), reads one line ``{"tokenizer": str, "vocab_size": int, "eos": [int]}`` (the
 model's tokenizer in Hugging Face's JSON, as the daemon gives it to llguidance), says
@@ -10,7 +10,7 @@ line: on stdin ``{"grammar": str}`` (an llguidance grammar, as
 float, "bytes": int}`` (the grammar compiles, its first mask allows something and its
 first steps fail nothing (`first_steps_error`); the time that took, and the memory its
 matcher holds) or ``{"error": str, "limit": bool}``.
-It imports only llguidance and the standard library (and daemon/service/workers.py),
+It imports only llguidance and the standard library (and daemon/workers/process.py),
 and writes nothing anywhere else.
 
 `bytes` is what the daemon's cache charges for the schema (grammar.py). It is the heap
@@ -23,7 +23,7 @@ the matcher's, and the same compile in the daemon holds the same. Without mallin
 (another C library) it falls back to the resident growth, and the daemon's floor.
 
 `build_matcher` is also what the daemon runs in-process once a worker has said a
-grammar compiles (daemon/service/grammar.py).
+grammar compiles (daemon/workers/grammar.py).
 
 A compile llguidance's own limits do not bound (an allOf of many regex patterns doubles
 its cost with each one) is ended by the daemon: it kills this process at its deadline,
@@ -38,7 +38,7 @@ import os
 import sys
 import time
 
-from daemon.service.workers import limit_memory, serve_lines
+from daemon.workers.process import limit_memory, serve_lines
 
 OUT_OF_MEMORY = {"error": "the grammar needed more memory than its compile may use", "limit": True}
 NICE = 10          # below the daemon's engine thread on a busy machine

@@ -25,7 +25,7 @@ tool_choice: "auto" (the default with tools: the model chooses, the text is pars
 "none" (the tools are not offered and nothing is parsed), "required" (at least one call)
 or {"type": "function", "function": {"name": N}} (a call of N). The last two constrain
 decoding with a grammar (llguidance's Lark, with each function's `parameters` as the
-JSON schema of its arguments: daemon/service/grammar.py compiles it, bounded), so the
+JSON schema of its arguments: daemon/workers/grammar.py compiles it, bounded), so the
 call parses whatever the weights are. parallel_tool_calls (default true): several calls
 may follow each other; false: one call at most (the grammar of a constrained choice
 allows exactly one).

@@ -1,4 +1,4 @@
-"""daemon/service/templates.py: chat templates render in bounded worker processes; every
+"""daemon/workers/templates.py: chat templates render in bounded worker processes; every
 way a render can go wrong is an error for that render only, and the pool goes on."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from daemon.service.templates import KILL_GRACE_S, TemplateWorkers, worker_memory_bytes
+from daemon.workers.templates import KILL_GRACE_S, TemplateWorkers, worker_memory_bytes
 from ext.chat_template import ChatTemplateError, ChatTemplateLimitError
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
@@ -79,12 +79,12 @@ def test_a_worker_slow_to_start_does_not_eat_the_renders_time_limit(tmp_path, mo
     for apart: only the render itself counts against chat_template_timeout_s."""
     import sys
 
-    from daemon.service import templates
+    from daemon.workers import templates
     slow = tmp_path / "slow-python"
     startup = 0.2 + KILL_GRACE_S + 0.5       # longer than the render may be waited for
     slow.write_text(f"#!/bin/sh\nsleep {startup}\nexec {sys.executable} \"$@\"\n")
     slow.chmod(0o755)
-    monkeypatch.setattr(templates, "WORKER_COMMAND", (str(slow), "-m", "daemon.service.template_worker"))
+    monkeypatch.setattr(templates, "WORKER_COMMAND", (str(slow), "-m", "daemon.workers.template_worker"))
     pool = TemplateWorkers(max_chars=10_000, timeout_s=0.2, workers=1)
     try:
         assert pool.render(CHATML, MESSAGES).endswith("assistant\n")
@@ -94,7 +94,7 @@ def test_a_worker_slow_to_start_does_not_eat_the_renders_time_limit(tmp_path, mo
 
 
 def test_a_worker_that_never_says_ready_is_an_error_for_that_render(monkeypatch):
-    from daemon.service import templates
+    from daemon.workers import templates
     monkeypatch.setattr(templates, "STARTUP_S", 0.5)
     monkeypatch.setattr(templates, "WORKER_COMMAND", ("cat",))     # reads stdin, says nothing
     pool = TemplateWorkers(max_chars=10_000, timeout_s=0.2, workers=1)

@@ -4,7 +4,7 @@ llguidance (the grammar library of Guidance, in Rust, CPU-only, no Python depend
 `Grammars` is built once per tokenizer (llguidance's view of the vocabulary takes a
 moment for a large one) and turns an OpenAI `response_format` into a factory of
 per-choice `JsonConstraint`s; the engine asks each one for the mask of allowed tokens
-before it samples and tells it the token it sampled (daemon.service.engine.Constraint).
+before it samples and tells it the token it sampled (daemon.engine.engine.Constraint).
 The mask depends only on the tokens accepted so far, so a constrained request's tokens
 are the same alone or batched, like any other.
 
@@ -17,12 +17,12 @@ Compiling is bounded. llguidance's compile of some small schemas is not: an allO
 string patterns intersects their regexes, and the cost doubles with each pattern (14:
 0.8 s; 30: more than 10 GB and no end), and its own limits (lexer fuel, grammar size)
 do not stop it. So a schema is first compiled in a worker process
-(daemon/service/grammar_worker.py, the process handling of the chat templates,
-daemon/service/workers.py) whose address space is capped at `memory_bytes`
+(daemon/workers/grammar_worker.py, the process handling of the chat templates,
+daemon/workers/process.py) whose address space is capped at `memory_bytes`
 (grammar_compile_memory_bytes) and which is killed at `timeout_s`
 (grammar_compile_timeout_s): beyond either the request is a 400 naming the key. A
 worker killed otherwise (SIGKILL before its deadline: the OOM killer, which takes a
-worker first, daemon/service/workers.py) is a 400 saying so, not cached. The
+worker first, daemon/workers/process.py) is a 400 saying so, not cached. The
 worker answers only a verdict, because llguidance has no way to hand a compiled grammar
 to another process (a matcher is not picklable and its Python API serializes nothing
 compiled; the grammar text `grammar_from_json_schema` returns is the schema itself,
@@ -56,7 +56,7 @@ Errors name the cap in force, and the configured one it lowered; a cap below the
 is a warning (`grammar_unavailable`) when it is set.
 
 A cache entry is charged what its matcher holds: the worker measures the C heap before
-the compile and while the matcher is alive (daemon/service/grammar_worker.py), and the
+the compile and while the matcher is alive (daemon/workers/grammar_worker.py), and the
 same compile holds the same in the daemon. Not the daemon's resident growth around its
 own compile: other threads allocate meanwhile, and memory freed by an evicted matcher is
 reused without growth. The charge is at least TEXT_BYTES_FACTOR bytes per byte of the
@@ -77,7 +77,7 @@ compile slots, each with its own thread of a pool only compiles use; a request t
 no slot within timeout_s is a 429 (GrammarBusyError). So clients sending costly schemas
 wait for each other and nothing else: the default thread pool (templates, tokenizing)
 and the engine are not theirs to fill. The slots are shared fairly
-(daemon/service/compile_slots.py): a client holds one at a time, its other compiles wait
+(daemon/workers/compile_slots.py): a client holds one at a time, its other compiles wait
 (a few; beyond, a 429 at once) while other clients take the free ones, so one client
 sending bombs does not make every other client's compile a 429. A schema whose compile
 ran out of time within TIMED_OUT_S is refused at once with the same 400 (a bounded
@@ -100,9 +100,9 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from daemon.service.compile_slots import CompileSlots, SlotRefused
-from daemon.service.grammar_worker import build_matcher
-from daemon.service.workers import WorkerProcess
+from daemon.workers.compile_slots import CompileSlots, SlotRefused
+from daemon.workers.grammar_worker import build_matcher
+from daemon.workers.process import WorkerProcess
 from ext.tokenizer import Tokenizer
 from telemetry.logs import get_logger
 
@@ -120,11 +120,11 @@ COMPILED_FRACTION = 16          # a matcher above memory_bytes / 16 (64 MiB of 1
 TEXT_BYTES_FACTOR = 16          # the least a matcher is charged: 16 bytes a grammar text byte
 TIMED_OUT_S = 60.0              # a schema whose compile timed out is refused at once this long
 TIMED_OUT_ENTRIES = 1024        # timed-out schemas remembered (the oldest out first)
-WORKER_COMMAND = (sys.executable, "-m", "daemon.service.grammar_worker")
+WORKER_COMMAND = (sys.executable, "-m", "daemon.workers.grammar_worker")
 
 
 # What a compile worker needs to start (interpreter, llguidance, the model's tokenizer):
-# the least RLIMIT_AS under which `python -m daemon.service.grammar_worker` says ready,
+# the least RLIMIT_AS under which `python -m daemon.workers.grammar_worker` says ready,
 # found by bisection to 1 MiB on make-model tokenizers (CPython 3, llguidance as pinned):
 # 29.8 MiB at 512 tokens, 46.7 MiB at 32000, 106.2 MiB at 151936 (530-560 B a token);
 # 23.8 MiB more for each 8 MiB of tokenizer JSON (about 3 B a byte: the init line, its
@@ -202,7 +202,7 @@ class _Entry:
 
 
 class JsonConstraint:
-    """One choice's matcher (see daemon.service.engine.Constraint); `matcher` is its own
+    """One choice's matcher (see daemon.engine.engine.Constraint); `matcher` is its own
     (a deep copy of the cached one)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
@@ -340,7 +340,7 @@ class Grammars:
 
     def spec_lark(self, lark: str) -> GrammarSpec:
         """What to compile for a grammar in llguidance's Lark dialect (tool calls:
-        daemon/service/tools.py); cheap (no compile). Raises GrammarError when the text
+        daemon/api/tools.py); cheap (no compile). Raises GrammarError when the text
         is not a grammar llguidance reads."""
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)

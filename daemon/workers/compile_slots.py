@@ -1,4 +1,4 @@
-"""Compile slots shared fairly between clients (daemon/service/grammar.py).
+"""Compile slots shared fairly between clients (daemon/workers/grammar.py).
 
 A grammar compile holds one of a few slots (its worker process and thread) for up to
 grammar_compile_timeout_s. With the slots first come, first served, one client sending

@@ -1,4 +1,4 @@
-"""Tool calls (daemon/service/tools.py): the hermes parser on whole and streamed text, the
+"""Tool calls (daemon/api/tools.py): the hermes parser on whole and streamed text, the
 grammar of a required or named call, the Qwen3 template rendering tools as transformers
 does, and OpenAI's client through `moed serve`: required and named calls parse (streamed
 and not) whatever the weights, and the answer to a call continues the conversation."""
@@ -12,8 +12,8 @@ import pytest
 import tokenizers
 from daemon_proc import openai_client, serving
 
-from daemon.service import api
-from daemon.service.tools import (CallParser, Tool, ToolError, detect_format, hermes_grammar,
+from daemon.api import chat as chat_api
+from daemon.api.tools import (CallParser, Tool, ToolError, detect_format, hermes_grammar,
                                   parse_tools, split_calls)
 from ext.makemodel import CHATML_TEMPLATE, QWEN3_TEMPLATE, make_model
 from ext.tokenizer import Tokenizer
@@ -112,7 +112,7 @@ def test_deep_json_in_calls_is_text_not_an_error():
     tokenizer = _chatml_tokenizer()
     body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": '{"a":' * 5000 + "1" + "}" * 5000}}]}]}
-    parsed = api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
+    parsed = chat_api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
                                stop_ids=frozenset(), context=1 << 20, max_tokens_cap=4,
                                request_timeout_s=60, now=0.0)
     assert parsed.engine.prompt_ids
@@ -198,7 +198,7 @@ def test_the_request_passes_openais_history_to_the_template_with_object_argument
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
         {"role": "tool", "tool_call_id": "call_9", "content": "4 C"}], "tools": [WEATHER]}
-    parsed = api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
+    parsed = chat_api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
                                stop_ids=frozenset(), context=4096, max_tokens_cap=64,
                                request_timeout_s=60, now=0.0)
     text = tokenizer.decode(parsed.engine.prompt_ids, skip_special_tokens=False)
@@ -206,7 +206,7 @@ def test_the_request_passes_openais_history_to_the_template_with_object_argument
             '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n4 C\n</tool_response>') in text
     assert '"name": "get_weather", "description": "The weather in a city now."' in text   # the tools block
     assert parsed.tools is not None and parsed.grammar is None            # auto: nothing constrained
-    none = api.parse_request({**body, "tool_choice": "none"}, chat=True, model_names=(MODEL,),
+    none = chat_api.parse_request({**body, "tool_choice": "none"}, chat=True, model_names=(MODEL,),
                              tokenizer=tokenizer, stop_ids=frozenset(), context=4096,
                              max_tokens_cap=64, request_timeout_s=60, now=0.0)
     assert none.tools is None and "# Tools" not in tokenizer.decode(none.engine.prompt_ids,

@@ -1,7 +1,7 @@
 """Anthropic's Messages API (`POST /v1/messages`) on the same engine as chat completions.
 
 A Messages request is translated into a chat completions body and parsed by
-daemon.service.api.parse_request, so it has the same limits, errors (in Anthropic's
+daemon.api.chat.parse_request, so it has the same limits, errors (in Anthropic's
 shape here), queue, prefix cache, tool calls and reasoning:
 
 - `system` (a string or text blocks) -> a system message; `messages` whose `content` is a
@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from daemon.service.api import ApiError, bad, function_tools, join_text
+from daemon.api.chat import ApiError, bad, function_tools, join_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -198,7 +198,7 @@ def message(request_id: str, model: str, blocks: list[dict], reason: str,
 
 class BlockStream:
     """The streamed content blocks of one answer: `events(kind, value)` for each piece of
-    the answer parser (daemon/service/reasoning.py) gives the SSE events, opening and
+    the answer parser (daemon/api/reasoning.py) gives the SSE events, opening and
     closing blocks as the kind changes; `close()` ends the open one."""
 
     KINDS = {"content": ("text", "text_delta", "text"), "reasoning": ("thinking", "thinking_delta", "thinking")}

@@ -1,4 +1,4 @@
-"""Reasoning (daemon/service/reasoning.py): a thinking model's <think> block goes to
+"""Reasoning (daemon/api/reasoning.py): a thinking model's <think> block goes to
 reasoning_content, streamed or not, whatever the text's splits; a prompt that leaves the
 block open starts the answer in it; chat_template_kwargs reach the template (Qwen3's
 enable_thinking) within bounds."""
@@ -9,8 +9,8 @@ import json
 import pytest
 from daemon_proc import openai_client, serving
 
-from daemon.service import api
-from daemon.service.reasoning import AnswerParser, opens_thinking, split_answer, thinks
+from daemon.api import chat as chat_api
+from daemon.api.reasoning import AnswerParser, opens_thinking, split_answer, thinks
 from ext.makemodel import CHATML_TEMPLATE, QWEN3_TEMPLATE, make_model
 from ext.tokenizer import Tokenizer
 
@@ -66,7 +66,7 @@ def test_thinking_is_read_off_the_template_and_the_prompt():
 
 
 def _parse(tokenizer, body):
-    return api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
+    return chat_api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
                              stop_ids=frozenset(), context=4096, max_tokens_cap=64,
                              request_timeout_s=60, now=0.0)
 
@@ -90,7 +90,7 @@ def test_chat_template_kwargs_reach_the_template_within_bounds(qwen3_dir):
                       ({f"k{i}": 1 for i in range(17)}, "at most 16"),
                       ({"x": [1, 2]}, "must be a boolean"), ({"x": "y" * 257}, "must be a boolean"),
                       ({"not a name": 1}, "cannot set")]:
-        with pytest.raises(api.ApiError, match=what) as e:
+        with pytest.raises(chat_api.ApiError, match=what) as e:
             _parse(tokenizer, {"messages": hi, "chat_template_kwargs": bad})
         assert e.value.param == "chat_template_kwargs"
 

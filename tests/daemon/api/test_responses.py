@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`, daemon/service/responses_api.py) through
+"""OpenAI's Responses API (`POST /v1/responses`, daemon/api/responses.py) through
 `moed serve` with the official `openai` client: text answers streamed and not (the
 streamed response equals the unstreamed one), function calls required and named, their
 outputs continuing the conversation, structured output, and errors naming the field."""

@@ -1,4 +1,4 @@
-"""GLM-4.5's tool-call format (daemon/service/tools.py, "glm"): the parser reads
+"""GLM-4.5's tool-call format (daemon/api/tools.py, "glm"): the parser reads
 <arg_key>/<arg_value> calls with values typed by the tools' schemas, the grammar of a
 required call takes exactly the tools' calls, make-model's GLM-4.5 template renders tools
 and history as transformers does, and through `moed serve` a required call on a glm4_moe
@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 from daemon_proc import openai_client, serving
 
-from daemon.service.tools import CallParser, Tool, glm_grammar, split_calls
+from daemon.api.tools import CallParser, Tool, glm_grammar, split_calls
 from ext.makemodel import make_model
 from ext.tokenizer import Tokenizer
 

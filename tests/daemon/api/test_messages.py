@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (`POST /v1/messages`, daemon/service/messages_api.py) through
+"""Anthropic's Messages API (`POST /v1/messages`, daemon/api/messages.py) through
 `moed serve` with the official `anthropic` client: text, stop sequences, streaming (the
 streamed message equals the unstreamed one), a two-tool task run to the end with
 tool_choice "any" (tool_use blocks whose input validates, tool_result answers), thinking
@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from daemon_proc import serving, small_chat_model
 
-from daemon.service import messages_api
-from daemon.service.api import ApiError
+from daemon.api import messages as messages_api
+from daemon.api.chat import ApiError
 
 MODEL = "model"
 TOOLS = [

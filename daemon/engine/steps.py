@@ -1,4 +1,4 @@
-"""The step scheduler: what goes into each forward step of the engine (daemon/service/engine.py).
+"""The step scheduler: what goes into each forward step of the engine (daemon/engine/engine.py).
 
 A step holds a row for every sequence that decodes and, beside them, the next chunk of
 each prompt still being prefilled, within a token budget; `StepScheduler.plan` makes

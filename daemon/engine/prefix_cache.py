@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon.service.prefix_store import SavedBlock
+from daemon.engine.prefix_store import SavedBlock
 from ext.models.kvcache import KVCache
 
 BLOCK_TOKENS = 16               # positions per block (vLLM's default block size)
