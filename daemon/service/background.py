@@ -82,8 +82,8 @@ class BackgroundTasks:
         while True:
             await asyncio.sleep(IDLE_POLL_S / 2)
             loaded = self.state.loaded
-            if (loaded is None or loaded.prefix_store is None or loaded.prefix_save_failed
-                    or self.state.phase != "ready"):
+            if (loaded is None or loaded.prefix_store is None or not loaded.prefix_store.budget_bytes
+                    or loaded.prefix_save_failed or self.state.phase != "ready"):
                 continue                         # (after a failed save, the flusher retries)
             stats = loaded.engine.stats()
             if stats.running or stats.waiting:

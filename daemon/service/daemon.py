@@ -245,6 +245,11 @@ class Daemon:
                                          if "max_concurrent_sequences" in changed else sequences,
                                          new.max_queue)
                 loaded.engine.prefill_step_ratio = new.prefill_step_ratio
+                if "prefix_cache_persist_bytes" in changed and loaded.prefix_store is not None:
+                    # the next save (idle, flush, shutdown) writes within the new budget;
+                    # 0 stops saving and leaves the last file, which a start at 0 does not read
+                    loaded.prefix_store.budget_bytes = new.prefix_cache_persist_bytes
+                    loaded.prefix_saved_version, loaded.prefix_save_failed = -1, False
                 if "prefix_cache_bytes" in changed:
                     await asyncio.wrap_future(loaded.engine.call(
                         lambda: loaded.engine.prefix_cache.resize(new.prefix_cache_bytes)))

@@ -59,7 +59,7 @@ class Loaded:
     grammars: Grammars | None = None  # response_format's compiles (their worker processes)
     weight_formats: dict = field(default_factory=dict)  # ext.models.model.Model.weight_formats()
     templates: TemplateWorkers | None = None   # the chat template's render processes
-    prefix_store: PrefixStore | None = None     # the prefix cache's file (None: not kept)
+    prefix_store: PrefixStore | None = None     # the prefix cache's file (None: cannot be kept)
     prefix_saved_version: int = 0               # PrefixCache.version when last saved or read
     prefix_save_failed: bool = False            # the last save failed: only flushes try again
 
@@ -230,12 +230,13 @@ def load_for_serving(config: ServeConfig, environ: Mapping[str, str], telemetry=
 def restore_prefix_cache(config: ServeConfig, engine: Engine,
                          environ: Mapping[str, str]) -> PrefixStore | None:
     """The prefix cache's file (daemon/engine/prefix_store.py) and the blocks it held
-    put back in the engine's empty prefix cache; None when nothing is kept (no prefix
-    cache, prefix_cache_persist_bytes 0, the naive cache, which reads no state) or the
-    state directory cannot be used (a warning)."""
+    put back in the engine's empty prefix cache. The store is opened whenever the cache
+    could be kept, with prefix_cache_persist_bytes as its budget: at 0 nothing is read
+    or written until a reload raises it. None when it cannot be kept (no prefix cache, the
+    naive cache, which reads no state) or the state directory cannot be used (a warning
+    when the budget asked for a file)."""
     cache = engine.prefix_cache
-    if (config.prefix_cache_persist_bytes == 0 or cache.capacity_bytes == 0
-            or config.expert_cache_mode == "naive"):
+    if cache.capacity_bytes == 0 or config.expert_cache_mode == "naive":
         return None
     model = engine.model
     B = cache.block_tokens
@@ -246,10 +247,11 @@ def restore_prefix_cache(config: ServeConfig, engine: Engine,
         store = PrefixStore(Path(config.state_dir) if config.state_dir else default_state_dir(environ),
                             model.checkpoint.fingerprint(), numerics=model.numerics_in_force(),
                             block_tokens=B, layout=layout, budget_bytes=config.prefix_cache_persist_bytes)
-        blocks = store.load(cache.capacity_blocks)
+        blocks = store.load(cache.capacity_blocks) if store.budget_bytes else []
     except OSError as e:
-        log.warning("prefix_cache_not_persisted", error=str(e),
-                    effect="the prefix cache lives in memory only")
+        if config.prefix_cache_persist_bytes:
+            log.warning("prefix_cache_not_persisted", error=str(e),
+                        effect="the prefix cache lives in memory only")
         return None
     try:
         restored = cache.restore(blocks)

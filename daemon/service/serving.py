@@ -88,7 +88,7 @@ class ServingState:
         changed since the last save: listed on the engine thread (references, no copy),
         written on a worker thread."""
         loaded = self.loaded
-        if loaded is None or loaded.prefix_store is None:
+        if loaded is None or loaded.prefix_store is None or not loaded.prefix_store.budget_bytes:
             return
         cache = loaded.engine.prefix_cache
         version, blocks = await asyncio.wrap_future(loaded.engine.call(lambda: (cache.version, cache.snapshot())))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -286,3 +287,46 @@ def test_a_failed_save_is_said_once_and_left_to_the_flushes(model_dir):
 
 def _named(d: Daemon, event: str) -> list[dict]:
     return [e for e in d.events if e.get("event") == event]
+
+
+def test_sighup_turns_keeping_the_prefix_cache_off_and_on(model_dir):
+    """prefix_cache_persist_bytes is applied by a reload: at 0 from the start nothing is
+    written; raised by SIGHUP, the next idle save writes the cache, which the next start
+    reads; lowered to 0 again, shutdown saves nothing."""
+    workdir, kept = short_dir(), short_dir()
+    state = os.path.join(kept, "state-hup")      # outlives each daemon's workdir
+    config = Path(kept) / "moed.toml"
+    config.write_text("prefix_cache_persist_bytes = 0\n")
+    d = Daemon(model_dir, workdir, "--threads", "1", state_dir=state, env={"MOED_CONFIG": str(config)})
+    try:
+        _ask(d)
+        time.sleep(3)                                  # past one idle save period
+        assert not _named(d, "prefix_cache_saved")
+        mark = d.mark()
+        config.write_text('prefix_cache_persist_bytes = "64M"\n')
+        d.signal(signal.SIGHUP)
+        assert "prefix_cache_persist_bytes" in d.wait_event("reloaded", from_index=mark)["applied"]
+        _wait_saved(d)
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+    again = Daemon(model_dir, short_dir(), "--threads", "1", state_dir=state)
+    try:
+        assert _named(again, "prefix_cache_restored")
+        assert _ask(again)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert again.stop() == 0
+    finally:
+        again.cleanup()
+    files = sorted(p.name for p in Path(state).glob("prefix-*.kv"))
+    assert len(files) == 1
+    before = (Path(state) / files[0]).stat().st_mtime_ns
+    config.write_text("prefix_cache_persist_bytes = 0\n")
+    off = Daemon(model_dir, short_dir(), "--threads", "1", state_dir=state, env={"MOED_CONFIG": str(config)})
+    try:
+        assert not _named(off, "prefix_cache_restored")
+        _ask(off)
+        assert off.stop() == 0
+        assert not _named(off, "prefix_cache_saved")
+    finally:
+        off.cleanup()
+    assert (Path(state) / files[0]).stat().st_mtime_ns == before
