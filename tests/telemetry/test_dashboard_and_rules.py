@@ -33,7 +33,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -54,7 +53,7 @@ from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 
-from daemon_proc import Daemon, short_dir  # noqa: E402
+from daemon_proc import Daemon, free_port, short_dir, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "telemetry" / "grafana" / "moed.json"
@@ -436,12 +435,6 @@ def scraped_names(text: str) -> set[str]:
     return {name for name, _ in parse_scrape(text)[1]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def static_scrape(target: str) -> list[dict]:
     """A scrape configuration of one target as job `moed`."""
     return [{"job_name": "moed", "static_configs": [{"targets": [target]}]}]
@@ -516,16 +509,6 @@ class Prometheus:
             self.proc.wait(60)
         self._reader.join(60)
         self.proc.stderr.close()
-
-
-def wait_until(condition, what: str, diagnostics=lambda: ""):
-    """Poll `condition()` until it returns something true (returned) or the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-    raise AssertionError(f"timed out waiting for {what}\n{diagnostics()}")
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +35,7 @@ import httpx
 import openai
 import pytest
 import tools
-from daemon_proc import Daemon, short_dir
+from daemon_proc import Daemon, free_port, short_dir, wait_until
 
 from ext.makemodel import make_model
 
@@ -49,22 +47,6 @@ DEADLINE_S = 60.0
 STREAM_TOKENS = 2000              # seconds of decoding: in flight when a replica goes away
 
 pytestmark = pytest.mark.tools("haproxy")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(condition, what: str, diagnostics=lambda: ""):
-    """Poll `condition()` until it returns something true (returned) or the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-    raise AssertionError(f"timed out waiting for {what}\n{diagnostics()}")
 
 
 def test_haproxy_accepts_the_shipped_configuration():
