@@ -9,7 +9,7 @@
 - Live: a real Prometheus on loopback scrapes a running moed every second; after a few
   requests every query of every panel runs through Prometheus' HTTP API with Grafana's
   variables substituted ($__rate_interval -> 4s, $__interval -> 1s, $__range -> 5m,
-  template variables -> .*). Each must parse; the serving and expert panels must return
+  template variables -> .*). Each must parse; the fleet, serving and expert panels must return
   numbers. A misspelt metric parses and returns nothing, so every metric a panel or a rule
   names must also appear in moed's own scrape. The rules load into that Prometheus and
   evaluate without error.
@@ -647,7 +647,7 @@ def live(moed, tmp_path_factory):
 
 
 @pytest.mark.tools("prometheus")
-def test_every_panel_query_parses_and_serving_and_expert_panels_return_data(live):
+def test_every_panel_query_parses_and_fleet_serving_and_expert_panels_return_data(live):
     failures = []
     for q in dashboard_queries(load_dashboard()):
         answer = live.prometheus.query(q.expr, live.at)
