@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import log_contract
@@ -37,6 +38,26 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(self.timeout)
         self.sock.connect(self.unix_path)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition: Callable, what: str, diagnostics: Callable[[], str] = lambda: "",
+               timeout: float = 90.0):
+    """Poll `condition()` (a query of another process: its API, its stats) until it returns
+    something true, returned; AssertionError naming `what`, with `diagnostics()`, after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+    raise AssertionError(f"timed out waiting for {what}\n{diagnostics()}")
 
 
 def short_dir(prefix: str = "moed") -> str:

@@ -1,4 +1,4 @@
-"""The programs some tests run (promtool, prometheus, systemd-analyze, curl, ...): found,
+"""The programs some tests run (promtool, prometheus, haproxy, systemd-analyze, curl, ...): found,
 installed from Debian's archive when missing and allowed, or reported.
 
 A test names what it runs with ``@pytest.mark.tools("promtool", ...)`` (or a module's
@@ -34,6 +34,7 @@ PACKAGES: Mapping[str, str] = {
     "systemd-socket-activate": "systemd",
     "systemd-sysusers": "systemd",
     "curl": "curl",
+    "haproxy": "haproxy",      # the fleet test's balancer (haproxy/moed.cfg)
     "kill": "procps",          # /bin/kill: the units' ExecReload=
     "prlimit": "util-linux",
     "unshare": "util-linux",
@@ -46,7 +47,8 @@ PACKAGES: Mapping[str, str] = {
     "setpriv": "util-linux",
 }
 # Where a program must be, when the test needs that exact file rather than any on PATH.
-FIXED: Mapping[str, str] = {"kill": "/bin/kill", "python3": "/usr/bin/python3"}
+FIXED: Mapping[str, str] = {"kill": "/bin/kill", "python3": "/usr/bin/python3",
+                             "haproxy": "/usr/sbin/haproxy"}   # sbin: not on a user's PATH
 
 
 def mode(environ: Mapping[str, str] = os.environ) -> str:

@@ -9,10 +9,16 @@
 - Live: a real Prometheus on loopback scrapes a running moed every second; after a few
   requests every query of every panel runs through Prometheus' HTTP API with Grafana's
   variables substituted ($__rate_interval -> 4s, $__interval -> 1s, $__range -> 5m,
-  template variables -> .*). Each must parse; the serving and expert panels must return
+  template variables -> .*). Each must parse; the fleet, serving and expert panels must return
   numbers. A misspelt metric parses and returns nothing, so every metric a panel or a rule
   names must also appear in moed's own scrape. The rules load into that Prometheus and
   evaluate without error.
+- Fleet: Prometheus runs the shipped scrape configuration's `moed` job
+  (telemetry/prometheus/prometheus.yml: file-based service discovery) on a file naming
+  two daemons. Every panel query parses; each query of the Fleet row returns a number, and
+  those drawn per instance one series for each daemon. One daemon is then killed: `up`
+  and the Fleet row say so, and MoedDown (for that instance only) and MoedFleetHalfDown
+  become pending.
 
 Grafana itself is not installed here: the dashboard is checked this way and never
 rendered. promtool and prometheus come from Debian's `prometheus` package, which the test
@@ -27,7 +33,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -48,16 +53,21 @@ from ext.makemodel import make_model
 from ext.models.config import load_config
 from ext.models.experts import ExpertLayout
 
-from daemon_proc import Daemon, short_dir  # noqa: E402
+from daemon_proc import Daemon, free_port, short_dir, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "telemetry" / "grafana" / "moed.json"
 RULES = ROOT / "telemetry" / "prometheus" / "alerts.yml"
 RULES_TEST = ROOT / "telemetry" / "prometheus" / "alerts_test.yml"
+SCRAPE_CONFIG = ROOT / "telemetry" / "prometheus" / "prometheus.yml"
 
-ROWS = ("Serving", "Experts", "Prefetch", "Engine", "Memory", "Tuner")
-ROWS_WITH_DATA = ("Serving", "Experts")     # after a few requests these must show numbers
+ROWS = ("Fleet", "Serving", "Experts", "Prefetch", "Engine", "Memory", "Tuner")
+ROWS_WITH_DATA = ("Fleet", "Serving", "Experts")   # after a few requests these must show numbers
 PANELS = {                                  # row -> panels the issue asks for (by title)
+    "Fleet": {"Instances up", "Fleet tokens per second", "Up by instance",
+              "Tokens per second by instance", "Running and waiting by instance",
+              "Time to first token p90 by instance", "Expert cache hit ratio by instance",
+              "Prefix cache reuse by instance"},
     "Serving": {"Request rate", "Errors", "Running and waiting", "Time to first token",
                 "Inter-token latency"},
     "Experts": {"Expert cache hit ratio", "Hit ratio per layer", "Expert bytes read per second",
@@ -68,7 +78,7 @@ PANELS = {                                  # row -> panels the issue asks for (
     "Memory": {"Memory budget vs available vs resident", "Resident set size"},
     "Tuner": {"Tuner trials in range", "Tuner trials"},
 }
-ALERTS = {"MoedDown", "MoedHighErrorRatio", "MoedExpertHitRatioCollapse", "MoedExpertReadErrors",
+ALERTS = {"MoedDown", "MoedFleetHalfDown", "MoedHighErrorRatio", "MoedExpertHitRatioCollapse", "MoedExpertReadErrors",
           "MoedMemoryHeadroomLow", "MoedQueueSaturated"}
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRAFANA_VARIABLES = {"__rate_interval": "4s", "__interval": "1s", "__range": "5m"}
@@ -215,6 +225,7 @@ class Query:
     panel: str
     ref: str
     expr: str              # substituted
+    legend: str = ""       # its legendFormat
 
     def __str__(self) -> str:
         return f"{self.row} / {self.panel} / {self.ref}: {self.expr}"
@@ -222,7 +233,8 @@ class Query:
 
 def dashboard_queries(dashboard: dict) -> list[Query]:
     templates = template_names(dashboard)
-    return [Query(row, panel["title"], target["refId"], substitute(target["expr"], templates))
+    return [Query(row, panel["title"], target["refId"], substitute(target["expr"], templates),
+                  target.get("legendFormat", ""))
             for row, panel in rows_and_panels(dashboard) for target in panel["targets"]]
 
 
@@ -423,22 +435,21 @@ def scraped_names(text: str) -> set[str]:
     return {name for name, _ in parse_scrape(text)[1]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def static_scrape(target: str) -> list[dict]:
+    """A scrape configuration of one target as job `moed`."""
+    return [{"job_name": "moed", "static_configs": [{"targets": [target]}]}]
 
 
 class Prometheus:
-    """A real Prometheus server on loopback scraping one target every second as job `moed`,
-    with the alert rules loaded; `lines` is its log, read as it arrives."""
+    """A real Prometheus server on loopback with these scrape configurations, every second,
+    and the alert rules loaded; `lines` is its log, read as it arrives."""
 
-    def __init__(self, workdir: Path, target: str):
+    def __init__(self, workdir: Path, scrape_configs: list[dict]):
         self.url = f"http://127.0.0.1:{free_port()}"
         config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s",
                              "evaluation_interval": "1s"},
                   "rule_files": [str(RULES)],
-                  "scrape_configs": [{"job_name": "moed", "static_configs": [{"targets": [target]}]}]}
+                  "scrape_configs": scrape_configs}
         (workdir / "prometheus.yml").write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
         self.proc = subprocess.Popen(
             [tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
@@ -480,6 +491,11 @@ class Prometheus:
         """An instant query at `at` (Unix seconds): the API's whole answer."""
         return self.api("/api/v1/query", query=expr, time=f"{at:.3f}")
 
+    def up_targets(self) -> set[str]:
+        """The instances (host:port) of the targets whose last scrape succeeded."""
+        targets = self.api("/api/v1/targets")["data"]["activeTargets"]
+        return {t["labels"]["instance"] for t in targets if t["health"] == "up"}
+
     def value(self, expr: str, at: float) -> float | None:
         """The value of a one-sample instant query (None: no sample)."""
         answer = self.query(expr, at)
@@ -495,16 +511,6 @@ class Prometheus:
         self.proc.stderr.close()
 
 
-def wait_until(condition, what: str, diagnostics=lambda: ""):
-    """Poll `condition()` until it returns something true (returned) or the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-    raise AssertionError(f"timed out waiting for {what}\n{diagnostics()}")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("telemetry") / "model", arch="qwen3_moe", layers=4,
@@ -517,7 +523,8 @@ class Moed:
 
     def __init__(self, daemon):
         self.daemon = daemon
-        self.metrics_url = f"http://{daemon.wait_event('metrics_listening')['address']}/metrics"
+        self.instance = daemon.wait_event('metrics_listening')['address']   # host:port
+        self.metrics_url = f"http://{self.instance}/metrics"
         self.tokens = 0
         self.requests = 0
 
@@ -540,19 +547,31 @@ class Moed:
         return body.decode()
 
 
-@pytest.fixture(scope="module")
-def moed(model_dir):
+def start_moed(model_dir: Path) -> Moed:
     config = load_config(model_dir)
     minimum = minimum_cache_bytes(ExpertLayout(Checkpoint(model_dir), config), config)
-    daemon = Daemon(model_dir, short_dir(), "--expert-cache-bytes", str(minimum * 3 // 2),
-                    "--threads", "1")
+    return Moed(Daemon(model_dir, short_dir(), "--expert-cache-bytes", str(minimum * 3 // 2),
+                       "--threads", "1"))
+
+
+def close_moed(m: Moed) -> None:
+    """Stop it if it runs (exit 0 and the log contract asserted); remove its files."""
     try:
-        yield Moed(daemon)
-        assert daemon.stop() == 0
+        if m.daemon.proc.poll() is None:
+            assert m.daemon.stop() == 0
     finally:
-        daemon.cleanup()
-        daemon.proc.stdout.close()
-        daemon.proc.stderr.close()
+        m.daemon.cleanup()
+        m.daemon.proc.stdout.close()
+        m.daemon.proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def moed(model_dir):
+    m = start_moed(model_dir)
+    try:
+        yield m
+    finally:
+        close_moed(m)
 
 
 def test_every_metric_named_in_a_panel_or_a_rule_appears_in_the_scrape(moed):
@@ -579,50 +598,56 @@ def finite(answer: dict) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in data["result"])
 
 
+def drive_until_numbers(prometheus: Prometheus, moeds: list[Moed], wanted: list[Query],
+                        numbers=lambda q, answer: finite(answer)) -> float:
+    """Drive requests into every daemon until a scrape shows every token each generated so
+    far and, at that instant, `numbers(query, answer)` holds for every wanted query (the
+    4 s rate windows hold two scrapes around traffic); returns that instant."""
+    pending: list[Query] = []
+
+    def scraped_and_numbers():
+        at = time.time()
+        for m in moeds:
+            tokens = prometheus.value(f'sum(moed_generation_tokens_total{{instance="{m.instance}"}})', at)
+            if tokens is None or tokens < m.tokens:
+                return None                         # the last requests are not scraped yet
+            assert tokens == m.tokens
+        pending[:] = [q for q in wanted if not numbers(q, prometheus.query(q.expr, at))]
+        if pending:
+            for m in moeds:                         # the traffic left the rate windows: more
+                m.drive()
+            return None
+        return at
+
+    for m in moeds:
+        m.drive()
+    return wait_until(scraped_and_numbers, "scrapes with numbers in every wanted panel",
+                      lambda: "\n".join(map(str, pending)) + "\n" + prometheus.log())
+
+
 @pytest.fixture(scope="module")
 def live(moed, tmp_path_factory):
-    """Prometheus scraping moed; traffic until the serving and expert panels have numbers.
+    """Prometheus scraping moed; traffic until the fleet, serving and expert panels have numbers.
 
     Waits (by polling Prometheus' API) for the target to be up, then drives requests until
-    a scrape shows every token generated so far and, at that instant, every serving and
-    expert query that names only metrics moed has returns a finite number (the 4 s rate
-    windows hold two scrapes around traffic)."""
-    prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"), moed.metrics_url.split("/")[2])
+    every fleet, serving and expert query that names only metrics moed has returns a finite
+    number."""
+    prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"), static_scrape(moed.instance))
     try:
-        def target_up():
-            targets = prometheus.api("/api/v1/targets")["data"]["activeTargets"]
-            return [t for t in targets if t["health"] == "up"]
-        wait_until(target_up, "moed's target to be up", prometheus.log)
-
+        wait_until(prometheus.up_targets, "moed's target to be up", prometheus.log)
         missing = (dashboard_metric_names() | rule_metric_names()) - PROMETHEUS_MADE \
             - scraped_names(moed.scrape())
         assert "moed_generation_tokens_total" not in missing, sorted(missing)
         wanted = [q for q in dashboard_queries(load_dashboard())
                   if q.row in ROWS_WITH_DATA and not metric_names(q.expr) & missing]
-        pending: list[Query] = []
-
-        def scraped_and_numbers():
-            at = time.time()
-            tokens = prometheus.value("sum(moed_generation_tokens_total)", at)
-            if tokens is None or tokens < moed.tokens:
-                return None                         # the last requests are not scraped yet
-            assert tokens == moed.tokens
-            pending[:] = [q for q in wanted if not finite(prometheus.query(q.expr, at))]
-            if pending:
-                moed.drive()                        # the traffic left the rate windows: more
-                return None
-            return at
-
-        moed.drive()
-        at = wait_until(scraped_and_numbers, "scrapes with numbers in every serving and expert panel",
-                        lambda: "\n".join(map(str, pending)) + "\n" + prometheus.log())
+        at = drive_until_numbers(prometheus, [moed], wanted)
         yield Live(prometheus, at, missing)
     finally:
         prometheus.stop()
 
 
 @pytest.mark.tools("prometheus")
-def test_every_panel_query_parses_and_serving_and_expert_panels_return_data(live):
+def test_every_panel_query_parses_and_fleet_serving_and_expert_panels_return_data(live):
     failures = []
     for q in dashboard_queries(load_dashboard()):
         answer = live.prometheus.query(q.expr, live.at)
@@ -646,3 +671,119 @@ def test_the_rules_load_into_prometheus_and_evaluate_without_error(live):
             if r["health"] != "ok"] == []
     firing = {a["labels"]["alertname"] for a in live.prometheus.api("/api/v1/alerts")["data"]["alerts"]}
     assert not firing & {"MoedDown", "MoedExpertReadErrors", "MoedHighErrorRatio"}, firing
+
+
+# ---------------------------------------------------------------------- live: a fleet of two
+
+
+def fleet_scrape_configs(targets_file: Path) -> list[dict]:
+    """The shipped `moed` job (telemetry/prometheus/prometheus.yml), discovering its
+    targets in `targets_file` instead of /etc/prometheus/moed-targets/."""
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text(encoding="utf-8"))
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "moed"]
+    (discovery,) = job["file_sd_configs"]
+    discovery["files"] = [str(targets_file)]
+    return [job]
+
+
+@pytest.mark.tools("promtool")
+def test_promtool_accepts_the_shipped_scrape_configuration(tmp_path):
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text(encoding="utf-8"))
+    assert config["rule_files"] == ["/etc/prometheus/moed-alerts.yml"]
+    config["rule_files"] = [str(RULES)]                 # where the rules are in this tree
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    out = subprocess.run([tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
+
+
+@dataclass
+class Fleet:
+    prometheus: Prometheus
+    moeds: list[Moed]
+    at: float
+
+
+def per_instance(query: Query) -> bool:
+    """Whether a panel draws one series per instance (its legend names the instance)."""
+    return "{{instance}}" in query.legend
+
+
+def instances(answer: dict) -> set[str]:
+    """The instances of an instant query's finite samples."""
+    return {r["metric"].get("instance") for r in answer["data"]["result"]
+            if math.isfinite(float(r["value"][1]))}
+
+
+@pytest.fixture(scope="module")
+def fleet(moed, model_dir, tmp_path_factory):
+    """moed and a second daemon, found by Prometheus in a file (the shipped job's file-based
+    discovery); traffic until every Fleet query has numbers, one series per daemon for the
+    panels drawn per instance."""
+    second = start_moed(model_dir)
+    workdir = tmp_path_factory.mktemp("fleet")
+    moeds = [moed, second]
+    (workdir / "targets.yml").write_text(
+        yaml.safe_dump([{"targets": [m.instance for m in moeds]}]), encoding="utf-8")
+    prometheus = Prometheus(workdir, fleet_scrape_configs(workdir / "targets.yml"))
+    try:
+        every = {m.instance for m in moeds}
+        wait_until(lambda: prometheus.up_targets() == every, "both targets to be up", prometheus.log)
+        wanted = [q for q in dashboard_queries(load_dashboard()) if q.row == "Fleet"]
+
+        def numbers(query: Query, answer: dict) -> bool:
+            return instances(answer) == every if per_instance(query) else finite(answer)
+        at = drive_until_numbers(prometheus, moeds, wanted, numbers)
+        yield Fleet(prometheus, moeds, at)
+    finally:
+        prometheus.stop()
+        close_moed(second)
+
+
+def fleet_panel(title: str) -> list[Query]:
+    return [q for q in dashboard_queries(load_dashboard()) if q.panel == title]
+
+
+@pytest.mark.tools("prometheus")
+def test_every_panel_query_runs_on_a_fleet_and_the_fleet_row_shows_each_daemon(fleet):
+    every = {m.instance for m in fleet.moeds}
+    failures = []
+    for q in dashboard_queries(load_dashboard()):
+        answer = fleet.prometheus.query(q.expr, fleet.at)
+        if answer["status"] != "success":
+            failures.append(f"{q}\n    -> {answer.get('errorType')}: {answer.get('error')}")
+        elif q.row == "Fleet" and per_instance(q) and instances(answer) != every:
+            failures.append(f"{q}\n    -> instances {instances(answer)}, not {every}")
+    assert failures == [], "\n".join(failures)
+    up, scraped = fleet_panel("Instances up")
+    assert (fleet.prometheus.value(up.expr, fleet.at),
+            fleet.prometheus.value(scraped.expr, fleet.at)) == (2, 2)
+    (tokens,) = fleet_panel("Fleet tokens per second")
+    (by_instance,) = fleet_panel("Tokens per second by instance")
+    total = sum(float(r["value"][1]) for r in
+                fleet.prometheus.query(by_instance.expr, fleet.at)["data"]["result"])
+    assert fleet.prometheus.value(tokens.expr, fleet.at) == pytest.approx(total) and total > 0
+
+
+@pytest.mark.tools("prometheus")
+def test_a_daemon_down_shows_in_the_fleet_row_and_its_alerts_go_pending(fleet):
+    survivor, victim = fleet.moeds
+    victim.daemon.kill()
+    wait_until(lambda: fleet.prometheus.up_targets() == {survivor.instance},
+               "the killed daemon's target to be down", fleet.prometheus.log)
+    up, scraped = fleet_panel("Instances up")
+    at = time.time()
+    assert (fleet.prometheus.value(up.expr, at), fleet.prometheus.value(scraped.expr, at)) == (1, 2)
+    (by_instance,) = fleet_panel("Up by instance")
+    assert {r["metric"]["instance"]: float(r["value"][1]) for r in
+            fleet.prometheus.query(by_instance.expr, at)["data"]["result"]} == {
+        survivor.instance: 1.0, victim.instance: 0.0}
+
+    def pending():
+        alerts = fleet.prometheus.api("/api/v1/alerts")["data"]["alerts"]
+        found = {(a["labels"]["alertname"], a["labels"].get("instance"), a["state"]) for a in alerts}
+        return found if {("MoedDown", victim.instance, "pending"),
+                         ("MoedFleetHalfDown", None, "pending")} <= found else None
+    found = wait_until(pending, "MoedDown and MoedFleetHalfDown to be pending", fleet.prometheus.log)
+    assert not {a for a in found if a[0] == "MoedDown" and a[1] != victim.instance}, found
