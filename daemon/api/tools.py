@@ -27,7 +27,8 @@ the format its template teaches, which `detect_format` reads off the template:
 
 - "generic": a template that teaches no call format (Mixtral-Instruct's, Qwen1.5's,
   OLMoE's, ChatML): moed does what llama-server does for such templates (its "generic"
-  chat format) in the hermes format: the tools go at the end of the system message in
+  chat format, which asks for its own JSON shape) but in the hermes format, which
+  models are trained on: the tools go at the end of the system message in
   Qwen2.5's words (the functions as JSON in <tools></tools>, "return a json object with
   function name and arguments within <tool_call></tool_call> XML tags"), history calls
   are written into the assistant's text as `<tool_call>` JSON, tool results become user
