@@ -37,7 +37,8 @@ from typing import Any
 
 from daemon.engine.engine import EngineRequest, RequestStats
 from daemon.api.reasoning import AnswerParser, opens_thinking, thinks
-from daemon.api.tools import ToolCall, ToolError, ToolRequest, parse_tools
+from daemon.api.tools import (ToolCall, ToolError, ToolRequest, history_arguments_as_text, parse_tools,
+                              template_input)
 from ext.sampling import SamplingParamError, SamplingParams
 from ext.tokenizer import ChatTemplateError, Tokenizer
 
@@ -293,10 +294,11 @@ def function_tools(body: dict, function: Callable[[int, Any], dict]) -> list[dic
     return [{"type": "function", "function": function(i, t)} for i, t in enumerate(tools)]
 
 
-def _history_calls(i: int, calls: Any) -> list[dict]:
+def _history_calls(i: int, calls: Any, text_arguments: bool = False) -> list[dict]:
     """An assistant message's tool_calls, for the template: OpenAI's shape, with the
     arguments as an object where they are JSON text of one (templates write objects with
-    tojson; transformers' documentation asks for them so), else the text."""
+    tojson; transformers' documentation asks for them so), else the text; always the
+    text with text_arguments (a template that concatenates them: DeepSeek's)."""
     if not isinstance(calls, list):
         raise bad(f"'messages[{i}].tool_calls' must be a list", "messages")
     out = []
@@ -309,7 +311,7 @@ def _history_calls(i: int, calls: Any) -> list[dict]:
         arguments: Any = _unicode(fn.get("arguments", ""), "messages")
         try:
             parsed = json.loads(arguments) if arguments else {}
-            if isinstance(parsed, dict):
+            if isinstance(parsed, dict) and not text_arguments:
                 arguments = parsed
         except (ValueError, RecursionError):      # kept as the text it is
             pass
@@ -347,7 +349,7 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, text_arguments: bool = False) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -360,7 +362,7 @@ def _messages(body: dict) -> list[dict]:
             raise bad(f"'messages[{i}].role' must be a non-empty string", "messages")
         extra: dict[str, Any] = {}
         if role == "assistant" and m.get("tool_calls"):
-            extra["tool_calls"] = _history_calls(i, m["tool_calls"])
+            extra["tool_calls"] = _history_calls(i, m["tool_calls"], text_arguments)
         if role == "assistant" and m.get("reasoning_content") is not None:
             if not isinstance(m["reasoning_content"], str):
                 raise bad(f"'messages[{i}].reasoning_content' must be a string", "messages")
@@ -400,10 +402,11 @@ def render_chat(body: dict, tokenizer: Tokenizer, tool_req: ToolRequest | None) 
     """The prompt text of a chat request: its messages (and the tools offered, and its
     chat_template_kwargs) through the model's chat template, with the generation prompt.
     Raises ApiError (400) naming the field at fault."""
-    messages = _messages(body)
+    messages = _messages(body, history_arguments_as_text(tokenizer.chat_template))
     extra = _template_kwargs(body)
-    if tool_req is not None and tool_req.offered:
-        extra["tools"] = tool_req.template_tools()
+    messages, tools = template_input(messages, tokenizer.chat_template, tool_req)
+    if tools is not None:
+        extra["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except ChatTemplateError as e:

@@ -9,7 +9,9 @@ already ended inside an open `<think>` (templates that open it in the generation
 DeepSeek-R1's). What follows `</think>` is the answer (newlines after the tag dropped),
 parsed for tool calls when the request offered tools (daemon/api/tools.py). A request
 turns thinking off where the template allows it through chat_template_kwargs
-({"enable_thinking": false} for Qwen3's: the prompt then holds an empty think block).
+({"enable_thinking": false} for Qwen3's: the prompt then holds an empty think block;
+{"thinking": true} for DeepSeek-V3.1's, which is off by default and closes the block in
+the prompt, `</think>`, when off).
 An answer that never closes its `<think>` is all reasoning, as vLLM's and llama-server's
 parsers have it.
 """

@@ -17,9 +17,26 @@ the format its template teaches, which `detect_format` reads off the template:
   other type (as the published template writes history calls: `v if v is string else
   v | tojson`).
 
-Other families' formats (DeepSeek-V3's call markers, GPT-OSS's harmony `functions`
-namespace) are not read yet: a request with tools to a model whose template uses none of
-the known formats is a 400 saying so.
+- "deepseek" (DeepSeek-V3.1): calls `<｜tool▁calls▁begin｜>`, then per call
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{JSON arguments}<｜tool▁call▁end｜>`, then
+  `<｜tool▁calls▁end｜>`; read too: DeepSeek-V3's older body `function<｜tool▁sep｜>NAME`
+  and the arguments in a ```json fence. Its published template writes history calls and
+  `<｜tool▁output▁begin｜>` results but not `tools`: moed writes the tool description of
+  DeepSeek-V3.1's model card ("## Tools", one "### NAME" section per function, the call
+  format) at the end of the system prompt, as the card lays the prompt out.
+
+- "generic": a template that teaches no call format (Mixtral-Instruct's, Qwen1.5's,
+  OLMoE's, ChatML): moed does what llama-server does for such templates (its "generic"
+  chat format, which asks for its own JSON shape) but in the hermes format, which
+  models are trained on: the tools go at the end of the system message in
+  Qwen2.5's words (the functions as JSON in <tools></tools>, "return a json object with
+  function name and arguments within <tool_call></tool_call> XML tags"), history calls
+  are written into the assistant's text as `<tool_call>` JSON, tool results become user
+  messages of `<tool_response>` blocks (unless the template names a "tool" role), and the
+  answer is read and constrained as hermes.
+
+GPT-OSS's harmony `functions` namespace is not read yet: a request with tools to a model
+whose template uses it is a 400 saying so.
 
 tool_choice: "auto" (the default with tools: the model chooses, the text is parsed),
 "none" (the tools are not offered and nothing is parsed), "required" (at least one call)
@@ -39,7 +56,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 MAX_TOOLS = 128                 # tools of one request
@@ -50,6 +68,9 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 # calls (Qwen's templates write json.dumps' ", " and ": "; GLM's tojson the same).
 HERMES_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GLM_JSON = HERMES_JSON
+DEEPSEEK_JSON = HERMES_JSON
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 
 class ToolError(ValueError):
@@ -115,7 +136,7 @@ class ToolRequest:
     def grammar(self) -> str:
         """The Lark grammar (llguidance's dialect) of a constrained choice's output."""
         tools = [t for t in self.tools if self.choice != "function" or t.name == self.name]
-        return (glm_grammar if self.format == "glm" else hermes_grammar)(tools, self.parallel)
+        return FORMATS[self.format].grammar(tools, self.parallel)
 
     def parser(self) -> CallParser:
         """A parser of this request's calls in the model's format."""
@@ -123,16 +144,19 @@ class ToolRequest:
 
 
 def detect_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches ("hermes" or "glm"), or None."""
-    if not chat_template or "tools" not in chat_template:
-        return None
-    if "tool▁call" in chat_template or "<|call|>" in chat_template:
-        return None          # DeepSeek-V3, harmony: not read yet
+    """The tool-call format a chat template teaches ("hermes", "glm", "deepseek"), or
+    "generic" for one that teaches none; None without a template or for harmony's."""
+    if not chat_template or "<|call|>" in chat_template:
+        return None          # harmony: not read yet
+    if DS_CALL_BEGIN in chat_template:
+        return "deepseek"
+    if "tools" not in chat_template:
+        return "generic"
     if "<arg_key>" in chat_template:
         return "glm"
     if HERMES_OPEN in chat_template:
         return "hermes"
-    return None
+    return "generic"
 
 
 def _tool(i: int, entry: Any) -> Tool:
@@ -206,10 +230,11 @@ def parse_tools(body: dict, chat_template: str | None) -> ToolRequest | None:
                         "\"function\": {\"name\": ...}}", "tool_choice")
     fmt = detect_format(chat_template)
     if fmt is None and kind != "none":
-        raise ToolError("this model's chat template has no tool-call format moed can read (it "
-                        "reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes, and "
-                        "GLM-4.5's <arg_key>/<arg_value> calls); send "
-                        "the request without 'tools'", "tools")
+        raise ToolError("this model's chat template has a tool-call format moed cannot read yet "
+                        "(it reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes, "
+                        "GLM-4.5's <arg_key>/<arg_value> calls and DeepSeek-V3.1's call markers, "
+                        "and offers tools in the <tool_call> format to templates without "
+                        "one); send the request without 'tools'", "tools")
     return ToolRequest(tools, kind, name, parallel, fmt or "hermes")
 
 
@@ -264,6 +289,45 @@ def glm_grammar(tools: list[Tool], parallel: bool) -> str:
     return chr(10).join(lines) + chr(10)
 
 
+def deepseek_grammar(tools: list[Tool], parallel: bool) -> str:
+    """One call (or several, back to back, when parallel) of one of `tools` in
+    DeepSeek-V3.1's format, `<｜tool▁calls▁begin｜>` to `<｜tool▁calls▁end｜>`, each call's
+    arguments JSON following the function's parameters schema. The markers are named as
+    tokens (llguidance's `<...>`: one token each in DeepSeek's vocabulary, which llguidance
+    matches only as that token, not as text)."""
+    rules = []
+    for k, t in enumerate(tools):
+        typed = {**t.parameters, "x-guidance": DEEPSEEK_JSON}
+        rules.append(f"f{k}: {_lark_string(t.name)} {DS_SEP} a{k}")
+        rules.append(f"a{k}: %json {json.dumps(typed, separators=(',', ':'))}")
+    alternatives = " | ".join(f"f{k}" for k in range(len(tools)))
+    calls = "call+" if parallel else "call"
+    lines = [f"start: {DS_CALLS_BEGIN} {calls} {DS_CALLS_END}",
+             f"call: {DS_CALL_BEGIN} ({alternatives}) {DS_CALL_END}",
+             *rules]
+    return chr(10).join(lines) + chr(10)
+
+
+_DS_FENCED = re.compile(r"function" + DS_SEP + r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.S)
+
+
+def _call_from_deepseek(body: str, tools: dict[str, Tool]) -> ToolCall | None:
+    """A DeepSeek call body: `NAME<｜tool▁sep｜>{JSON object}` (V3.1), or V3's
+    `function<｜tool▁sep｜>NAME` then the object in a ```json fence."""
+    fenced = _DS_FENCED.fullmatch(body)
+    name, sep, arguments = (fenced.group(1), DS_SEP, fenced.group(2)) if fenced else body.partition(DS_SEP)
+    name = name.strip()
+    if not sep or not name or "<" in name:
+        return None
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    return ToolCall("call_" + uuid.uuid4().hex[:24], name, json.dumps(value, ensure_ascii=False))
+
+
 def _call_from_glm(body: str, tools: dict[str, Tool]) -> ToolCall | None:
     """A GLM-4.5 call body: the name on its first line, then <arg_key>/<arg_value>
     pairs; a value is kept as text for a string parameter (or one moed does not know),
@@ -316,18 +380,20 @@ def _call_from_json(body: str) -> ToolCall | None:
 
 class CallParser:
     """Splits one choice's generated text, as it streams, into content and tool calls
-    (hermes, or GLM-4.5's with `tools` telling a string parameter from others).
+    in a format of `FORMATS` (`tools` tell GLM's string parameters from others).
     `feed(text)` and `finish()` return the pieces now known, in
     order: ("content", str) or ("call", ToolCall). Text that may be the start of a call
     tag is held back until it is known; after the first call, whitespace between calls
-    is not content."""
+    and the format's closing of a run of calls (its `trailer`) are not content."""
 
     def __init__(self, tools: tuple[Tool, ...] = (), fmt: str = "hermes"):
-        self.open, self.close = HERMES_OPEN, HERMES_CLOSE          # both formats' tags
-        self._read = ((lambda body: _call_from_glm(body, {t.name: t for t in tools})) if fmt == "glm"
-                      else (lambda body: _call_from_json(body.strip())))
+        form = FORMATS[fmt]
+        self.opens, self.close, self._trailer = form.opens, form.close, form.trailer
+        by_name = {t.name: t for t in tools}
+        self._read = lambda body: form.read(body, by_name)
         self._buf = ""
         self._in_call = False
+        self._open = ""                  # the open tag of the call being read
         self._ws = ""                    # whitespace after a call, held (`_content`)
         self.calls = 0
 
@@ -336,9 +402,14 @@ class CallParser:
         the text) or another call or the end does (then it was only the calls' spacing)."""
         if not text:
             return []
-        if self.calls and not text.strip():
-            self._ws += text
-            return []
+        if self.calls:
+            held = (self._ws + text).lstrip()
+            if not held or (self._trailer and self._trailer.startswith(held)):
+                self._ws += text
+                return []
+            if self._trailer and held.startswith(self._trailer):    # syntax, not content
+                self._ws = ""
+                return self._content(held[len(self._trailer):])
         text, self._ws = self._ws + text, ""
         return [("content", text)]
 
@@ -354,21 +425,22 @@ class CallParser:
                 self._in_call = False
                 out += self._ended(body, closed=True)
             else:
-                start = self._buf.find(self.open)
-                if start < 0:
-                    keep = _prefix_overlap(self._buf, self.open)
+                found = [(self._buf.find(tag), -len(tag), tag) for tag in self.opens if tag in self._buf]
+                if not found:
+                    keep = max(_prefix_overlap(self._buf, tag) for tag in self.opens)
                     cut = len(self._buf) - keep
                     out += self._content(self._buf[:cut])
                     self._buf = self._buf[cut:]
                     return out
+                start, _, self._open = min(found)       # the first; at one place the longest
                 out += self._content(self._buf[:start])
-                self._buf = self._buf[start + len(self.open):]
+                self._buf = self._buf[start + len(self._open):]
                 self._in_call = True
 
     def _ended(self, body: str, closed: bool) -> list[tuple[str, Any]]:
         call = self._read(body)
         if call is None:                 # not a call after all: the text as it came
-            text, self._ws = self._ws + self.open + body + (self.close if closed else ""), ""
+            text, self._ws = self._ws + self._open + body + (self.close if closed else ""), ""
             return [("content", text)]
         self.calls += 1
         self._ws = ""
@@ -399,3 +471,115 @@ def split_calls(text: str, tools: tuple[Tool, ...] = (), fmt: str = "hermes") ->
     content = "".join(p for k, p in pieces if k == "content")
     calls = [p for k, p in pieces if k == "call"]
     return (content.strip() if calls else content), calls
+
+
+def hermes_system_text(tools: list[dict]) -> str:
+    """The tools as Qwen2.5's and Qwen3's templates write them into the system message
+    (the NousResearch Hermes wording), for templates that teach no call format."""
+    listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+            f"{listed}\n</tools>\n\nFor each function call, return a json object with function "
+            "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def deepseek_system_text(tools: list[dict]) -> str:
+    """The tool description of DeepSeek-V3.1's model card ("ToolCall"), which its chat
+    template leaves to the system prompt: a "### NAME" section per function with its
+    description and parameters (json.dumps), then the call format."""
+    sections = "\n\n".join(
+        f"### {t['function']['name']}\nDescription: {t['function'].get('description') or ''}\n\n"
+        f"Parameters: {json.dumps(t['function']['parameters'], ensure_ascii=False)}" for t in tools)
+    return ("## Tools\nYou have access to the following tools:\n\n" + sections + "\n\n"
+            "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+            f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}tool_call_name{DS_SEP}tool_call_arguments{DS_CALL_END}"
+            "{additional_tool_calls}" + DS_CALLS_END + "\n\nWhere:\n"
+            "- `tool_call_name` must be an exact match to one of the available tools\n"
+            "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+            "- For multiple tool calls, chain them directly without separators or spaces")
+
+
+@dataclass(frozen=True)
+class Format:
+    """A tool-call format: the text that opens a call (`opens`, tried longest first at a
+    place), closes it, and may close a run of calls (`trailer`, syntax dropped after a
+    call); `read(body, tools by name)` -> ToolCall or None; `grammar(tools, parallel)` ->
+    Lark; `system_text(tools)`: the tools as moed writes them at the end of the system
+    message, for a template that does not take `tools` (None: the template writes them);
+    `text_arguments`: history calls' arguments go to the template as the JSON text the
+    client sent (else as objects); `history_as_text`: history calls and tool results are
+    rewritten into text for a template that has no place for them."""
+
+    opens: tuple[str, ...]
+    close: str
+    trailer: str
+    read: Callable[[str, dict[str, Tool]], ToolCall | None]
+    grammar: Callable[[list[Tool], bool], str]
+    system_text: Callable[[list[dict]], str] | None = None
+    text_arguments: bool = False
+    history_as_text: bool = False
+
+
+_HERMES = Format((HERMES_OPEN,), HERMES_CLOSE, "", lambda body, _: _call_from_json(body.strip()), hermes_grammar)
+FORMATS = {
+    "hermes": _HERMES,
+    "glm": Format((HERMES_OPEN,), HERMES_CLOSE, "", _call_from_glm, glm_grammar),
+    "deepseek": Format((DS_CALLS_BEGIN + DS_CALL_BEGIN, DS_CALL_BEGIN), DS_CALL_END, DS_CALLS_END,
+                       _call_from_deepseek, deepseek_grammar, deepseek_system_text, text_arguments=True),
+    "generic": replace(_HERMES, system_text=hermes_system_text, history_as_text=True),
+}
+
+
+def history_arguments_as_text(chat_template: str | None) -> bool:
+    """Whether the template takes history calls' arguments as JSON text (DeepSeek's
+    concatenates them) rather than objects."""
+    fmt = detect_format(chat_template)
+    return fmt is not None and FORMATS[fmt].text_arguments
+
+
+def template_input(messages: list[dict], chat_template: str | None,
+                   request: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
+    """The messages and the `tools` variable the chat template is given: for a format
+    whose template does not write tools, the offered tools at the end of the first system
+    message (one is put first if there is none; `tools` then None), and for "generic"
+    the history's calls and tool results rewritten as text (`_history_text`)."""
+    fmt = detect_format(chat_template)
+    form = FORMATS.get(fmt) if fmt is not None else None
+    if form is not None and form.history_as_text:
+        messages = _history_text(messages, tool_role="'tool'" in chat_template or '"tool"' in chat_template)
+    if request is None or not request.offered:
+        return messages, None
+    tools = request.template_tools()
+    if form is None or form.system_text is None:
+        return messages, tools
+    text = form.system_text(tools)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], None
+    return [{"role": "system", "content": text}, *messages], None
+
+
+def _history_text(messages: list[dict], tool_role: bool) -> list[dict]:
+    """History calls as `<tool_call>` JSON after the assistant's text (Qwen2.5's layout),
+    and, unless the template has a tool role, each run of tool results as one user
+    message of `<tool_response>` blocks."""
+    out: list[dict] = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            text = m.get("content") or ""
+            for k, c in enumerate(m["tool_calls"]):
+                fn = c["function"]
+                arguments = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(
+                    fn["arguments"], ensure_ascii=False)
+                text += ("\n" if text or k else "") + (f'{HERMES_OPEN}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, '
+                                                        f'"arguments": {arguments or "{}"}}}\n{HERMES_CLOSE}')
+            out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
+        elif m.get("role") == "tool" and not tool_role:
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("role") == "user" and out[-1].get("tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]

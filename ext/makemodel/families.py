@@ -105,9 +105,10 @@ def tensor_specs(arch: str, d: dict) -> Iterator[TensorSpec]:
     yield TensorSpec("lm_head.weight", (d["V"], H), "random", HEAD)
 
 
-def config_json(arch: str, d: dict, top_k: int, config_dtype: str, ids: dict,
+def config_json(arch: str, d: dict, top_k: int, config_dtype: str, ids: tuple[int, int, int],
             max_position_embeddings: int, initializer_range: float) -> dict:
-    """config.json contents: the keys transformers 5 writes, plus top-level rope_theta."""
+    """config.json contents: the keys transformers 5 writes, plus top-level rope_theta.
+    ids: the BOS, EOS and padding token ids."""
     architecture, rope_theta, rms_norm_eps = _ARCH[arch]
     config: dict[str, object] = {
         "architectures": [architecture],
@@ -126,9 +127,9 @@ def config_json(arch: str, d: dict, top_k: int, config_dtype: str, ids: dict,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         "use_cache": True,
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
+        "bos_token_id": ids[0],
+        "eos_token_id": ids[1],
+        "pad_token_id": ids[2],
         "num_experts_per_tok": top_k,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,

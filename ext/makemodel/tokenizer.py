@@ -2,9 +2,10 @@
 three special tokens and a chat template (ChatML, or the family's own: CHAT_TEMPLATES)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -29,9 +30,45 @@ QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read
 GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_text(encoding="utf-8")
                   .removesuffix("\n"))
 
+# DeepSeek-V3.1's chat template (the `chat_template` of deepseek-ai/DeepSeek-V3.1's
+# tokenizer_config.json, as published): <｜begin▁of▁sentence｜>, the system messages joined
+# by blank lines, <｜User｜> and <｜Assistant｜> turns ended by <｜end▁of▁sentence｜>, history
+# calls as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>
+# ...<｜tool▁calls▁end｜> (the arguments as the JSON text they are), tool results in
+# <｜tool▁output▁begin｜>...<｜tool▁output▁end｜>, and the variable `thinking` (default false)
+# opening <think> in the generation prompt or closing it (</think>). It does not write
+# `tools`: the model card gives the tool description to put in the system prompt, which
+# moed writes (daemon/api/tools.py, "deepseek").
+DEEPSEEK_V31_TEMPLATE = ((Path(__file__).parent / "templates" / "deepseek_v3.jinja")
+                         .read_text(encoding="utf-8").removesuffix("\n"))
+
 # The chat template make-model writes per architecture (ChatML where the family's own is
 # not written yet).
-CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE}
+CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE,
+                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE}
+
+
+@dataclass(frozen=True)
+class FamilyTokens:
+    """A family's own tokens, added after the trained vocabulary (ids from 512 up, in
+    this order): `special` ones (skipped when decoding) and plain added ones (kept: the
+    text of turns and calls), and which of them are its BOS and EOS."""
+
+    special: tuple[str, ...]
+    added: tuple[str, ...]
+    bos: str
+    eos: str
+
+
+# DeepSeek-V3.1's added tokens (its tokenizer.json): begin/end of sentence are special,
+# the turn, think and tool-call markers are plain added tokens (special: false), so they
+# stay in decoded text where the tool-call parser reads them.
+FAMILY_TOKENS = {"deepseek_v3": FamilyTokens(
+    special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    added=("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
+           "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+           "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+    bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")}
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.
@@ -63,7 +100,7 @@ It is a layer in which a router sends each token to a few of many expert network
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def build_tokenizer(vocab_size: int = 512, arch: str | None = None) -> Tokenizer:
     """Train the byte-level BPE tokenizer used by generated checkpoints.
 
     Args:
@@ -71,6 +108,8 @@ def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
             (`<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2) and the 256
             byte tokens; the remaining entries are merges learned from a fixed
             built-in text. The result may be smaller if the text runs out of merges.
+        arch: the family; its own tokens (`FAMILY_TOKENS`) are added after the
+            trained vocabulary, which they do not change.
 
     Returns:
         A `tokenizers.Tokenizer` with a ByteLevel pre-tokenizer (add_prefix_space=False)
@@ -92,23 +131,44 @@ def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator([_BPE_CORPUS], trainer=trainer)
+    family = FAMILY_TOKENS.get(arch or "")
+    if family is not None:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.special])
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added])
     return tokenizer
 
 
-def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE) -> dict:
-    """tokenizer_config.json contents: special tokens and the chat template (ChatML unless
-    given: `CHAT_TEMPLATES` has the families' own)."""
+def added_token_ids(tokenizer: Tokenizer, arch: str | None = None) -> dict[str, int]:
+    """The ids of the special tokens and of the family's own tokens."""
+    family = FAMILY_TOKENS.get(arch or "")
+    names = SPECIAL_TOKENS + ((family.special + family.added) if family is not None else ())
+    return {token: tokenizer.token_to_id(token) for token in names}
+
+
+def bos_eos(arch: str | None = None) -> tuple[str, str]:
+    """The family's BOS and EOS tokens (<|endoftext|> and <|im_end|> unless its own)."""
+    family = FAMILY_TOKENS.get(arch or "")
+    return (family.bos, family.eos) if family is not None else ("<|endoftext|>", "<|im_end|>")
+
+
+def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE,
+                     arch: str | None = None) -> dict:
+    """tokenizer_config.json contents: the added tokens (`added_token_ids`), the chat
+    template (ChatML unless given: `CHAT_TEMPLATES` has the families' own) and, for a
+    family with its own tokens, its BOS (which its template writes) and EOS."""
+    family = FAMILY_TOKENS.get(arch or "")
+    plain = family.added if family is not None else ()
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
             str(token_id): {"content": token, "lstrip": False, "normalized": False,
-                            "rstrip": False, "single_word": False, "special": True}
+                            "rstrip": False, "single_word": False, "special": token not in plain}
             for token, token_id in sorted(ids.items(), key=lambda kv: kv[1])},
-        "bos_token": None,
+        "bos_token": family.bos if family is not None else None,
         "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
+        "eos_token": bos_eos(arch)[1],
         "model_max_length": model_max_length,
         "pad_token": "<|endoftext|>",
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -138,10 +138,11 @@ def _chatml_tokenizer() -> Tokenizer:
 
 def test_the_format_is_read_off_the_template():
     assert detect_format(QWEN3_TEMPLATE) == "hermes"
-    assert detect_format(CHATML_TEMPLATE) is None
+    assert detect_format(CHATML_TEMPLATE) == "generic"           # no format: offered as hermes
     assert detect_format(None) is None
     assert detect_format("{% if tools %}<arg_key>{% endif %}<tool_call>") == "glm"     # GLM-4.5
-    assert detect_format("{% if tools %}<｜tool▁calls▁begin｜>{% endif %}") is None    # DeepSeek-V3
+    assert detect_format("{{'<｜tool▁call▁begin｜>'}}") == "deepseek"                  # DeepSeek-V3.1
+    assert detect_format("{% if tools %}<|call|>{% endif %}") is None                  # harmony
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -157,11 +158,13 @@ def test_bad_tool_fields_name_the_field(body, param, message):
     assert e.value.param == param
 
 
-def test_a_template_without_a_known_call_format_refuses_tools_but_not_tool_choice_none():
-    with pytest.raises(ToolError, match="no tool-call format moed can read"):
-        parse_tools({"tools": [WEATHER]}, CHATML_TEMPLATE)
-    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, CHATML_TEMPLATE).offered is False
-    assert parse_tools({"tool_choice": "none"}, CHATML_TEMPLATE) is None
+def test_a_template_with_a_call_format_moed_cannot_read_refuses_tools_but_not_tool_choice_none():
+    harmony = "{% if tools %}<|start|>functions<|call|>{% endif %}"
+    with pytest.raises(ToolError, match="a tool-call format moed cannot read"):
+        parse_tools({"tools": [WEATHER]}, harmony)
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, harmony).offered is False
+    assert parse_tools({"tool_choice": "none"}, harmony) is None
+    assert parse_tools({"tools": [WEATHER]}, CHATML_TEMPLATE).format == "generic"
 
 
 def test_the_tools_render_as_transformers_renders_them(model_dir):
