@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -154,6 +155,8 @@ class Tokenizer:
         bos_token_id, eos_token_id: their ids, or None when unnamed or unknown.
         add_bos_token: tokenizer_config.json `add_bos_token`, or None if absent.
         chat_template: the template source, or None.
+        added_tokens: tokenizer.json's added tokens, special or not: {content: id}
+            (read-only).
     """
 
     def __init__(self, backend: _BackendTokenizer, *, chat_template: str | None = None,
@@ -187,6 +190,8 @@ class Tokenizer:
         self.eos_token = self._special.get("eos_token")
         self.bos_token_id = None if self.bos_token is None else backend.token_to_id(self.bos_token)
         self.eos_token_id = None if self.eos_token is None else backend.token_to_id(self.eos_token)
+        self.added_tokens = MappingProxyType(
+            {t.content: i for i, t in backend.get_added_tokens_decoder().items()})
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, renderer: Renderer | None = None) -> Tokenizer:

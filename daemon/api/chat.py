@@ -489,11 +489,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         if grammars is None:
             raise bad("'tool_choice' that requires a call is not available: the grammar library "
                       "could not be loaded for this tokenizer", "tool_choice")
-        try:
-            constraint = grammars.spec_lark(tool_req.grammar())
-        except ValueError as e:
-            raise bad(f"the tools' parameters cannot be used: {e}", "tools") from None
-        grammar_param = "tools"
+        grammar_param = "tools"         # its grammar once the prompt is known (it may open thinking)
     default_max = max_tokens_cap if chat else COMPLETIONS_MAX_TOKENS_DEFAULT
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     asked = _integer(body, key, None, low=1)
@@ -508,6 +504,11 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         prompt_param = "messages"
         reasoning = thinks(tokenizer.chat_template)
         reasoning_started = reasoning and opens_thinking(text)
+        if tool_req is not None and tool_req.constrained:
+            try:
+                constraint = grammars.spec_lark(tool_req.grammar(tokenizer.added_tokens, reasoning_started))
+            except ValueError as e:
+                raise bad(f"the tools' parameters cannot be used: {e}", "tools") from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.api.tools import CallParser, _prefix_overlap
+from daemon.api.tools import THINK_CLOSE, CallParser, _prefix_overlap
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+THINK_OPEN = "<think>"
 
 
 def thinks(chat_template: str | None) -> bool:

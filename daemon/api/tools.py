@@ -56,7 +56,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -71,6 +71,16 @@ GLM_JSON = HERMES_JSON
 DEEPSEEK_JSON = HERMES_JSON
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+THINK_CLOSE = "</think>"
+# The formats' markers: one added token each in the tokenizers of the models that use
+# them (Qwen3's, GLM-4.5's and DeepSeek-V3.1's tokenizer.json), plain text elsewhere (the
+# generic format's <tool_call> on a ChatML model). A grammar names a marker as the token
+# where the tokenizer has it (`lark_text`): llguidance matches an added token only as
+# itself, never as the text of a string literal.
+MARKERS = (HERMES_OPEN, HERMES_CLOSE, GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE,
+           DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, THINK_CLOSE)
+_MARKER = re.compile("|".join(re.escape(m) for m in sorted(MARKERS, key=len, reverse=True)))
 
 
 class ToolError(ValueError):
@@ -133,10 +143,20 @@ class ToolRequest:
     def template_tools(self) -> list[dict]:
         return [t.template_entry() for t in self.tools]
 
-    def grammar(self) -> str:
-        """The Lark grammar (llguidance's dialect) of a constrained choice's output."""
+    def grammar(self, tokens: Mapping[str, int], thinking_open: bool = False) -> str:
+        """The Lark grammar (llguidance's dialect) of a constrained choice's output.
+        tokens: the model tokenizer's added tokens (text -> id; `Tokenizer.added_tokens`),
+        which decide whether a marker is written as its token or as text (`lark_text`).
+        thinking_open: the prompt ends inside an open <think> (DeepSeek-V3.1's with
+        thinking on): the output closes it first, `</think>`, so that the call is the
+        answer and not reasoning (DeepSeek-V3.1's model card gives tool calls in the
+        answer, after the think block)."""
         tools = [t for t in self.tools if self.choice != "function" or t.name == self.name]
-        return FORMATS[self.format].grammar(tools, self.parallel)
+        lark = FORMATS[self.format].grammar(tools, self.parallel, LarkText(tokens))
+        if not thinking_open:
+            return lark
+        assert lark.startswith("start: ")
+        return f"start: {LarkText(tokens)(THINK_CLOSE)} calls\ncalls: " + lark[len("start: "):]
 
     def parser(self) -> CallParser:
         """A parser of this request's calls in the model's format."""
@@ -242,10 +262,34 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
-def hermes_grammar(tools: list[Tool], parallel: bool) -> str:
+@dataclass(frozen=True)
+class LarkText:
+    """Writes text into a Lark grammar: each of the formats' `MARKERS` in it that is an
+    added token of the model's tokenizer (`tokens`: text -> id) as that token (`<[id]>`),
+    the rest as string literals; a sequence of Lark items, matching `text` as the
+    tokenizer encodes it."""
+
+    tokens: Mapping[str, int]
+
+    def __call__(self, text: str) -> str:
+        items, at = [], 0
+        for m in _MARKER.finditer(text):
+            token_id = self.tokens.get(m.group())
+            if token_id is None:
+                continue
+            if m.start() > at:
+                items.append(_lark_string(text[at:m.start()]))
+            items.append(f"<[{token_id}]>")
+            at = m.end()
+        if at < len(text) or not items:
+            items.append(_lark_string(text[at:]))
+        return " ".join(items)
+
+
+def hermes_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     """One call (or several, newline-separated, when parallel) of one of `tools`, each
     `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` with the arguments
-    following the function's parameters schema."""
+    following the function's parameters schema; `text` writes the markers."""
     schema = {"anyOf": [{"type": "object",
                          "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                          "required": ["name", "arguments"], "additionalProperties": False}
@@ -253,15 +297,16 @@ def hermes_grammar(tools: list[Tool], parallel: bool) -> str:
               "x-guidance": HERMES_JSON}
     calls = 'call ("\\n" call)*' if parallel else "call"
     return (f"start: {calls}\n"
-            f"call: {_lark_string(HERMES_OPEN + chr(10))} body {_lark_string(chr(10) + HERMES_CLOSE)}\n"
+            f"call: {text(HERMES_OPEN + chr(10))} body {text(chr(10) + HERMES_CLOSE)}\n"
             f"body: %json {json.dumps(schema, separators=(',', ':'))}\n")
 
 
-def glm_grammar(tools: list[Tool], parallel: bool) -> str:
+def glm_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     """One call (or several, newline-separated, when parallel) of one of `tools` in
     GLM-4.5's format: its arguments in the order of the parameters' properties, the
-    required ones always and the others optional; a string value is text without "<",
-    one with an enum one of them, any other value JSON following its schema."""
+    required ones always and the others optional; a string value is text without "<"
+    (of its minLength to maxLength characters), one with an enum one of them, any other
+    value JSON following its schema; `text` writes the markers."""
     nl = _lark_string(chr(10))
     rules = []
     for k, t in enumerate(tools):
@@ -273,37 +318,45 @@ def glm_grammar(tools: list[Tool], parallel: bool) -> str:
             if isinstance(schema, dict) and schema.get("type") == "string" and "enum" in schema:
                 rules.append(f"{value}: " + " | ".join(_lark_string(str(e)) for e in schema["enum"]))
             elif isinstance(schema, dict) and schema.get("type") == "string":
-                rules.append(f"{value}: /[^<]*/")
+                rules.append(f"{value}: /[^<]{_length(schema)}/")
             else:
                 typed = {**schema, "x-guidance": GLM_JSON} if isinstance(schema, dict) else schema
                 rules.append(f"{value}: %json {json.dumps(typed, separators=(',', ':'))}")
-            arg = (f"{nl} {_lark_string('<arg_key>' + key + '</arg_key>')} "
-                   f"{_lark_string(chr(10) + '<arg_value>')} {value} {_lark_string('</arg_value>')}")
+            arg = (f"{nl} {text(GLM_KEY_OPEN + key + GLM_KEY_CLOSE)} "
+                   f"{text(chr(10) + GLM_VALUE_OPEN)} {value} {text(GLM_VALUE_CLOSE)}")
             parts.append(arg if key in required else f"({arg})?")
         rules.append(f"f{k}: {_lark_string(t.name)} {' '.join(parts)}")
     calls = f"call ({nl} call)*" if parallel else "call"
     alternatives = " | ".join(f"f{k}" for k in range(len(tools)))
     lines = [f"start: {calls}",
-             f"call: {_lark_string(HERMES_OPEN)} ({alternatives}) {_lark_string(chr(10) + HERMES_CLOSE)}",
+             f"call: {text(HERMES_OPEN)} ({alternatives}) {text(chr(10) + HERMES_CLOSE)}",
              *rules]
     return chr(10).join(lines) + chr(10)
 
 
-def deepseek_grammar(tools: list[Tool], parallel: bool) -> str:
+def _length(schema: dict) -> str:
+    """The regex repetition of a string schema's minLength/maxLength (characters), "*"
+    without them."""
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
+    high = high if isinstance(high, int) and not isinstance(high, bool) and high >= low else None
+    return "*" if not low and high is None else f"{{{low},{'' if high is None else high}}}"
+
+
+def deepseek_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     """One call (or several, back to back, when parallel) of one of `tools` in
     DeepSeek-V3.1's format, `<｜tool▁calls▁begin｜>` to `<｜tool▁calls▁end｜>`, each call's
-    arguments JSON following the function's parameters schema. The markers are named as
-    tokens (llguidance's `<...>`: one token each in DeepSeek's vocabulary, which llguidance
-    matches only as that token, not as text)."""
+    arguments JSON following the function's parameters schema; `text` writes the markers
+    (one token each in DeepSeek's vocabulary)."""
     rules = []
     for k, t in enumerate(tools):
         typed = {**t.parameters, "x-guidance": DEEPSEEK_JSON}
-        rules.append(f"f{k}: {_lark_string(t.name)} {DS_SEP} a{k}")
+        rules.append(f"f{k}: {_lark_string(t.name)} {text(DS_SEP)} a{k}")
         rules.append(f"a{k}: %json {json.dumps(typed, separators=(',', ':'))}")
     alternatives = " | ".join(f"f{k}" for k in range(len(tools)))
     calls = "call+" if parallel else "call"
-    lines = [f"start: {DS_CALLS_BEGIN} {calls} {DS_CALLS_END}",
-             f"call: {DS_CALL_BEGIN} ({alternatives}) {DS_CALL_END}",
+    lines = [f"start: {text(DS_CALLS_BEGIN)} {calls} {text(DS_CALLS_END)}",
+             f"call: {text(DS_CALL_BEGIN)} ({alternatives}) {text(DS_CALL_END)}",
              *rules]
     return chr(10).join(lines) + chr(10)
 
@@ -504,8 +557,8 @@ def deepseek_system_text(tools: list[dict]) -> str:
 class Format:
     """A tool-call format: the text that opens a call (`opens`, tried longest first at a
     place), closes it, and may close a run of calls (`trailer`, syntax dropped after a
-    call); `read(body, tools by name)` -> ToolCall or None; `grammar(tools, parallel)` ->
-    Lark; `system_text(tools)`: the tools as moed writes them at the end of the system
+    call); `read(body, tools by name)` -> ToolCall or None; `grammar(tools, parallel,
+    text)` -> Lark, its top rule `start`, its markers written by `text` (a LarkText); `system_text(tools)`: the tools as moed writes them at the end of the system
     message, for a template that does not take `tools` (None: the template writes them);
     `text_arguments`: history calls' arguments go to the template as the JSON text the
     client sent (else as objects); `history_as_text`: history calls and tool results are
@@ -515,7 +568,7 @@ class Format:
     close: str
     trailer: str
     read: Callable[[str, dict[str, Tool]], ToolCall | None]
-    grammar: Callable[[list[Tool], bool], str]
+    grammar: Callable[[list[Tool], bool, LarkText], str]
     system_text: Callable[[list[dict]], str] | None = None
     text_arguments: bool = False
     history_as_text: bool = False

@@ -50,25 +50,42 @@ CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE,
 
 @dataclass(frozen=True)
 class FamilyTokens:
-    """A family's own tokens, added after the trained vocabulary (ids from 512 up, in
-    this order): `special` ones (skipped when decoding) and plain added ones (kept: the
-    text of turns and calls), and which of them are its BOS and EOS."""
+    """A family's own tokens, added after the trained vocabulary (ids from the end of the
+    trained vocabulary up, in this order): `special` ones (skipped when decoding) and plain
+    added ones (kept: the text of turns and calls), and which of them are its BOS and EOS
+    (None: <|endoftext|> and <|im_end|>, with no BOS written to tokenizer_config.json)."""
 
     special: tuple[str, ...]
     added: tuple[str, ...]
-    bos: str
-    eos: str
+    bos: str | None = None
+    eos: str | None = None
 
 
-# DeepSeek-V3.1's added tokens (its tokenizer.json): begin/end of sentence are special,
-# the turn, think and tool-call markers are plain added tokens (special: false), so they
-# stay in decoded text where the tool-call parser reads them.
-FAMILY_TOKENS = {"deepseek_v3": FamilyTokens(
-    special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
-    added=("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
-           "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
-           "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
-    bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")}
+# The families' added tokens as their published tokenizer.json has them, in id order:
+# - DeepSeek-V3.1 (deepseek-ai/DeepSeek-V3.1): begin/end of sentence are special; the turn,
+#   think and tool-call markers are plain added tokens (special: false).
+# - Qwen3 (Qwen/Qwen3-30B-A3B, ids 151657-151668): <tool_call>, </tool_call>,
+#   <tool_response>, </tool_response>, <think>, </think>, plain (special: false); its
+#   <|endoftext|>, <|im_start|> and <|im_end|> are the three special tokens every generated
+#   tokenizer has.
+# - GLM-4.5 (zai-org/GLM-4.5, ids 151350-151359): <think> to </arg_value>, plain.
+# Plain added tokens stay in decoded text, where the reasoning and tool-call parsers read
+# them; a constrained call names them as tokens (daemon/api/tools.py, `lark_text`).
+FAMILY_TOKENS = {
+    "deepseek_v3": FamilyTokens(
+        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+        added=("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
+               "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+               "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>"),
+    "qwen3_moe": FamilyTokens(
+        special=(),
+        added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")),
+    "glm4_moe": FamilyTokens(
+        special=(),
+        added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+               "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+}
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.
@@ -146,9 +163,12 @@ def added_token_ids(tokenizer: Tokenizer, arch: str | None = None) -> dict[str, 
 
 
 def bos_eos(arch: str | None = None) -> tuple[str, str]:
-    """The family's BOS and EOS tokens (<|endoftext|> and <|im_end|> unless its own)."""
+    """The family's BOS and EOS tokens (<|endoftext|> and <|im_end|> unless its own): the
+    ids config.json names."""
     family = FAMILY_TOKENS.get(arch or "")
-    return (family.bos, family.eos) if family is not None else ("<|endoftext|>", "<|im_end|>")
+    if family is None or family.eos is None:
+        return "<|endoftext|>", "<|im_end|>"
+    return family.bos or "<|endoftext|>", family.eos
 
 
 def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE,

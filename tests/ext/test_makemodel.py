@@ -53,7 +53,8 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, d
     assert config.num_hidden_layers == 2
     assert config.hidden_size == 32
     assert config.num_experts_per_tok == 2
-    assert config.vocab_size == 512
+    # Qwen3's six added tokens (its markers) push the vocabulary to the next multiple of 64
+    assert config.vocab_size == (576 if arch == "qwen3_moe" else 512)
     assert config.tie_word_embeddings is False
     if arch in ("mixtral", "qwen3_moe"):
         assert config.num_local_experts == 4
@@ -78,7 +79,7 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, d
         np.testing.assert_array_equal(model.state_dict()[name].numpy(), expected)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 5, 7, 300]])).logits
-    assert logits.shape == (1, 4, 512)
+    assert logits.shape == (1, 4, config.vocab_size)
     assert torch.isfinite(logits).all()
 
     generation = transformers.GenerationConfig.from_pretrained(model_dir)
@@ -319,6 +320,27 @@ def test_build_tokenizer_reaches_requested_size():
     tok = build_tokenizer(512)
     assert tok.get_vocab_size() == 512
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("arch, markers", [
+    ("qwen3_moe", ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")),
+    ("glm4_moe", ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                  "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+])
+def test_a_familys_markers_are_plain_added_tokens_as_in_its_published_tokenizer(tmp_path, arch, markers):
+    transformers = pytest.importorskip("transformers")
+    model_dir = make_model(tmp_path / "m", arch=arch, **TINY)
+    ours = Tokenizer.from_model_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    assert [ours.added_tokens[m] for m in markers] == list(range(512, 512 + len(markers)))
+    decoder = theirs.added_tokens_decoder
+    assert [(decoder[512 + k].content, decoder[512 + k].special) for k in range(len(markers))] == [
+        (m, False) for m in markers]
+    text = "a" + "b".join(markers) + "c"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert [i for i in ids if i >= 512] == list(range(512, 512 + len(markers)))   # one token each
+    assert ours.decode(ids) == text == theirs.decode(ids, skip_special_tokens=True)  # kept in the text
 
 
 # ------------------------------------------------------------------ low-bit layouts

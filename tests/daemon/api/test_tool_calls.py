@@ -13,7 +13,7 @@ import tokenizers
 from daemon_proc import openai_client, serving
 
 from daemon.api import chat as chat_api
-from daemon.api.tools import (CallParser, Tool, ToolError, detect_format, hermes_grammar,
+from daemon.api.tools import (CallParser, LarkText, Tool, ToolError, detect_format, hermes_grammar,
                                   parse_tools, split_calls)
 from ext.makemodel import CHATML_TEMPLATE, QWEN3_TEMPLATE, make_model
 from ext.tokenizer import Tokenizer
@@ -218,10 +218,12 @@ def test_the_request_passes_openais_history_to_the_template_with_object_argument
 
 # ------------------------------------------------------------------ the grammar
 
-def _matcher(model_dir, lark: str):
+def _matcher(model_dir, grammar):
+    """The tokenizer and a matcher of grammar(LarkText of the tokenizer's added tokens)."""
     text = (model_dir / "tokenizer.json").read_text()
     tok = tokenizers.Tokenizer.from_str(text)
     ll = llguidance.LLTokenizer(text, n_vocab=tok.get_vocab_size())
+    lark = grammar(LarkText({t.content: i for i, t in tok.get_added_tokens_decoder().items()}))
     return tok, llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
 
 
@@ -235,15 +237,26 @@ def _matcher(model_dir, lark: str):
 ])
 def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
     tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in (WEATHER, TIME)]
-    tok, m = _matcher(model_dir, hermes_grammar(tools, parallel=False))
+    tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, False, text))
     assert not m.is_error(), m.get_error()
     took = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
     assert (took and m.is_stopped()) is ok
 
 
+def test_a_marker_is_written_as_the_token_where_the_tokenizer_has_one_and_as_text_elsewhere(model_dir):
+    assert LarkText({})("<tool_call>\n") == '"<tool_call>\\n"'
+    assert LarkText({"<tool_call>": 7, "</tool_call>": 8})("\n</tool_call>") == '"\\n" <[8]>'
+    assert LarkText({"<arg_key>": 3})("<arg_key>city</arg_key>") == '<[3]> "city</arg_key>"'
+    # Qwen3's tokenizer has them: the grammar takes the token, not the text spelled out
+    tools = [Tool("get_time", None, SCHEMAS["get_time"])]
+    tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, False, text))
+    spelled = [i for piece in ("<", "tool", "_call", ">") for i in tok.encode(piece, add_special_tokens=False).ids]
+    assert tok.token_to_id("<tool_call>") not in spelled and not m.consume_token(spelled[0])
+
+
 def test_a_parallel_grammar_takes_several_calls_and_may_end_after_any(model_dir):
     tools = [Tool("get_time", None, SCHEMAS["get_time"])]
-    tok, m = _matcher(model_dir, hermes_grammar(tools, parallel=True))
+    tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, True, text))
     one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
     assert all(m.consume_token(t) for t in tok.encode(one, add_special_tokens=False).ids)
     assert m.is_accepting() and not m.is_stopped()
@@ -288,14 +301,20 @@ def _check_call(call, name=None):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_required_call_parses_whatever_the_weights(client, seed):
+def test_a_required_call_parses_whatever_the_weights(client, model_dir, seed):
     out = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME],
                                          tool_choice="required", parallel_tool_calls=False,
-                                         max_tokens=200, seed=seed)
+                                         max_tokens=200, seed=seed, logprobs=True)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None and len(choice.message.tool_calls) == 1
     _check_call(choice.message.tool_calls[0])
+    # the markers are generated as Qwen3's added tokens, one token each, as a real
+    # checkpoint writes them (not spelled out in ordinary tokens), and kept in the text
+    tokens = [t.token for t in choice.logprobs.content]
+    assert tokens[0] == "<tool_call>" and tokens[-1] == "</tool_call>" and tokens.count("<tool_call>") == 1
+    tok = Tokenizer.from_model_dir(model_dir)
+    assert tok.encode("".join(tokens), add_special_tokens=False)[0] == tok.added_tokens["<tool_call>"]
 
 
 def test_a_named_call_streams_as_openais_deltas_and_equals_the_unstreamed_one(client):

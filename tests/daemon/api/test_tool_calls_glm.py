@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 from daemon_proc import openai_client, serving
 
-from daemon.api.tools import CallParser, Tool, glm_grammar, split_calls
+from daemon.api.tools import CallParser, LarkText, Tool, glm_grammar, split_calls
 from ext.makemodel import make_model
 from ext.tokenizer import Tokenizer
 
@@ -21,7 +21,7 @@ MODEL = "model"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather.",
     "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
         "unit": {"type": "string", "enum": ["C", "F"]}},
         "required": ["city", "unit"], "additionalProperties": False}}}
 TOOLS = (Tool("get_weather", None, WEATHER["function"]["parameters"]),)
@@ -55,10 +55,12 @@ def test_text_beside_the_pairs_or_no_name_is_not_a_call():
     assert split_calls("<tool_call>\n</tool_call>", TOOLS, "glm")[1] == []
 
 
-def _matcher(model_dir, lark):
+def _matcher(model_dir, grammar):
+    """The tokenizer and a matcher of grammar(LarkText of the tokenizer's added tokens)."""
     text = (model_dir / "tokenizer.json").read_text()
     tok = tokenizers.Tokenizer.from_str(text)
     ll = llguidance.LLTokenizer(text, n_vocab=tok.get_vocab_size())
+    lark = grammar(LarkText({t.content: i for i, t in tok.get_added_tokens_decoder().items()}))
     return tok, llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
 
 
@@ -75,9 +77,11 @@ def _matcher(model_dir, lark):
     ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
      "<arg_key>days</arg_key>\n<arg_value>9</arg_value>\n"
      "<arg_key>unit</arg_key>\n<arg_value>C</arg_value>\n</tool_call>", False),      # days > 7
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo and Bergen</arg_value>\n"
+     "<arg_key>unit</arg_key>\n<arg_value>C</arg_value>\n</tool_call>", False),      # > maxLength
 ])
 def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
-    tok, m = _matcher(model_dir, glm_grammar(list(TOOLS), parallel=False))
+    tok, m = _matcher(model_dir, lambda text: glm_grammar(list(TOOLS), False, text))
     assert not m.is_error(), m.get_error()
     took = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
     assert (took and m.is_stopped()) is ok
@@ -122,8 +126,12 @@ def test_a_required_call_on_a_glm_checkpoint_parses_and_validates(client, stream
         [d] = deltas
         name, arguments = d.function.name, d.function.arguments
     else:
-        choice = client.chat.completions.create(**kw).choices[0]
+        choice = client.chat.completions.create(logprobs=True, **kw).choices[0]
         assert choice.finish_reason == "tool_calls"
+        # GLM-4.5's markers are generated as its added tokens, one token each
+        tokens = [t.token for t in choice.logprobs.content]
+        assert tokens[0] == "<tool_call>" and tokens[-1] == "</tool_call>"
+        assert {"<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} <= set(tokens)
         [call] = choice.message.tool_calls
         name, arguments = call.function.name, call.function.arguments
     assert name == "get_weather"

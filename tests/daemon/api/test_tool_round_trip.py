@@ -88,3 +88,18 @@ def test_the_round_trip(served, stream, choice):
         {"role": "assistant", "content": second.get("content") or "It rains."},
         {"role": "user", "content": "Thanks"}], tool_choice="none", max_tokens=4)
     assert reason in ("stop", "length") and "tool_calls" not in finished
+
+
+def test_a_required_call_with_thinking_on_is_the_answer_not_reasoning(served):
+    """Thinking on (DeepSeek-V3.1's `thinking`, which opens <think> in the prompt; Qwen3's and
+    GLM-4.5's `enable_thinking`, on by default, whose prompts leave the model to open it):
+    the call still comes back as a tool call, not as reasoning_content."""
+    daemon, client = served
+    out = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="required", max_tokens=200, seed=4,
+        parallel_tool_calls=False, extra_body={"chat_template_kwargs": {"thinking": True, "enable_thinking": True}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    assert not getattr(choice.message, "reasoning_content", None) and not choice.message.content
