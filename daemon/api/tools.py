@@ -30,7 +30,9 @@ the format its template teaches, which `detect_format` reads off the template:
   chat format, which asks for its own JSON shape) but in the hermes format, which
   models are trained on: the tools go at the end of the system message in
   Qwen2.5's words (the functions as JSON in <tools></tools>, "return a json object with
-  function name and arguments within <tool_call></tool_call> XML tags"), history calls
+  function name and arguments within <tool_call></tool_call> XML tags"), or at the start
+  of the first user message for a template that refuses a system message
+  (Mixtral-Instruct's), history calls
   are written into the assistant's text as `<tool_call>` JSON, tool results become user
   messages of `<tool_response>` blocks (unless the template names a "tool" role), and the
   answer is read and constrained as hermes.
@@ -591,12 +593,23 @@ def history_arguments_as_text(chat_template: str | None) -> bool:
     return fmt is not None and FORMATS[fmt].text_arguments
 
 
+def refuses_system(chat_template: str) -> bool:
+    """Whether a chat template raises on a system message, read off its text: it raises
+    (`raise_exception`) and names no system role (Mixtral-Instruct's and
+    Mistral-Instruct-v0.1's: "Only user and assistant roles are supported!"), or says so
+    (Gemma's: "System role not supported")."""
+    return "raise_exception" in chat_template and (
+        "system" not in chat_template or "System role not supported" in chat_template)
+
+
 def template_input(messages: list[dict], chat_template: str | None,
                    request: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
     """The messages and the `tools` variable the chat template is given: for a format
     whose template does not write tools, the offered tools at the end of the first system
-    message (one is put first if there is none; `tools` then None), and for "generic"
-    the history's calls and tool results rewritten as text (`_history_text`)."""
+    message (one is put first if there is none; `tools` then None) or, for a template
+    that refuses a system message (`refuses_system`), at the start of the first user
+    message; and for "generic" the history's calls and tool results rewritten as text
+    (`_history_text`)."""
     fmt = detect_format(chat_template)
     form = FORMATS.get(fmt) if fmt is not None else None
     if form is not None and form.history_as_text:
@@ -607,6 +620,13 @@ def template_input(messages: list[dict], chat_template: str | None,
     if form is None or form.system_text is None:
         return messages, tools
     text = form.system_text(tools)
+    if refuses_system(chat_template or ""):
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        if first is None:
+            return [{"role": "user", "content": text}, *messages], None
+        user = messages[first]
+        return [*messages[:first], {**user, "content": text + "\n\n" + (user.get("content") or "")},
+                *messages[first + 1:]], None
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], None
     return [{"role": "system", "content": text}, *messages], None

@@ -235,7 +235,7 @@ def make_model(
         with writing(out / "generation_config.json"):
             write_json(tmp / "generation_config.json", {
                 "bos_token_id": bos,
-                "eos_token_id": [eos, ids["<|endoftext|>"]],
+                "eos_token_id": list(dict.fromkeys((eos, ids["<|endoftext|>"]))),   # OLMoE's are one
                 "pad_token_id": ids["<|endoftext|>"],
             })
         with writing(out / "tokenizer.json"):

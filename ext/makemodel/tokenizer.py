@@ -1,5 +1,6 @@
 """The tokenizer files of a generated checkpoint: a byte-level BPE trained on a fixed text,
-three special tokens and a chat template (ChatML, or the family's own: CHAT_TEMPLATES)."""
+three special tokens, the family's own tokens (FAMILY_TOKENS) and its published chat template
+(CHAT_TEMPLATES; ChatML for a family whose own is not written here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,19 +17,23 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+
+def _template(name: str) -> str:
+    """A family's published chat template, kept as package data (templates/NAME.jinja)."""
+    return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text(encoding="utf-8").removesuffix("\n")
+
+
 # Qwen3's chat template (tokenizer_config.json of the Qwen3 MoE checkpoints): ChatML, the
 # tools in a system block and calls as <tool_call> JSON ("hermes", daemon/api/tools.py),
 # tool results as <tool_response> in a user turn, <think> reasoning kept only after the
 # last user query, and enable_thinking=False closing an empty <think> block.
-QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read_text(encoding="utf-8")
-                  .removesuffix("\n"))
+QWEN3_TEMPLATE = _template("qwen3_moe")
 
 # GLM-4.5's chat format (its checkpoints' chat_template.jinja): [gMASK]<sop>, <|system|>,
 # <|user|>, <|assistant|> and <|observation|> turns, the tools in a system block, calls as
 # <tool_call>NAME with <arg_key>/<arg_value> lines ("glm", daemon/api/tools.py), tool
 # results in <tool_response> after <|observation|>, and <think> blocks.
-GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_text(encoding="utf-8")
-                  .removesuffix("\n"))
+GLM45_TEMPLATE = _template("glm4_moe")
 
 # DeepSeek-V3.1's chat template (the `chat_template` of deepseek-ai/DeepSeek-V3.1's
 # tokenizer_config.json, as published): <｜begin▁of▁sentence｜>, the system messages joined
@@ -39,13 +44,31 @@ GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_
 # opening <think> in the generation prompt or closing it (</think>). It does not write
 # `tools`: the model card gives the tool description to put in the system prompt, which
 # moed writes (daemon/api/tools.py, "deepseek").
-DEEPSEEK_V31_TEMPLATE = ((Path(__file__).parent / "templates" / "deepseek_v3.jinja")
-                         .read_text(encoding="utf-8").removesuffix("\n"))
+DEEPSEEK_V31_TEMPLATE = _template("deepseek_v3")
+
+# Mixtral-8x7B-Instruct-v0.1's chat template (the `chat_template` of
+# mistralai/Mixtral-8x7B-Instruct-v0.1's tokenizer_config.json): BOS, then [INST] user
+# [/INST] and the assistant's answer ended by EOS, the roles alternating from a user; any
+# other role (system, tool) raises. No tool format: moed's "generic" one, the tools at the
+# start of the first user message (daemon/api/tools.py, `refuses_system`).
+MIXTRAL_TEMPLATE = _template("mixtral")
+
+# Qwen1.5-MoE-A2.7B-Chat's chat template (the `chat_template` of
+# Qwen/Qwen1.5-MoE-A2.7B-Chat's tokenizer_config.json): ChatML with a default system message
+# ("You are a helpful assistant") when the first message is not one. No tool format.
+QWEN15_TEMPLATE = _template("qwen2_moe")
+
+# OLMoE-1B-7B-0924-Instruct's chat template (the `chat_template` of
+# allenai/OLMoE-1B-7B-0924-Instruct's tokenizer_config.json, the Tulu format): BOS
+# (<|endoftext|>), then <|system|>, <|user|> and <|assistant|> turns, each tag on its own
+# line, the assistant's ended by EOS (<|endoftext|> too). No tool format.
+OLMOE_TEMPLATE = _template("olmoe")
 
 # The chat template make-model writes per architecture (ChatML where the family's own is
-# not written yet).
+# not written).
 CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE,
-                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE}
+                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE, "mixtral": MIXTRAL_TEMPLATE,
+                  "qwen2_moe": QWEN15_TEMPLATE, "olmoe": OLMOE_TEMPLATE}
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,7 @@ class FamilyTokens:
 #   <|endoftext|>, <|im_start|> and <|im_end|> are the three special tokens every generated
 #   tokenizer has.
 # - GLM-4.5 (zai-org/GLM-4.5, ids 151350-151359): <think> to </arg_value>, plain.
+# - Mixtral-Instruct and OLMoE-Instruct: their BOS and EOS, which their templates write.
 # Plain added tokens stay in decoded text, where the reasoning and tool-call parsers read
 # them; a constrained call names them as tokens (daemon/api/tools.py, `lark_text`).
 FAMILY_TOKENS = {
@@ -85,6 +109,10 @@ FAMILY_TOKENS = {
         special=(),
         added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+    # Mixtral's <s> and </s> (ids 1 and 2 there), special; its [INST] tags are plain text
+    "mixtral": FamilyTokens(special=("<s>", "</s>"), added=(), bos="<s>", eos="</s>"),
+    # OLMoE-Instruct's BOS and EOS are both <|endoftext|>; its role tags are plain text
+    "olmoe": FamilyTokens(special=(), added=(), bos="<|endoftext|>", eos="<|endoftext|>"),
 }
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every

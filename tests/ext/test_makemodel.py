@@ -53,8 +53,9 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, d
     assert config.num_hidden_layers == 2
     assert config.hidden_size == 32
     assert config.num_experts_per_tok == 2
-    # Qwen3's six added tokens (its markers) push the vocabulary to the next multiple of 64
-    assert config.vocab_size == (576 if arch == "qwen3_moe" else 512)
+    # Qwen3's markers and Mixtral's <s> and </s>, added tokens, push the vocabulary to the
+    # next multiple of 64
+    assert config.vocab_size == (576 if arch in ("qwen3_moe", "mixtral") else 512)
     assert config.tie_word_embeddings is False
     if arch in ("mixtral", "qwen3_moe"):
         assert config.num_local_experts == 4
@@ -83,7 +84,8 @@ def test_transformers_loads_without_missing_or_unexpected_keys(tmp_path, arch, d
     assert torch.isfinite(logits).all()
 
     generation = transformers.GenerationConfig.from_pretrained(model_dir)
-    assert generation.eos_token_id == [2, 0]
+    eos = {"mixtral": 513, "olmoe": 0}.get(arch, 2)     # </s>, <|endoftext|> or <|im_end|>
+    assert generation.eos_token_id == ([0] if eos == 0 else [eos, 0]) and config.eos_token_id == eos
 
 
 def test_tensor_names_and_shapes(tmp_path):
@@ -206,12 +208,37 @@ def test_default_heads_and_config_keys(tmp_path):
 
 
 def test_tokenizer_files_work_with_ext_tokenizer(tmp_path):
-    model_dir = make_model(tmp_path / "m", arch="olmoe", **TINY)
+    model_dir = make_model(tmp_path / "m", arch="qwen2_moe", **TINY)
     tok = Tokenizer.from_model_dir(model_dir)
     assert tok.vocab_size == 512
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (    # Qwen1.5's default system
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n")
     assert stop_token_ids(model_dir) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} == {2, 0}
+
+
+@pytest.mark.parametrize("arch, system, prompt, eos", [
+    # the published templates (ext/makemodel/templates): Mixtral-Instruct refuses a system
+    # message; OLMoE-Instruct's BOS and EOS are both <|endoftext|>
+    ("mixtral", False, "<s>[INST] hi [/INST]ok</s>[INST] and? [/INST]", "</s>"),
+    ("qwen2_moe", True, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                        "ok<|im_end|>\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>"),
+    ("olmoe", True, "<|endoftext|><|system|>\nS\n<|user|>\nhi\n<|assistant|>\nok<|endoftext|>\n<|user|>\nand?\n"
+                    "<|assistant|>\n", "<|endoftext|>"),
+])
+def test_the_families_published_templates_render_as_transformers_does(tmp_path, arch, system, prompt, eos):
+    transformers = pytest.importorskip("transformers")
+    model_dir = make_model(tmp_path / "m", arch=arch, **TINY)
+    ours = Tokenizer.from_model_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    messages = ([{"role": "system", "content": "S"}] if system else []) + turns
+    assert ours.apply_chat_template(messages) == prompt == theirs.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert ours.eos_token == eos and stop_token_ids(model_dir) >= {ours.token_to_id(eos)}
+    if not system:
+        with pytest.raises(ValueError, match="roles must alternate"):
+            ours.apply_chat_template([{"role": "system", "content": "S"}] + turns)
 
 
 def test_tokenizer_training_is_deterministic_across_processes():

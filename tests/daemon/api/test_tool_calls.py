@@ -106,10 +106,19 @@ def test_text_after_a_call_keeps_its_whitespace_however_it_streams():
         assert streamed.strip() == whole_content, step
 
 
+def _generic_tokenizer() -> Tokenizer:
+    """The tokenizer of a small checkpoint whose template has no call format (Qwen1.5's
+    ChatML: history calls reach it as text, their arguments as they are)."""
+    import tempfile
+    d = make_model(tempfile.mkdtemp(prefix="moedtok") + "/m", arch="qwen2_moe", layers=1, experts=2,
+                   top_k=1, hidden=32, intermediate=16, dtype="bf16", seed=1)
+    return Tokenizer.from_model_dir(d)
+
+
 def test_deep_json_in_calls_is_text_not_an_error():
     deep = '<tool_call>{"name": "f", "arguments": "' + "[" * 5000 + '"}</tool_call>'
     assert split_calls(deep) == (deep, [])
-    tokenizer = _chatml_tokenizer()
+    tokenizer = _generic_tokenizer()
     body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": '{"a":' * 5000 + "1" + "}" * 5000}}]}]}
     parsed = chat_api.parse_request(body, chat=True, model_names=(MODEL,), tokenizer=tokenizer,
@@ -123,15 +132,6 @@ def test_a_whole_answers_content_is_stripped_around_its_calls_and_ids_differ():
     assert content == "Sure." and [c.name for c in calls] == ["get_weather", "get_weather"]
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_") and len(calls[0].id) == 29
     assert split_calls("plain ") == ("plain ", [])
-
-
-def _chatml_tokenizer() -> Tokenizer:
-    """The tokenizer of a small ChatML checkpoint (its template prints history calls'
-    arguments as they are)."""
-    import tempfile
-    d = make_model(tempfile.mkdtemp(prefix="moedtok") + "/m", arch="mixtral", layers=1, experts=2,
-                   top_k=1, hidden=32, intermediate=16, dtype="bf16", seed=1)
-    return Tokenizer.from_model_dir(d)
 
 
 # ------------------------------------------------------------------ the request

@@ -6,7 +6,8 @@ parses and validates whatever the weights (the grammar), and the continuation's 
 holds the call and its result as the family's template writes them.
 
 Formats: qwen3_moe hermes, glm4_moe GLM-4.5's, deepseek_v3 DeepSeek-V3.1's markers,
-mixtral, qwen2_moe and olmoe (ChatML templates) "generic". gpt_oss (harmony) is not here:
+mixtral, qwen2_moe and olmoe (their published templates, no call format) "generic", the
+tools in Mixtral-Instruct's first user message (it refuses a system one). gpt_oss (harmony) is not here:
 its tool calls are read by daemon/api/harmony.py, tested with it.
 
 One daemon per family, shared by the module's tests of that family (pytest orders the

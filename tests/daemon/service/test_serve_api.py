@@ -133,8 +133,9 @@ def outcome_of_stream(chunks: list[dict], chat: bool) -> dict:
     *content, final, usage = body
     assert usage["choices"] == [] and final["choices"][0]["finish_reason"] is not None
     assert all(c["choices"][0]["finish_reason"] is None for c in content)
-    def piece(c: dict) -> str:
-        return c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"]
+    def piece(c: dict) -> str:       # a chat answer's reasoning (Qwen3's <think> token) and content
+        delta = c["choices"][0]["delta"] if chat else {}
+        return delta.get("reasoning_content", "") + delta.get("content", "") if chat else c["choices"][0]["text"]
     return {"text": "".join(piece(c) for c in content),
             "finish_reason": final["choices"][0]["finish_reason"],
             "usage": usage["usage"]}
@@ -142,7 +143,8 @@ def outcome_of_stream(chunks: list[dict], chat: bool) -> dict:
 
 def outcome_of_full(answer: dict, chat: bool) -> dict:
     choice = answer["choices"][0]
-    return {"text": choice["message"]["content"] if chat else choice["text"],
+    message = choice.get("message", {})
+    return {"text": (message.get("reasoning_content") or "") + (message["content"] or "") if chat else choice["text"],
             "finish_reason": choice["finish_reason"], "usage": answer["usage"]}
 
 
