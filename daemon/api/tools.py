@@ -17,9 +17,14 @@ the format its template teaches, which `detect_format` reads off the template:
   other type (as the published template writes history calls: `v if v is string else
   v | tojson`).
 
-Other families' formats (DeepSeek-V3's call markers, GPT-OSS's harmony `functions`
-namespace) are not read yet: a request with tools to a model whose template uses none of
-the known formats is a 400 saying so.
+- "harmony" (GPT-OSS; OpenAI's harmony response format,
+  cookbook.openai.com/articles/openai-harmony): a call is an assistant message on the
+  commentary channel to `functions.NAME`, `<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}<|call|>`, one per turn; its answers are read, with
+  their analysis channel, by daemon/api/harmony.py.
+
+Other families' formats (DeepSeek-V3's call markers) are not read yet: a request with
+tools to a model whose template uses none of the known formats is a 400 saying so.
 
 tool_choice: "auto" (the default with tools: the model chooses, the text is parsed),
 "none" (the tools are not offered and nothing is parsed), "required" (at least one call)
@@ -115,6 +120,9 @@ class ToolRequest:
     def grammar(self) -> str:
         """The Lark grammar (llguidance's dialect) of a constrained choice's output."""
         tools = [t for t in self.tools if self.choice != "function" or t.name == self.name]
+        if self.format == "harmony":
+            from daemon.api.harmony import harmony_grammar     # (harmony imports this module)
+            return harmony_grammar(tools)
         return (glm_grammar if self.format == "glm" else hermes_grammar)(tools, self.parallel)
 
     def parser(self) -> CallParser:
@@ -123,11 +131,13 @@ class ToolRequest:
 
 
 def detect_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches ("hermes" or "glm"), or None."""
+    """The tool-call format a chat template teaches ("hermes", "glm" or "harmony"), or None."""
     if not chat_template or "tools" not in chat_template:
         return None
-    if "tool▁call" in chat_template or "<|call|>" in chat_template:
-        return None          # DeepSeek-V3, harmony: not read yet
+    if "<|call|>" in chat_template and "<|channel|>" in chat_template:
+        return "harmony"
+    if "tool▁call" in chat_template:
+        return None          # DeepSeek-V3: not read yet
     if "<arg_key>" in chat_template:
         return "glm"
     if HERMES_OPEN in chat_template:
@@ -207,8 +217,8 @@ def parse_tools(body: dict, chat_template: str | None) -> ToolRequest | None:
     fmt = detect_format(chat_template)
     if fmt is None and kind != "none":
         raise ToolError("this model's chat template has no tool-call format moed can read (it "
-                        "reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes, and "
-                        "GLM-4.5's <arg_key>/<arg_value> calls); send "
+                        "reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes, "
+                        "GLM-4.5's <arg_key>/<arg_value> calls and GPT-OSS's harmony); send "
                         "the request without 'tools'", "tools")
     return ToolRequest(tools, kind, name, parallel, fmt or "hermes")
 

@@ -36,8 +36,8 @@ from ext.makemodel.lowbit import (_PLAIN, MXFP4_GROUP, SCALE_DTYPES, Encoding, F
                                   quantization_config)
 from ext.makemodel.shards import write_json, write_shards, writing
 from ext.makemodel.skew import skew_adjustments
-from ext.makemodel.tokenizer import (CHAT_TEMPLATES, CHATML_TEMPLATE, SPECIAL_TOKENS, build_tokenizer,
-                                     tokenizer_config)
+from ext.makemodel.tokenizer import (CHAT_TEMPLATES, CHATML_TEMPLATE, FAMILY_SPECIAL_TOKENS, SPECIAL_TOKENS,
+                                     build_tokenizer, tokenizer_config)
 
 _VOCAB_MULTIPLE = 64
 DEFAULT_SHARD_SIZE = 2 << 30  # bytes
@@ -209,9 +209,15 @@ def make_model(
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
     with _staged(out, overwrite) as tmp:         # files move into `out` once all are whole
-        tokenizer = build_tokenizer(512 if vocab_size is None else vocab_size)
+        family_special = FAMILY_SPECIAL_TOKENS.get(arch, ())
+        tokenizer = build_tokenizer(512 if vocab_size is None else vocab_size, family_special)
         config_vocab = -(-max(tokenizer.get_vocab_size(), vocab_size or 0) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
-        ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+        ids = {token: tokenizer.token_to_id(token) for token in (*SPECIAL_TOKENS, *family_special)}
+        # The tokens that end an answer: GPT-OSS's generation_config names <|return|> (the
+        # answer's end), <|endoftext|> and <|call|> (a tool call's end); the others ChatML's.
+        eos = "<|return|>" if arch == "gpt_oss" else "<|im_end|>"
+        stops = ([ids["<|return|>"], ids["<|endoftext|>"], ids["<|call|>"]] if arch == "gpt_oss"
+                 else [ids["<|im_end|>"], ids["<|endoftext|>"]])
 
         dims = dict(L=layers, E=experts, H=hidden, I=intermediate, S=shared_intermediate,
                     V=config_vocab, Nq=heads, Nkv=kv_heads, D=head_dim, rows_out=dtype == "mxfp4")
@@ -224,6 +230,7 @@ def make_model(
 
         config_dtype = _PLAIN[dtype if dtype in _PLAIN else "bf16"][2]
         config = config_json(arch, dims, top_k, config_dtype, ids, max_position_embeddings, initializer_range)
+        config["eos_token_id"] = ids[eos]
         kept = [spec.name.removesuffix(".weight") for spec in specs if spec.role in (ROUTER, HEAD)]
         quant = quantization_config(dtype, arch, kept, scale_fmt)
         if quant is not None:
@@ -233,14 +240,14 @@ def make_model(
         with writing(out / "generation_config.json"):
             write_json(tmp / "generation_config.json", {
                 "bos_token_id": ids["<|endoftext|>"],
-                "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+                "eos_token_id": stops,
                 "pad_token_id": ids["<|endoftext|>"],
             })
         with writing(out / "tokenizer.json"):
             (tmp / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         with writing(out / "tokenizer_config.json"):
             write_json(tmp / "tokenizer_config.json", tokenizer_config(
-                ids, max_position_embeddings, CHAT_TEMPLATES.get(arch, CHATML_TEMPLATE)))
+                ids, max_position_embeddings, CHAT_TEMPLATES.get(arch, CHATML_TEMPLATE), eos))
     return out
 
 

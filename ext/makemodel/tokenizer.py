@@ -1,10 +1,11 @@
 """The tokenizer files of a generated checkpoint: a byte-level BPE trained on a fixed text,
-three special tokens and a chat template (ChatML, or the family's own: CHAT_TEMPLATES)."""
+three special tokens (and a family's own: FAMILY_SPECIAL_TOKENS) and a chat template
+(ChatML, or the family's own: CHAT_TEMPLATES)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -29,9 +30,23 @@ QWEN3_TEMPLATE = ((Path(__file__).parent / "templates" / "qwen3_moe.jinja").read
 GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_text(encoding="utf-8")
                   .removesuffix("\n"))
 
+# GPT-OSS's chat format, harmony (OpenAI's harmony response format): messages
+# `<|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>`, analysis / commentary / final
+# channels, calls `to=functions.NAME` ending in <|call|>, the answer ending in <|return|>
+# ("harmony", daemon/api/harmony.py). moed's own template of that layout (see its head).
+GPT_OSS_TEMPLATE = ((Path(__file__).parent / "templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
+                    .removesuffix("\n"))
+
 # The chat template make-model writes per architecture (ChatML where the family's own is
 # not written yet).
-CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE}
+CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE, "gpt_oss": GPT_OSS_TEMPLATE}
+
+# Harmony's special tokens, single tokens of GPT-OSS's o200k_harmony vocabulary (ids
+# 200002-200012 there); a generated gpt_oss tokenizer has them as special added tokens
+# after the BPE's, so that the template's markup encodes as the real model's does.
+HARMONY_TOKENS = ("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                  "<|message|>", "<|call|>")
+FAMILY_SPECIAL_TOKENS = {"gpt_oss": HARMONY_TOKENS}
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.
@@ -63,14 +78,18 @@ It is a layer in which a router sends each token to a few of many expert network
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def build_tokenizer(vocab_size: int = 512, extra_special: tuple[str, ...] = ()) -> Tokenizer:
     """Train the byte-level BPE tokenizer used by generated checkpoints.
 
     Args:
         vocab_size: target vocabulary size including the 3 special tokens
-            (`<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2) and the 256
-            byte tokens; the remaining entries are merges learned from a fixed
-            built-in text. The result may be smaller if the text runs out of merges.
+            (`<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2), the 256
+            byte tokens and `extra_special`; the remaining entries are merges learned
+            from a fixed built-in text. The result may be smaller if the text runs out
+            of merges.
+        extra_special: further special tokens (a family's, FAMILY_SPECIAL_TOKENS), added
+            after the merges with the last ids: each encodes as one token and the
+            vocabulary keeps its size (so do the model's tensors).
 
     Returns:
         A `tokenizers.Tokenizer` with a ByteLevel pre-tokenizer (add_prefix_space=False)
@@ -79,25 +98,29 @@ def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
     Raises:
         ValueError: vocab_size < 259 (the special and byte tokens would not fit).
     """
-    minimum = len(SPECIAL_TOKENS) + 256
+    minimum = len(SPECIAL_TOKENS) + 256 + len(extra_special)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be >= {minimum}, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(extra_special),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator([_BPE_CORPUS], trainer=trainer)
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token in extra_special])
     return tokenizer
 
 
-def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE) -> dict:
-    """tokenizer_config.json contents: special tokens and the chat template (ChatML unless
-    given: `CHAT_TEMPLATES` has the families' own)."""
+def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE,
+                     eos_token: str = "<|im_end|>") -> dict:
+    """tokenizer_config.json contents: special tokens (`ids`: each one's id), the chat
+    template (ChatML unless given: `CHAT_TEMPLATES` has the families' own) and the token
+    that ends a turn (gpt_oss: <|return|>, as its checkpoints name it)."""
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -108,7 +131,7 @@ def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHAT
         "bos_token": None,
         "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
+        "eos_token": eos_token,
         "model_max_length": model_max_length,
         "pad_token": "<|endoftext|>",
         "tokenizer_class": "PreTrainedTokenizerFast",
