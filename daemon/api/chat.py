@@ -23,8 +23,10 @@ server's max_tokens ceiling, is cut to fit (the answer then ends with finish_rea
 "length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
 and what cut it. Chat takes tools, tool_choice and parallel_tool_calls (assistant
 messages with tool_calls and tool messages in the history; the answer's calls parsed into
-tool_calls, finish_reason "tool_calls": daemon/api/tools.py). What stays unsupported
-(best_of > 1, functions and function_call, echo, suffix) is a 400 naming the field.
+tool_calls, finish_reason "tool_calls": daemon/api/tools.py; a GPT-OSS answer's harmony
+channels read into reasoning_content, content and tool_calls: daemon/api/harmony.py).
+What stays unsupported (best_of > 1, functions and function_call, echo, suffix) is a 400
+naming the field.
 """
 from __future__ import annotations
 
@@ -376,7 +378,7 @@ def _messages(body: dict) -> list[dict]:
             if not isinstance(m["reasoning_content"], str):
                 raise bad(f"'messages[{i}].reasoning_content' must be a string", "messages")
             extra["reasoning_content"] = _unicode(m["reasoning_content"], "messages")
-            extra.setdefault("thinking", extra["reasoning_content"])   # harmony templates' name
+            extra["thinking"] = extra["reasoning_content"]     # harmony templates' name for it
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:

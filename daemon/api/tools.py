@@ -73,11 +73,12 @@ class Tool:
     description: str | None
     parameters: dict
 
-    def template_entry(self) -> dict:
-        """The function as chat templates take it (OpenAI's tool object)."""
+    def template_entry(self, described: bool = False) -> dict:
+        """The function as chat templates take it (OpenAI's tool object); described: with
+        a description always ("" when it has none: harmony templates write each one)."""
         fn: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
+        if self.description is not None or described:
+            fn["description"] = self.description or ""
         fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
@@ -115,7 +116,7 @@ class ToolRequest:
         return self.choice in ("required", "function")
 
     def template_tools(self) -> list[dict]:
-        return [t.template_entry() for t in self.tools]
+        return [t.template_entry(described=self.format == "harmony") for t in self.tools]
 
     def grammar(self) -> str:
         """The Lark grammar (llguidance's dialect) of a constrained choice's output."""

@@ -196,6 +196,15 @@ def test_openais_history_renders_as_transformers_renders_the_templates_own_field
     assert parsed.harmony and parsed.engine.special_tokens and parsed.tools is not None
 
 
+def test_a_tool_without_a_description_renders(model_dir):
+    # harmony templates write "// " + description for every tool (GPT-OSS's own does too)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    bare = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    text = chat_api.render_chat({"messages": QUESTION, "tools": [bare]}, tokenizer,
+                                parse_tools({"tools": [bare]}, tokenizer.chat_template))
+    assert "// \ntype ping = () => any;" in text
+
+
 # ------------------------------------------------------------------ through moed serve
 
 
