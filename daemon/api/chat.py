@@ -23,8 +23,10 @@ server's max_tokens ceiling, is cut to fit (the answer then ends with finish_rea
 "length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
 and what cut it. Chat takes tools, tool_choice and parallel_tool_calls (assistant
 messages with tool_calls and tool messages in the history; the answer's calls parsed into
-tool_calls, finish_reason "tool_calls": daemon/api/tools.py). What stays unsupported
-(best_of > 1, functions and function_call, echo, suffix) is a 400 naming the field.
+tool_calls, finish_reason "tool_calls": daemon/api/tools.py; a GPT-OSS answer's harmony
+channels read into reasoning_content, content and tool_calls: daemon/api/harmony.py).
+What stays unsupported (best_of > 1, functions and function_call, echo, suffix) is a 400
+naming the field.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.engine.engine import EngineRequest, RequestStats
-from daemon.api.reasoning import AnswerParser, opens_thinking, thinks
+from daemon.api.harmony import HarmonyParser, is_harmony
+from daemon.api.reasoning import AnswerParser, opens_thinking, split_with, thinks
 from daemon.api.tools import (ToolCall, ToolError, ToolRequest, history_arguments_as_text, parse_tools,
                               template_input)
 from ext.sampling import SamplingParamError, SamplingParams
@@ -98,19 +101,29 @@ class ParsedRequest:
     # one open.
     reasoning: bool = False
     reasoning_started: bool = False
+    # The model answers in GPT-OSS's harmony (daemon/api/harmony.py): its channels are
+    # reasoning, content and calls; the engine writes its special tokens as text.
+    harmony: bool = False
 
     @property
     def parses_answer(self) -> bool:
         """Whether a choice's text is split into reasoning, content and tool calls."""
-        return self.tools is not None or self.reasoning
+        return self.tools is not None or self.reasoning or self.harmony
 
-    def answer_parser(self) -> AnswerParser | None:
+    def answer_parser(self) -> AnswerParser | HarmonyParser | None:
         """A parser of one choice's text (reasoning, content, tool calls), or None when
         the text is all content."""
         if not self.parses_answer:
             return None
+        if self.harmony:
+            return HarmonyParser(tools=self.tools is not None)
         return AnswerParser(reasoning=self.reasoning, started=self.reasoning_started,
                             tools=self.tools.parser() if self.tools is not None else False)
+
+    def split_answer(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
+        """A whole choice's (reasoning_content or None, content, tool calls)."""
+        parser = self.answer_parser()
+        return (None, text, []) if parser is None else split_with(parser, text)
 
     @property
     def logprobs(self) -> bool:
@@ -367,6 +380,7 @@ def _messages(body: dict, text_arguments: bool = False) -> list[dict]:
             if not isinstance(m["reasoning_content"], str):
                 raise bad(f"'messages[{i}].reasoning_content' must be a string", "messages")
             extra["reasoning_content"] = _unicode(m["reasoning_content"], "messages")
+            extra["thinking"] = extra["reasoning_content"]     # harmony templates' name for it
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
@@ -508,6 +522,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         prompt_param = "messages"
         reasoning = thinks(tokenizer.chat_template)
         reasoning_started = reasoning and opens_thinking(text)
+        harmony = is_harmony(tokenizer.chat_template)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -536,7 +551,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         else:
             raise bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
         prompt_param = "prompt"
-        reasoning = reasoning_started = False
+        reasoning = reasoning_started = harmony = False
     if not prompt_ids:
         raise bad("the prompt is empty", prompt_param)
     if len(prompt_ids) >= context:
@@ -550,12 +565,13 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         stop_ids=frozenset() if ignore_eos else stop_ids, stop_strings=_stop_strings(body),
-        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, cache_salt=cache_salt)
+        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, cache_salt=cache_salt,
+        special_tokens=harmony)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
                          include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by,
                          grammar=constraint, grammar_param=grammar_param,
                          tools=tool_req if tool_req is not None and tool_req.offered else None,
-                         reasoning=reasoning, reasoning_started=reasoning_started)
+                         reasoning=reasoning, reasoning_started=reasoning_started, harmony=harmony)
 
 
 def max_tokens_header(req: ParsedRequest, context: int, cap: int) -> dict[str, str]:

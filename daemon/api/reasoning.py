@@ -13,7 +13,8 @@ turns thinking off where the template allows it through chat_template_kwargs
 {"thinking": true} for DeepSeek-V3.1's, which is off by default and closes the block in
 the prompt, `</think>`, when off).
 An answer that never closes its `<think>` is all reasoning, as vLLM's and llama-server's
-parsers have it.
+parsers have it. GPT-OSS writes no <think> blocks: its reasoning is harmony's analysis
+channel, read by daemon/api/harmony.py.
 """
 from __future__ import annotations
 
@@ -101,7 +102,12 @@ class AnswerParser:
 def split_answer(text: str, *, reasoning: bool, started: bool = False,
                  tools: bool | CallParser = False) -> tuple[str | None, str, list]:
     """A whole answer's (reasoning_content or None, content, tool calls)."""
-    parser = AnswerParser(reasoning=reasoning, started=started, tools=tools)
+    return split_with(AnswerParser(reasoning=reasoning, started=started, tools=tools), text)
+
+
+def split_with(parser, text: str) -> tuple[str | None, str, list]:
+    """A whole answer's (reasoning_content or None, content, tool calls) read by `parser`
+    (a new AnswerParser, or one with its interface: daemon/api/harmony.py's)."""
     pieces = parser.feed(text) + parser.finish()
     thought = [v for k, v in pieces if k == "reasoning"]
     content = "".join(v for k, v in pieces if k == "content")

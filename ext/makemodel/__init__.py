@@ -11,10 +11,12 @@ from ext.makemodel.families import ARCHITECTURES
 
 _PARTS = {"DEFAULT_SHARD_SIZE": "make", "make_model": "make",
           "CHATML_TEMPLATE": "tokenizer", "QWEN3_TEMPLATE": "tokenizer", "GLM45_TEMPLATE": "tokenizer",
-          "DEEPSEEK_V31_TEMPLATE": "tokenizer", "SPECIAL_TOKENS": "tokenizer",
+          "DEEPSEEK_V31_TEMPLATE": "tokenizer", "GPT_OSS_TEMPLATE": "tokenizer",
+          "HARMONY_TOKENS": "tokenizer", "SPECIAL_TOKENS": "tokenizer",
           "build_tokenizer": "tokenizer"}
 
-__all__ = ["ARCHITECTURES", "CHATML_TEMPLATE", "DEEPSEEK_V31_TEMPLATE", "DEFAULT_SHARD_SIZE", "GLM45_TEMPLATE", "QWEN3_TEMPLATE", "SPECIAL_TOKENS",
+__all__ = ["ARCHITECTURES", "CHATML_TEMPLATE", "DEEPSEEK_V31_TEMPLATE", "DEFAULT_SHARD_SIZE", "GLM45_TEMPLATE",
+           "GPT_OSS_TEMPLATE", "HARMONY_TOKENS", "QWEN3_TEMPLATE", "SPECIAL_TOKENS",
            "build_tokenizer", "make_model"]
 
 

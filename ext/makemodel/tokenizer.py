@@ -42,22 +42,31 @@ GLM45_TEMPLATE = ((Path(__file__).parent / "templates" / "glm4_moe.jinja").read_
 DEEPSEEK_V31_TEMPLATE = ((Path(__file__).parent / "templates" / "deepseek_v3.jinja")
                          .read_text(encoding="utf-8").removesuffix("\n"))
 
+# GPT-OSS's chat format, harmony (OpenAI's harmony response format): messages
+# `<|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>`, analysis / commentary / final
+# channels, calls `to=functions.NAME` ending in <|call|>, the answer ending in <|return|>
+# ("harmony", daemon/api/harmony.py). moed's own template of that layout (see its head).
+GPT_OSS_TEMPLATE = ((Path(__file__).parent / "templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
+                    .removesuffix("\n"))
+
 # The chat template make-model writes per architecture (ChatML where the family's own is
 # not written yet).
 CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE,
-                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE}
+                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE, "gpt_oss": GPT_OSS_TEMPLATE}
 
 
 @dataclass(frozen=True)
 class FamilyTokens:
     """A family's own tokens, added after the trained vocabulary (ids from 512 up, in
     this order): `special` ones (skipped when decoding) and plain added ones (kept: the
-    text of turns and calls), and which of them are its BOS and EOS."""
+    text of turns and calls), which of them are its BOS and EOS, and the further tokens
+    that end an answer (generation_config's eos_token_id: EOS, <|endoftext|>, `stops`)."""
 
     special: tuple[str, ...]
     added: tuple[str, ...]
     bos: str
     eos: str
+    stops: tuple[str, ...] = ()
 
 
 # DeepSeek-V3.1's added tokens (its tokenizer.json): begin/end of sentence are special,
@@ -68,7 +77,16 @@ FAMILY_TOKENS = {"deepseek_v3": FamilyTokens(
     added=("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
            "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
            "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
-    bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")}
+    bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>"),
+    # Harmony's special tokens, single tokens of GPT-OSS's o200k_harmony vocabulary (ids
+    # 200002-200012 there), so that the template's markup encodes as the real model's
+    # does; its generation_config ends an answer at <|return|>, <|endoftext|> and <|call|>
+    # (a tool call's end).
+    "gpt_oss": FamilyTokens(
+        special=("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                 "<|message|>", "<|call|>"),
+        added=(), bos="<|endoftext|>", eos="<|return|>", stops=("<|call|>",))}
+HARMONY_TOKENS = FAMILY_TOKENS["gpt_oss"].special
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.
@@ -149,6 +167,13 @@ def bos_eos(arch: str | None = None) -> tuple[str, str]:
     """The family's BOS and EOS tokens (<|endoftext|> and <|im_end|> unless its own)."""
     family = FAMILY_TOKENS.get(arch or "")
     return (family.bos, family.eos) if family is not None else ("<|endoftext|>", "<|im_end|>")
+
+
+def stop_tokens(arch: str | None = None) -> tuple[str, ...]:
+    """The tokens that end an answer, generation_config's eos_token_id: the family's EOS,
+    <|endoftext|> and its further stops (GPT-OSS's <|call|>)."""
+    family = FAMILY_TOKENS.get(arch or "")
+    return (bos_eos(arch)[1], "<|endoftext|>", *(family.stops if family is not None else ()))
 
 
 def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE,
