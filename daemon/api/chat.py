@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.engine.engine import EngineRequest, RequestStats
-from daemon.api.harmony import HarmonyParser, is_harmony
-from daemon.api.reasoning import AnswerParser, opens_thinking, split_with, thinks
+from daemon.api.harmony import HarmonyParser, harmony_json_grammar, is_harmony
+from daemon.api.reasoning import (REASONING_EFFORTS, AnswerParser, effort_variables, opens_thinking,
+                                  split_with, thinks)
 from daemon.api.tools import (ToolCall, ToolError, ToolRequest, history_arguments_as_text, parse_tools,
                               template_input)
 from ext.sampling import SamplingParamError, SamplingParams
@@ -116,7 +117,7 @@ class ParsedRequest:
         if not self.parses_answer:
             return None
         if self.harmony:
-            return HarmonyParser(tools=self.tools is not None)
+            return HarmonyParser(tools=[t.name for t in self.tools.tools] if self.tools is not None else ())
         return AnswerParser(reasoning=self.reasoning, started=self.reasoning_started,
                             tools=self.tools.parser() if self.tools is not None else False)
 
@@ -237,7 +238,9 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _constraint(body: dict, grammars):
+def _constraint(body: dict, grammars, harmony: bool = False):
+    """response_format's GrammarSpec, or None for text; harmony: the JSON framed as the
+    answer's final message (daemon/api/harmony.py)."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -250,7 +253,8 @@ def _constraint(body: dict, grammars):
         raise bad("'response_format' other than text is not available: the grammar library "
                   "could not be loaded for this tokenizer", "response_format")
     try:
-        return grammars.spec(fmt)        # compiled by the caller, out of this thread
+        # compiled by the caller, out of this thread
+        return grammars.spec(fmt, harmony_json_grammar if harmony else None)
     except ValueError as e:
         raise bad(str(e), "response_format") from None
 
@@ -362,6 +366,15 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def reasoning_effort(value: Any, param: str = "reasoning_effort") -> str | None:
+    """A reasoning effort (OpenAI's values, REASONING_EFFORTS) or None; ApiError (400)
+    naming `param` for anything else."""
+    if value is None or value in REASONING_EFFORTS:
+        return value
+    raise bad(f"'{param}' must be one of {', '.join(map(repr, REASONING_EFFORTS))}, got "
+              f"{clip(repr(value))}", param)
+
+
 def _messages(body: dict, text_arguments: bool = False) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -417,7 +430,11 @@ def render_chat(body: dict, tokenizer: Tokenizer, tool_req: ToolRequest | None) 
     chat_template_kwargs) through the model's chat template, with the generation prompt.
     Raises ApiError (400) naming the field at fault."""
     messages = _messages(body, history_arguments_as_text(tokenizer.chat_template))
-    extra = _template_kwargs(body)
+    effort = reasoning_effort(body.get("reasoning_effort"))
+    # chat_template_kwargs name the template's own variables: where one sets a variable
+    # the effort would, it wins (as in vLLM)
+    extra = {**(effort_variables(effort, is_harmony(tokenizer.chat_template)) if effort else {}),
+             **_template_kwargs(body)}
     messages, tools = template_input(messages, tokenizer.chat_template, tool_req)
     if tools is not None:
         extra["tools"] = tools
@@ -493,7 +510,8 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
             logit_bias=_logit_bias(body, tokenizer.vocab_size))
     except SamplingParamError as e:
         raise bad(str(e), e.field) from None
-    constraint = _constraint(body, grammars)
+    harmony = chat and is_harmony(tokenizer.chat_template)
+    constraint = _constraint(body, grammars, harmony)
     grammar_param = "response_format"
     tool_req = _tool_request(body, tokenizer) if chat else None
     if tool_req is not None and tool_req.constrained:
@@ -522,7 +540,6 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         prompt_param = "messages"
         reasoning = thinks(tokenizer.chat_template)
         reasoning_started = reasoning and opens_thinking(text)
-        harmony = is_harmony(tokenizer.chat_template)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -551,7 +568,7 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         else:
             raise bad("'prompt' must be a string or a non-empty list of token ids", "prompt")
         prompt_param = "prompt"
-        reasoning = reasoning_started = harmony = False
+        reasoning = reasoning_started = False
     if not prompt_ids:
         raise bad("the prompt is empty", prompt_param)
     if len(prompt_ids) >= context:

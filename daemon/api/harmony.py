@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from daemon.api.tools import Tool, ToolCall, _prefix_overlap
@@ -53,6 +54,10 @@ MESSAGE_ENDS = (END, CALL, RETURN)
 NEXT_MESSAGE = START + "assistant"
 HEADER_STARTS = (CHANNEL, " to=", "to=")
 MAX_HEADER_CHARS = 256          # a header without <|message|> within this is not harmony
+# The analysis a constrained answer may write before its call or its JSON, in tokens: past
+# it the grammar ends the message (<|end|>), so the call or the JSON always comes (a
+# model of random weights, or one that reasons on, would otherwise spend max_tokens there).
+MAX_ANALYSIS_TOKENS = 4096
 # The JSON of a constrained call: compact, as the format's examples write arguments
 # ({"location":"San Francisco"}), and no whitespace the model could pad without end.
 HARMONY_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -73,10 +78,11 @@ def _header(text: str) -> tuple[str, str | None] | None:
     return m["channel"], m["to1"] or m["to2"]
 
 
-def _call(recipient: str, body: str) -> ToolCall | None:
-    """A call of `functions.NAME` whose text is a JSON object, else None."""
+def _call(recipient: str, body: str, names: frozenset[str]) -> ToolCall | None:
+    """A call of `functions.NAME`, NAME one of `names`, whose text is a JSON object, else
+    None."""
     name = recipient.removeprefix("functions.")
-    if name == recipient or not name:
+    if name == recipient or name not in names:
         return None
     try:
         value = json.loads(body)
@@ -90,12 +96,13 @@ def _call(recipient: str, body: str) -> ToolCall | None:
 class HarmonyParser:
     """One choice's harmony text, fed as it streams, as pieces ("reasoning", str),
     ("content", str) and ("call", ToolCall) in order (daemon.api.reasoning.AnswerParser's
-    interface). tools: the request offered tools (calls are read; without, a call's text
-    is content). Reasoning and content stream as they come (a possible end marker held
-    back); a call is one piece once its message has ended."""
+    interface). tools: the names of the functions the request offered (a call of one of
+    them is read; any other message with a recipient, a built-in tool's or an unknown
+    function's, is content as generated). Reasoning and content stream as they come (a
+    possible end marker held back); a call is one piece once its message has ended."""
 
-    def __init__(self, tools: bool = False):
-        self._tools = tools
+    def __init__(self, tools: Iterable[str] = ()):
+        self._names = frozenset(tools)
         self._state = "header"          # header | body | next | raw
         self._buf = ""
         self._header = ""               # the current message's header text
@@ -169,7 +176,7 @@ class HarmonyParser:
         """The pieces of a message whose body has ended (with `marker`, "" at the end)."""
         if self._kind != "call":
             return [(self._kind, body)] if body else []
-        call = _call(self._recipient or "", body) if self._tools else None
+        call = _call(self._recipient or "", body, self._names)
         if call is None:                 # not a call moed reads: the text as generated
             return [("content", self._header + body + marker)]
         self.calls += 1
@@ -184,20 +191,37 @@ class HarmonyParser:
         return [("content", buf)] if buf else []
 
 
+def _analysis_rules() -> list[str]:
+    """The Lark rules of an analysis message (`analysis`) of at most MAX_ANALYSIS_TOKENS
+    tokens of text, then `<|start|>assistant`: what a constrained answer may think first."""
+    return [f"analysis: {CHANNEL} \"analysis\" {MESSAGE} analysis_text {END} {START} \"assistant\"",
+            f"analysis_text[max_tokens={MAX_ANALYSIS_TOKENS}]: /(.|\\n)*/"]
+
+
 def harmony_grammar(tools: list[Tool]) -> str:
     """The Lark grammar (llguidance's dialect, `<|...|>` a special token) of one call of
     one of `tools` after the generation prompt `<|start|>assistant`: an optional analysis
-    message, then `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`,
-    the arguments following the function's parameters schema, and <|call|>."""
+    message (`_analysis_rules`), then `<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>`, the arguments following the function's parameters
+    schema, and <|call|>."""
     rules = []
     for k, t in enumerate(tools):
         schema = {**t.parameters, "x-guidance": HARMONY_JSON}
         rules.append(f"f{k}: {json.dumps(t.name)} \" \" {CONSTRAIN} \"json\" {MESSAGE} a{k} {CALL}")
         rules.append(f"a{k}: %json {json.dumps(schema, separators=(',', ':'))}")
     alternatives = " | ".join(f"f{k}" for k in range(len(tools)))
-    lines = ["start: analysis? call",
-             f"analysis: {CHANNEL} \"analysis\" {MESSAGE} ANALYSIS {END} {START} \"assistant\"",
-             "ANALYSIS: /(.|\\n)*/",
+    lines = ["start: analysis? call", *_analysis_rules(),
              f"call: {CHANNEL} \"commentary to=functions.\" ({alternatives})",
              *rules]
     return "\n".join(lines) + "\n"
+
+
+def harmony_json_grammar(schema: dict) -> str:
+    """The Lark grammar of a response_format's answer after the generation prompt: an
+    optional analysis message (`_analysis_rules`), then `<|channel|>final<|message|>`, a
+    JSON value following `schema` (a JSON schema; its "x-guidance" options llguidance's
+    JSON layout) and <|return|>: the JSON is the answer's content, in harmony."""
+    return "\n".join([
+        "start: analysis? final", *_analysis_rules(),
+        f"final: {CHANNEL} \"final\" {MESSAGE} answer {RETURN}",
+        f"answer: %json {json.dumps(schema, separators=(',', ':'))}"]) + "\n"

@@ -23,6 +23,23 @@ from typing import Any
 from daemon.api.tools import CallParser, _prefix_overlap
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# OpenAI's reasoning efforts (chat completions' reasoning_effort, the Responses API's
+# reasoning.effort), least first
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# harmony's own levels (GPT-OSS's system message "Reasoning: low|medium|high"): it cannot
+# stop reasoning, so "none" and "minimal" are its least, "xhigh" its most
+HARMONY_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
+                   "high": "high", "xhigh": "high"}
+
+
+def effort_variables(effort: str, harmony: bool) -> dict[str, Any]:
+    """The chat template variables of a reasoning effort (one of REASONING_EFFORTS):
+    `reasoning_effort` (GPT-OSS's template and others that read it; harmony's nearest
+    level on a harmony template), and thinking on unless "none", in the variables the
+    templates that switch it read: `enable_thinking` (Qwen3's, GLM-4.5's) and `thinking`
+    (DeepSeek-V3.1's). A template reading none of them ignores them."""
+    return {"reasoning_effort": HARMONY_EFFORTS[effort] if harmony else effort,
+            "enable_thinking": effort != "none", "thinking": effort != "none"}
 
 
 def thinks(chat_template: str | None) -> bool:

@@ -16,8 +16,11 @@ import pytest
 from daemon_proc import openai_client, serving, small_chat_model
 
 from daemon.api import chat as chat_api
-from daemon.api.harmony import HarmonyParser, harmony_grammar, is_harmony
-from daemon.api.reasoning import split_with
+from daemon.api import messages as messages_api
+from daemon.api import responses as responses_api
+from daemon.api.harmony import (MAX_ANALYSIS_TOKENS, HarmonyParser, harmony_grammar, harmony_json_grammar,
+                                is_harmony)
+from daemon.api.reasoning import effort_variables, split_with
 from daemon.api.tools import Tool, detect_format, parse_tools
 from ext.makemodel import GLM45_TEMPLATE, GPT_OSS_TEMPLATE, HARMONY_TOKENS, QWEN3_TEMPLATE
 from ext.tokenizer import Tokenizer, stop_token_ids
@@ -39,6 +42,7 @@ WEATHER = _function("get_weather", "The weather in a city now.",
 TIME = _function("get_time", "The time in a zone.", zone={"type": "integer", "minimum": -12, "maximum": 14})
 TOOLS = tuple(Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in (WEATHER, TIME))
 SCHEMAS = {t.name: t.parameters for t in TOOLS}
+NAMES = tuple(SCHEMAS)
 QUESTION = [{"role": "user", "content": "Weather in Oslo?"}]
 
 ANALYSIS = "<|channel|>analysis<|message|>The user asks <b>; need the tool.<|end|>"
@@ -48,7 +52,7 @@ FINAL = "<|start|>assistant<|channel|>final<|message|>It is 4 C."
 
 
 def _read(text: str, step: int, tools: bool = True):
-    parser = HarmonyParser(tools=tools)
+    parser = HarmonyParser(tools=NAMES if tools else ())
     pieces = []
     for i in range(0, len(text), step):
         pieces += parser.feed(text[i:i + step])
@@ -84,6 +88,15 @@ def _joined(pieces):
     ("Hello <|end|> there", {"content": "Hello <|end|> there"}),
     ("<|channel|>analysis no message marker", {"content": "<|channel|>analysis no message marker"}),
     (ANALYSIS + "then words", {"reasoning": "The user asks <b>; need the tool.", "content": "then words"}),
+    # built-in tools (browser.*, python) and a function the request did not offer: not
+    # calls moed reads, so content as generated
+    ('<|channel|>analysis to=browser.search code<|message|>{"query":"Oslo"}<|call|>',
+     {"content": '<|channel|>analysis to=browser.search code<|message|>{"query":"Oslo"}<|call|>'}),
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary to=python code<|message|>print(4)",
+     {"reasoning": "The user asks <b>; need the tool.",
+      "content": "<|channel|>commentary to=python code<|message|>print(4)"}),
+    ('<|channel|>commentary to=functions.get_stock <|constrain|>json<|message|>{"s":"X"}<|call|>',
+     {"content": '<|channel|>commentary to=functions.get_stock <|constrain|>json<|message|>{"s":"X"}<|call|>'}),
     # a call whose text is not a JSON object stays content, with its markup
     ("<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{zone: 2}<|call|>",
      {"content": "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{zone: 2}<|call|>"}),
@@ -95,11 +108,11 @@ def test_the_parser_splits_channels_and_calls_however_the_text_streams(text, wan
 
 
 def test_reasoning_and_content_stream_as_they_come_and_a_call_when_it_ends():
-    parser = HarmonyParser(tools=True)
+    parser = HarmonyParser(tools=NAMES)
     assert parser.feed("<|channel|>analysis<|message|>Thin") == [("reasoning", "Thin")]
     assert parser.feed("king<|e") == [("reasoning", "king")]          # a marker's start is held
     assert parser.feed("nd|><|start|>assistant<|channel|>final<|message|>Sun") == [("content", "Sun")]
-    parser = HarmonyParser(tools=True)
+    parser = HarmonyParser(tools=NAMES)
     assert parser.feed(CALL.removeprefix("<|start|>assistant")) == []
     [(kind, call)] = parser.finish()                                     # the stop token ended it
     assert kind == "call" and call.name == "get_weather" and call.id.startswith("call_")
@@ -107,8 +120,8 @@ def test_reasoning_and_content_stream_as_they_come_and_a_call_when_it_ends():
 
 def test_without_tools_a_call_is_content_and_a_whole_answer_splits():
     text = CALL.removeprefix("<|start|>assistant")
-    assert split_with(HarmonyParser(tools=False), text) == (None, text, [])
-    reasoning, content, calls = split_with(HarmonyParser(tools=True), ANALYSIS + CALL)
+    assert split_with(HarmonyParser(), text) == (None, text, [])
+    reasoning, content, calls = split_with(HarmonyParser(tools=NAMES), ANALYSIS + CALL)
     assert reasoning == "The user asks <b>; need the tool." and content == "" and len(calls) == 1
 
 
@@ -166,7 +179,7 @@ def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
     took = all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
     assert (took and matcher.is_stopped()) is ok
     if ok:
-        [call] = split_with(HarmonyParser(tools=True), text)[2]
+        [call] = split_with(HarmonyParser(tools=NAMES), text)[2]
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
@@ -286,3 +299,142 @@ def test_responses_carry_the_analysis_and_the_call(client, stream):
     assert out.output[0].content[0].text and "<|" not in out.output[0].content[0].text
     call = out.output[1]
     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+# ------------------------------------------------------------------ response_format
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                           "temp": {"type": "integer", "minimum": -50, "maximum": 50}},
+          "required": ["city", "temp"], "additionalProperties": False}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": ANSWER}}
+
+
+def _matcher(model_dir, lark: str):
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    ll = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size,
+                                eos_token=sorted(stop_token_ids(model_dir)))
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return tokenizer, matcher
+
+
+def _takes(tokenizer, matcher, text: str) -> bool:
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+        and matcher.is_stopped()
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('<|channel|>final<|message|>{"city":"Oslo","temp":-3}<|return|>', True),
+    (ANALYSIS + '<|start|>assistant<|channel|>final<|message|>{"city":"Paris","temp":20}<|return|>', True),
+    ('{"city":"Oslo","temp":-3}', False),                                     # off-format
+    ('<|channel|>final<|message|>{"city":"Rome","temp":-3}<|return|>', False),
+    ('<|channel|>commentary<|message|>{"city":"Oslo","temp":-3}<|return|>', False),
+])
+def test_a_response_formats_json_is_harmonys_final_message(model_dir, text, ok):
+    typed = {**ANSWER, "x-guidance": {"whitespace_flexible": False}}
+    tokenizer, matcher = _matcher(model_dir, harmony_json_grammar(typed))
+    assert _takes(tokenizer, matcher, text) is ok
+    if ok:
+        reasoning, content, calls = split_with(HarmonyParser(tools=NAMES), text)
+        jsonschema.validate(json.loads(content), ANSWER)
+        assert not calls and (reasoning is not None) == text.startswith(ANALYSIS)
+
+
+@pytest.mark.parametrize("grammar", [harmony_json_grammar({"type": "object"}), harmony_grammar(list(TOOLS))])
+def test_a_constrained_answers_analysis_ends_after_max_analysis_tokens(model_dir, grammar):
+    tokenizer, matcher = _matcher(model_dir, grammar)
+    words = tokenizer.encode(" sun" * (MAX_ANALYSIS_TOKENS + 1), add_special_tokens=False)
+    assert len(words) > MAX_ANALYSIS_TOKENS
+    head = tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
+    assert all(matcher.consume_token(t) for t in head + words[:MAX_ANALYSIS_TOKENS])
+    end = tokenizer.token_to_id("<|end|>")
+    assert matcher.validate_tokens([words[MAX_ANALYSIS_TOKENS]]) == 0     # no more text
+    assert matcher.consume_token(end)                                    # the message ends
+
+
+# ------------------------------------------------------------------ reasoning effort
+
+
+def _rendered(model_dir, body: dict) -> str:
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    return chat_api.render_chat({"messages": QUESTION, **body}, tokenizer, None)
+
+
+@pytest.mark.parametrize("body, level", [
+    ({}, "medium"),                                         # the template's default
+    ({"reasoning_effort": "high"}, "high"),
+    ({"reasoning_effort": "xhigh"}, "high"),                # harmony's nearest levels
+    ({"reasoning_effort": "none"}, "low"),
+    ({"reasoning_effort": "minimal"}, "low"),
+    # chat_template_kwargs name the template's own variable: it wins
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "high"),
+])
+def test_reasoning_effort_is_gpt_osss_reasoning_level(model_dir, body, level):
+    text = _rendered(model_dir, body)
+    assert f"Reasoning: {level}\n" in text
+
+
+def test_an_unknown_reasoning_effort_is_a_400_naming_it(model_dir):
+    with pytest.raises(chat_api.ApiError) as e:
+        _rendered(model_dir, {"reasoning_effort": "extreme"})
+    assert e.value.status == 400 and e.value.param == "reasoning_effort" and "'extreme'" in e.value.message
+    with pytest.raises(chat_api.ApiError) as e:
+        responses_api.chat_body({"input": "hi", "reasoning": {"effort": 3}})
+    assert e.value.param == "reasoning"
+
+
+def test_effort_turns_thinking_on_or_off_where_a_template_switches_it():
+    assert effort_variables("none", harmony=False) == {"reasoning_effort": "none", "enable_thinking": False,
+                                                       "thinking": False}
+    assert effort_variables("low", harmony=False)["enable_thinking"] is True
+    assert effort_variables("none", harmony=True)["reasoning_effort"] == "low"
+    assert responses_api.chat_body({"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}})[
+        "reasoning_effort"] == "low"
+    base = {"max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}]}
+    assert messages_api.chat_body({**base, "thinking": {"type": "disabled"}})["reasoning_effort"] == "none"
+    on = messages_api.chat_body({**base, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert on["chat_template_kwargs"] == {"enable_thinking": True, "thinking": True}
+    assert "reasoning_effort" not in on
+    for bad in ({"type": "enabled"}, {"type": "enabled", "budget_tokens": 1023},
+                {"type": "enabled", "budget_tokens": 2048}, {"type": "enabled", "budget_tokens": True},
+                {"type": "adaptive", "budget_tokens": 1024}):
+        with pytest.raises(chat_api.ApiError) as e:
+            messages_api.chat_body({**base, "thinking": bad})
+        assert e.value.param == "thinking", bad
+
+
+# With these weights and sampling seed, the grammar's optional analysis is taken and ended
+# before the final message: reasoning and the JSON in one answer.
+JSON_ANALYSING_SEED = 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_answer_is_the_content_of_harmonys_final_message(client, stream):
+    kw = dict(model=MODEL, messages=QUESTION, response_format=JSON_FORMAT, max_tokens=300,
+              seed=JSON_ANALYSING_SEED, reasoning_effort="low", logprobs=True)
+    content, reasoning, reasons, tokens = [], [], [], []
+    if stream:
+        for ev in client.chat.completions.create(stream=True, **kw):
+            for c in ev.choices:
+                content.append(c.delta.content or "")
+                reasoning.append(getattr(c.delta, "reasoning_content", None) or "")
+                reasons += [c.finish_reason] if c.finish_reason else []
+                tokens += [t.token for t in (c.logprobs.content if c.logprobs else None) or []]
+    else:
+        [c] = client.chat.completions.create(**kw).choices
+        content, reasoning, reasons = [c.message.content], [c.message.reasoning_content], [c.finish_reason]
+        tokens = [t.token for t in c.logprobs.content]
+    text, thought = "".join(content), "".join(reasoning)
+    assert reasons == ["stop"]
+    jsonschema.validate(json.loads(text), ANSWER)
+    assert thought and "<|" not in text + thought
+    # as generated: an analysis message, then the JSON as harmony's final message
+    assert "".join(tokens).startswith("<|channel|>analysis<|message|>")
+    assert "".join(tokens).endswith("<|start|>assistant<|channel|>final<|message|>" + text)
+
+
+def test_a_bad_reasoning_effort_is_a_400_through_the_server(client):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, reasoning_effort="max")
+    assert e.value.body["param"] == "reasoning_effort"
