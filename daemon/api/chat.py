@@ -13,7 +13,9 @@ as vLLM does), logprobs (completions: an integer of alternatives, 0-20; chat: a 
 with top_logprobs 0-20; log-probabilities of the model's own distribution, streamed
 too), presence_penalty and frequency_penalty (-2..2, over the tokens generated so far),
 logit_bias (token id -> -100..100), response_format {"type": "text" | "json_object" |
-"json_schema"} (constrained decoding, daemon/workers/grammar.py). Extensions accepted as
+"json_schema"} (constrained decoding, daemon/workers/grammar.py), reasoning_effort (one of
+REASONING_EFFORTS: chat template variables, daemon/api/reasoning.effort_variables, under
+the request's own chat_template_kwargs). Extensions accepted as
 vLLM accepts them: top_k, ignore_eos, seed, cache_salt (a string of 1 to
 MAX_CACHE_SALT_CHARS characters: only requests of the same cache_salt share prefix cache
 blocks, daemon/engine/prefix_cache.py). A prompt that leaves no room in the context

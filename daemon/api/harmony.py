@@ -26,8 +26,10 @@ are special tokens, which the engine writes as text for this format only
 Reading (`HarmonyParser`): an `analysis` message is reasoning (reasoning_content);
 `final` and `commentary` without a recipient (a preamble to the user) are content, as is a
 message of any other channel; a message to `functions.NAME` is a tool call of NAME whose
-arguments are the message's text when it is a JSON object (the request offered tools),
-else its markup and text go to the content as generated. Text that does not follow the
+arguments are the message's text when NAME is one of the request's functions and the
+text is a JSON object, else its markup and text go to the content as generated; so does
+a message to any other recipient (harmony's built-in tools, `browser.*` and `python`,
+which moed neither offers the model nor runs). Text that does not follow the
 format (a header that does not start as one, or none within MAX_HEADER_CHARS; anything
 but `<|start|>assistant` after a message's end) is content from there on: never dropped.
 Harmony has one call per assistant turn (the model stops at <|call|> and is given the
@@ -36,7 +38,10 @@ result), so parallel_tool_calls cannot make several.
 The grammar of tool_choice "required" or a named function (`harmony_grammar`, in
 llguidance's Lark, where `<|...|>` names a special token) allows an analysis message
 first, then forces `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`,
-the arguments as JSON following the function's parameters schema, and <|call|>.
+the arguments as JSON following the function's parameters schema, and <|call|>; that of
+a response_format (`harmony_json_grammar`) allows an analysis message, then forces
+`<|channel|>final<|message|>`, the JSON and <|return|>. Either analysis is at most
+MAX_ANALYSIS_TOKENS tokens.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ parsed for tool calls when the request offered tools (daemon/api/tools.py). A re
 turns thinking off where the template allows it through chat_template_kwargs
 ({"enable_thinking": false} for Qwen3's: the prompt then holds an empty think block;
 {"thinking": true} for DeepSeek-V3.1's, which is off by default and closes the block in
-the prompt, `</think>`, when off).
+the prompt, `</think>`, when off), or through reasoning_effort ("none": off; the
+variables `effort_variables` sets; the request's own chat_template_kwargs win).
 An answer that never closes its `<think>` is all reasoning, as vLLM's and llama-server's
 parsers have it. GPT-OSS writes no <think> blocks: its reasoning is harmony's analysis
 channel, read by daemon/api/harmony.py.

@@ -433,8 +433,14 @@ def test_a_json_schema_answer_is_the_content_of_harmonys_final_message(client, s
     assert "".join(tokens).endswith("<|start|>assistant<|channel|>final<|message|>" + text)
 
 
-def test_a_bad_reasoning_effort_is_a_400_through_the_server(client):
+@pytest.mark.parametrize("kw, param", [
+    ({"reasoning_effort": "max"}, "reasoning_effort"),
+    # a schema llguidance refuses, inside harmony's frame: refused by the compile
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format"),
+])
+def test_bad_fields_are_400s_naming_them_through_the_server(client, kw, param):
     import openai
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, reasoning_effort="max")
-    assert e.value.body["param"] == "reasoning_effort"
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **kw)
+    assert e.value.body["param"] == param
