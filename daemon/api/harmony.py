@@ -61,8 +61,9 @@ HEADER_STARTS = (CHANNEL, " to=", "to=")
 MAX_HEADER_CHARS = 256          # a header without <|message|> within this is not harmony
 # The analysis a constrained answer may write before its call or its JSON, in tokens: past
 # it the grammar ends the message (<|end|>), so the call or the JSON always comes (a
-# model of random weights, or one that reasons on, would otherwise spend max_tokens there).
-MAX_ANALYSIS_TOKENS = 4096
+# model of random weights, or one that reasons on, would otherwise spend max_tokens there);
+# GPT-OSS at high effort reasons for thousands of tokens, which this leaves room for.
+MAX_ANALYSIS_TOKENS = 16384
 # The JSON of a constrained call: compact, as the format's examples write arguments
 # ({"location":"San Francisco"}), and no whitespace the model could pad without end.
 HARMONY_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
