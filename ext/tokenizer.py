@@ -68,16 +68,19 @@ class StreamDecoder:
     """Incremental detokenizer for one generated sequence.
 
     Feed token ids one at a time with `step`; the concatenation of everything `step`
-    and `finish` return equals `Tokenizer.decode(all_ids)` (special tokens skipped).
+    and `finish` return equals `Tokenizer.decode(all_ids)` (special tokens skipped,
+    or written as their text when `special_tokens`: the markup of a chat format read
+    from the text, GPT-OSS's harmony).
     Bytes of a UTF-8 character split over several byte-level tokens are held back
     until the character is complete, so no replacement character is emitted for a
     character that is still arriving. Backed by `tokenizers.decoders.DecodeStream`.
     Not thread-safe; one instance per sequence.
     """
 
-    def __init__(self, backend: _BackendTokenizer) -> None:
+    def __init__(self, backend: _BackendTokenizer, special_tokens: bool = False) -> None:
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = not special_tokens
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
         self._ids: list[int] = []
         self._emitted_chars = 0
 
@@ -98,7 +101,7 @@ class StreamDecoder:
     def finish(self) -> str:
         """Return text still held back at the end of the sequence (e.g. a cut-off
         multi-byte character, decoded with replacement characters), and "" otherwise."""
-        full = self._backend.decode(self._ids, skip_special_tokens=True)
+        full = self._backend.decode(self._ids, skip_special_tokens=self._skip)
         rest = full[self._emitted_chars:]
         self._emitted_chars = len(full)
         return rest
@@ -309,9 +312,10 @@ class Tokenizer:
         """Detokenize ids; invalid UTF-8 becomes U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream_decoder(self) -> StreamDecoder:
-        """A new incremental decoder for one sequence (see `StreamDecoder`)."""
-        return StreamDecoder(self._backend)
+    def stream_decoder(self, special_tokens: bool = False) -> StreamDecoder:
+        """A new incremental decoder for one sequence (see `StreamDecoder`); with
+        special_tokens, special tokens are written as their text."""
+        return StreamDecoder(self._backend, special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -13,7 +13,9 @@ as vLLM does), logprobs (completions: an integer of alternatives, 0-20; chat: a 
 with top_logprobs 0-20; log-probabilities of the model's own distribution, streamed
 too), presence_penalty and frequency_penalty (-2..2, over the tokens generated so far),
 logit_bias (token id -> -100..100), response_format {"type": "text" | "json_object" |
-"json_schema"} (constrained decoding, daemon/workers/grammar.py). Extensions accepted as
+"json_schema"} (constrained decoding, daemon/workers/grammar.py), reasoning_effort (one of
+REASONING_EFFORTS: chat template variables, daemon/api/reasoning.effort_variables, under
+the request's own chat_template_kwargs). Extensions accepted as
 vLLM accepts them: top_k, ignore_eos, seed, cache_salt (a string of 1 to
 MAX_CACHE_SALT_CHARS characters: only requests of the same cache_salt share prefix cache
 blocks, daemon/engine/prefix_cache.py). A prompt that leaves no room in the context
@@ -23,8 +25,10 @@ server's max_tokens ceiling, is cut to fit (the answer then ends with finish_rea
 "length"), and the X-Moed-Max-Tokens header of every answer says the max_tokens in force
 and what cut it. Chat takes tools, tool_choice and parallel_tool_calls (assistant
 messages with tool_calls and tool messages in the history; the answer's calls parsed into
-tool_calls, finish_reason "tool_calls": daemon/api/tools.py). What stays unsupported
-(best_of > 1, functions and function_call, echo, suffix) is a 400 naming the field.
+tool_calls, finish_reason "tool_calls": daemon/api/tools.py; a GPT-OSS answer's harmony
+channels read into reasoning_content, content and tool_calls: daemon/api/harmony.py).
+What stays unsupported (best_of > 1, functions and function_call, echo, suffix) is a 400
+naming the field.
 """
 from __future__ import annotations
 
@@ -36,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.engine.engine import EngineRequest, RequestStats
-from daemon.api.reasoning import AnswerParser, opens_thinking, thinks
+from daemon.api.harmony import HarmonyParser, harmony_json_grammar, is_harmony
+from daemon.api.reasoning import (REASONING_EFFORTS, AnswerParser, effort_variables, opens_thinking,
+                                  split_with, thinks)
 from daemon.api.tools import (ToolCall, ToolError, ToolRequest, history_arguments_as_text, parse_tools,
                               template_input)
 from ext.sampling import SamplingParamError, SamplingParams
@@ -98,19 +104,29 @@ class ParsedRequest:
     # one open.
     reasoning: bool = False
     reasoning_started: bool = False
+    # The model answers in GPT-OSS's harmony (daemon/api/harmony.py): its channels are
+    # reasoning, content and calls; the engine writes its special tokens as text.
+    harmony: bool = False
 
     @property
     def parses_answer(self) -> bool:
         """Whether a choice's text is split into reasoning, content and tool calls."""
-        return self.tools is not None or self.reasoning
+        return self.tools is not None or self.reasoning or self.harmony
 
-    def answer_parser(self) -> AnswerParser | None:
+    def answer_parser(self) -> AnswerParser | HarmonyParser | None:
         """A parser of one choice's text (reasoning, content, tool calls), or None when
         the text is all content."""
         if not self.parses_answer:
             return None
+        if self.harmony:
+            return HarmonyParser(tools=[t.name for t in self.tools.tools] if self.tools is not None else ())
         return AnswerParser(reasoning=self.reasoning, started=self.reasoning_started,
                             tools=self.tools.parser() if self.tools is not None else False)
+
+    def split_answer(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
+        """A whole choice's (reasoning_content or None, content, tool calls)."""
+        parser = self.answer_parser()
+        return (None, text, []) if parser is None else split_with(parser, text)
 
     @property
     def logprobs(self) -> bool:
@@ -224,7 +240,9 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _constraint(body: dict, grammars):
+def _constraint(body: dict, grammars, harmony: bool = False):
+    """response_format's GrammarSpec, or None for text; harmony: the JSON framed as the
+    answer's final message (daemon/api/harmony.py)."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -237,7 +255,8 @@ def _constraint(body: dict, grammars):
         raise bad("'response_format' other than text is not available: the grammar library "
                   "could not be loaded for this tokenizer", "response_format")
     try:
-        return grammars.spec(fmt)        # compiled by the caller, out of this thread
+        # compiled by the caller, out of this thread
+        return grammars.spec(fmt, harmony_json_grammar if harmony else None)
     except ValueError as e:
         raise bad(str(e), "response_format") from None
 
@@ -349,6 +368,15 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def reasoning_effort(value: Any, param: str = "reasoning_effort") -> str | None:
+    """A reasoning effort (OpenAI's values, REASONING_EFFORTS) or None; ApiError (400)
+    naming `param` for anything else."""
+    if value is None or value in REASONING_EFFORTS:
+        return value
+    raise bad(f"'{param}' must be one of {', '.join(map(repr, REASONING_EFFORTS))}, got "
+              f"{clip(repr(value))}", param)
+
+
 def _messages(body: dict, text_arguments: bool = False) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -367,6 +395,7 @@ def _messages(body: dict, text_arguments: bool = False) -> list[dict]:
             if not isinstance(m["reasoning_content"], str):
                 raise bad(f"'messages[{i}].reasoning_content' must be a string", "messages")
             extra["reasoning_content"] = _unicode(m["reasoning_content"], "messages")
+            extra["thinking"] = extra["reasoning_content"]     # harmony templates' name for it
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
@@ -403,7 +432,11 @@ def render_chat(body: dict, tokenizer: Tokenizer, tool_req: ToolRequest | None) 
     chat_template_kwargs) through the model's chat template, with the generation prompt.
     Raises ApiError (400) naming the field at fault."""
     messages = _messages(body, history_arguments_as_text(tokenizer.chat_template))
-    extra = _template_kwargs(body)
+    effort = reasoning_effort(body.get("reasoning_effort"))
+    # chat_template_kwargs name the template's own variables: where one sets a variable
+    # the effort would, it wins (as in vLLM)
+    extra = {**(effort_variables(effort, is_harmony(tokenizer.chat_template)) if effort else {}),
+             **_template_kwargs(body)}
     messages, tools = template_input(messages, tokenizer.chat_template, tool_req)
     if tools is not None:
         extra["tools"] = tools
@@ -479,7 +512,8 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
             logit_bias=_logit_bias(body, tokenizer.vocab_size))
     except SamplingParamError as e:
         raise bad(str(e), e.field) from None
-    constraint = _constraint(body, grammars)
+    harmony = chat and is_harmony(tokenizer.chat_template)
+    constraint = _constraint(body, grammars, harmony)
     grammar_param = "response_format"
     tool_req = _tool_request(body, tokenizer) if chat else None
     if tool_req is not None and tool_req.constrained:
@@ -551,12 +585,13 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         stop_ids=frozenset() if ignore_eos else stop_ids, stop_strings=_stop_strings(body),
-        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, cache_salt=cache_salt)
+        deadline=now + request_timeout_s, n=n, logprobs=top_logprobs, cache_salt=cache_salt,
+        special_tokens=harmony)
     return ParsedRequest(engine=engine, model=model_names[0], stream=stream,
                          include_usage=include_usage, chat=chat, max_tokens_limited_by=limited_by,
                          grammar=constraint, grammar_param=grammar_param,
                          tools=tool_req if tool_req is not None and tool_req.offered else None,
-                         reasoning=reasoning, reasoning_started=reasoning_started)
+                         reasoning=reasoning, reasoning_started=reasoning_started, harmony=harmony)
 
 
 def max_tokens_header(req: ParsedRequest, context: int, cap: int) -> dict[str, str]:

@@ -15,8 +15,11 @@ shape here), queue, prefix cache, tool calls and reasoning:
 - `tools` [{"name", "description", "input_schema"}] and `tool_choice` {"type": "auto" |
   "any" | "tool" (with "name") | "none", "disable_parallel_tool_use"}: "any" and "tool"
   constrain decoding, as "required" and a named function do in chat completions.
-- `thinking` {"type": "disabled"} renders the template with enable_thinking=false (where
-  the template takes it); {"type": "enabled", "budget_tokens"} is the default behaviour.
+- `thinking` {"type": "disabled"} is chat completions' reasoning_effort "none" (thinking
+  off where the template switches it: Qwen3's enable_thinking, DeepSeek-V3.1's thinking;
+  GPT-OSS's least effort, "Reasoning: low", harmony having no off); {"type": "enabled",
+  "budget_tokens"} (at least 1024, below max_tokens: checked, not enforced) and {"type":
+  "adaptive"} turn it on (enable_thinking and thinking true) at the template's effort.
 
 The answer: {"id": "msg_...", "type": "message", "role": "assistant", "model",
 "content": [thinking?, text?, tool_use...], "stop_reason": "end_turn" | "max_tokens" |
@@ -37,6 +40,7 @@ from daemon.api.chat import ApiError, bad, function_tools, join_text
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                500: "api_error", 503: "overloaded_error"}
+MIN_THINKING_BUDGET = 1024      # Anthropic's least thinking.budget_tokens
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "timeout": "end_turn",
                 "cancelled": "end_turn"}
 
@@ -129,6 +133,33 @@ def _tools(body: dict) -> dict:
     return out
 
 
+def _thinking(body: dict) -> dict:
+    """`thinking` as chat completions takes it: {"type": "disabled"} is reasoning_effort
+    "none"; {"type": "enabled", "budget_tokens": N} (N an integer of at least
+    MIN_THINKING_BUDGET and below max_tokens, as Anthropic asks) and {"type": "adaptive"}
+    turn the template's thinking on (enable_thinking and thinking true), at its own effort.
+    The budget is checked, not enforced: the thinking ends when the model ends it, within
+    max_tokens."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
+                  "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", "thinking")
+    if kind == "disabled":
+        return {"reasoning_effort": "none"}
+    budget, cap = thinking.get("budget_tokens"), body["max_tokens"]
+    if kind == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int)
+                              or budget < MIN_THINKING_BUDGET
+                              or (isinstance(cap, int) and budget >= cap)):
+        raise bad(f"'thinking.budget_tokens' must be an integer of at least {MIN_THINKING_BUDGET} "
+                  f"and less than max_tokens, got {str(budget)[:32]}", "thinking")
+    if kind == "adaptive" and budget is not None:
+        raise bad("'thinking.budget_tokens' is not taken with {\"type\": \"adaptive\"}", "thinking")
+    return {"chat_template_kwargs": {"enable_thinking": True, "thinking": True}}
+
+
 def chat_body(body: Any) -> dict:
     """The chat completions body of a Messages request. Raises ApiError (400) naming the
     field at fault."""
@@ -152,13 +183,7 @@ def chat_body(body: Any) -> dict:
             out[key] = body[key]
     if body.get("stop_sequences") is not None:
         out["stop"] = body["stop_sequences"]
-    thinking = body.get("thinking")
-    if thinking is not None:
-        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
-            raise bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
-                      "{\"type\": \"disabled\"}", "thinking")
-        if thinking["type"] == "disabled":
-            out["chat_template_kwargs"] = {"enable_thinking": False}
+    out.update(_thinking(body))
     return out
 
 

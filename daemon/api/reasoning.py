@@ -11,9 +11,11 @@ parsed for tool calls when the request offered tools (daemon/api/tools.py). A re
 turns thinking off where the template allows it through chat_template_kwargs
 ({"enable_thinking": false} for Qwen3's: the prompt then holds an empty think block;
 {"thinking": true} for DeepSeek-V3.1's, which is off by default and closes the block in
-the prompt, `</think>`, when off).
+the prompt, `</think>`, when off), or through reasoning_effort ("none": off; the
+variables `effort_variables` sets; the request's own chat_template_kwargs win).
 An answer that never closes its `<think>` is all reasoning, as vLLM's and llama-server's
-parsers have it.
+parsers have it. GPT-OSS writes no <think> blocks: its reasoning is harmony's analysis
+channel, read by daemon/api/harmony.py.
 """
 from __future__ import annotations
 
@@ -22,6 +24,23 @@ from typing import Any
 from daemon.api.tools import THINK_CLOSE, CallParser, _prefix_overlap
 
 THINK_OPEN = "<think>"
+# OpenAI's reasoning efforts (chat completions' reasoning_effort, the Responses API's
+# reasoning.effort), least first
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# harmony's own levels (GPT-OSS's system message "Reasoning: low|medium|high"): it cannot
+# stop reasoning, so "none" and "minimal" are its least, "xhigh" its most
+HARMONY_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
+                   "high": "high", "xhigh": "high"}
+
+
+def effort_variables(effort: str, harmony: bool) -> dict[str, Any]:
+    """The chat template variables of a reasoning effort (one of REASONING_EFFORTS):
+    `reasoning_effort` (GPT-OSS's template and others that read it; harmony's nearest
+    level on a harmony template), and thinking on unless "none", in the variables the
+    templates that switch it read: `enable_thinking` (Qwen3's, GLM-4.5's) and `thinking`
+    (DeepSeek-V3.1's). A template reading none of them ignores them."""
+    return {"reasoning_effort": HARMONY_EFFORTS[effort] if harmony else effort,
+            "enable_thinking": effort != "none", "thinking": effort != "none"}
 
 
 def thinks(chat_template: str | None) -> bool:
@@ -101,7 +120,12 @@ class AnswerParser:
 def split_answer(text: str, *, reasoning: bool, started: bool = False,
                  tools: bool | CallParser = False) -> tuple[str | None, str, list]:
     """A whole answer's (reasoning_content or None, content, tool calls)."""
-    parser = AnswerParser(reasoning=reasoning, started=started, tools=tools)
+    return split_with(AnswerParser(reasoning=reasoning, started=started, tools=tools), text)
+
+
+def split_with(parser, text: str) -> tuple[str | None, str, list]:
+    """A whole answer's (reasoning_content or None, content, tool calls) read by `parser`
+    (a new AnswerParser, or one with its interface: daemon/api/harmony.py's)."""
     pieces = parser.feed(text) + parser.finish()
     thought = [v for k, v in pieces if k == "reasoning"]
     content = "".join(v for k, v in pieces if k == "content")

@@ -13,9 +13,11 @@ queue, prefix cache, tool calls and reasoning:
 - `tools` [{"type": "function", "name", "description", "parameters"}], `tool_choice`
   ("auto", "none", "required", {"type": "function", "name"}), `parallel_tool_calls`,
   `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format` ("text",
-  "json_object", "json_schema" with `schema`: response_format); `store`, `metadata`,
-  `user`, `reasoning` and `truncation` are accepted and have no effect (moed keeps no
-  responses: `previous_response_id` is a 400 asking for the whole conversation).
+  "json_object", "json_schema" with `schema`: response_format), `reasoning.effort` (chat
+  completions' reasoning_effort: the chat template's variables, docs/api.md; `summary`
+  is ignored); `store`, `metadata`, `user` and `truncation` are accepted and have no
+  effect (moed keeps no responses: `previous_response_id` is a 400 asking for the whole
+  conversation).
 
 The answer: {"id": "resp_...", "object": "response", "status": "completed" or
 "incomplete" (incomplete_details.reason "max_output_tokens"), "output": [reasoning?,
@@ -33,7 +35,7 @@ import time
 import uuid
 from typing import Any
 
-from daemon.api.chat import bad, function_tools, join_text
+from daemon.api.chat import bad, function_tools, join_text, reasoning_effort
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -125,6 +127,13 @@ def chat_body(body: Any) -> dict:
         out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     elif choice is not None:
         out["tool_choice"] = choice
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise bad("'reasoning' must be an object such as {\"effort\": \"low\"}", "reasoning")
+        effort = reasoning_effort(reasoning.get("effort"), "reasoning")
+        if effort is not None:
+            out["reasoning_effort"] = effort
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         out["response_format"] = {"type": "json_schema", "json_schema": {

@@ -37,8 +37,11 @@ the format its template teaches, which `detect_format` reads off the template:
   messages of `<tool_response>` blocks (unless the template names a "tool" role), and the
   answer is read and constrained as hermes.
 
-GPT-OSS's harmony `functions` namespace is not read yet: a request with tools to a model
-whose template uses it is a 400 saying so.
+- "harmony" (GPT-OSS; OpenAI's harmony response format,
+  cookbook.openai.com/articles/openai-harmony): a call is an assistant message on the
+  commentary channel to `functions.NAME`, `<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}<|call|>`, one per turn; its answers are read, with
+  their analysis channel, by daemon/api/harmony.py (not by CallParser).
 
 tool_choice: "auto" (the default with tools: the model chooses, the text is parsed),
 "none" (the tools are not offered and nothing is parsed), "required" (at least one call)
@@ -101,11 +104,12 @@ class Tool:
     description: str | None
     parameters: dict
 
-    def template_entry(self) -> dict:
-        """The function as chat templates take it (OpenAI's tool object)."""
+    def template_entry(self, described: bool = False) -> dict:
+        """The function as chat templates take it (OpenAI's tool object); described: with
+        a description always ("" when it has none: harmony templates write each one)."""
         fn: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
+        if self.description is not None or described:
+            fn["description"] = self.description or ""
         fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
@@ -143,7 +147,7 @@ class ToolRequest:
         return self.choice in ("required", "function")
 
     def template_tools(self) -> list[dict]:
-        return [t.template_entry() for t in self.tools]
+        return [t.template_entry(described=self.format == "harmony") for t in self.tools]
 
     def grammar(self, tokens: Mapping[str, int], thinking_open: bool = False) -> str:
         """The Lark grammar (llguidance's dialect) of a constrained choice's output.
@@ -154,6 +158,9 @@ class ToolRequest:
         answer and not reasoning (DeepSeek-V3.1's model card gives tool calls in the
         answer, after the think block)."""
         tools = [t for t in self.tools if self.choice != "function" or t.name == self.name]
+        if self.format == "harmony":
+            from daemon.api.harmony import harmony_grammar     # (harmony imports this module)
+            return harmony_grammar(tools)
         lark = FORMATS[self.format].grammar(tools, self.parallel, LarkText(tokens))
         if not thinking_open:
             return lark
@@ -166,10 +173,12 @@ class ToolRequest:
 
 
 def detect_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches ("hermes", "glm", "deepseek"), or
-    "generic" for one that teaches none; None without a template or for harmony's."""
-    if not chat_template or "<|call|>" in chat_template:
-        return None          # harmony: not read yet
+    """The tool-call format a chat template teaches ("hermes", "glm", "deepseek",
+    "harmony"), or "generic" for one that teaches none; None without a template."""
+    if not chat_template:
+        return None
+    if "<|call|>" in chat_template and "<|channel|>" in chat_template:
+        return "harmony"
     if DS_CALL_BEGIN in chat_template:
         return "deepseek"
     if "tools" not in chat_template:
@@ -252,11 +261,8 @@ def parse_tools(body: dict, chat_template: str | None) -> ToolRequest | None:
                         "\"function\": {\"name\": ...}}", "tool_choice")
     fmt = detect_format(chat_template)
     if fmt is None and kind != "none":
-        raise ToolError("this model's chat template has a tool-call format moed cannot read yet "
-                        "(it reads the <tool_call> JSON format of Qwen2.5, Qwen3 and Hermes, "
-                        "GLM-4.5's <arg_key>/<arg_value> calls and DeepSeek-V3.1's call markers, "
-                        "and offers tools in the <tool_call> format to templates without "
-                        "one); send the request without 'tools'", "tools")
+        raise ToolError("this model has no chat template to offer tools through; send the "
+                        "request without 'tools'", "tools")
     return ToolRequest(tools, kind, name, parallel, fmt or "hermes")
 
 
@@ -590,7 +596,7 @@ def history_arguments_as_text(chat_template: str | None) -> bool:
     """Whether the template takes history calls' arguments as JSON text (DeepSeek's
     concatenates them) rather than objects."""
     fmt = detect_format(chat_template)
-    return fmt is not None and FORMATS[fmt].text_arguments
+    return fmt in FORMATS and FORMATS[fmt].text_arguments
 
 
 def refuses_system(chat_template: str) -> bool:

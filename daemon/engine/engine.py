@@ -92,7 +92,10 @@ class EngineRequest:
     log-probability. constraint: None, or a factory of one `Constraint` per choice.
     cache_salt: None, or a hashable (the request's cache_salt, with its client's identity
     under prefix_cache_scope "client"): only requests of the same cache_salt share prefix
-    cache blocks (daemon/engine/prefix_cache.py).
+    cache blocks (daemon/engine/prefix_cache.py). special_tokens: the text holds the
+    special tokens generated (stop ids excepted), as their text: the markup of GPT-OSS's
+    harmony, which the answer's parser reads (daemon/api/harmony.py); else they are
+    skipped.
     """
 
     request_id: str
@@ -106,6 +109,7 @@ class EngineRequest:
     logprobs: int | None = None
     constraint: Callable[[], Constraint] | None = None
     cache_salt: Hashable | None = None
+    special_tokens: bool = False
 
 
 @dataclass
@@ -526,8 +530,9 @@ class Engine:
             max_tokens = min(req.max_tokens, context - len(req.prompt_ids))
             seq = self.model.new_sequence(capacity=len(req.prompt_ids) + min(max_tokens, 1024),
                                       max_capacity=context)
-            r = _Running(handle, seq, Sampler(req.sampling), self.tokenizer.stream_decoder(),
-                         max_tokens, np.asarray(req.prompt_ids, np.int64))
+            r = _Running(handle, seq, Sampler(req.sampling),
+                         self.tokenizer.stream_decoder(req.special_tokens), max_tokens,
+                         np.asarray(req.prompt_ids, np.int64))
             try:
                 r.constraint = req.constraint() if req.constraint is not None else None
                 r.prefilled = self.prefix_cache.load(req.prompt_ids, seq.kv, req.cache_salt)
@@ -616,8 +621,8 @@ class Engine:
         for i in range(1, req.n):
             seed = None if req.sampling.seed is None else req.sampling.seed + i
             fork = _Running(r.handle, Sequence(r.seq.kv.copy()), Sampler(req.sampling.with_seed(seed)),
-                            self.tokenizer.stream_decoder(), r.max_tokens, r.prompt, index=i,
-                            prefilled=r.prefilled)
+                            self.tokenizer.stream_decoder(req.special_tokens), r.max_tokens,
+                            r.prompt, index=i, prefilled=r.prefilled)
             try:
                 fork.constraint = req.constraint() if req.constraint is not None else None
             except ValueError as e:

@@ -29,7 +29,7 @@ from daemon.api import chat as chat_api
 from daemon.api import messages as messages_api
 from daemon.api import responses as responses_api
 from daemon.api.chat import ApiError
-from daemon.api.reasoning import AnswerParser, split_answer
+from daemon.api.reasoning import AnswerParser
 from daemon.engine.engine import EngineClosedError, QueueFullError, RequestHandle
 from daemon.service.loading import Loaded
 from daemon.service.serving import ServingState
@@ -439,9 +439,7 @@ class HttpApp:
                               if parsed.logprobs else None, stop_string=stops[i]) for i in range(n)]
         if parsed.parses_answer:
             for c in choices:
-                c.reasoning, c.text, c.tool_calls = split_answer(
-                    c.text, reasoning=parsed.reasoning, started=parsed.reasoning_started,
-                    tools=parsed.tools.parser() if parsed.tools is not None else False)
+                c.reasoning, c.text, c.tool_calls = parsed.split_answer(c.text)
                 if c.tool_calls and c.finish_reason == "stop":
                     c.finish_reason = "tool_calls"
         return choices, event

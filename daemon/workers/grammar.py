@@ -93,7 +93,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -310,14 +310,18 @@ class Grammars:
                                f"bytes ({self._memory_key(self.memory_bytes)}): "
                                "response_format other than text is refused")
 
-    def spec(self, response_format: dict) -> GrammarSpec | None:
+    def spec(self, response_format: dict,
+             frame: Callable[[dict], str] | None = None) -> GrammarSpec | None:
         """What to compile for `response_format` (OpenAI's shape), or None for {"type":
-        "text"}; cheap (no compile). Raises GrammarError naming what is wrong."""
+        "text"}; cheap (no compile). frame: None (the answer is the JSON), or a function
+        of the JSON schema (with llguidance's JSON layout options, JSON_OPTIONS, as its
+        "x-guidance") giving a Lark grammar in which the JSON is framed (harmony's final
+        message: daemon/api/harmony.py). Raises GrammarError naming what is wrong."""
         kind = response_format.get("type")
         if kind == "text":
             return None
         if kind == "json_object":
-            schema: dict = {"type": "object"}
+            schema: dict | bool = {"type": "object"}
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict):
@@ -330,6 +334,11 @@ class Grammars:
         else:
             raise GrammarError(f"'response_format.type' must be 'text', 'json_object' or "
                                f"'json_schema', got {kind!r}")
+        if frame is not None:
+            # a boolean schema as the object it stands for (true: anything; false: nothing)
+            typed = schema if isinstance(schema, dict) else {} if schema else {"not": {}}
+            return self.spec_lark(frame({**typed, "x-guidance": JSON_OPTIONS}),
+                                  "the JSON schema cannot be used")
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults=JSON_OPTIONS)
@@ -338,14 +347,14 @@ class Grammars:
         return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
                            .hexdigest())
 
-    def spec_lark(self, lark: str) -> GrammarSpec:
+    def spec_lark(self, lark: str, what: str = "the grammar cannot be used") -> GrammarSpec:
         """What to compile for a grammar in llguidance's Lark dialect (tool calls:
-        daemon/api/tools.py); cheap (no compile). Raises GrammarError when the text
-        is not a grammar llguidance reads."""
+        daemon/api/tools.py); cheap (no compile). Raises GrammarError (its message
+        `what`: llguidance's reason) when the text is not a grammar llguidance reads."""
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError, RecursionError) as e:
-            raise GrammarError(f"the grammar cannot be used: {e}") from None
+            raise GrammarError(f"{what}: {e}") from None
         return GrammarSpec(grammar, hashlib.sha256(grammar.encode("utf-8", "surrogatepass"))
                            .hexdigest())
 

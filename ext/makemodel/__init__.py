@@ -11,13 +11,14 @@ from ext.makemodel.families import ARCHITECTURES
 
 _PARTS = {"DEFAULT_SHARD_SIZE": "make", "make_model": "make",
           "CHATML_TEMPLATE": "tokenizer", "QWEN3_TEMPLATE": "tokenizer", "GLM45_TEMPLATE": "tokenizer",
-          "DEEPSEEK_V31_TEMPLATE": "tokenizer", "MIXTRAL_TEMPLATE": "tokenizer", "QWEN15_TEMPLATE": "tokenizer",
-          "OLMOE_TEMPLATE": "tokenizer", "CHAT_TEMPLATES": "tokenizer", "SPECIAL_TOKENS": "tokenizer",
+          "DEEPSEEK_V31_TEMPLATE": "tokenizer", "GPT_OSS_TEMPLATE": "tokenizer", "MIXTRAL_TEMPLATE": "tokenizer",
+          "QWEN15_TEMPLATE": "tokenizer", "OLMOE_TEMPLATE": "tokenizer", "CHAT_TEMPLATES": "tokenizer",
+          "HARMONY_TOKENS": "tokenizer", "SPECIAL_TOKENS": "tokenizer",
           "build_tokenizer": "tokenizer"}
 
 __all__ = ["ARCHITECTURES", "CHATML_TEMPLATE", "CHAT_TEMPLATES", "DEEPSEEK_V31_TEMPLATE", "DEFAULT_SHARD_SIZE",
-           "GLM45_TEMPLATE", "MIXTRAL_TEMPLATE", "OLMOE_TEMPLATE", "QWEN15_TEMPLATE", "QWEN3_TEMPLATE",
-           "SPECIAL_TOKENS", "build_tokenizer", "make_model"]
+           "GLM45_TEMPLATE", "GPT_OSS_TEMPLATE", "HARMONY_TOKENS", "MIXTRAL_TEMPLATE", "OLMOE_TEMPLATE",
+           "QWEN15_TEMPLATE", "QWEN3_TEMPLATE", "SPECIAL_TOKENS", "build_tokenizer", "make_model"]
 
 
 def __getattr__(name: str):

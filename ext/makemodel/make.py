@@ -36,7 +36,7 @@ from ext.makemodel.lowbit import (_PLAIN, MXFP4_GROUP, SCALE_DTYPES, Encoding, F
                                   quantization_config)
 from ext.makemodel.shards import write_json, write_shards, writing
 from ext.makemodel.skew import skew_adjustments
-from ext.makemodel.tokenizer import (CHAT_TEMPLATES, CHATML_TEMPLATE, added_token_ids, bos_eos,
+from ext.makemodel.tokenizer import (CHAT_TEMPLATES, CHATML_TEMPLATE, added_token_ids, bos_eos, stop_tokens,
                                      build_tokenizer, tokenizer_config)
 
 _VOCAB_MULTIPLE = 64
@@ -235,7 +235,7 @@ def make_model(
         with writing(out / "generation_config.json"):
             write_json(tmp / "generation_config.json", {
                 "bos_token_id": bos,
-                "eos_token_id": list(dict.fromkeys((eos, ids["<|endoftext|>"]))),   # OLMoE's are one
+                "eos_token_id": [ids[t] for t in stop_tokens(arch)],
                 "pad_token_id": ids["<|endoftext|>"],
             })
         with writing(out / "tokenizer.json"):

@@ -64,11 +64,17 @@ QWEN15_TEMPLATE = _template("qwen2_moe")
 # line, the assistant's ended by EOS (<|endoftext|> too). No tool format.
 OLMOE_TEMPLATE = _template("olmoe")
 
+# GPT-OSS's chat format, harmony (OpenAI's harmony response format): messages
+# `<|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>`, analysis / commentary / final
+# channels, calls `to=functions.NAME` ending in <|call|>, the answer ending in <|return|>
+# ("harmony", daemon/api/harmony.py). moed's own template of that layout (see its head).
+GPT_OSS_TEMPLATE = _template("gpt_oss")
+
 # The chat template make-model writes per architecture (ChatML where the family's own is
 # not written).
 CHAT_TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "glm4_moe": GLM45_TEMPLATE,
-                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE, "mixtral": MIXTRAL_TEMPLATE,
-                  "qwen2_moe": QWEN15_TEMPLATE, "olmoe": OLMOE_TEMPLATE}
+                  "deepseek_v3": DEEPSEEK_V31_TEMPLATE, "gpt_oss": GPT_OSS_TEMPLATE,
+                  "mixtral": MIXTRAL_TEMPLATE, "qwen2_moe": QWEN15_TEMPLATE, "olmoe": OLMOE_TEMPLATE}
 
 
 @dataclass(frozen=True)
@@ -76,12 +82,15 @@ class FamilyTokens:
     """A family's own tokens, added after the trained vocabulary (ids from the end of the
     trained vocabulary up, in this order): `special` ones (skipped when decoding) and plain
     added ones (kept: the text of turns and calls), and which of them are its BOS and EOS
-    (None: <|endoftext|> and <|im_end|>, with no BOS written to tokenizer_config.json)."""
+    (None: <|endoftext|> and <|im_end|>, with no BOS written to tokenizer_config.json), and
+    the further tokens that end an answer (generation_config's eos_token_id: EOS,
+    <|endoftext|>, `stops`)."""
 
     special: tuple[str, ...]
     added: tuple[str, ...]
     bos: str | None = None
     eos: str | None = None
+    stops: tuple[str, ...] = ()
 
 
 # The families' added tokens as their published tokenizer.json has them, in id order:
@@ -93,6 +102,10 @@ class FamilyTokens:
 #   tokenizer has.
 # - GLM-4.5 (zai-org/GLM-4.5, ids 151350-151359): <think> to </arg_value>, plain.
 # - Mixtral-Instruct and OLMoE-Instruct: their BOS and EOS, which their templates write.
+# - GPT-OSS: harmony's special tokens, single tokens of its o200k_harmony vocabulary (ids
+#   200002-200012 there), so that the template's markup encodes as the real model's does;
+#   its generation_config ends an answer at <|return|>, <|endoftext|> and <|call|> (a tool
+#   call's end).
 # Plain added tokens stay in decoded text, where the reasoning and tool-call parsers read
 # them; a constrained call names them as tokens (daemon/api/tools.py, `lark_text`).
 FAMILY_TOKENS = {
@@ -113,7 +126,12 @@ FAMILY_TOKENS = {
     "mixtral": FamilyTokens(special=("<s>", "</s>"), added=(), bos="<s>", eos="</s>"),
     # OLMoE-Instruct's BOS and EOS are both <|endoftext|>; its role tags are plain text
     "olmoe": FamilyTokens(special=(), added=(), bos="<|endoftext|>", eos="<|endoftext|>"),
+    "gpt_oss": FamilyTokens(
+        special=("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                 "<|message|>", "<|call|>"),
+        added=(), bos="<|endoftext|>", eos="<|return|>", stops=("<|call|>",)),
 }
+HARMONY_TOKENS = FAMILY_TOKENS["gpt_oss"].special
 
 # Fixed training text for the byte-level BPE merges. Changing it changes every
 # generated tokenizer, so it is a constant rather than, say, this file's source.
@@ -197,6 +215,14 @@ def bos_eos(arch: str | None = None) -> tuple[str, str]:
     if family is None or family.eos is None:
         return "<|endoftext|>", "<|im_end|>"
     return family.bos or "<|endoftext|>", family.eos
+
+
+def stop_tokens(arch: str | None = None) -> tuple[str, ...]:
+    """The tokens that end an answer, generation_config's eos_token_id: the family's EOS,
+    <|endoftext|> and its further stops (GPT-OSS's <|call|>), each once (OLMoE's EOS is
+    <|endoftext|>)."""
+    family = FAMILY_TOKENS.get(arch or "")
+    return tuple(dict.fromkeys((bos_eos(arch)[1], "<|endoftext|>", *(family.stops if family is not None else ()))))
 
 
 def tokenizer_config(ids: dict, model_max_length: int, chat_template: str = CHATML_TEMPLATE,

@@ -95,6 +95,19 @@ def test_chat_template_kwargs_reach_the_template_within_bounds(qwen3_dir):
         assert e.value.param == "chat_template_kwargs"
 
 
+def test_reasoning_effort_switches_qwen3s_thinking_and_chat_template_kwargs_win(qwen3_dir):
+    tokenizer = Tokenizer.from_model_dir(qwen3_dir)
+    hi = [{"role": "user", "content": "hi"}]
+
+    def prompt(**kw):
+        return tokenizer.decode(_parse(tokenizer, {"messages": hi, **kw}).engine.prompt_ids,
+                                skip_special_tokens=False)
+    empty = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert prompt(reasoning_effort="none").endswith(empty)
+    assert prompt(reasoning_effort="high") == prompt()           # on, as by default
+    assert not prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).endswith(empty)
+
+
 # ----------------------------------------------- a template that opens <think> itself
 
 @pytest.fixture(scope="module")

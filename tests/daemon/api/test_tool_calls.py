@@ -142,7 +142,8 @@ def test_the_format_is_read_off_the_template():
     assert detect_format(None) is None
     assert detect_format("{% if tools %}<arg_key>{% endif %}<tool_call>") == "glm"     # GLM-4.5
     assert detect_format("{{'<｜tool▁call▁begin｜>'}}") == "deepseek"                  # DeepSeek-V3.1
-    assert detect_format("{% if tools %}<|call|>{% endif %}") is None                  # harmony
+    assert detect_format("{% if tools %}<|channel|>x<|call|>{% endif %}") == "harmony"  # GPT-OSS
+    assert detect_format("{% if tools %}<|call|>{% endif %}") == "generic"              # no channels
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -158,12 +159,11 @@ def test_bad_tool_fields_name_the_field(body, param, message):
     assert e.value.param == param
 
 
-def test_a_template_with_a_call_format_moed_cannot_read_refuses_tools_but_not_tool_choice_none():
-    harmony = "{% if tools %}<|start|>functions<|call|>{% endif %}"
-    with pytest.raises(ToolError, match="a tool-call format moed cannot read"):
-        parse_tools({"tools": [WEATHER]}, harmony)
-    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, harmony).offered is False
-    assert parse_tools({"tool_choice": "none"}, harmony) is None
+def test_a_model_without_a_chat_template_refuses_tools_but_not_tool_choice_none():
+    with pytest.raises(ToolError, match="no chat template to offer tools through"):
+        parse_tools({"tools": [WEATHER]}, None)
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, None).offered is False
+    assert parse_tools({"tool_choice": "none"}, None) is None
     assert parse_tools({"tools": [WEATHER]}, CHATML_TEMPLATE).format == "generic"
 
 
