@@ -76,12 +76,13 @@ GLM_JSON = HERMES_JSON
 DEEPSEEK_JSON = HERMES_JSON
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+GLM_KEY_OPEN, GLM_KEY_CLOSE = "<arg_key>", "</arg_key>"
+GLM_VALUE_OPEN, GLM_VALUE_CLOSE = "<arg_value>", "</arg_value>"
 THINK_CLOSE = "</think>"
 # The formats' markers: one added token each in the tokenizers of the models that use
 # them (Qwen3's, GLM-4.5's and DeepSeek-V3.1's tokenizer.json), plain text elsewhere (the
 # generic format's <tool_call> on a ChatML model). A grammar names a marker as the token
-# where the tokenizer has it (`lark_text`): llguidance matches an added token only as
+# where the tokenizer has it (`LarkText`): llguidance matches an added token only as
 # itself, never as the text of a string literal.
 MARKERS = (HERMES_OPEN, HERMES_CLOSE, GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE,
            DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, THINK_CLOSE)
@@ -152,7 +153,7 @@ class ToolRequest:
     def grammar(self, tokens: Mapping[str, int], thinking_open: bool = False) -> str:
         """The Lark grammar (llguidance's dialect) of a constrained choice's output.
         tokens: the model tokenizer's added tokens (text -> id; `Tokenizer.added_tokens`),
-        which decide whether a marker is written as its token or as text (`lark_text`).
+        which decide whether a marker is written as its token or as text (`LarkText`).
         thinking_open: the prompt ends inside an open <think> (DeepSeek-V3.1's with
         thinking on): the output closes it first, `</think>`, so that the call is the
         answer and not reasoning (DeepSeek-V3.1's model card gives tool calls in the
@@ -566,7 +567,8 @@ class Format:
     """A tool-call format: the text that opens a call (`opens`, tried longest first at a
     place), closes it, and may close a run of calls (`trailer`, syntax dropped after a
     call); `read(body, tools by name)` -> ToolCall or None; `grammar(tools, parallel,
-    text)` -> Lark, its top rule `start`, its markers written by `text` (a LarkText); `system_text(tools)`: the tools as moed writes them at the end of the system
+    text)` -> Lark, its top rule `start`, its markers written by `text` (a LarkText);
+    `system_text(tools)`: the tools as moed writes them at the end of the system
     message, for a template that does not take `tools` (None: the template writes them);
     `text_arguments`: history calls' arguments go to the template as the JSON text the
     client sent (else as objects); `history_as_text`: history calls and tool results are

@@ -20,7 +20,8 @@ CHATML_TEMPLATE = (
 
 def _template(name: str) -> str:
     """A family's published chat template, kept as package data (templates/NAME.jinja)."""
-    return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text(encoding="utf-8").removesuffix("\n")
+    path = Path(__file__).parent / "templates" / f"{name}.jinja"
+    return path.read_text(encoding="utf-8").removesuffix("\n")
 
 
 # Qwen3's chat template (tokenizer_config.json of the Qwen3 MoE checkpoints): ChatML, the
@@ -107,7 +108,7 @@ class FamilyTokens:
 #   its generation_config ends an answer at <|return|>, <|endoftext|> and <|call|> (a tool
 #   call's end).
 # Plain added tokens stay in decoded text, where the reasoning and tool-call parsers read
-# them; a constrained call names them as tokens (daemon/api/tools.py, `lark_text`).
+# them; a constrained call names them as tokens (daemon/api/tools.py, `LarkText`).
 FAMILY_TOKENS = {
     "deepseek_v3": FamilyTokens(
         special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
@@ -117,7 +118,8 @@ FAMILY_TOKENS = {
         bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>"),
     "qwen3_moe": FamilyTokens(
         special=(),
-        added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")),
+        added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+               "</think>")),
     "glm4_moe": FamilyTokens(
         special=(),
         added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
