@@ -200,14 +200,24 @@ class HttpApp:
             return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
                                            type="server_error", code="internal_error"), anthropic)
 
+    def _authorized(self, request: web.Request) -> bool:
+        """Whether `request` may use the API: it came over the Unix socket (file
+        permissions decide), no api_key is set, or it carries the key (Authorization:
+        Bearer, or Anthropic's x-api-key)."""
+        if not _is_tcp(request) or not self.state.config.api_key:
+            return True
+        key = request.headers.get("x-api-key")              # Anthropic's clients send this
+        return api_key_matches(request.headers.get("Authorization", "") if key is None
+                               else "Bearer " + key, self.state.config.api_key)
+
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if _is_tcp(request) and self.state.config.api_key:
-            key = request.headers.get("x-api-key")          # Anthropic's clients send this
-            if not api_key_matches(request.headers.get("Authorization", "") if key is None
-                                   else "Bearer " + key, self.state.config.api_key):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ..., or "
-                                    "x-api-key: ...)", code="invalid_api_key")
+        # GET /health answers without the key, as llama-server's and vLLM's do, so that
+        # load balancers and probes need no secret; without the key it says the status
+        # only, not why (a reason may name files)
+        if request.path != "/health" and not self._authorized(request):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ..., or "
+                                "x-api-key: ...)", code="invalid_api_key")
         return await handler(request)
 
     def _require_ready(self) -> Loaded:
@@ -260,20 +270,25 @@ class HttpApp:
         """200 ok; 503 while loading or draining, and "degraded" while expert reads fail
         (the latest read to finish failed: answers would fail too) until one succeeds, or
         while routed experts whose output held NaN or inf (broken weights: the requests
-        routed to them fail) have not computed finite rows again."""
+        routed to them fail) have not computed finite rows again. Open without the API
+        key; the "reason" only to a request that may use the API."""
+        body, status = self._health()
+        if not self._authorized(request):
+            body.pop("reason", None)
+        return web.json_response(body, status=status)
+
+    def _health(self) -> tuple[dict, int]:
         if self.state.phase == "ready":
             failing = self.state.read_failure()
             if failing is not None:
-                return web.json_response({"status": "degraded",
-                                          "reason": f"expert reads are failing: {failing}"},
-                                         status=503)
+                return {"status": "degraded", "reason": f"expert reads are failing: {failing}"}, 503
             broken = self.state.weights_failure()
             if broken is not None:
-                return web.json_response({"status": "degraded", "reason": (
-                    f"routed experts produce NaN or inf (broken weights): {broken}")}, status=503)
-            return web.json_response({"status": "ok"})
+                return {"status": "degraded", "reason": (
+                    f"routed experts produce NaN or inf (broken weights): {broken}")}, 503
+            return {"status": "ok"}, 200
         reason = "loading the model" if self.state.phase == "loading" else "shutting down"
-        return web.json_response({"status": self.state.phase, "reason": reason}, status=503)
+        return {"status": self.state.phase, "reason": reason}, 503
 
     def _model_card(self, loaded: Loaded) -> dict:
         return {"id": loaded.model_names[0], "object": "model",

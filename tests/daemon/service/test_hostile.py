@@ -18,6 +18,7 @@ sleeps: each wait is for the daemon's answer or its close, bounded by a deadline
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -662,3 +663,31 @@ def test_a_client_that_leaves_mid_stream_is_a_499_not_a_traceback(monkeypatch):
     response = asyncio.run(scenario())
     assert isinstance(response, web.StreamResponse)
     assert counted == [499]
+
+
+@pytest.mark.parametrize("phase", ["loading", "stopping"])
+def test_health_over_tcp_says_why_only_to_a_request_with_the_key(phase):
+    """GET /health needs no key (load balancers and probes hold none) but gives the reason
+    of a 503 (which may name files) only with it; every other route stays closed."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    class Config:
+        api_key = "k3y"
+
+    class State:
+        config, telemetry, loaded = Config(), None, None
+
+    State.phase = phase
+
+    async def scenario():
+        async with TestClient(TestServer(app_module.HttpApp(State()).application())) as client:
+            out = []
+            for headers in ({}, {"Authorization": "Bearer k3y"}, {"x-api-key": "wrong"}):
+                resp = await client.get("/health", headers=headers)
+                out.append((resp.status, await resp.json()))
+            models = await client.get("/v1/models")
+            return out, models.status
+    (bare, keyed, wrong), models = asyncio.run(scenario())
+    assert bare == wrong == (503, {"status": phase})
+    assert keyed[0] == 503 and keyed[1]["status"] == phase and keyed[1]["reason"]
+    assert models == 401

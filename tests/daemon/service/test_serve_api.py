@@ -807,8 +807,8 @@ def test_unknown_route_and_wrong_method_are_json(daemon):
 
 
 def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cache_bytes):
-    """Over TCP: no or wrong Bearer key -> 401, the right key -> served, admin -> 403.
-    The Unix socket needs no key."""
+    """Over TCP: no or wrong Bearer key -> 401, the right key -> served, admin -> 403,
+    /health open. The Unix socket needs no key."""
     import http.client
 
     d = Daemon(model_dir, short_dir(), "--expert-cache-bytes", str(cache_bytes),
@@ -828,6 +828,7 @@ def test_tcp_listener_checks_the_api_key_and_refuses_admin_calls(model_dir, cach
 
         status, body = tcp("GET", "/v1/models")
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert tcp("GET", "/health") == (200, {"status": "ok"})     # probes need no key
         assert tcp("GET", "/v1/models", "wrong")[0] == 401
         logged = len(d.stderr_lines)
         status, body = tcp("GET", "/v1/models", b"\xff\xfe")        # bytes that are not UTF-8
