@@ -212,7 +212,7 @@ def harmony_grammar(tools: list[Tool]) -> str:
     schema, and <|call|>."""
     rules = []
     for k, t in enumerate(tools):
-        schema = {**t.parameters, "x-guidance": HARMONY_JSON}
+        schema = {**t.arguments_schema, "x-guidance": HARMONY_JSON}
         rules.append(f"f{k}: {json.dumps(t.name)} \" \" {CONSTRAIN} \"json\" {MESSAGE} a{k} {CALL}")
         rules.append(f"a{k}: %json {json.dumps(schema, separators=(',', ':'))}")
     alternatives = " | ".join(f"f{k}" for k in range(len(tools)))

@@ -63,7 +63,10 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
+
+from ext.json_schema import closed_objects
 
 MAX_TOOLS = 128                 # tools of one request
 MAX_TOOL_NAME_CHARS = 64        # OpenAI's limit on a function name
@@ -104,6 +107,13 @@ class Tool:
     name: str
     description: str | None
     parameters: dict
+
+    @cached_property
+    def arguments_schema(self) -> dict:
+        """The schema a constrained call's arguments follow: `parameters` with its object
+        schemas closed (ext/json_schema.py: no keys they do not list, unless they say so),
+        as llama.cpp's and vLLM's grammars read a schema."""
+        return closed_objects(self.parameters)
 
     def template_entry(self, described: bool = False) -> dict:
         """The function as chat templates take it (OpenAI's tool object); described: with
@@ -300,7 +310,7 @@ def hermes_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` with the arguments
     following the function's parameters schema; `text` writes the markers."""
     schema = {"anyOf": [{"type": "object",
-                         "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                         "properties": {"name": {"const": t.name}, "arguments": t.arguments_schema},
                          "required": ["name", "arguments"], "additionalProperties": False}
                         for t in tools],
               "x-guidance": HERMES_JSON}
@@ -319,8 +329,9 @@ def glm_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     nl = _lark_string(chr(10))
     rules = []
     for k, t in enumerate(tools):
-        props = t.parameters.get("properties", {}) if isinstance(t.parameters, dict) else {}
-        required = set(t.parameters.get("required", [])) if isinstance(t.parameters, dict) else set()
+        schema_of = t.arguments_schema
+        props = schema_of.get("properties", {}) if isinstance(schema_of, dict) else {}
+        required = set(schema_of.get("required", [])) if isinstance(schema_of, dict) else set()
         parts = []
         for j, (key, schema) in enumerate(props.items()):
             value = f"v{k}_{j}"
@@ -359,7 +370,7 @@ def deepseek_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     (one token each in DeepSeek's vocabulary)."""
     rules = []
     for k, t in enumerate(tools):
-        typed = {**t.parameters, "x-guidance": DEEPSEEK_JSON}
+        typed = {**t.arguments_schema, "x-guidance": DEEPSEEK_JSON}
         rules.append(f"f{k}: {_lark_string(t.name)} {text(DS_SEP)} a{k}")
         rules.append(f"a{k}: %json {json.dumps(typed, separators=(',', ':'))}")
     alternatives = " | ".join(f"f{k}" for k in range(len(tools)))

@@ -103,6 +103,7 @@ import numpy as np
 from daemon.workers.compile_slots import CompileSlots, SlotRefused
 from daemon.workers.grammar_worker import build_matcher
 from daemon.workers.process import WorkerProcess
+from ext.json_schema import closed_objects
 from ext.tokenizer import Tokenizer
 from telemetry.logs import get_logger
 
@@ -334,6 +335,7 @@ class Grammars:
         else:
             raise GrammarError(f"'response_format.type' must be 'text', 'json_object' or "
                                f"'json_schema', got {kind!r}")
+        schema = closed_objects(schema)          # objects without unlisted keys (ext/json_schema.py)
         if frame is not None:
             # a boolean schema as the object it stands for (true: anything; false: nothing)
             typed = schema if isinstance(schema, dict) else {} if schema else {"not": {}}

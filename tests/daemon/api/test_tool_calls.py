@@ -254,6 +254,20 @@ def test_a_marker_is_written_as_the_token_where_the_tokenizer_has_one_and_as_tex
     assert tok.token_to_id("<tool_call>") not in spelled and not m.consume_token(spelled[0])
 
 
+def test_arguments_take_no_key_their_schema_does_not_list_unless_it_says_so(model_dir):
+    """An object schema without additionalProperties is closed for the grammar, as
+    llama.cpp's and vLLM's read it (a random model added keys until max_tokens); one that
+    allows others keeps allowing them."""
+    listed = {"type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}
+    extra = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3, "city": "Oslo"}}\n</tool_call>'
+    for parameters, ok in ((listed, False), ({**listed, "additionalProperties": True}, True)):
+        tool = Tool("get_time", None, parameters)
+        tok, m = _matcher(model_dir, lambda text: hermes_grammar([tool], False, text))
+        took = all(m.consume_token(i) for i in tok.encode(extra, add_special_tokens=False).ids)
+        assert (took and m.is_stopped()) is ok
+        assert tool.parameters == parameters and tool.template_entry()["function"]["parameters"] == parameters
+
+
 def test_a_parallel_grammar_takes_several_calls_and_may_end_after_any(model_dir):
     tools = [Tool("get_time", None, SCHEMAS["get_time"])]
     tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, True, text))

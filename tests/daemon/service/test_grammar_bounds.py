@@ -636,3 +636,28 @@ def test_over_tcp_one_peers_bombs_leave_a_slot_for_another_peer(model_dir):
     finally:
         assert d.stop() == 0
         d.cleanup()
+
+
+def test_a_response_formats_objects_are_closed_unless_they_say_otherwise(model_dir):
+    """json_schema: an object schema that lists properties takes no other key (as
+    llama.cpp's and vLLM's grammars read it); json_object stays any object."""
+    import llguidance
+
+    from ext.tokenizer import Tokenizer
+    grammars = _grammars(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    text = (model_dir / "tokenizer.json").read_text()
+    ll = llguidance.LLTokenizer(text, n_vocab=tokenizer.vocab_size)
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    try:
+        for schema, answer, ok in ((listed, '{"a":1,"b":2}', False), (listed, '{"a":1}', True),
+                                   ({**listed, "additionalProperties": True}, '{"a":1,"b":2}', True)):
+            spec = grammars.spec({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            m = llguidance.LLMatcher(ll, spec.grammar, log_level=0)
+            took = all(m.consume_token(i) for i in tokenizer.encode(answer, add_special_tokens=False))
+            assert (took and m.is_accepting()) is ok, (schema, answer)
+        spec = grammars.spec({"type": "json_object"})
+        m = llguidance.LLMatcher(ll, spec.grammar, log_level=0)
+        assert all(m.consume_token(i) for i in tokenizer.encode('{"z":1}', add_special_tokens=False))
+    finally:
+        grammars.close()
