@@ -6,7 +6,9 @@ mechanism (daemon/store/: slot buffers, io worker threads, preadv). It implement
 
     acquire(layer, experts)  demand: hits are used in place, misses are read now (demand
                              reads go ahead of every queued prefetch), reads already in
-                             flight are waited for; returns read-only views into slots.
+                             flight are waited for (one still queued — a prefetch, a
+                             pin load, a warm start's — goes ahead as a demand read);
+                             returns read-only views into slots.
     hint(layer, logits, ahead)
                              prefetch: a later MoE layer's router (`ahead` MoE layers
                              on, 1 or up to `prefetch_depth`) applied to the current
@@ -405,6 +407,8 @@ class StreamingExpertProvider(ExpertProvider):
         futures = {i: self._inflight.pop(accesses[i].slot) for i in pending}
         for i in pending:
             self._prefetch_layer.pop(accesses[i].slot, None)
+            if accesses[i].outcome == OUTCOME_INFLIGHT and not futures[i].done():
+                self.io.expedite(futures[i])     # a warm start's queue may be long
         if in_order:
             ready = [i for i, a in enumerate(accesses) if a.outcome == OUTCOME_HIT]
             if ready:
