@@ -63,14 +63,17 @@ class ExpertSession:
         """
         if self.store is None or not self.store.writable:
             return False
-        self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint,
-                                       self.provider.learned_state()))
-        self._save_working_set()
+
+        def write():
+            flush_usage(self.store, self.provider.usage, self.fingerprint, self.provider.learned_state())
+            self._save_working_set()
+        self._save(write)
         return True
 
     def _save_working_set(self) -> None:
+        """The cache's working set into its file (part of one save of the state)."""
         if self.working_set_store is not None and self.working_set_store.writable:
-            self._save(lambda: save_working_set(self.working_set_store, self.provider.working_set()))
+            save_working_set(self.working_set_store, self.provider.working_set())
 
     def _save(self, write) -> None:
         """Run one write of the state file, counting it as a save or a save error."""
@@ -90,9 +93,11 @@ class ExpertSession:
         dropped = self.provider.reset_learning()
         if self.store is not None and self.store.writable:
             usage = self.provider.usage
-            self._save(lambda: self.store.save(lambda _current: usage.to_dict(self.fingerprint),
-                                               tokens=0))
-            self._save_working_set()                      # without the pins dropped
+
+            def write():
+                self.store.save(lambda _current: usage.to_dict(self.fingerprint), tokens=0)
+                self._save_working_set()                  # without the pins dropped
+            self._save(write)
         return dropped
 
     def rebuild(self, cache_bytes: int | None = None, pin_fraction: float | None = None,
