@@ -123,7 +123,7 @@ class StateStore:
         self.fingerprint = fingerprint
         self.state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         if kind not in KINDS:
-            raise ValueError(f"state file kind must be one of {KINDS}, got {kind!r}")
+            raise ValueError(f"state file kind must be 'usage', 'tuned' or 'experts', got {kind!r}")
         stem = f"{kind}-{fingerprint[:16]}"
         self.path = self.state_dir / f"{stem}.json"
         self.lock_path = self.state_dir / f"{stem}.lock"

@@ -272,6 +272,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.routing_recorder = None                     # daemon.tuning.workload.RoutingRecorder
         self.trace_writer = None                         # daemon.store.trace.TraceWriter
         self.observe_usage = True                        # False: a synthetic workload runs
+        self._served_set: WorkingSet | None = None       # the working set before one ran
         self.phase = PHASE_DECODE
         self.pin_swaps = 0                               # experts pinned by re-evaluation
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
@@ -356,6 +357,9 @@ class StreamingExpertProvider(ExpertProvider):
         self.token += tokens
         if self.observe_usage:
             self.usage.advance(tokens)
+            self._served_set = None
+        elif self._served_set is None:
+            self._served_set = self._live_working_set()
         a = self.adaptation
         if a is not None:
             decisions = a.step_begins(self.phase == PHASE_DECODE, self.observe_usage, self._io_totals)
@@ -697,7 +701,12 @@ class StreamingExpertProvider(ExpertProvider):
 
     def working_set(self) -> WorkingSet:
         """What the cache holds now, for the next session's warm start: each layer's dynamic
-        tier, the most recently used first, and the pins, the most used first."""
+        tier, the most recently used first, and the pins, the most used first. While steps
+        not counted as usage run (a tuner's check prompt or built-in workload), and until
+        a counted step follows, what it held before them: the next session serves traffic."""
+        return self._served_set if self._served_set is not None else self._live_working_set()
+
+    def _live_working_set(self) -> WorkingSet:
         counts = self.usage.counts()
         pins = sorted(((self._row[l], e) for l, e in self.cache.pins), key=lambda p: (-counts[p], p))
         return WorkingSet(tuple(tuple(self.cache.working_set(l)) for l in self.moe_layers), tuple(pins))

@@ -105,6 +105,24 @@ def test_a_restart_holds_the_working_set_the_session_before_ended_with(model_dir
         second.close()
 
 
+def test_steps_not_counted_as_usage_leave_the_saved_working_set_as_traffic_left_it(model_dir):
+    """A tuner's check prompt or built-in workload runs with observe_usage off: what is
+    saved until traffic comes back is what traffic left (the next session serves traffic)."""
+    p = _provider(model_dir, 2)
+    try:
+        _step(p, [[0, 1]] * LAYERS)
+        served = p.working_set()
+        p.observe_usage = False
+        _step(p, [[4, 5]] * LAYERS)
+        _step(p, [[6, 7]] * LAYERS)
+        assert p.working_set() == served
+        p.observe_usage = True
+        _step(p, [[1, 2]] * LAYERS)
+        assert all(set(row) == {1, 2} for row in p.working_set().layers)
+    finally:
+        p.close()
+
+
 def test_a_smaller_cache_takes_the_most_recent_and_a_bigger_one_tops_up_from_the_counts(model_dir):
     saved = WorkingSet(((5, 6, 7, 8),) * LAYERS)
     counts = np.zeros((LAYERS, EXPERTS))
