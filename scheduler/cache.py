@@ -202,6 +202,8 @@ class ExpertCache:
         self._prefetched = [False] * n                  # holds a prefetch not yet used
         self._prefetch_loading = [False] * n            # dynamic, LOADING for a prefetch
         self._where: dict[tuple[int, int], int] = {}    # (layer_index, expert) -> slot
+        self._used = [0] * n                            # when the slot's expert was last used or admitted
+        self._uses = 0                                  # ... counted in uses (strictly increasing)
         self._pin_slots = set(range(pinned_slots))
         self._free_pin = set(range(pinned_slots))
         self._stage_slots = set(range(pinned_slots, pinned_slots + staging_slots))
@@ -273,6 +275,7 @@ class ExpertCache:
             if s is None:
                 continue
             self._users[s] += 1
+            self._touch(s)
             if self._state[s] == SlotState.READY:
                 slot_of[e] = (s, OUTCOME_HIT)
                 self._hits[phase][li] += 1
@@ -661,6 +664,13 @@ class ExpertCache:
     def dynamic_slots(self, layer: int) -> int:
         return self._dyn_count[self._layer_index(layer)]
 
+    def working_set(self, layer: int) -> list[int]:
+        """The experts `layer`'s dynamic tier holds (resident or being read), the most
+        recently used (or admitted, for one never used since) first."""
+        li = self._layer_index(layer)
+        held = [s for s in self._dyn_slots[li] if self._key[s] is not None]
+        return [self._key[s][1] for s in sorted(held, key=lambda s: -self._used[s])]
+
     def snapshot(self) -> CacheSnapshot:
         """The counters and per-tier occupancy now (a plain, immutable copy)."""
         n_layers = len(self.moe_layers)
@@ -750,6 +760,7 @@ class ExpertCache:
         self._free_set(slot).add(slot)
 
     def _reserve(self, slot: int, li: int, expert: int, users: int, prefetch: bool) -> None:
+        self._touch(slot)
         self._free_pin.discard(slot)
         self._free_stage.discard(slot)
         self._state[slot] = SlotState.LOADING
@@ -760,6 +771,11 @@ class ExpertCache:
         if prefetch and self._tier[slot] == Tier.DYNAMIC:
             self._prefetch_loading[slot] = True
             self._prefetch_inflight[li] += 1
+
+    def _touch(self, slot: int) -> None:
+        """The slot's expert is used (or admitted) now: the most recent of the cache."""
+        self._uses += 1
+        self._used[slot] = self._uses
 
     def _clear_prefetch_loading(self, slot: int) -> None:
         if self._prefetch_loading[slot]:

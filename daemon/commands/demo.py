@@ -557,8 +557,8 @@ def _warm_start_line(learn: RunFigures, naive: list[RunFigures], warm: list[RunF
         pinned = (f"{pins} experts were pinned at start (the learning run ended with "
                   f"{learn.pins_at_end} pins, which its tuner found pay)")
     return (f"warm start: each restart found the state the learning run saved, by the model's "
-            f"fingerprint: usage counts of the experts, from which it read the most used "
-            f"({read_before.shown(_kib)}) before the request, so the prompt's lookups hit "
+            f"fingerprint: the experts its cache held when it stopped and their usage counts, "
+            f"from which it read those experts ({read_before.shown(_kib)}) before the request, so the prompt's lookups hit "
             f"{percent(prompt_warm)}, against {percent(prompt_naive)} for the naive cache; "
             f"{pinned}")
 

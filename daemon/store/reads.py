@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -312,6 +312,20 @@ class IoPool:
                                             reason, future))
             self._cond.notify()
         return future
+
+    def expedite(self, future: Future) -> bool:
+        """A queued read whose bytes are needed now (a prefetch or pin load a step asks for)
+        goes ahead as a demand read: after the demand reads already queued, before every
+        prefetch and pin load. True when it was queued; False when it has started, is done
+        or is not this pool's (nothing changes)."""
+        with self._cond:
+            for i, job in enumerate(self._heap):
+                if job.future is future:
+                    if job.priority > PRIORITY[DEMAND]:
+                        self._heap[i] = replace(job, priority=PRIORITY[DEMAND], seq=next(self._seq))
+                        heapq.heapify(self._heap)
+                    return True
+        return False
 
     def cancel_pending(self, reason: str = PREFETCH) -> int:
         """Cancel the queued (not started) reads of ``reason``; returns how many."""

@@ -18,6 +18,7 @@ from daemon.store.state import StateStore, default_state_dir
 from daemon.store.trace import RecordingProvider, TraceWriter
 from daemon.store.streaming import (StreamingExpertProvider, StreamingOptions, check_cache_budget,
                                     expert_counters, flush_usage, load_usage_state)
+from daemon.store.working_set import load_working_set, save_working_set, working_set_store
 from ext.models.model import PREFILL_CHUNK, Model
 from scheduler.usage import max_state_file_bytes
 from telemetry.logs import get_logger
@@ -30,6 +31,8 @@ class ExpertSession:
     """The streaming provider of a model plus its state file (usage learned across runs).
 
     store is None when the state directory is unusable (learning then lasts one run).
+    working_set_store: where the cache's working set is saved with each flush
+    (daemon/store/working_set.py; None: not saved).
     state_saves / state_save_errors: writes of the state file that succeeded / failed.
     retired: the expert totals of the providers `rebuild` replaced (so totals never
     go back when the cache is rebuilt). baseline: the naive cache (`BASELINE_OPTIONS`),
@@ -37,10 +40,12 @@ class ExpertSession:
     """
 
     def __init__(self, model: Model, provider: StreamingExpertProvider, store: StateStore | None,
-                 fingerprint: str, options: StreamingOptions, baseline: bool = False):
+                 fingerprint: str, options: StreamingOptions, baseline: bool = False,
+                 working_set_store: StateStore | None = None):
         self.model = model
         self.provider = provider
         self.store = store
+        self.working_set_store = working_set_store
         self.fingerprint = fingerprint
         self.options = options
         self.baseline = baseline
@@ -49,7 +54,8 @@ class ExpertSession:
         self.retired = ExpertCounters()
 
     def flush(self) -> bool:
-        """Merge the usage observed since the last flush into the state file.
+        """Merge the usage observed since the last flush into the state file, and save
+        the cache's working set (what the next start reads first) beside it.
 
         Returns False when there is no usable state directory, or it is read-only (the
         learned usage was read from it and is used; open_model said so). Raises OSError
@@ -57,9 +63,17 @@ class ExpertSession:
         """
         if self.store is None or not self.store.writable:
             return False
-        self._save(lambda: flush_usage(self.store, self.provider.usage, self.fingerprint,
-                                       self.provider.learned_state()))
+
+        def write():
+            flush_usage(self.store, self.provider.usage, self.fingerprint, self.provider.learned_state())
+            self._save_working_set()
+        self._save(write)
         return True
+
+    def _save_working_set(self) -> None:
+        """The cache's working set into its file (part of one save of the state)."""
+        if self.working_set_store is not None and self.working_set_store.writable:
+            save_working_set(self.working_set_store, self.provider.working_set())
 
     def _save(self, write) -> None:
         """Run one write of the state file, counting it as a save or a save error."""
@@ -79,15 +93,19 @@ class ExpertSession:
         dropped = self.provider.reset_learning()
         if self.store is not None and self.store.writable:
             usage = self.provider.usage
-            self._save(lambda: self.store.save(lambda _current: usage.to_dict(self.fingerprint),
-                                               tokens=0))
+
+            def write():
+                self.store.save(lambda _current: usage.to_dict(self.fingerprint), tokens=0)
+                self._save_working_set()                  # without the pins dropped
+            self._save(write)
         return dropped
 
     def rebuild(self, cache_bytes: int | None = None, pin_fraction: float | None = None,
                 prefetch: bool | None = None, pinned_slots: int | None = None) -> None:
         """Swap in a provider with a new budget / pin share / prefetch switch (between steps).
 
-        The learned counts and state carry over; the new cache starts from the pins they
+        The learned counts and state carry over, and the new cache reads the old one's
+        working set first, the most recent as far as it has room; it starts from the pins they
         give (`pinned_slots` of them when given: the squeezer keeps the pinned tier while
         the dynamic one gives way). The io worker count and (unless `prefetch` is given)
         the prefetch width of the old provider carry over too: the live tuner may have
@@ -108,7 +126,8 @@ class ExpertSession:
         old = self.provider
         check_cache_budget(options.cache_bytes, self.model.layout, self.model.config)
         # Everything the new provider starts from, taken before the old one is closed.
-        carried = dict(usage_counts=old.usage.counts(), learned=old.learned_state())
+        carried = dict(usage_counts=old.usage.counts(), learned=old.learned_state(),
+                       working_set=old.working_set())
         transitions = old.cache.transitions()           # unrounded, not the saved form
         workers, width = old.io.n_workers, old.prefetch_width
         recorder, writer = old.routing_recorder, old.trace_writer
@@ -195,15 +214,15 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
         streaming_options = dict(streaming_options, prefetch=prefetch, pin_fraction=pin_fraction)
     options = StreamingOptions(cache_bytes=cache_bytes, io_workers=io_workers,
                                half_life_tokens=half_life_tokens, mlock=mlock, **streaming_options)
-    built: list[tuple[StreamingExpertProvider, StateStore | None, str]] = []
+    built: list[tuple[StreamingExpertProvider, StateStore | None, StateStore | None, str]] = []
 
     def streaming(checkpoint, layout, config):
         fingerprint = checkpoint.fingerprint()
         moe_layers = [l for l, m in enumerate(config.moe_layers) if m]
-        counts, learned, store = None, None, None
+        counts, learned, store, ws_store, saved = None, None, None, None, None
         if baseline:
             provider = StreamingExpertProvider(layout, config, options)
-            built.append((provider, None, fingerprint))
+            built.append((provider, None, None, fingerprint))
             return provider
         try:
             store = StateStore(Path(state_dir) if state_dir else default_state_dir(environ), fingerprint,
@@ -212,6 +231,8 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
                                      options.half_life_tokens)
             if state is not None:
                 counts, learned = state
+            ws_store = working_set_store(store.state_dir, fingerprint, len(moe_layers), config.num_experts)
+            saved = load_working_set(ws_store, len(moe_layers), config.num_experts)
             if not store.writable:
                 log.warning("state_dir_read_only", state_dir=str(store.state_dir),
                             learned_usage_loaded=counts is not None,
@@ -220,20 +241,23 @@ def open_model(model_dir: str | Path, *, threads: int | None, cache_bytes: int |
         except OSError as e:
             log.warning("state_dir_unusable", error=str(e),
                         effect="expert usage will not be learned across runs")
-            store = None
+            store = ws_store = None
         provider = StreamingExpertProvider(layout, config, options, usage_counts=counts,
-                                           learned=learned)
-        built.append((provider, store, fingerprint))
+                                           learned=learned, working_set=saved)
+        log.info("expert_cache_warm_start", working_set=saved is not None, usage_counts=counts is not None,
+                 experts_read=provider.warm_loads)
+        built.append((provider, store, ws_store, fingerprint))
         return provider
 
     model = Model.load(model_dir, n_threads=threads, experts=streaming, numerics=numerics,
                        prefill_chunk=prefill_chunk)
-    provider, store, fingerprint = built[0]
+    provider, store, ws_store, fingerprint = built[0]
     if record_trace is not None:
         try:
             provider.trace_writer = TraceWriter(record_trace, len(provider.moe_layers))
         except OSError:
             model.close()
             raise
-    return model, ExpertSession(model, provider, store, fingerprint, options, baseline=baseline)
+    return model, ExpertSession(model, provider, store, fingerprint, options, baseline=baseline,
+                                working_set_store=ws_store)
 

@@ -57,6 +57,7 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 MAX_BYTES = 1 << 20     # a state file of a few settings (the tuner's); usage files pass theirs
 FAULT_STEPS = ("tmp_written", "fsynced", "renamed")  # where the _fault hook is called
+KINDS = ("usage", "tuned", "experts")   # file name stems (StateStore's kind)
 Check = Callable[[dict], object]    # validates a payload; raises ValueError naming the field
 
 
@@ -105,8 +106,9 @@ class StateStore:
     the model fingerprint (``Checkpoint.fingerprint()``), at least 16 characters.
     ``clock``: seconds since the epoch, for ``written_unix`` and set-aside names.
     ``_fault``: test hook called with each step of FAULT_STEPS during ``save``.
-    ``kind``: the file's name stem, ``usage`` (learned expert usage) or ``tuned`` (the
-    self-tuner's winners, daemon.tuning); each kind has its own file and lock.
+    ``kind``: the file's name stem, ``usage`` (learned expert usage), ``tuned`` (the
+    self-tuner's winners, daemon.tuning) or ``experts`` (the expert cache's working set,
+    daemon.store.working_set); each kind has its own file and lock.
     ``max_bytes``: the largest file read; a larger one is corrupt, set aside unread (for
     usage files, scheduler.usage.max_state_file_bytes of the model).
     """
@@ -120,8 +122,8 @@ class StateStore:
         self.state_dir = Path(state_dir)
         self.fingerprint = fingerprint
         self.state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        if kind not in ("usage", "tuned"):
-            raise ValueError(f"state file kind must be 'usage' or 'tuned', got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"state file kind must be 'usage', 'tuned' or 'experts', got {kind!r}")
         stem = f"{kind}-{fingerprint[:16]}"
         self.path = self.state_dir / f"{stem}.json"
         self.lock_path = self.state_dir / f"{stem}.lock"

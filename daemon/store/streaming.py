@@ -6,7 +6,9 @@ mechanism (daemon/store/: slot buffers, io worker threads, preadv). It implement
 
     acquire(layer, experts)  demand: hits are used in place, misses are read now (demand
                              reads go ahead of every queued prefetch), reads already in
-                             flight are waited for; returns read-only views into slots.
+                             flight are waited for (one still queued — a prefetch, a
+                             pin load, a warm start's — goes ahead as a demand read);
+                             returns read-only views into slots.
     hint(layer, logits, ahead)
                              prefetch: a later MoE layer's router (`ahead` MoE layers
                              on, 1 or up to `prefetch_depth`) applied to the current
@@ -38,6 +40,7 @@ from daemon.store.adaptive import GUESS_EARLY, GUESS_IDLE, GUESS_LIKELY, Adaptat
 from daemon.store.plans import ReadPlan, plans_for
 from daemon.store.reads import DEMAND, PIN_LOAD, PREFETCH, ExpertReadError, IoPool, probe_direct_io
 from daemon.store.slots import SlotArena
+from daemon.store.working_set import WorkingSet
 from ext.models.config import ModelConfig
 from ext.models.experts import ExpertLayout, ExpertProvider, ExpertWeights
 from scheduler.cache import (OUTCOME_HIT, OUTCOME_INFLIGHT, OUTCOME_MISS, PHASE_DECODE, CacheBudgetError,
@@ -110,9 +113,11 @@ class StreamingOptions:
         1.04-1.25x. Each staging slot is one the cache loses: needed reads were 141.8,
         142.8, 144.0 and 145.0 MB/token at 2, 4, 6 and 8 slots.
     half_life_tokens: usage decay. mlock: lock the slot memory when allowed.
-    warm_start: a session that starts with learned usage reads each layer's most used
-        experts into its empty dynamic tier at once (in the background, behind demand
-        reads): an empty cache evicts nothing, so this costs reads, never hits.
+    warm_start: a session that starts with what an earlier one saved reads it into its
+        empty cache at once (in the background, behind demand reads): each layer's
+        working set — what its dynamic tier held at the last flush, the most recent as
+        far as there is room (daemon/store/working_set.py) — then its most used experts,
+        and the saved pins. An empty cache evicts nothing, so this costs reads, never hits.
     learner_time_share: the most of the decode time the pin learner may take (its
         routing bookkeeping and its evaluations: an evaluation that is due waits until it
         fits; daemon/store/adaptive.py). Default 0.03: unbudgeted, its evaluations took
@@ -195,12 +200,14 @@ class StreamingExpertProvider(ExpertProvider):
     def __init__(self, layout: ExpertLayout, config: ModelConfig, options: StreamingOptions,
                  usage_counts: np.ndarray | None = None,
                  clock: Callable[[], float] = time.perf_counter, learned: dict | None = None,
-                 pinned_slots: int | None = None):
+                 pinned_slots: int | None = None, working_set: WorkingSet | None = None):
         """usage_counts: [MoE layers, experts] counts learned earlier (None: a first
         session). learned: what that session's pin learner and referee settled on
         (`learned_state()`; its "pin_share" is used only with usage_counts).
         pinned_slots: the pinned tier's size to start with, instead of the learned share's
-        (a rebuild that keeps the pins while the dynamic tier shrinks)."""
+        (a rebuild that keeps the pins while the dynamic tier shrinks). working_set: what
+        the cache of the session before held (`working_set()`; its layer count and ids
+        checked by the caller), read at start by the warm start."""
         self.config = config
         self.options = options
         self.clock = clock
@@ -265,6 +272,7 @@ class StreamingExpertProvider(ExpertProvider):
         self.routing_recorder = None                     # daemon.tuning.workload.RoutingRecorder
         self.trace_writer = None                         # daemon.store.trace.TraceWriter
         self.observe_usage = True                        # False: a synthetic workload runs
+        self._served_set: WorkingSet | None = None       # the working set before one ran
         self.phase = PHASE_DECODE
         self.pin_swaps = 0                               # experts pinned by re-evaluation
         self._inflight: dict[int, Future] = {}           # slot -> read in flight
@@ -296,14 +304,13 @@ class StreamingExpertProvider(ExpertProvider):
                     if not referee.is_on(name):
                         self._set_mechanism(name, False)
         if pinned_slots and usage_counts is not None:
-            self._apply_pins(select_pins(self._pin_counts(), self.slot_bytes,
-                                         pinned_slots * self.slot_bytes))
+            self._apply_pins(self._start_pins(pinned_slots, working_set if options.warm_start else None))
         if "transitions" in learned:                     # checked when the file was read
             self.cache.seed_transitions(decode_transitions(learned["transitions"], len(self.moe_layers),
                                                            config.num_experts))
         self.warm_loads = 0
-        if options.warm_start and usage_counts is not None:
-            self._warm_start()
+        if options.warm_start and (usage_counts is not None or working_set is not None):
+            self._warm_start(working_set)
         log.info("expert_cache_built", slots=total_slots, slot_bytes=self.slot_bytes,
                  pinned_slots=pinned_slots, staging_slots=staging_slots, io_path=self.io.io_path,
                  io_workers=options.io_workers, prefetch=options.prefetch,
@@ -350,6 +357,9 @@ class StreamingExpertProvider(ExpertProvider):
         self.token += tokens
         if self.observe_usage:
             self.usage.advance(tokens)
+            self._served_set = None
+        elif self._served_set is None:
+            self._served_set = self._live_working_set()
         a = self.adaptation
         if a is not None:
             decisions = a.step_begins(self.phase == PHASE_DECODE, self.observe_usage, self._io_totals)
@@ -401,6 +411,8 @@ class StreamingExpertProvider(ExpertProvider):
         futures = {i: self._inflight.pop(accesses[i].slot) for i in pending}
         for i in pending:
             self._prefetch_layer.pop(accesses[i].slot, None)
+            if accesses[i].outcome == OUTCOME_INFLIGHT and not futures[i].done():
+                self.io.expedite(futures[i])     # a warm start's queue may be long
         if in_order:
             ready = [i for i, a in enumerate(accesses) if a.outcome == OUTCOME_HIT]
             if ready:
@@ -649,17 +661,36 @@ class StreamingExpertProvider(ExpertProvider):
             self.adaptation.pins_changed({(self._row[l], e) for l, e in self.cache.pins},
                                          self.cache.pinned_slots)
 
-    def _warm_start(self) -> None:
-        """Fill each layer's dynamic tier with the experts it used most before (reads in
-        the background, behind every demand read and prefetch). An empty cache evicts
-        nothing, so a session whose traffic differs loses no hit to it, only reads."""
+    def _start_pins(self, pinned_slots: int, saved: WorkingSet | None) -> frozenset:
+        """The pins a session starts with ((MoE layer index, expert)): the saved working
+        set's pins that fit, the most used first, topped up with those the counts choose."""
+        counts = self._pin_counts()
+        chosen = select_pins(counts, self.slot_bytes, pinned_slots * self.slot_bytes)
+        if saved is None or not saved.pins:
+            return chosen
+        kept = list(saved.pins[:pinned_slots])
+        rest = sorted(set(chosen) - set(kept), key=lambda p: (-counts[p], p))
+        return frozenset(kept + rest[:pinned_slots - len(kept)])
+
+    def _warm_start(self, saved: WorkingSet | None) -> None:
+        """Fill each layer's dynamic tier with the experts a session before had there: the
+        saved working set, the most recent first as far as the tier has room (its pins
+        not pinned now after them), then — room left, or no working set saved — the
+        experts it used most. Reads in the background, behind every demand read and
+        prefetch; the most recent is read and admitted last (the most recent for the
+        policy). An empty cache evicts nothing, so a session whose traffic differs loses
+        no hit to it, only reads."""
         counts = self.usage.counts()
+        pinned = set(self.cache.pins)
         for layer in self.moe_layers:
-            row = counts[self._row[layer]]
-            room = self.cache.dynamic_slots(layer)
-            chosen = [int(e) for e in np.argsort(-row, kind="stable")[:room] if row[e] > 0]
+            row, room = counts[self._row[layer]], self.cache.dynamic_slots(layer)
+            order: list[int] = []
+            if saved is not None:
+                order = list(saved.layers[self._row[layer]]) + [e for r, e in saved.pins if r == self._row[layer]]
+            order += [int(e) for e in np.argsort(-row, kind="stable") if row[e] > 0]
+            chosen = [e for e in dict.fromkeys(order) if (layer, e) not in pinned][:room]
             warmed = []
-            for e in reversed(chosen):                  # the most used last: the most recent
+            for e in reversed(chosen):                  # the first last: the most recent
                 slot = self.cache.warm(layer, e, self.token)
                 if slot is not None:
                     self._submit(layer, e, slot, PIN_LOAD)
@@ -667,6 +698,18 @@ class StreamingExpertProvider(ExpertProvider):
                     warmed.append(e)
             if self.adaptation is not None and warmed:
                 self.adaptation.warm_started(self._row[layer], warmed)
+
+    def working_set(self) -> WorkingSet:
+        """What the cache holds now, for the next session's warm start: each layer's dynamic
+        tier, the most recently used first, and the pins, the most used first. While steps
+        not counted as usage run (a tuner's check prompt or built-in workload), and until
+        a counted step follows, what it held before them: the next session serves traffic."""
+        return self._served_set if self._served_set is not None else self._live_working_set()
+
+    def _live_working_set(self) -> WorkingSet:
+        counts = self.usage.counts()
+        pins = sorted(((self._row[l], e) for l, e in self.cache.pins), key=lambda p: (-counts[p], p))
+        return WorkingSet(tuple(tuple(self.cache.working_set(l)) for l in self.moe_layers), tuple(pins))
 
     def _pin_counts(self) -> np.ndarray:
         """The counts pins follow: the learner's chosen source, else the usage counts."""

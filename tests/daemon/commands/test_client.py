@@ -344,8 +344,9 @@ def test_demo_compares_moed_restarted_with_its_learned_state_against_the_naive_c
     else:
         assert speed.group(1).startswith("within the noise ("), speed.group(1)
     warm_line = re.search(r"^warm start: each restart found the state the learning run saved, by "
-                          r"the model's fingerprint: usage counts of the experts, from which it "
-                          r"read the most used \((\d+) KiB\) before the request, so the prompt's "
+                          r"the model's fingerprint: the experts its cache held when it stopped "
+                          r"and their usage counts, from which it read those experts \((\d+) KiB\) "
+                          r"before the request, so the prompt's "
                           r"lookups hit (\d+\.\d) %, against (\d+\.\d) % for the naive cache; "
                           r"(.*)$", out, re.M)
     assert warm_line, out
@@ -538,9 +539,9 @@ def test_the_demo_says_what_the_restart_took_from_the_learning_run(pins, said):
     lines = _summary((100.0, 101.0), (100.5, 99.0), learned_pins=pins)
     assert _line(lines, "warm start: ") == (
         "warm start: each restart found the state the learning run saved, by the model's "
-        "fingerprint: usage counts of the experts, from which it read the most used (4 KiB) "
-        "before the request, so the prompt's lookups hit 30.0 %, against 0.0 % for the naive "
-        f"cache; {said}")
+        "fingerprint: the experts its cache held when it stopped and their usage counts, from "
+        "which it read those experts (4 KiB) before the request, so the prompt's lookups hit "
+        f"30.0 %, against 0.0 % for the naive cache; {said}")
 
 
 def test_demo_repeats_must_be_at_least_two():

@@ -307,6 +307,21 @@ def test_demand_reads_overtake_queued_prefetches(shared_model):
                      (key[1], PIN_LOAD), (key[5], PIN_LOAD)]
 
 
+def test_an_expedited_read_goes_after_the_queued_demand_reads_and_before_the_rest(shared_model):
+    reasons = [PIN_LOAD, PIN_LOAD, DEMAND, PREFETCH]
+    with _queued_behind_a_busy_worker(shared_model, reasons) as (pool, plans, first, futures,
+                                                                 gate, order):
+        assert pool.expedite(futures[1]) is True           # a warm start's read a step needs
+        assert pool.expedite(first) is False                # started: nothing to do
+        gate.set()
+        for f in [first, *futures]:
+            f.result(WAIT)
+    key = [(p.layer, p.expert) for p in plans]
+    assert order == [(key[0], PREFETCH), (key[3], DEMAND), (key[2], PIN_LOAD), (key[4], PREFETCH),
+                     (key[1], PIN_LOAD)]
+    assert pool.stats().bytes_issued[PIN_LOAD] == plans[1].slot_bytes + plans[2].slot_bytes
+
+
 def test_cancel_pending_drops_only_queued_prefetches(shared_model):
     reasons = [PREFETCH, DEMAND, PREFETCH, PIN_LOAD]
     with _queued_behind_a_busy_worker(shared_model, reasons) as (pool, plans, first, futures,

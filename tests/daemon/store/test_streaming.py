@@ -344,6 +344,9 @@ class _HeldPrefetchPool:
     def prefetches(self, layer: int) -> list[int]:
         return [e for l, e, r in self.submitted if l == layer and r == PREFETCH]
 
+    def expedite(self, future) -> bool:
+        return False                                   # held reads have started
+
     def close(self):
         pass
 

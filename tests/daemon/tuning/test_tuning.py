@@ -93,7 +93,7 @@ def test_state_file_kinds_have_separate_files_and_unknown_kinds_are_refused(tmp_
     tuned.save(lambda _current: {"settings": 1})
     assert usage.load() is None                 # the usage file is untouched
     assert tuned.load() == {"settings": 1}
-    with pytest.raises(ValueError, match="'usage' or 'tuned', got 'cache'"):
+    with pytest.raises(ValueError, match="'usage', 'tuned' or 'experts', got 'cache'"):
         StateStore(tmp_path, FP, kind="cache")
 
 
