@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon.commands.cli import COMMANDS
-from daemon.service.config import KEYS, ServeConfig
+from daemon.commands.cli import COMMANDS, build_parser, command_parser
+from daemon.service.config import KEYS, ServeConfig, default_text
 from ext.makemodel import ARCHITECTURES
 from telemetry.metrics import DaemonMetrics
 
@@ -48,6 +48,8 @@ def test_configuration_page_names_every_key():
         row = re.search(rf"^\| `{key}` \|.*$", page, re.M).group(0)
         assert f"`MOED_{key.upper()}`" in row and f"`--{key.replace('_', '-')}`" in row, key
         assert spec.help in row, key            # the words of `moed serve --help`
+        default = row.split(" | ")[3].strip("`")
+        assert default == default_text(key), key   # the default as --help shows it (512M)
     numerics = re.search(r"^\| `numerics` \|.*$", page, re.M).group(0)
     assert f"| `{ServeConfig().numerics}` |" in numerics and "auto (" in numerics
 
@@ -68,6 +70,23 @@ def test_readme_table_and_cli_reference_name_every_command():
     headings = set(re.findall(r"^## moed ([a-z-]+)$", cli, re.M))
     for name, anchor, _ in table:
         assert anchor == name and name in headings, name
+
+
+def test_cli_reference_names_every_option_of_every_command():
+    # --help and --log-level are the page's opening words for every command
+    sections = dict(re.findall(r"^## moed ([a-z-]+)\n(.*?)(?=^## |\Z)", _read("docs/cli.md"),
+                               re.M | re.S))
+    parser = build_parser()
+    missing = {}
+    for command in COMMANDS:
+        options = {option for action in command_parser(parser, command.name)._actions
+                   for option in action.option_strings
+                   if option.startswith("--") and option not in ("--help", "--log-level")}
+        assert options, command.name            # the parser was found and read
+        text = sections.get(command.name, "")
+        missing[command.name] = sorted(o for o in options
+                                       if not re.search(rf"`[^`]*{re.escape(o)}(?![\w-])", text))
+    assert not any(missing.values()), {k: v for k, v in missing.items() if v}
 
 
 def test_readme_keeps_both_commands():

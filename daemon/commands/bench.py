@@ -29,7 +29,8 @@ def register(sub, parents: Parents) -> None:
                    help="tokens generated per run (default: 64)")
     b.add_argument("--repeats", type=positive_int, default=3, metavar="R",
                    help="runs of each mode (default: 3)")
-    b.add_argument("--prompt", default="", help="prompt text (default: a fixed token pattern)")
+    b.add_argument("--prompt", default="", metavar="TEXT",
+                   help="prompt text (default: a fixed token pattern)")
     b.add_argument("--prompt-file", default=None, metavar="FILE",
                    help="read the prompt text from FILE (UTF-8), cut to --prompt-tokens tokens")
     b.add_argument("--prompt-tokens", type=positive_int, default=256, metavar="N",
@@ -37,8 +38,9 @@ def register(sub, parents: Parents) -> None:
                         "than the context leaves room for (default: 256)")
     b.add_argument("--no-referee", action="store_true",
                    help="moed mode without the do-no-harm referee (every mechanism stays on)")
-    b.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
-    b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    b.add_argument("--temperature", type=float, default=0.7, metavar="T",
+                   help="sampling temperature (default: 0.7)")
+    b.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
     b.add_argument("--no-prefetch", action="store_true",
                    help="moed mode without prefetch (isolates the eviction policy and pins)")
     b.add_argument("--no-idle-prefetch", action="store_true",

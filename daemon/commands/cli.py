@@ -82,7 +82,7 @@ COMMANDS = (
     Command("replay-trace", "daemon.commands.replay",
             "replay a routing trace through the expert cache policies (no compute)"),
     Command("serve", "daemon.commands.serve",
-            "run the daemon: OpenAI-compatible HTTP on a Unix socket"),
+            "run the daemon: OpenAI- and Anthropic-compatible HTTP on a Unix socket and TCP"),
     Command("install-service", "daemon.commands.install_service",
             "install moed as a systemd service (user, config, state directory, units)"),
 )

@@ -6,8 +6,9 @@ import json
 import time
 from pathlib import Path
 
-from daemon.commands.args import (MODEL_HELP, Parents, Progress, UsageError, add_numerics,
-                                  check_model_dir, nonempty, positive_int, read_text_file)
+from daemon.commands.args import (MODEL_HELP, ExamplesFormatter, Parents, Progress, UsageError,
+                                  add_numerics, check_model_dir, nonempty, positive_int,
+                                  read_text_file)
 
 
 def register(sub, parents: Parents) -> None:
@@ -23,8 +24,13 @@ def register(sub, parents: Parents) -> None:
                     "for int8/int4/MXFP4 weights); the reference always runs exact, so "
                     "--model D --reference D --numerics fast measures what fast numerics costs "
                     "on D's weights, and --numerics exact what the weights alone cost.",
-        epilog="example: moed eval --model ./default-int4 --reference default "
-               "--text /usr/lib/python3.11/argparse.py --tokens 4096")
+        epilog="example: what an int4 repack of the default model costs, over a text of yours\n"
+               "  moed repack --model default --scheme int4 --out ./default-int4\n"
+               "  moed eval --model ./default-int4 --reference default --text ./my_code.py "
+               "--tokens 4096\n"
+               "(--text: any UTF-8 file; for the default model, Python code it was not "
+               "trained on)",
+        formatter_class=ExamplesFormatter)
     e.add_argument("--model", required=True, metavar="DIR", type=nonempty, help=MODEL_HELP)
     e.add_argument("--reference", required=True, metavar="DIR", type=nonempty,
                    help='the model to compare against ("default": the embedded default model)')

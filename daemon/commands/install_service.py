@@ -34,7 +34,7 @@ import sysconfig
 from importlib import metadata, resources
 from pathlib import Path
 
-from daemon.commands.args import MODEL_HELP, Parents, check_model_dir, nonempty
+from daemon.commands.args import MODEL_HELP, ExamplesFormatter, Parents, check_model_dir, nonempty
 
 BIN = "usr/local/bin/moed"
 UNIT_DIR = "etc/systemd/system"
@@ -228,7 +228,7 @@ def register(sub, parents: Parents) -> None:
                "  python3 -m venv /opt/moed && /opt/moed/bin/pip install .\n"
                "  /opt/moed/bin/moed install-service --model /srv/models/my-moe\n"
                "  systemctl daemon-reload && systemctl enable --now moed.socket moed.service",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=ExamplesFormatter)
     s.add_argument("--model", default=None, metavar="DIR", type=nonempty,
                    help=MODEL_HELP + " the service serves (default: the embedded default model)")
     s.add_argument("--root", default="/", metavar="DIR", type=nonempty,

@@ -23,18 +23,23 @@ def register(sub, parents: Parents) -> None:
     """`moed make-model` and its options."""
     m = sub.add_parser(
         "make-model", parents=[parents.common],
-        description="Write a checkpoint with random weights (config.json, tokenizer, sharded "
-                    "safetensors with an index) that transformers and moed both load. For "
-                    "tests and benchmarks: the text it generates is noise.",
+        description="Write a checkpoint with random weights (config.json, tokenizer, and one "
+                    "model.safetensors, or shards of at most --shard-size with a "
+                    "model.safetensors.index.json when the tensors are larger) that "
+                    "transformers and moed both load. For tests and benchmarks: the text it "
+                    "generates is noise.",
         epilog="example: moed make-model --arch qwen3_moe --layers 4 --experts 16 --top-k 4 "
                "--hidden 256 --intermediate 128 --out ./demo-model")
     m.add_argument("--arch", required=True, choices=list(ARCHITECTURES),
                    help="model family (config.json model_type)")
-    m.add_argument("--layers", type=positive_int, required=True, help="num_hidden_layers")
-    m.add_argument("--experts", type=positive_int, required=True, help="routed experts per layer")
-    m.add_argument("--top-k", type=positive_int, required=True, help="experts per token")
-    m.add_argument("--hidden", type=positive_int, required=True, help="hidden_size")
-    m.add_argument("--intermediate", type=positive_int, required=True,
+    m.add_argument("--layers", type=positive_int, required=True, metavar="L",
+                   help="num_hidden_layers")
+    m.add_argument("--experts", type=positive_int, required=True, metavar="E",
+                   help="routed experts per layer")
+    m.add_argument("--top-k", type=positive_int, required=True, metavar="K",
+                   help="experts per token")
+    m.add_argument("--hidden", type=positive_int, required=True, metavar="H", help="hidden_size")
+    m.add_argument("--intermediate", type=positive_int, required=True, metavar="I",
                    help="each expert's intermediate size")
     m.add_argument("--dtype", choices=["f32", "f16", "bf16", "fp8", "mxfp4"], default="bf16",
                    help="stored dtype (default: bf16); fp8: attention and expert projections "
@@ -47,14 +52,17 @@ def register(sub, parents: Parents) -> None:
     m.add_argument("--scale-fmt", choices=["float", "ue8m0"], default=None,
                    help="fp8 only: ue8m0 rounds every block scale up to a power of two and "
                         "writes \"scale_fmt\": \"ue8m0\" (DeepSeek-V3.1); default float")
-    m.add_argument("--shard-size", type=size, default=size("2G"), metavar="BYTES",
+    m.add_argument("--shard-size", type=size, default=size("2G"), metavar="SIZE",
                    help="largest shard, e.g. 64M or 2G (default: 2G)")
-    m.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    m.add_argument("--vocab-size", type=positive_int, default=None,
+    m.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
+    m.add_argument("--vocab-size", type=positive_int, default=None, metavar="V",
                    help="tokenizer vocabulary (default: 512)")
-    m.add_argument("--heads", type=positive_int, default=None, help="attention heads")
-    m.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads")
-    m.add_argument("--head-dim", type=positive_int, default=None,
+    m.add_argument("--heads", type=positive_int, default=None, metavar="N",
+                   help="attention heads (default: hidden / 64, or 4 when that is under 2)")
+    m.add_argument("--kv-heads", type=positive_int, default=None, metavar="N",
+                   help="key/value heads (default: half the heads, all when they are odd; "
+                        "deepseek_v3: all)")
+    m.add_argument("--head-dim", type=positive_int, default=None, metavar="D",
                    help="head_dim (qwen3_moe, glm4_moe, gpt_oss; deepseek_v3: sizes the MLA "
                         "defaults); default hidden / heads")
     m.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", type=_field,
@@ -63,7 +71,7 @@ def register(sub, parents: Parents) -> None:
                         "--set q_lora_rank=null --set n_group=4 --set topk_group=2 --set "
                         "'rope_parameters={\"rope_type\": \"yarn\", \"factor\": 4.0, "
                         "\"original_max_position_embeddings\": 1024}'; the tensors follow them")
-    m.add_argument("--initializer-range", type=float, default=0.02,
+    m.add_argument("--initializer-range", type=float, default=0.02, metavar="R",
                    help="standard deviation of the random weights (default: 0.02)")
     m.add_argument("--routing-skew", type=float, default=None, metavar="S",
                    help="build routers whose expert popularity per layer follows Zipf(S) (about 1 "

@@ -65,7 +65,7 @@ def register(sub, parents: Parents) -> None:
                    help="the output projection (lm_head, when not tied to the embeddings): keep "
                         "as stored (default) or int8 like the dense weights (needs --dense int8), "
                         "as llama.cpp's k-quant mixes quantise output.weight")
-    r.add_argument("--shard-size", type=size, default=size("2G"), metavar="BYTES",
+    r.add_argument("--shard-size", type=size, default=size("2G"), metavar="SIZE",
                    help="largest shard, e.g. 512M or 2G (default: 2G)")
     r.set_defaults(func=run)
 

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from daemon.commands.args import Parents, UsageError, fraction, positive_int
+from daemon.commands.args import ExamplesFormatter, Parents, UsageError, fraction, positive_int
 from scheduler.policy_names import POLICY_NAMES
 
 
@@ -24,8 +24,12 @@ def register(sub, parents: Parents) -> None:
                     "daemon does; the standard policies run without pins; Belady is the offline "
                     "optimum. The summary gives the default's lead over LRU in points and the "
                     "share of the LRU-to-Belady gap it closes.",
-        epilog="example: moed replay-trace ../shared/traces/kimi_linear_decode/trace_kimi_300.jsonl "
-               "--slots-per-layer 16")
+        epilog="example: record a trace of your own traffic, then replay it:\n"
+               "  moed serve --model default --socket /tmp/moed.sock "
+               "--record-trace ./routing.jsonl\n"
+               "  moed generate --socket /tmp/moed.sock --max-tokens 256 'def fibonacci('\n"
+               "  moed replay-trace ./routing.jsonl --slots-per-layer 16",
+        formatter_class=ExamplesFormatter)
     r.add_argument("trace", metavar="TRACE", help="routing trace, JSON Lines")
     r.add_argument("--slots-per-layer", type=positive_int, required=True, metavar="N",
                    help="cache size in experts per MoE layer (at least top_k)")

@@ -5,7 +5,8 @@ import argparse
 import json
 import os
 
-from daemon.commands.args import Parents, check_model_dir, configure_logging, version
+from daemon.commands.args import (ExamplesFormatter, Parents, check_model_dir, configure_logging,
+                                  version)
 from daemon.service.config import add_arguments
 
 
@@ -13,14 +14,19 @@ def register(sub, parents: Parents) -> None:
     """`moed serve` and its options (every configuration key is a flag)."""
     s = sub.add_parser(
         "serve", parents=[parents.common],
-        description="Serve a model to local programs over a Unix socket (OpenAI-compatible "
-                    "/v1/completions and /v1/chat/completions, streaming with SSE), with the "
-                    "expert cache, learned pins and prefetch. Runs until SIGTERM or Ctrl-C; "
-                    "SIGHUP re-reads the configuration. Logs go to stderr.",
+        description="Serve a model over HTTP/1.1 on a Unix socket, and on TCP with "
+                    "--tcp-address (with --api-key, TCP clients must send that key): OpenAI's "
+                    "/v1/completions, /v1/chat/completions (tool calls, reasoning, "
+                    "response_format) and /v1/responses, Anthropic's /v1/messages, all "
+                    "streaming with SSE; also /v1/models, /health, /metrics, /tokenize, "
+                    "/detokenize, /apply-template and /v1/moed/stats (docs/api.md lists "
+                    "them). Experts stream from disk into the expert cache, with learned pins "
+                    "and prefetch. Runs until SIGTERM or Ctrl-C; SIGHUP re-reads the "
+                    "configuration. Logs go to stderr.",
         epilog="example: moed serve --model default --socket /tmp/moed.sock "
                "--expert-cache-bytes 64M\n"
                "then:    curl --unix-socket /tmp/moed.sock http://localhost/v1/models",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=ExamplesFormatter)
     add_arguments(s, exclude={"log_level"})
     s.set_defaults(func=run)
 

@@ -72,11 +72,13 @@ class ConfigError(ValueError):
 
     ``key`` is the configuration key (``"config"`` for the file itself) and ``source``
     where the value came from (``"config file PATH"``, ``"environment MOED_KEY"``,
-    ``"flag --key"``, ``"default"``); the message is ``"key (source): reason"``.
+    ``"flag --key"``, ``"default"``); the message is ``"key (source): reason"``, unless
+    ``message`` gives the whole of it (for a value no source gave: "(default)" would
+    read as a value named "default").
     """
 
-    def __init__(self, key: str, source: str, reason: str):
-        super().__init__(f"{key} ({source}): {reason}")
+    def __init__(self, key: str, source: str, reason: str, *, message: str | None = None):
+        super().__init__(message or f"{key} ({source}): {reason}")
         self.key = key
         self.source = source
         self.reason = reason
@@ -539,8 +541,11 @@ class ServeConfig:
         """The model directory; raises ConfigError when unset or not a directory."""
         source = self.sources["model"]
         if self.model is None:
-            raise ConfigError("model", source, "not set: give --model DIR, MOED_MODEL=DIR or "
-                                               "model = \"DIR\" in the config file")
+            # None by default, or set back to None by an empty value ("" in a source)
+            given = "" if source == DEFAULT_SOURCE else f" ({source} sets it empty)"
+            raise ConfigError("model", source, "not set", message=(
+                f"no model given{given}: give --model DIR, MOED_MODEL=DIR or "
+                "model = \"DIR\" in the config file"))
         if not os.path.exists(self.model):
             raise ConfigError("model", source, f"{self.model} does not exist")
         if not os.path.isdir(self.model):
@@ -575,6 +580,30 @@ def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes as the docs and systemd/moed.toml write a size: the largest of G, M, K
+    (powers of 1024) that divides it exactly, else plain bytes (``512M``, ``1G``, ``1536``;
+    `parse_size` reads each back to ``n``)."""
+    for suffix, unit in (("G", GIB), ("M", MIB), ("K", 2**10)):
+        if n and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def default_text(name: str) -> str:
+    """Key ``name``'s default as `moed serve --help` and docs/configuration.md show it:
+    sizes with a K/M/G suffix, ``socket_mode`` in octal, booleans in lower case, and the
+    key's ``unset`` words when the default is None."""
+    key, default = KEYS[name], _default(name)
+    if default is None:
+        return key.unset
+    if name == "socket_mode":
+        return f"0{default:o}"
+    if key.parse in (_size, _size_or_zero):
+        return size_text(default)
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, exclude: Collection[str] = ()) -> None:
     """Register ``--config`` and one flag per key (except those in ``exclude``) on ``parser``.
 
@@ -594,16 +623,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: Collection[str] =
     for name, key in KEYS.items():
         if name in exclude:
             continue
-        default = _default(name)
-        if default is None:
-            shown = key.unset
-        elif name == "socket_mode":
-            shown = f"0{default:o}"
-        elif key.parse is _size and default % MIB == 0:
-            shown = f"{default // MIB}M"
-        else:
-            shown = str(default).lower() if isinstance(default, bool) else str(default)
-        text = f"{key.help} (default: {shown}; env {_env_name(name)})"
+        text = f"{key.help} (default: {default_text(name)}; env {_env_name(name)})"
         if name == "prefetch":
             group.add_argument(_flag_name(name), dest=name, nargs="?", const="true",
                                default=argparse.SUPPRESS, metavar=key.metavar, help=text)

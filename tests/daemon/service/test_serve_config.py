@@ -273,6 +273,14 @@ def test_help_names_every_flag_variable_and_default():
     assert "--no-prefetch" in text and "--config FILE" in text
     assert "(default: 0660; env MOED_SOCKET_MODE)" in text
     assert "(default: 1M; env MOED_MAX_BODY_BYTES)" in text
+    # every size in the docs' unit form, those that may be 0 (off) too
+    assert "(default: 512M; env MOED_PREFIX_CACHE_BYTES)" in text
+    assert "(default: 512M; env MOED_PREFIX_CACHE_PERSIST_BYTES)" in text
+    assert "(default: 1G; env MOED_GRAMMAR_COMPILE_MEMORY_BYTES)" in text
+    sizes = [n for n in KEYS if n.endswith("_bytes") and n != "expert_cache_bytes"]
+    assert len(sizes) == 4
+    for name in sizes:                      # no raw byte counts
+        assert re.search(rf"\(default: \d+[KMG]; env {_env(name)}\)", text), name
     assert "(default: 127.0.0.1:9464; env MOED_METRICS_ADDRESS)" in text
 
 
@@ -465,8 +473,14 @@ def test_to_dict_redacts_the_api_key():
 
 
 def test_require_model(tmp_path, nowhere):
-    with pytest.raises(ConfigError, match=r"^model \(default\): not set"):
+    with pytest.raises(ConfigError) as e:
         ServeConfig().require_model()
+    assert str(e.value) == ('no model given: give --model DIR, MOED_MODEL=DIR or model = "DIR" '
+                            'in the config file')
+    emptied, _ = load_config({}, {"MOED_MODEL": ""}, default_path=nowhere)
+    with pytest.raises(ConfigError, match=r"^no model given \(environment MOED_MODEL sets it "
+                                          r"empty\): give --model DIR"):
+        emptied.require_model()
     missing = tmp_path / "none"
     config, _ = load_config({}, {"MOED_MODEL": str(missing)}, default_path=nowhere)
     with pytest.raises(ConfigError) as e:
