@@ -26,6 +26,7 @@ up to it.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
@@ -90,9 +91,10 @@ class StepTimes:
             self._prefill.append((max(seconds - self.decode_s, 0.05 * seconds), prefill_rows))
 
     def prefill_rows(self, decode_rows: int, ratio: float) -> int:
-        """Prompt tokens for the next step beside `decode_rows` decode rows."""
+        """Prompt tokens for the next step beside `decode_rows` decode rows (ratio inf:
+        the whole chunk less the decode rows, as with none)."""
         room = self.chunk - decode_rows
-        if decode_rows == 0:
+        if decode_rows == 0 or ratio == math.inf:
             return room
         decode_s, row_s = self.decode_s, self.prefill_row_s
         if not decode_s or not row_s:           # nothing timed yet (or a clock that stands)
@@ -104,7 +106,8 @@ class StepTimes:
 
 class StepScheduler:
     """Plans the engine's steps: decode rows first, then prompt chunks, in admission
-    order, within the budget StepTimes gives for `ratio` (`prefill_step_ratio`, > 1).
+    order, within the budget StepTimes gives for `ratio` (`prefill_step_ratio`, > 1, or
+    inf: prompts first, every step fills the chunk).
 
     chunk: the most rows of a step (the model's prefill_chunk). Raises ValueError for a
     ratio that is not > 1 (also when set later).
