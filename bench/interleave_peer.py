@@ -6,18 +6,23 @@ streams' inter-token gaps while it is prefilled and its time to first token; one
 
 DIR is a moed checkpoint and F.gguf the same weights converted to GGUF (bench/llamacpp_ab.py
 makes both under its --work-dir: moed/bf16 and gguf/BF16.gguf; PATH is the llama-server of
-its build, build/bin/llama-server). Subjects: llama-server (`-m F.gguf -t T -c 4S*N -np S`:
+its build, build/bin/llama-server). Subjects: llama-server (`-m F.gguf -t T -c S*N -np S`:
 S slots of N context tokens each, its default batch sizes) and `moed serve` on DIR (T
 threads, S sequences, N context tokens, prefix cache off) once per `prefill_step_ratio` of
 --ratios. Both are reached over loopback TCP. Every subject is a fresh server per run; a
 run takes the subjects in turn, in the reverse order every other run.
 
+Tokens are counted from the events, each of which says how many tokens it carries: moed
+sends an event per token (its text possibly empty) with the token's logprobs; llama-server
+sends no event for a token after which the text ends in an incomplete UTF-8 character
+(random output of a byte-level vocabulary often does), so its requests ask for
+timings_per_token and each event's timings.predicted_n counts the tokens so far. An event
+of k tokens ends one gap and k - 1 gaps of zero.
+
 Per subject and run, after a warm-up:
   check:  S - 1 streams of --check-tokens tokens with stream_options.include_usage: the
-          events carrying a token (chunks whose choice has no finish_reason; both engines
-          send one per generated token, its text possibly empty) against
-          usage.completion_tokens — the streams' tokens below are counted from events, so
-          this says the count is right;
+          tokens the events carried against usage.completion_tokens ("token_check_ok"),
+          and whether every token had an event of its own ("one_event_per_token");
   alone:  the long prompt (--prompt-tokens random token ids, max_tokens 2) with nothing
           else running: its time to first token;
   mixed:  --streams streaming completions (8-token prompts, ignore_eos, --stream-tokens
@@ -41,7 +46,7 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
+import shlex
 import subprocess
 import sys
 import time
@@ -99,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline-s", type=float, default=3.0,
                    help="seconds of decoding measured before the long prompt")
     p.add_argument("--pause", type=float, default=2.0, help="idle seconds before each run")
+    p.add_argument("--llama-server-args", type=shlex.split, default=[], metavar="ARGS",
+                   help="more llama-server arguments, one string, e.g. '--poll 0' (default none)")
     args = p.parse_args(argv)
     if args.runs < 3:
         p.error("--runs: at least 3")
@@ -119,7 +126,7 @@ def llama_server(args) -> dict:
     port = free_port()
     cmd = [str(args.llama_server), "-m", str(args.gguf), "-t", str(args.threads),
            "-c", str(args.context * args.slots), "-np", str(args.slots), "--port", str(port),
-           "--host", "127.0.0.1"]
+           "--host", "127.0.0.1", *args.llama_server_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -134,7 +141,9 @@ def llama_server(args) -> dict:
             if time.time() > deadline:
                 raise RuntimeError("llama-server not ready in 300 s")
             time.sleep(0.5)
-        yield {"url": url, "headers": {}, "command": cmd}
+        # timings_per_token: every event counts the tokens so far (llama-server sends no
+        # event, nor logprobs, for a token that leaves the text an incomplete UTF-8 character)
+        yield {"url": url, "headers": {}, "extra": {"timings_per_token": True}, "command": cmd}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -146,7 +155,7 @@ def moed_server(args, ratio: float) -> dict:
              "--max-context-tokens", str(args.context), "--prefix-cache-bytes", "0",
              "--prefill-step-ratio", str(ratio)]
     with serve(str(args.model), *extra) as d:
-        yield {"url": d["url"], "headers": {"Authorization": f"Bearer {d['api_key']}"},
+        yield {"url": d["url"], "headers": {"Authorization": f"Bearer {d['api_key']}"}, "extra": {},
                "command": ["moed", "serve", "--model", str(args.model), *extra]}
 
 
@@ -157,24 +166,54 @@ def llama_version(binary: Path) -> str:
 
 # ---------------------------------------------------------------- the requests
 
-async def _stream(session, server: dict, body: dict, events: list[float], usage: dict,
+def event_tokens(event: dict, before: int) -> int:
+    """Tokens a streamed completion event carries, `before` tokens having come: from
+    llama-server's count of tokens so far (timings.predicted_n, sent with every event when
+    the request asks timings_per_token), else from the choice's logprobs (OpenAI's
+    completions shape, "tokens": moed; the chat shape, "content")."""
+    counted = (event.get("timings") or {}).get("predicted_n")
+    if counted is not None:
+        return counted - before
+    lp = event["choices"][0].get("logprobs") or {}
+    return len(lp.get("tokens") or lp.get("content") or [])
+
+
+async def _stream(session, server: dict, body: dict, events: list[tuple[float, int]], usage: dict,
                   first: asyncio.Future | None = None) -> None:
-    """A streamed completion: the arrival time of each token event into `events` (a
-    chunk whose choice has no finish_reason), its usage into `usage`."""
-    async with session.post(server["url"] + "/v1/completions", json=body,
+    """A streamed completion: (arrival time, tokens carried) of each event with a choice
+    into `events`, its usage into `usage`; `first` gets the first token's arrival."""
+    async with session.post(server["url"] + "/v1/completions", json={**body, **server["extra"]},
                             headers=server["headers"]) as resp:
+        came = 0
         async for event in sse_events(resp):
             if event.get("usage"):
                 usage.update(event["usage"])
-            if event["choices"] and event["choices"][0].get("finish_reason") is None:
-                events.append(time.perf_counter())
-                if first is not None and not first.done():
-                    first.set_result(events[-1])
+            if event["choices"]:
+                k = event_tokens(event, came)
+                came += k
+                events.append((time.perf_counter(), k))
+                if first is not None and k and not first.done():
+                    first.set_result(events[-1][0])
+
+
+def token_gaps(events: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """(end time, seconds) of each token's gap after the one before: an event of k tokens
+    ends one gap and k - 1 of zero (they arrive together); events without one are skipped."""
+    out, last = [], None
+    for t, k in events:
+        if not k:
+            continue
+        if last is not None:
+            out += [(t, t - last)] + [(t, 0.0)] * (k - 1)
+        last = t
+    return out
 
 
 def _body(prompt: list[int], max_tokens: int, seed: int) -> dict:
+    # logprobs: every event says how many tokens it carries
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": 1}
 
 
 def _session(n: int) -> aiohttp.ClientSession:
@@ -189,7 +228,8 @@ async def check(server: dict, n: int, tokens: int, ids) -> list[dict]:
         usage = [{} for _ in range(n)]
         await asyncio.gather(*(_stream(s, server, _body(ids(8), tokens, i), events[i], usage[i])
                                for i in range(n)))
-    return [{"events": len(e), "completion_tokens": u.get("completion_tokens")}
+    return [{"events": len(e), "token_events": sum(1 for _, k in e if k),
+             "tokens": sum(k for _, k in e), "completion_tokens": u.get("completion_tokens")}
             for e, u in zip(events, usage)]
 
 
@@ -198,7 +238,7 @@ async def alone(server: dict, prompt: list[int]) -> dict:
         events, usage = [], {}
         t0 = time.perf_counter()
         await _stream(s, server, _body(prompt, 2, 0), events, usage)
-    return {"ttft_s": events[0] - t0, "usage": usage}
+    return {"ttft_s": next(t for t, k in events if k) - t0, "usage": usage}
 
 
 async def mixed(server: dict, args, prompt: list[int], ids) -> dict:
@@ -207,7 +247,7 @@ async def mixed(server: dict, args, prompt: list[int], ids) -> dict:
         usage = [{} for _ in range(args.streams)]
         tasks = [asyncio.create_task(_stream(s, server, _body(ids(8), args.stream_tokens, i),
                                              events[i], usage[i])) for i in range(args.streams)]
-        while min(len(e) for e in events) < 2:              # every stream is decoding
+        while min(sum(k for _, k in e) for e in events) < 2:     # every stream is decoding
             if any(t.done() for t in tasks):
                 await asyncio.gather(*tasks)                # raises the failure
             await asyncio.sleep(0.01)
@@ -223,9 +263,10 @@ async def mixed(server: dict, args, prompt: list[int], ids) -> dict:
         await asyncio.gather(*tasks, return_exceptions=True)
     if any(done_early):
         raise RuntimeError("a stream ended before the long prompt's first token: raise --stream-tokens")
-    gaps = [[(t1, t1 - t0) for t0, t1 in zip(e, e[1:])] for e in events]
     return {"ttft_s": first_at - sent, "usage": long_usage,
-            "stream_tokens": [len(e) for e in events], **gap_stats(gaps, sent, first_at)}
+            "stream_tokens": [sum(k for _, k in e) for e in events],
+            "stream_events": [len(e) for e in events],
+            **gap_stats([token_gaps(e) for e in events], sent, first_at)}
 
 
 def one_run(args, subject: tuple[str, float | None], rng) -> dict:
@@ -244,7 +285,8 @@ def one_run(args, subject: tuple[str, float | None], rng) -> dict:
         mix = asyncio.run(mixed(server, args, ids(args.prompt_tokens), ids))
     mix.update({"ttft_alone_s": lone["ttft_s"], "ttft_ratio_mixed_over_alone": mix["ttft_s"] / lone["ttft_s"],
                 "alone_usage": lone["usage"], "token_check": checked,
-                "token_check_ok": all(c["events"] == c["completion_tokens"] for c in checked),
+                "token_check_ok": all(c["tokens"] == c["completion_tokens"] for c in checked),
+                "one_event_per_token": all(c["token_events"] == c["tokens"] for c in checked),
                 "loadavg_at_start": list(load), "command": server["command"]})
     return mix
 
@@ -282,7 +324,8 @@ def main(argv=None) -> int:
                 f"{r['gap_before_median_s'] * 1e3:.0f} ms, p99 during {r['gap_during_p99_s']:.2f} s "
                 f"({r['gap_ratio_p99_over_median']:.1f}x); load {r['loadavg_at_start'][0]:.2f}")
     results = {name: {"runs": rs, **{f: spread([round(r[f], 4) for r in rs]) for f in FIGURES},
-                      "token_check_ok": all(r["token_check_ok"] for r in rs)}
+                      "token_check_ok": all(r["token_check_ok"] for r in rs),
+                      "one_event_per_token": all(r["one_event_per_token"] for r in rs)}
                for name, rs in runs.items()}
     tree = args.llama_server.resolve().parent.parent.parent          # <tree>/build/bin/llama-server
     print(json.dumps({
@@ -292,7 +335,8 @@ def main(argv=None) -> int:
         "llama_cpp": {"version": llama_version(args.llama_server), **llama_source(tree)},
         "results": results,
         "summary": [{"subject": name, **{f: r[f]["median"] for f in FIGURES},
-                     "token_check_ok": r["token_check_ok"]} for name, r in results.items()],
+                     "token_check_ok": r["token_check_ok"],
+                     "one_event_per_token": r["one_event_per_token"]} for name, r in results.items()],
         "elapsed_s": round(time.time() - start, 1)}, indent=2))
     return 0
 

@@ -22,6 +22,12 @@ kernels' threads were OpenMP's, waiting passively), since the small calls of a s
 step ran on one thread (below the kernels' parallel_threshold) while a full chunk alone
 used both. Chunking never changes output: a position's logits depend only on the tokens
 up to it.
+
+A ratio of inf puts prompts first (llama.cpp's order): every step beside the decodes
+takes the whole chunk, as with nothing decoding, so a prompt's time to first token is
+its time alone and the streams wait a full chunk's step between tokens. The ratio is
+the one knob from streams first (near 1) to prompt first (inf), as vLLM's
+max_num_batched_tokens is there, but in time rather than tokens.
 """
 from __future__ import annotations
 
