@@ -31,7 +31,7 @@ import time
 import aiohttp
 import numpy as np
 
-from served import ensure_model, percentile, serve, spread, sse_choices
+from served import ensure_model, percentile, serve, spread, sse_choices, tokenizer_size
 
 MAKE_MODEL = ["--arch", "qwen3_moe", "--layers", "8", "--experts", "16", "--top-k", "2",
               "--hidden", "256", "--intermediate", "256", "--seed", "3"]
@@ -163,7 +163,7 @@ def main() -> int:
                    help="extra `moed serve` argument (repeatable), e.g. --serve-arg=--max-concurrent-sequences=8")
     args = p.parse_args()
     model = ensure_model(args.model, MAKE_MODEL)
-    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    vocab = tokenizer_size(model)
     extra = ["--prefix-cache-bytes", "0", *args.serve_arg]
     if args.threads:
         extra += ["--threads", str(args.threads)]

@@ -62,7 +62,7 @@ sys.path[:0] = [str(BENCH), str(ROOT)]
 
 from interleave import gap_stats  # noqa: E402
 from llamacpp_ab import machine, llama_source  # noqa: E402
-from served import free_port, serve, spread, sse_events  # noqa: E402
+from served import free_port, serve, spread, sse_events, tokenizer_size  # noqa: E402
 
 LLAMA = "llama.cpp"
 
@@ -289,12 +289,6 @@ def one_run(args, subject: tuple[str, float | None], rng) -> dict:
                 "one_event_per_token": all(c["token_events"] == c["tokens"] for c in checked),
                 "loadavg_at_start": list(load), "command": server["command"]})
     return mix
-
-
-def tokenizer_size(model: Path) -> int:
-    """Token ids the checkpoint's tokenizer knows (its config's vocab_size may be larger)."""
-    tok = json.loads((model / "tokenizer.json").read_text())
-    return len(tok["model"]["vocab"])
 
 
 def subject_name(subject: tuple[str, float | None]) -> str:

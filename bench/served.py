@@ -57,6 +57,13 @@ async def sse_texts(resp):
         yield choice["text"]
 
 
+def tokenizer_size(model: str | Path) -> int:
+    """Token ids a checkpoint's tokenizer.json knows (its config's vocab_size may be
+    larger, as make-model's --vocab-size pads the embedding past the tokenizer)."""
+    tok = json.loads((Path(model) / "tokenizer.json").read_text())
+    return len(tok["model"]["vocab"])
+
+
 def spread(values: list[float]) -> dict:
     """Median, min and max of repeated measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
