@@ -31,7 +31,7 @@ import time
 import aiohttp
 import numpy as np
 
-from served import ensure_model, percentile, serve, spread, sse_choices
+from served import ensure_model, percentile, serve, spread, sse_choices, tokenizer_size
 
 MAKE_MODEL = ["--arch", "qwen3_moe", "--layers", "8", "--experts", "16", "--top-k", "2",
               "--hidden", "256", "--intermediate", "256", "--seed", "3"]
@@ -97,21 +97,28 @@ async def _mixed(socket_path: str, body: dict, streams: int, baseline_s: float, 
         await asyncio.gather(*tasks, return_exceptions=True)
     out = {"ttft_s": ttft_at - sent}
     for kind, which in (("token", 1), ("event", 0)):
-        before, during = [], []
-        for a, k in zip(arrivals, tokens):
-            gaps = _gaps(a, k)[which]
-            before += [g for t1, g in gaps if t1 < sent]
-            # a gap belongs to the prefill when it ends after the send and starts before
-            # the long prompt's first token
-            during += [g for t1, g in gaps if t1 > sent and t1 - g < ttft_at]
-        out[kind] = {"gap_before_median_s": statistics.median(before),
-                     "gap_before_p99_s": percentile(before, 0.99),
-                     "gap_during_median_s": statistics.median(during),
-                     "gap_during_p99_s": percentile(during, 0.99), "gap_during_max_s": max(during),
-                     "gaps_before": len(before), "gaps_during": len(during),
-                     "gap_ratio_p99_over_median": percentile(during, 0.99) / statistics.median(before),
-                     "gap_ratio_p99_before_over_median": percentile(before, 0.99) / statistics.median(before)}
+        out[kind] = gap_stats([_gaps(a, k)[which] for a, k in zip(arrivals, tokens)], sent, ttft_at)
     return out
+
+
+def gap_stats(streams: list[list[tuple[float, float]]], sent: float, first_at: float) -> dict:
+    """The streams' gaps ((end time, seconds) each) before a long prompt was sent at
+    `sent` and during its prefill (until its first token at `first_at`): medians, p99,
+    max, counts, and the ratios to the median before."""
+    before, during = [], []
+    for gaps in streams:
+        before += [g for t1, g in gaps if t1 < sent]
+        # a gap belongs to the prefill when it ends after the send and starts before
+        # the long prompt's first token
+        during += [g for t1, g in gaps if t1 > sent and t1 - g < first_at]
+    median = statistics.median(before)
+    return {"gap_before_median_s": median, "gap_before_p99_s": percentile(before, 0.99),
+            "gap_during_median_s": statistics.median(during),
+            "gap_during_p99_s": percentile(during, 0.99), "gap_during_max_s": max(during),
+            "gaps_before": len(before), "gaps_during": len(during),
+            "gap_ratio_p99_over_median": percentile(during, 0.99) / median,
+            "gap_ratio_max_over_median": max(during) / median,
+            "gap_ratio_p99_before_over_median": percentile(before, 0.99) / median}
 
 
 async def _rejected(socket_path: str, streams: int, nbytes: int, rng, vocab: int) -> dict:
@@ -156,7 +163,7 @@ def main() -> int:
                    help="extra `moed serve` argument (repeatable), e.g. --serve-arg=--max-concurrent-sequences=8")
     args = p.parse_args()
     model = ensure_model(args.model, MAKE_MODEL)
-    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    vocab = tokenizer_size(model)
     extra = ["--prefix-cache-bytes", "0", *args.serve_arg]
     if args.threads:
         extra += ["--threads", str(args.threads)]

@@ -32,15 +32,21 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def sse_choices(resp):
-    """The first choice (a dict) of each chunk with text of a streamed completion
-    (aiohttp response)."""
+async def sse_events(resp):
+    """Every chunk (a dict) of a streamed completion (aiohttp response), up to [DONE];
+    RuntimeError for an answer that is not 200."""
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
     async for line in resp.content:
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
-        event = json.loads(line[6:])
+        yield json.loads(line[6:])
+
+
+async def sse_choices(resp):
+    """The first choice (a dict) of each chunk with text of a streamed completion
+    (aiohttp response)."""
+    async for event in sse_events(resp):
         if event["choices"] and event["choices"][0].get("text"):
             yield event["choices"][0]
 
@@ -49,6 +55,13 @@ async def sse_texts(resp):
     """The text of each choice chunk of a streamed completion (aiohttp response)."""
     async for choice in sse_choices(resp):
         yield choice["text"]
+
+
+def tokenizer_size(model: str | Path) -> int:
+    """Token ids a checkpoint's tokenizer.json knows (its config's vocab_size may be
+    larger, as make-model's --vocab-size pads the embedding past the tokenizer)."""
+    tok = json.loads((Path(model) / "tokenizer.json").read_text())
+    return len(tok["model"]["vocab"])
 
 
 def spread(values: list[float]) -> dict:

@@ -287,7 +287,8 @@ class Engine:
         prefix (0: no prefix caching). context_tokens: the most tokens (prompt and
         completion) one sequence holds, at most the model's (None: the model's); a
         sequence's KV cache never grows past it. prefill_step_ratio: > 1; a step with prefill rows
-        beside decode rows aims at this multiple of a decode step's time.
+        beside decode rows aims at this multiple of a decode step's time (inf: prompts
+        first, such a step takes the whole prefill chunk).
     on_finish: called as on_finish(handle) on the engine thread when a request ends
         (its stats and finish_reason are final): the canonical log line.
     on_decode_step: called with the duration (seconds) of each step with decode rows;
@@ -341,7 +342,7 @@ class Engine:
 
     @property
     def prefill_step_ratio(self) -> float:
-        """The step scheduler's ratio (settable live; ValueError unless > 1)."""
+        """The step scheduler's ratio (settable live; ValueError unless > 1; inf: prompts first)."""
         return self.scheduler.ratio
 
     @prefill_step_ratio.setter

@@ -22,10 +22,17 @@ kernels' threads were OpenMP's, waiting passively), since the small calls of a s
 step ran on one thread (below the kernels' parallel_threshold) while a full chunk alone
 used both. Chunking never changes output: a position's logits depend only on the tokens
 up to it.
+
+A ratio of inf puts prompts first (llama.cpp's order): every step beside the decodes
+takes the whole chunk, as with nothing decoding, so a prompt's time to first token is
+its time alone and the streams wait a full chunk's step between tokens. The ratio is
+the one knob from streams first (near 1) to prompt first (inf), as vLLM's
+max_num_batched_tokens is there, but in time rather than tokens.
 """
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
@@ -90,9 +97,10 @@ class StepTimes:
             self._prefill.append((max(seconds - self.decode_s, 0.05 * seconds), prefill_rows))
 
     def prefill_rows(self, decode_rows: int, ratio: float) -> int:
-        """Prompt tokens for the next step beside `decode_rows` decode rows."""
+        """Prompt tokens for the next step beside `decode_rows` decode rows (ratio inf:
+        the whole chunk less the decode rows, as with none)."""
         room = self.chunk - decode_rows
-        if decode_rows == 0:
+        if decode_rows == 0 or ratio == math.inf:
             return room
         decode_s, row_s = self.decode_s, self.prefill_row_s
         if not decode_s or not row_s:           # nothing timed yet (or a clock that stands)
@@ -104,7 +112,8 @@ class StepTimes:
 
 class StepScheduler:
     """Plans the engine's steps: decode rows first, then prompt chunks, in admission
-    order, within the budget StepTimes gives for `ratio` (`prefill_step_ratio`, > 1).
+    order, within the budget StepTimes gives for `ratio` (`prefill_step_ratio`, > 1, or
+    inf: prompts first, every step fills the chunk).
 
     chunk: the most rows of a step (the model's prefill_chunk). Raises ValueError for a
     ratio that is not > 1 (also when set later).

@@ -203,7 +203,9 @@ def _int(lo: int, hi: int | None = None) -> Callable[[object], int]:
     return parse
 
 
-def _float(lo: float, *, lo_open: bool, hi: float | None = None) -> Callable[[object], float]:
+def _float(lo: float, *, lo_open: bool, hi: float | None = None,
+           infinite: bool = False) -> Callable[[object], float]:
+    """A number >= lo (> lo when lo_open) and <= hi; `infinite`: inf is taken too."""
     def parse(value: object) -> float:
         if isinstance(value, str):
             try:
@@ -214,8 +216,10 @@ def _float(lo: float, *, lo_open: bool, hi: float | None = None) -> Callable[[ob
             x = float(value)
         else:
             raise ValueError(f"expected a number, got {_type_name(value)}")
+        if infinite and x == math.inf:
+            return x
         if not math.isfinite(x):
-            raise ValueError(f"must be finite, got {value!r}")
+            raise ValueError(f"must be finite{' or inf' if infinite else ''}, got {value!r}")
         if x < lo or (lo_open and x == lo):
             raise ValueError(f"must be {'>' if lo_open else '>='} {lo:g}, got {x:g}")
         if hi is not None and x > hi:
@@ -380,9 +384,12 @@ KEYS: Mapping[str, _Key] = types.MappingProxyType({
                                 "sized by the memory planner"),
     "max_concurrent_sequences": _Key(_int(1, MAX_CONCURRENT_SEQUENCES), "N", "requests decoded together"),
     "max_queue": _Key(_int(0), "N", "requests waiting behind them before 429"),
-    "prefill_step_ratio": _Key(_float(1, lo_open=True, hi=100), "R",
+    "prefill_step_ratio": _Key(_float(1, lo_open=True, hi=100, infinite=True), "R|inf",
                                "a step that prefills beside decodes aims at R decode steps' "
-                               "time (higher: long prompts first; lower: streams first)"),
+                               "time: lower, streams first (their tokens come at most about R "
+                               "times slower while a prompt is prefilled); higher, long prompts "
+                               "first; inf: a prompt takes whole prefill chunks and the streams "
+                               "wait a chunk's time, as llama.cpp does"),
     "prefill_chunk": _Key(_prefill_chunk, "TOKENS|auto",
                           "prompt tokens a forward step takes at most; auto: 512 (64 when memory "
                           "is short), or up to 1024 when the experts stream (fewer expert reads "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from daemon.engine.steps import INITIAL_PREFILL_ROWS, PREFILL_STEP_RATIO, StepScheduler
+from daemon.engine.steps import INITIAL_PREFILL_ROWS, MIN_PREFILL_ROWS, PREFILL_STEP_RATIO, StepScheduler
 
 
 @dataclass
@@ -54,7 +54,7 @@ def test_nothing_running_plans_nothing():
     assert StepScheduler(chunk=8).plan([]) == []
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5, float("nan")])
+@pytest.mark.parametrize("ratio", [1.0, 0.5, float("nan"), float("-inf")])
 def test_a_ratio_not_above_one_is_refused_at_start_and_when_set(ratio):
     with pytest.raises(ValueError, match="prefill_step_ratio must be > 1"):
         StepScheduler(ratio=ratio)
@@ -62,3 +62,41 @@ def test_a_ratio_not_above_one_is_refused_at_start_and_when_set(ratio):
     with pytest.raises(ValueError, match="prefill_step_ratio must be > 1"):
         s.ratio = ratio
     assert s.ratio == 2.0
+
+
+def _timed(ratio: float, decode_s: float = 0.010, row_s: float = 0.001) -> StepScheduler:
+    """A scheduler of chunk 64 that has seen decode steps of decode_s and a prompt step
+    of row_s a row."""
+    s = StepScheduler(chunk=64, ratio=ratio)
+    for _ in range(9):
+        s.observe(decode_s, 0, 2)
+    s.observe(64 * row_s, 64, 0)
+    return s
+
+
+def _prefill_sizes(s: StepScheduler, steps: int) -> list[int]:
+    d1, d2 = Row(_prompt(3), prefilled=3, last_token=7), Row(_prompt(2), prefilled=2, last_token=9)
+    p = Row(_prompt(10_000))
+    sizes = []
+    for _ in range(steps):
+        rows = s.plan([d1, p, d2])
+        assert [t.size for r, t in rows if r is not p] == [1, 1]      # the streams never wait a step
+        sizes.append(sum(t.size for r, t in rows if r is p))
+        p.prefilled += sizes[-1]
+    return sizes
+
+
+def test_the_ratio_spans_streams_first_to_prompt_first():
+    # inf (llama.cpp's order): every step beside the decodes fills the chunk at once
+    assert _prefill_sizes(_timed(float("inf")), 3) == [62, 62, 62]
+    # the default: the chunk grows (at most doubling a step) to (R - 1) decode steps' worth
+    want = int((PREFILL_STEP_RATIO - 1) * 0.010 / 0.001)
+    assert _prefill_sizes(_timed(PREFILL_STEP_RATIO), 4)[-1] == min(want, 62)
+    # near 1 (streams first): the fewest rows a step takes beside decodes
+    assert _prefill_sizes(_timed(1.01), 4)[-1] == MIN_PREFILL_ROWS
+
+
+def test_a_prompt_first_scheduler_plans_as_one_with_nothing_decoding():
+    s = StepScheduler(chunk=16, ratio=float("inf"))
+    d, p = Row(_prompt(1), prefilled=1, last_token=5), Row(_prompt(40))
+    assert [(r, t.size) for r, t in s.plan([p, d])] == [(d, 1), (p, 15)]    # nothing timed yet
