@@ -22,7 +22,7 @@ class Parents(NamedTuple):
 
     common: argparse.ArgumentParser     # --log-level
     machine: argparse.ArgumentParser    # --threads, --io-workers (commands that run the model)
-    client: argparse.ArgumentParser     # --socket (commands that ask the daemon)
+    client: argparse.ArgumentParser     # --socket | --url, --api-key (commands that ask the daemon)
 
 
 class Progress:
@@ -222,7 +222,15 @@ def parents() -> Parents:
     machine.add_argument("--io-workers", type=thread_count, default=2, metavar="N",
                          help="reader threads for experts streamed from disk (default: 2)")
     client = argparse.ArgumentParser(add_help=False)  # options of commands that ask the daemon
-    client.add_argument("--socket", default=None, metavar="PATH", type=nonempty,
-                        help="the daemon's Unix socket (default: $MOED_SOCKET, else "
-                             "/run/moed/moed.sock)")
+    where = client.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=None, metavar="PATH", type=nonempty,
+                       help="the daemon's Unix socket (default: $MOED_SOCKET, else "
+                            "/run/moed/moed.sock)")
+    where.add_argument("--url", default=None, metavar="URL", type=nonempty,
+                       help="ask the daemon over HTTP at URL instead, http://HOST:PORT (moed "
+                            "serve --tcp-address) or https:// through a TLS proxy (default: "
+                            "$MOED_URL)")
+    client.add_argument("--api-key", default=None, metavar="KEY", type=nonempty,
+                        help="with --url: the daemon's API key, sent as Authorization: Bearer "
+                             "(default: $MOED_API_KEY)")
     return Parents(common, machine, client)

@@ -1,18 +1,25 @@
-"""What the commands that ask a running daemon share: its socket, the request body, the
-text streamed to stdout, and one-line errors (exit 1) when the daemon fails them."""
+"""What the commands that ask a running daemon share: where it answers (its socket or its
+URL), the request body, the text streamed to stdout, and one-line errors (exit 1) when the
+daemon fails them."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
+from daemon.commands.args import UsageError
 
 
-def socket_path(args: argparse.Namespace) -> str:
+def target(args: argparse.Namespace):
+    """The daemon's `Target` from --socket / --url / --api-key and the environment
+    (client.target_from); a usage error for a bad URL or both MOED_URL and MOED_SOCKET."""
+    from daemon.commands.client import target_from
 
-    from daemon.commands.client import default_socket
-
-    return args.socket or default_socket(os.environ)
+    try:
+        return target_from(socket=args.socket, url=args.url, api_key=args.api_key,
+                           environ=os.environ)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 class TextOut:
     """Pieces of an answer written to stdout as they arrive; remembers whether a line is open."""
@@ -31,18 +38,19 @@ class TextOut:
             sys.stdout.flush()
         self.open = False
 
-def ask(args: argparse.Namespace, call):
-    """Run `call(client)` (a coroutine) against the daemon; its result.
+def ask(where, call):
+    """Run `call(client)` (a coroutine) against the daemon at `where` (a `Target`, see
+    `target`); its result.
 
-    DaemonError (including "nothing answers on the socket") propagates with a one-line
-    message; `client_command` turns it into exit status 1.
+    DaemonError (including "nothing answers there") propagates with a one-line message;
+    `client_command` turns it into exit status 1.
     """
     import asyncio
 
     from daemon.commands.client import Client
 
     async def run():
-        async with Client(socket_path(args)) as client:
+        async with Client(where) as client:
             return await call(client)
     return asyncio.run(run())
 

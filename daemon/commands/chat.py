@@ -6,7 +6,7 @@ import json
 import sys
 
 from daemon.commands.args import ExamplesFormatter, Parents, add_sampling_arguments, sampling_params
-from daemon.commands.ask import TextOut, client_command, request_body, socket_path
+from daemon.commands.ask import TextOut, client_command, request_body, target
 
 CHAT_COMMANDS = "/exit (or Ctrl-D) ends the chat, /reset forgets the conversation"
 
@@ -25,6 +25,7 @@ def register(sub, parents: Parents) -> None:
         epilog="examples:\n"
                "  moed chat\n"
                "  moed chat --socket /tmp/moed.sock --system 'Answer in one sentence.'\n"
+               "  MOED_API_KEY=... moed chat --url http://10.0.0.5:8000\n"
                "  printf 'Hello!\\nAnd what can you do?\\n' | moed chat --max-tokens 64\n"
                "  printf 'Hello!\\n' | moed chat --json",
         formatter_class=ExamplesFormatter)
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from daemon.commands.client import Client, DaemonError, DaemonUnavailableError
 
     sampling_params(args)
-    path = socket_path(args)
+    where = target(args)
     interactive = sys.stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     history = list(system)
 
     async def connect() -> Client:
-        return Client(path)
+        return Client(where)
 
     with asyncio.Runner() as runner:
         client = runner.run(connect())
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             models = runner.run(client.get("/v1/models"))
             if interactive:
                 name = (models.get("data") or [{}])[0].get("id", "?")
-                print(f"moed chat with {name} at {path}; {CHAT_COMMANDS}.", file=sys.stderr)
+                print(f"moed chat with {name} at {where}; {CHAT_COMMANDS}.", file=sys.stderr)
             while (line := _read_turn(interactive)) is not None:
                 line = line.strip()
                 if not line:

@@ -671,7 +671,7 @@ async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], s
     """Start the daemon, ask `spec.prompt`, read its counters, call `finish(figures, io
     path)` when given, keep serving until a signal when `keep`, and stop the daemon (exit
     code 0 required). Returns the figures."""
-    from daemon.commands.client import Client, completion_request
+    from daemon.commands.client import Client, Target, completion_request
 
     daemon = ServeProcess(argv, child_environment(options.environ))
     t0 = time.monotonic()
@@ -682,7 +682,7 @@ async def _serve_and_ask(options: DemoOptions, spec: RunSpec, argv: list[str], s
         metrics_url = f"http://{metrics['address']}/metrics" if metrics else "(not served)"
         note(f"{spec.name}: daemon ready in {time.monotonic() - t0:.1f} s; asking it to "
              f"complete {spec.prompt!r}")
-        async with Client(socket_path) as client:
+        async with Client(Target.unix(socket_path)) as client:
             before = await client.get("/v1/moed/stats")
             pins_at_start = len((await client.get("/v1/moed/pins")).get("pins") or ())
 

@@ -10,7 +10,7 @@ import time
 from daemon.commands.args import (ExamplesFormatter, Parents, UsageError, add_numerics,
                                   add_sampling_arguments, check_model_dir, fraction, nonempty,
                                   sampling_params, size, utf8_prompt)
-from daemon.commands.ask import TextOut, ask, client_command, request_body, socket_path
+from daemon.commands.ask import TextOut, ask, client_command, request_body, target
 
 
 def register(sub, parents: Parents) -> None:
@@ -18,7 +18,8 @@ def register(sub, parents: Parents) -> None:
     g = sub.add_parser(
         "generate", parents=[parents.common, parents.machine, parents.client],
         description="Stream the continuation of PROMPT to stdout. Without --model, the moed "
-                    "daemon (moed serve) generates it, asked over its Unix socket; with --model "
+                    "daemon (moed serve) generates it, asked over its Unix socket (or over HTTP "
+                    "with --url); with --model "
                     "DIR, this process loads the model directory and generates it, no daemon "
                     "involved (--threads, --io-workers and the expert cache options apply only "
                     "then). Decoding is greedy unless --temperature is given. Logs and timings "
@@ -26,6 +27,7 @@ def register(sub, parents: Parents) -> None:
         epilog="examples:\n"
                "  moed generate --max-tokens 64 'def fibonacci('\n"
                "  moed generate --socket /tmp/moed.sock --chat 'Write a haiku about caches.'\n"
+               "  MOED_API_KEY=... moed generate --url http://10.0.0.5:8000 'def fibonacci('\n"
                "  moed generate --model default --max-tokens 64 'def fibonacci('",
         formatter_class=ExamplesFormatter)
     g.add_argument("prompt", metavar="PROMPT",
@@ -63,7 +65,7 @@ def register(sub, parents: Parents) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
-        return _generate_over_socket(args)
+        return _generate_by_the_daemon(args)
     from ext.formats.quant import quantization_label
     from ext.generate import Generation
     from ext.tokenizer import Tokenizer, stop_token_ids
@@ -71,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger("cli")
     sampling = sampling_params(args)
-    if args.socket is not None:
-        raise UsageError("--socket asks the daemon and --model runs in this process: give one")
+    asking = [flag for flag, value in (("--socket", args.socket), ("--url", args.url),
+                                       ("--api-key", args.api_key)) if value is not None]
+    if asking:
+        raise UsageError(f"{', '.join(asking)} (asking the daemon) and --model (generating in "
+                         "this process) do not go together: give one")
     check_model_dir(args.model)
     utf8_prompt(args.prompt)
     t0 = time.perf_counter()
@@ -132,7 +137,7 @@ _IN_PROCESS_ONLY = {"threads": "--threads", "io_workers": "--io-workers", "exper
                     "record_trace": "--record-trace", "numerics": "--numerics"}
 
 @client_command
-def _generate_over_socket(args: argparse.Namespace) -> int:
+def _generate_by_the_daemon(args: argparse.Namespace) -> int:
     from telemetry.logs import get_logger
 
     given = [flag for dest, flag in _IN_PROCESS_ONLY.items()
@@ -142,6 +147,7 @@ def _generate_over_socket(args: argparse.Namespace) -> int:
                          "process); the daemon serves with its own settings")
     sampling_params(args)
     utf8_prompt(args.prompt)
+    where = target(args)
     if args.chat:
         path = "/v1/chat/completions"
         body = request_body(args, messages=[{"role": "user", "content": args.prompt}])
@@ -149,7 +155,7 @@ def _generate_over_socket(args: argparse.Namespace) -> int:
         path, body = "/v1/completions", request_body(args, prompt=args.prompt)
     text = TextOut()
     try:
-        result = ask(args, lambda client: client.stream(path, body, text))
+        result = ask(where, lambda client: client.stream(path, body, text))
     except BaseException:
         text.end_line()
         raise
@@ -158,7 +164,7 @@ def _generate_over_socket(args: argparse.Namespace) -> int:
     tokens = result.completion_tokens
     log = get_logger("cli")
     log.info("generation_finished", completion_tokens=tokens, finish_reason=result.finish_reason,
-             socket=socket_path(args),
+             **where.log_fields(),
              time_to_first_text_s=None if result.time_to_first_text_s is None
              else round(result.time_to_first_text_s, 4), duration_s=round(result.duration_s, 3))
     return 0

@@ -5,7 +5,7 @@ import argparse
 import json
 
 from daemon.commands.args import ExamplesFormatter, Parents
-from daemon.commands.ask import ask, client_command
+from daemon.commands.ask import ask, client_command, target
 
 
 def register(sub, parents: Parents) -> None:
@@ -20,7 +20,10 @@ def register(sub, parents: Parents) -> None:
                     "guesses: a used one joins its layer's dynamic tier, an unused one is "
                     "dropped). resident_slots hold an expert (or are reading one); "
                     "reserved_slots are being read.",
-        epilog="example: moed stats --socket /tmp/moed.sock")
+        epilog="examples:\n"
+               "  moed stats --socket /tmp/moed.sock\n"
+               "  MOED_API_KEY=... moed stats --url http://10.0.0.5:8000",
+        formatter_class=ExamplesFormatter)
     st.set_defaults(func=run_stats)
 
     pn = sub.add_parser(
@@ -28,7 +31,8 @@ def register(sub, parents: Parents) -> None:
         description="Ask the daemon which experts it keeps pinned in its cache, learned from "
                     "their use (GET /v1/moed/pins: layer, expert, usage score). With --reset, "
                     "make it forget the learned usage and drop the pins (POST "
-                    "/v1/moed/pins/reset; allowed for the daemon's own user and root). Prints "
+                    "/v1/moed/pins/reset; allowed for the daemon's own user and root, over its "
+                    "Unix socket only, never over --url). Prints "
                     "the JSON answer on stdout.",
         epilog="examples:\n"
                "  moed pins --socket /tmp/moed.sock\n"
@@ -40,14 +44,25 @@ def register(sub, parents: Parents) -> None:
 
 @client_command
 def run_stats(args: argparse.Namespace) -> int:
-    print(json.dumps(ask(args, lambda client: client.get("/v1/moed/stats")), indent=2))
+    print(json.dumps(ask(target(args), lambda client: client.get("/v1/moed/stats")), indent=2))
     return 0
 
 @client_command
 def run_pins(args: argparse.Namespace) -> int:
-    if args.reset:
-        answer = ask(args, lambda client: client.post("/v1/moed/pins/reset"))
+    from daemon.commands.client import DaemonError
+
+    where = target(args)
+    if not args.reset:
+        answer = ask(where, lambda client: client.get("/v1/moed/pins"))
     else:
-        answer = ask(args, lambda client: client.get("/v1/moed/pins"))
+        try:
+            answer = ask(where, lambda client: client.post("/v1/moed/pins/reset"))
+        except DaemonError as e:
+            if e.status != 403 or where.url is None:
+                raise
+            raise DaemonError(f"the moed daemon at {where} takes --reset (an admin call) only "
+                              "over its Unix socket, from its own user or root, never over "
+                              "TCP: run moed pins --reset --socket PATH on its machine "
+                              "(HTTP 403)", status=e.status, type=e.type, code=e.code) from None
     print(json.dumps(answer, indent=2))
     return 0

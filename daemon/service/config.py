@@ -52,9 +52,10 @@ NUMERICS = ("auto", "exact", "fast", "fast-bf16")
 DEFAULT_CONFIG_PATH = "/etc/moed/moed.toml"
 ENV_PREFIX = "MOED_"
 CONFIG_ENV = "MOED_CONFIG"
-# MOED_* variables that are not serve keys: the config file's name and build switches
-# read by setup.py. They are known, so they do not warn.
-OTHER_ENV = frozenset({CONFIG_ENV, "MOED_PORTABLE", "MOED_OPENMP", "MOED_DEBUG"})
+# MOED_* variables that are not serve keys: the config file's name, build switches read
+# by setup.py, and the client commands' daemon URL (daemon/commands/client.py). They are
+# known, so they do not warn.
+OTHER_ENV = frozenset({CONFIG_ENV, "MOED_PORTABLE", "MOED_OPENMP", "MOED_DEBUG", "MOED_URL"})
 MAX_THREADS = 1024
 MAX_CONNECTIONS = 65536
 MAX_CONCURRENT_SEQUENCES = 64   # ext.models.model.PREFILL_CHUNK: the rows of one batched step

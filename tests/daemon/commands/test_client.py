@@ -1,5 +1,6 @@
 """The daemon's clients end to end: `moed generate` / `chat` / `stats` / `pins` over the Unix
-socket of a real `moed serve`, and `moed demo` (which starts its own).
+socket and the TCP address (--url, with its API key) of a real `moed serve`, and `moed demo`
+(which starts its own).
 
 The reference for every answer is the daemon's own non-streamed HTTP answer, and for
 `generate` also the in-process `moed generate --model` (greedy, same prompt and budget).
@@ -19,11 +20,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_proc import MOED, Daemon, short_dir
+from daemon_proc import MOED, Daemon, free_port, short_dir
 
 from daemon.commands.cli import main
-from daemon.commands.client import (Client, DaemonUnavailableError, completion_request,
-                                    default_socket)
+from daemon.commands.client import (Client, DaemonError, DaemonUnavailableError, Target,
+                                    completion_request, default_socket, target_from)
 from daemon.commands.demo import DemoError, ServeProcess, default_cache_dir, default_model_dir
 from ext.formats.checkpoint import Checkpoint
 from ext.makemodel import make_model
@@ -40,7 +41,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(model_dir):
-    d = Daemon(model_dir, short_dir(), "--expert-cache-bytes", "2M")
+    d = Daemon(model_dir, short_dir(), "--expert-cache-bytes", "2M",
+               "--tcp-address", "127.0.0.1:0", env={"MOED_API_KEY": "k"})
     yield d
     assert d.stop() == 0
     d.cleanup()
@@ -122,7 +124,7 @@ def test_the_client_streams_pieces_as_they_arrive(daemon):
     pieces: list[str] = []
 
     async def ask():
-        async with Client(daemon.socket) as client:
+        async with Client(Target.unix(daemon.socket)) as client:
             return await client.stream("/v1/completions", completion_request(
                 prompt=PROMPT, max_tokens=TOKENS, temperature=0), pieces.append)
     result = asyncio.run(ask())
@@ -149,6 +151,12 @@ def test_in_process_options_without_model_are_usage_errors(daemon, model_dir, ca
         main(["generate", "--socket", daemon.socket, "--model", str(model_dir), "hi"])
     assert e.value.code == 2
     assert "give one" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--url", "http://127.0.0.1:1", "--api-key", "k", "--model",
+              str(model_dir), "hi"])
+    assert e.value.code == 2
+    assert ("--url, --api-key (asking the daemon) and --model (generating in this process) do "
+            "not go together: give one") in capsys.readouterr().err
 
 
 def test_a_refused_socket_names_the_path(tmp_path):
@@ -176,7 +184,7 @@ def test_the_default_socket():
 
 def test_the_client_error_for_a_missing_socket_is_typed(tmp_path):
     async def ask():
-        async with Client(str(tmp_path / "none.sock")) as client:
+        async with Client(Target.unix(str(tmp_path / "none.sock"))) as client:
             await client.get("/health")
     with pytest.raises(DaemonUnavailableError, match="none.sock: the socket does not exist"):
         asyncio.run(ask())
@@ -262,6 +270,127 @@ def test_stats_and_pins_print_the_daemons_json(daemon, model_dir, capsys):
     assert json.loads(capsys.readouterr().out) == {"reset": True, "pins_dropped": len(held["pins"])}
     _, after = daemon.json("GET", "/v1/moed/pins")
     assert after["pins"] == []
+
+
+# ---------------------------------------------------------------------- over TCP: --url
+
+
+def tcp_url(daemon: Daemon) -> str:
+    return "http://" + daemon.wait_event("tcp_listening")["address"]
+
+
+def test_generate_chat_stats_and_pins_over_the_url_with_the_key(daemon):
+    url = tcp_url(daemon)
+    text = completion_text(daemon, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+    proc = moed("generate", "--url", url, "--api-key", "k", "--max-tokens", str(TOKENS), PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == text + "\n"
+    [finished] = [e for e in map(json.loads, proc.stderr.splitlines())
+                  if e["event"] == "generation_finished"]
+    assert finished["url"] == url and "socket" not in finished
+
+    # $MOED_URL and $MOED_API_KEY instead of the flags; a trailing slash is fine
+    answer = completion_text(daemon, messages=[{"role": "user", "content": "hello"}],
+                             max_tokens=10, temperature=0)
+    env = {"MOED_URL": url + "/", "MOED_API_KEY": "k"}
+    proc = moed("chat", "--max-tokens", "10", input="hello\n", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == answer + "\n"
+    proc = moed("stats", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["requests"]["total"] >= 2
+    # the flag wins over $MOED_SOCKET, and the key is not needed on the socket
+    proc = moed("pins", "--url", url, env={"MOED_SOCKET": "/nonexistent.sock",
+                                           "MOED_API_KEY": "k"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == daemon.json("GET", "/v1/moed/pins")[1]
+
+    # the admin call: the daemon refuses it over TCP, and the client says so
+    proc = moed("pins", "--reset", env=env)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"moed pins: error: the moed daemon at {url} takes --reset (an admin "
+                           "call) only over its Unix socket, from its own user or root, never "
+                           "over TCP: run moed pins --reset --socket PATH on its machine "
+                           "(HTTP 403)\n")
+
+
+def test_over_the_url_a_missing_or_wrong_key_says_how_to_give_it(daemon):
+    url = tcp_url(daemon)
+    proc = moed("generate", "--url", url, "hello")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"moed generate: error: the moed daemon at {url} asks for an API "
+                           "key: give it with --api-key KEY or $MOED_API_KEY (HTTP 401)\n")
+    proc = moed("stats", "--url", url, env={"MOED_API_KEY": "wrong"})
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"moed stats: error: the moed daemon at {url} refused the API key "
+                           "(--api-key or $MOED_API_KEY): give the key it serves with (HTTP "
+                           "401)\n")
+
+
+def test_over_the_url_nothing_listening_plain_http_and_bad_urls_are_one_line(daemon):
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = moed("chat", "--url", url, input="hello\n")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"moed chat: error: cannot connect to the moed daemon at {url}: "
+                           "nothing is listening on it; is moed serve running with "
+                           "--tcp-address there? (choose another address with --url URL or "
+                           "$MOED_URL)\n")
+    # https to the daemon's own port, which speaks plain HTTP
+    https = tcp_url(daemon).replace("http://", "https://")
+    proc = moed("stats", "--url", https, "--api-key", "k")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"moed stats: error: cannot connect to the moed daemon at "
+                                  f"{https}: TLS failed (")
+    assert "moed serve itself speaks plain HTTP: use http://, or a TLS proxy" in proc.stderr
+    for bad in ("127.0.0.1:8000", "ftp://h:1", "http://:80", "http://h:99999", "http://u:p@h:1",
+                "http://h:1/?q=1"):
+        with pytest.raises(ValueError, match="^--url: "):
+            target_from(url=bad, environ={})
+
+
+def test_socket_and_url_together_are_a_usage_error(daemon):
+    proc = moed("stats", "--socket", daemon.socket, "--url", tcp_url(daemon))
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.endswith("moed stats: error: argument --url: not allowed with argument "
+                                "--socket\n")
+    proc = moed("stats", env={"MOED_SOCKET": daemon.socket, "MOED_URL": tcp_url(daemon)})
+    assert proc.returncode == 2
+    assert proc.stderr.endswith("moed stats: error: $MOED_URL and $MOED_SOCKET are both set: "
+                                "unset one, or choose with --url or --socket\n")
+
+
+def test_the_target_from_flags_and_environment():
+    assert target_from(environ={}) == Target.unix("/run/moed/moed.sock")
+    assert target_from(environ={"MOED_URL": "", "MOED_SOCKET": "/s"}) == Target.unix("/s")
+    url = target_from(environ={"MOED_URL": "https://moed.example/v/", "MOED_API_KEY": "sekrit"})
+    assert (url.url, url.api_key, url.base_url) == ("https://moed.example/v", "sekrit",
+                                                     "https://moed.example/v")
+    assert url.headers() == {"Authorization": "Bearer sekrit"}
+    assert "sekrit" not in repr(url)
+    flag = target_from(url="http://[::1]:8000", api_key="f", environ={"MOED_API_KEY": "k"})
+    assert (flag.url, flag.headers()) == ("http://[::1]:8000", {"Authorization": "Bearer f"})
+    # the key never goes over the socket
+    socket_target = target_from(socket="/s", environ={"MOED_URL": "http://h:1",
+                                                       "MOED_API_KEY": "k"})
+    assert socket_target.socket == "/s" and socket_target.headers() == {}
+    with pytest.raises(ValueError, match="^\\$MOED_URL: expected http://HOST:PORT"):
+        target_from(environ={"MOED_URL": "localhost:8000"})
+
+
+def test_a_connection_closed_by_the_server_names_the_url():
+    async def ask():
+        async def hang_up(reader, writer):
+            await reader.readline()
+            writer.close()
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, Client(Target.http(f"http://127.0.0.1:{port}")) as client:
+            await client.get("/v1/moed/stats")
+    with pytest.raises(DaemonError) as e:
+        asyncio.run(ask())
+    assert not isinstance(e.value, DaemonUnavailableError)
+    assert str(e.value).startswith("the moed daemon at http://127.0.0.1:")
+    assert " closed the connection: " in str(e.value)
 
 
 # ---------------------------------------------------------------------- demo

@@ -365,7 +365,7 @@ def test_unknown_key_in_the_file_is_an_error_with_a_hint(tmp_path, nowhere):
 def test_unknown_moed_variables_only_warn(nowhere):
     environ = {"MOED_MAX_QUEUE": "5", "MOED_MAX_QUEU": "6", "MOED_max_queue": "7",
                "MOED_CONFIG": "", "MOED_PORTABLE": "1", "MOED_OPENMP": "0", "MOED_DEBUG": "1",
-               "LANG": "C.UTF-8", "OTHER_MAX_QUEUE": "8"}
+               "MOED_URL": "http://h:1", "LANG": "C.UTF-8", "OTHER_MAX_QUEUE": "8"}
     config, warnings = load_config({}, environ, default_path=nowhere)
     assert config.max_queue == 5
     assert len(warnings) == 2
