@@ -67,8 +67,10 @@ MAX_ANALYSIS_TOKENS = 16384
 # The JSON of a constrained call: compact, as the format's examples write arguments
 # ({"location":"San Francisco"}), and no whitespace the model could pad without end.
 HARMONY_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# Each optional part starts with text the one before cannot match, so a header that is not
+# one fails in time linear in its length (two adjacent `\s*` backtracked cubically).
 _HEADER = re.compile(r"\s*(?:to=(?P<to1>[^\s<]+)\s*)?<\|channel\|>(?P<channel>[\w-]+)"
-                     r"(?:\s*to=(?P<to2>[^\s<]+))?\s*(?:<\|constrain\|>)?\s*[\w/.+-]*\s*")
+                     r"(?:\s*to=(?P<to2>[^\s<]+))?\s*(?:<\|constrain\|>\s*)?(?:[\w/.+-]+\s*)?")
 
 
 def is_harmony(chat_template: str | None) -> bool:
@@ -141,8 +143,8 @@ class HarmonyParser:
 
     def _header_feed(self) -> bool:
         """Reads the header in the buffer; False when more text is needed."""
-        at = self._buf.find(MESSAGE)
-        if at < 0:
+        at = self._buf.find(MESSAGE, 0, MAX_HEADER_CHARS + len(MESSAGE))
+        if at < 0:                       # (a whole answer comes in one piece: bound it too)
             if len(self._buf) > MAX_HEADER_CHARS or not any(
                     self._buf.startswith(s) or s.startswith(self._buf) for s in HEADER_STARTS):
                 self._state = "raw"

@@ -329,13 +329,14 @@ def glm_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
     nl = _lark_string(chr(10))
     rules = []
     for k, t in enumerate(tools):
-        schema_of = t.arguments_schema
-        props = schema_of.get("properties", {}) if isinstance(schema_of, dict) else {}
-        required = set(schema_of.get("required", [])) if isinstance(schema_of, dict) else set()
+        props, required = _glm_arguments(t)
         parts = []
         for j, (key, schema) in enumerate(props.items()):
             value = f"v{k}_{j}"
             if isinstance(schema, dict) and schema.get("type") == "string" and "enum" in schema:
+                if not isinstance(schema["enum"], list) or not schema["enum"]:
+                    raise ValueError(f"'{t.name}' parameters: the enum of '{key[:64]}' is not a "
+                                     "non-empty list")
                 rules.append(f"{value}: " + " | ".join(_lark_string(str(e)) for e in schema["enum"]))
             elif isinstance(schema, dict) and schema.get("type") == "string":
                 rules.append(f"{value}: /[^<]{_length(schema)}/")
@@ -352,6 +353,20 @@ def glm_grammar(tools: list[Tool], parallel: bool, text: LarkText) -> str:
              f"call: {text(HERMES_OPEN)} ({alternatives}) {text(chr(10) + HERMES_CLOSE)}",
              *rules]
     return chr(10).join(lines) + chr(10)
+
+
+def _glm_arguments(tool: Tool) -> tuple[dict, set[str]]:
+    """A tool's parameters as GLM's grammar writes them: (properties, the required names).
+    Raises ValueError naming the tool for `properties` that is not an object or
+    `required` that is not a list of names."""
+    schema = tool.arguments_schema
+    props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    required = schema.get("required", []) if isinstance(schema, dict) else []
+    if not isinstance(props, dict):
+        raise ValueError(f"'{tool.name}' parameters: 'properties' must be an object")
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"'{tool.name}' parameters: 'required' must be a list of property names")
+    return props, set(required)
 
 
 def _length(schema: dict) -> str:
@@ -409,8 +424,8 @@ def _call_from_glm(body: str, tools: dict[str, Tool]) -> ToolCall | None:
     name = name.strip()
     if not name or "<" in name:
         return None
-    props = tools[name].parameters.get("properties", {}) if name in tools and isinstance(
-        tools[name].parameters, dict) else {}
+    props = tools[name].parameters.get("properties") if name in tools else None
+    props = props if isinstance(props, dict) else {}       # a malformed schema: values as text
     arguments: dict[str, Any] = {}
     for key, value in _GLM_ARG.findall(rest):
         schema = props.get(key)

@@ -34,6 +34,7 @@ class ServingState:
         self.registry = telemetry.registry if telemetry is not None else None
         self.phase = "loading"           # loading | ready | draining
         self.loaded: Loaded | None = None
+        self._prefix_saving = asyncio.Lock()  # one save at a time (write_atomically's temp file)
         self.load_seconds = 0.0
         self.last_snapshot = None        # telemetry.metrics.Snapshot of the latest stats reading
         self.snapshot_at = float("-inf")  # time.monotonic() of that reading
@@ -86,7 +87,12 @@ class ServingState:
     async def save_prefix_cache(self) -> None:
         """The prefix cache's blocks into its file (daemon/engine/prefix_store.py) if it
         changed since the last save: listed on the engine thread (references, no copy),
-        written on a worker thread."""
+        written on a worker thread. A save asked while one runs (the idle saver, the
+        flush, a reload's) waits for it, then saves if the cache changed since."""
+        async with self._prefix_saving:
+            await self._save_prefix_cache()
+
+    async def _save_prefix_cache(self) -> None:
         loaded = self.loaded
         if loaded is None or loaded.prefix_store is None or not loaded.prefix_store.budget_bytes:
             return
@@ -94,7 +100,7 @@ class ServingState:
         version, blocks = await asyncio.wrap_future(loaded.engine.call(lambda: (cache.version, cache.snapshot())))
         if version == loaded.prefix_saved_version:
             return
-        started = time.monotonic()
+        started, budget = time.monotonic(), loaded.prefix_store.budget_bytes
         try:
             n = await asyncio.to_thread(loaded.prefix_store.save, blocks)
         except OSError as e:        # tried again once the cache changes, at the next flush
@@ -103,7 +109,8 @@ class ServingState:
             log.warning("prefix_cache_save_failed", path=str(loaded.prefix_store.path), error=str(e))
             return
         loaded.prefix_save_failed = False
-        loaded.prefix_saved_version = version
+        # a reload that set another budget meanwhile asked for a save at it: still owed
+        loaded.prefix_saved_version = version if loaded.prefix_store.budget_bytes == budget else -1
         log.info("prefix_cache_saved", path=str(loaded.prefix_store.path), blocks=n,
                  tokens=n * cache.block_tokens, seconds=round(time.monotonic() - started, 3))
 

@@ -236,6 +236,9 @@ class IoPool:
         self._before_read = _before_read
         self._files = _FileCache()
         self._heap: list[_Job] = []
+        # future -> its job in the heap (a job not found here is stale: an expedited
+        # read's old entry, skipped when popped), so that expedite costs O(log n)
+        self._queued: dict[Future, _Job] = {}
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closing = False
@@ -308,8 +311,9 @@ class IoPool:
         with self._cond:
             if self._closing:
                 raise RuntimeError("IoPool is closed")
-            heapq.heappush(self._heap, _Job(PRIORITY[reason], next(self._seq), plan, mv,
-                                            reason, future))
+            job = _Job(PRIORITY[reason], next(self._seq), plan, mv, reason, future)
+            self._queued[future] = job
+            heapq.heappush(self._heap, job)
             self._cond.notify()
         return future
 
@@ -319,21 +323,24 @@ class IoPool:
         prefetch and pin load. True when it was queued; False when it has started, is done
         or is not this pool's (nothing changes)."""
         with self._cond:
-            for i, job in enumerate(self._heap):
-                if job.future is future:
-                    if job.priority > PRIORITY[DEMAND]:
-                        self._heap[i] = replace(job, priority=PRIORITY[DEMAND], seq=next(self._seq))
-                        heapq.heapify(self._heap)
-                    return True
-        return False
+            job = self._queued.get(future)
+            if job is None:
+                return False
+            if job.priority > PRIORITY[DEMAND]:          # the old entry stays, stale
+                self._queued[future] = job = replace(job, priority=PRIORITY[DEMAND], seq=next(self._seq))
+                heapq.heappush(self._heap, job)
+            return True
 
     def cancel_pending(self, reason: str = PREFETCH) -> int:
         """Cancel the queued (not started) reads of ``reason``; returns how many."""
         with self._cond:
-            keep = [j for j in self._heap if j.reason != reason]
-            dropped = [j for j in self._heap if j.reason == reason]
+            live = [j for j in self._heap if self._queued.get(j.future) is j]
+            keep = [j for j in live if j.reason != reason]
+            dropped = [j for j in live if j.reason == reason]
             heapq.heapify(keep)
             self._heap = keep
+            for j in dropped:
+                del self._queued[j.future]
         n = sum(j.future.cancel() for j in dropped)
         with self._stats_lock:
             self._cancelled += n
@@ -349,8 +356,11 @@ class IoPool:
                 if index >= self.n_workers and not self._closing:
                     self._retired.append(self._threads.pop(index))
                     return None
-                if self._heap:
-                    return heapq.heappop(self._heap)
+                while self._heap:
+                    job = heapq.heappop(self._heap)
+                    if self._queued.get(job.future) is job:
+                        del self._queued[job.future]
+                        return job
                 if self._closing:
                     return None
                 self._cond.wait()
@@ -495,7 +505,7 @@ class IoPool:
     def stats(self) -> IoStats:
         """A consistent snapshot of the counters (thread-safe)."""
         with self._cond:
-            depth = len(self._heap)
+            depth = len(self._queued)
         with self._stats_lock:
             return IoStats(
                 io_path=self.io_path, n_workers=self.n_workers,

@@ -67,3 +67,30 @@ def test_a_deep_schema_is_walked_without_recursion():
     for _ in range(5000):
         assert node["additionalProperties"] is False
         node = node["properties"]["n"]
+
+
+B = {"type": "object", "properties": {"b": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [B]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [B, {"required": ["a"]}]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "oneOf": [B]},
+    {"type": "object", "properties": {"a": {}}, "if": {"required": ["a"]}, "then": B},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "$ref": "#/$defs/B", "$defs": {"B": B}},
+    {"$defs": {"B": B}, "allOf": [{"$ref": "#/$defs/B"}, {"properties": {"a": {"type": "integer"}}}]},
+    {"definitions": {"B": B}, "allOf": [{"$ref": "#/definitions/B"}, {"properties": {"a": {}}}]},
+])
+def test_keys_a_schema_names_elsewhere_than_its_properties_stay_allowed(schema):
+    # required keys it does not list, and properties its allOf/anyOf/$ref siblings add
+    # (a base model's $ref extended in an allOf): closing must not refuse what the schema names
+    jsonschema.validate({"a": 1, "b": 2}, schema)
+    jsonschema.validate({"a": 1, "b": 2}, closed_objects(schema))
+
+
+def test_a_lone_all_of_branch_is_a_whole_object():
+    # pydantic's field of a model type with a description: the model's definition is closed
+    schema = {"$defs": {"B": B}, "type": "object",
+              "properties": {"x": {"allOf": [{"$ref": "#/$defs/B"}], "description": "d"}}}
+    assert closed_objects(schema)["$defs"]["B"]["additionalProperties"] is False

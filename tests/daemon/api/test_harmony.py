@@ -9,6 +9,7 @@ not), on chat completions and /v1/responses."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import llguidance
@@ -123,6 +124,16 @@ def test_without_tools_a_call_is_content_and_a_whole_answer_splits():
     assert split_with(HarmonyParser(), text) == (None, text, [])
     reasoning, content, calls = split_with(HarmonyParser(tools=NAMES), ANALYSIS + CALL)
     assert reasoning == "The user asks <b>; need the tool." and content == "" and len(calls) == 1
+
+
+def test_a_long_header_of_whitespace_is_content_at_once_whole_or_streamed():
+    # a whole answer is fed at once: a header of thousands of spaces before <|message|>
+    # (a looping model) took the header pattern's backtracking minutes on the event loop
+    text = "<|channel|>analysis" + " " * 3000 + "!<|message|>hi"
+    started = time.perf_counter()
+    assert split_with(HarmonyParser(tools=NAMES), text) == (None, text, [])
+    assert _joined(_read(text, 7)[0]) == {"content": text}
+    assert time.perf_counter() - started < 1.0
 
 
 def test_the_format_is_read_off_the_template():

@@ -136,3 +136,20 @@ def test_a_required_call_on_a_glm_checkpoint_parses_and_validates(client, stream
         name, arguments = call.function.name, call.function.arguments
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": [1, 2]},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": [["a"]]},
+    {"type": "object", "properties": {"a": {"type": "string", "enum": 5}}},
+    {"type": "object", "properties": {"a": {"type": "string", "enum": []}}},
+])
+def test_malformed_parameters_are_a_value_error_and_parse_as_text(parameters):
+    # a client's schema reaches glm_grammar (a required call) and the parser (auto):
+    # a ValueError is the 400 naming tools, anything else a 500 or a broken stream
+    tools = (Tool("f", None, parameters),)
+    with pytest.raises(ValueError, match="parameters"):
+        glm_grammar(list(tools), False, LarkText({}))
+    call = "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"
+    assert json.loads(split_calls(call, tools, "glm")[1][0].arguments) == {"a": "1"}

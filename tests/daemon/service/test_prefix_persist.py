@@ -330,3 +330,82 @@ def test_sighup_turns_keeping_the_prefix_cache_off_and_on(model_dir):
     finally:
         off.cleanup()
     assert (Path(state) / files[0]).stat().st_mtime_ns == before
+
+
+def test_saves_asked_while_one_runs_wait_for_it(tmp_path):
+    # the idle saver, the minute's flush and a SIGHUP's re-save each call save_prefix_cache;
+    # two at once wrote one temp file (named by the pid) from two threads: a torn file
+    import asyncio
+    import concurrent.futures
+    import threading
+    from types import SimpleNamespace
+
+    from daemon.service.serving import ServingState
+
+    cache, _ = _filled()
+    store, inside, most = _store(tmp_path), [0], [0]
+    real_save, lock = store.save, threading.Lock()
+
+    def slow_save(blocks):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        try:
+            return real_save(blocks)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    def call(fn):
+        done = concurrent.futures.Future()
+        done.set_result(fn())
+        return done
+
+    store.save = slow_save
+    state = ServingState(None, None)
+    state.loaded = SimpleNamespace(prefix_store=store, prefix_saved_version=-1, prefix_save_failed=False,
+                                   engine=SimpleNamespace(prefix_cache=cache, call=call))
+
+    async def main():
+        await asyncio.gather(*(state.save_prefix_cache() for _ in range(3)))
+
+    asyncio.run(main())
+    assert most[0] == 1
+    assert len(_store(tmp_path).load(100)) == 6
+
+
+def test_a_budget_reloaded_during_a_save_is_saved_again(tmp_path):
+    # SIGHUP sets the budget and asks for a save (prefix_saved_version -1) while one runs:
+    # the running save, at the old budget, must not mark the cache saved
+    import asyncio
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from daemon.service.serving import ServingState
+
+    cache, _ = _filled()
+    store = _store(tmp_path)
+    store.budget_bytes = 2 * store.block_bytes               # two of the six blocks
+    real_save = store.save
+    state = ServingState(None, None)
+
+    def reloaded_save(blocks):
+        n = real_save(blocks)
+        store.budget_bytes *= 3                            # what reload does, meanwhile
+        state.loaded.prefix_saved_version = -1
+        return n
+
+    def call(fn):
+        done = concurrent.futures.Future()
+        done.set_result(fn())
+        return done
+
+    store.save = reloaded_save
+    state.loaded = SimpleNamespace(prefix_store=store, prefix_saved_version=-1, prefix_save_failed=False,
+                                   engine=SimpleNamespace(prefix_cache=cache, call=call))
+    asyncio.run(state.save_prefix_cache())
+    assert state.loaded.prefix_saved_version == -1
+    store.save = real_save
+    asyncio.run(state.save_prefix_cache())
+    assert len(_store(tmp_path).load(100)) == 6

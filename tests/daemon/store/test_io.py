@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -675,3 +676,23 @@ def test_set_workers_refuses_a_count_below_one_and_a_closed_pool():
     with pytest.raises(RuntimeError, match="closed"):
         pool.set_workers(3)
     assert pool.stats().n_workers == 2
+
+
+def test_expediting_costs_nothing_like_the_queue_length(shared_model):
+    # a warm start queues a whole cache of reads; a step may expedite layers x top_k of
+    # them: a scan of the queue per expedite (under the lock the io workers take jobs
+    # with) made 400 expedites of a 20000-read queue take seconds
+    with _queued_behind_a_busy_worker(shared_model, [PIN_LOAD]) as (pool, plans, first, futures, gate, order):
+        buffer = bytearray(plans[1].slot_bytes)
+        queued = [pool.submit(plans[1], buffer, PREFETCH if i < 19600 else PIN_LOAD) for i in range(20000)]
+        started = time.perf_counter()
+        assert all(pool.expedite(f) for f in queued[-400:])
+        took = time.perf_counter() - started
+        assert pool.stats().queue_depth == 20001
+        assert pool.cancel_pending(PREFETCH) == 19600
+        assert pool.stats().queue_depth == 401
+        gate.set()
+        for f in [first, *futures, *queued[-400:]]:
+            f.result(WAIT)
+    assert took < 0.2
+    assert [r for _, r in order] == [PREFETCH] + [PIN_LOAD] * 401
