@@ -26,7 +26,7 @@ token when none does), and the prompt's time to first token is compared with its
 full-chunk prefill alone. The streams' own growth in context is left out, so the bound
 is optimistic.
 
-    python bench/step_costs.py [--model DIR] [--threads 1]
+    python bench/step_costs.py [--model DIR] [--threads 1] [--prefill-chunk 64]
 """
 from __future__ import annotations
 
@@ -73,17 +73,17 @@ def _cost(coef: list[float], c: int, p: int) -> float:
 
 
 def _bound(ratio: float, decode_s: float, mixed: list[float], alone: list[float],
-           tokens: int) -> dict:
-    """The best chunk sizes under `ratio` with exactly known, noise-free step costs."""
+           tokens: int, full: int) -> dict:
+    """The best chunk sizes under `ratio` with exactly known, noise-free step costs; the
+    prompt alone is prefilled in chunks of `full` tokens."""
     p, total, steps, worst = 0, 0.0, 0, 0.0
     while p < tokens:
         c = 1
-        while c < min(PREFILL_CHUNK - 3, tokens - p) and _cost(mixed, c + 1, p) <= ratio * decode_s:
+        while c < min(full - 3, tokens - p) and _cost(mixed, c + 1, p) <= ratio * decode_s:
             c += 1
         step = _cost(mixed, c, p)
         total, steps, worst, p = total + step, steps + 1, max(worst, step), p + c
-    alone_s = sum(_cost(alone, min(PREFILL_CHUNK, tokens - q), q)
-                  for q in range(0, tokens, PREFILL_CHUNK))
+    alone_s = sum(_cost(alone, min(full, tokens - q), q) for q in range(0, tokens, full))
     return {"ratio": ratio, "steps": steps, "ttft_mixed_over_alone": total / alone_s,
             "worst_step_over_decode_step": worst / decode_s}
 
@@ -94,6 +94,9 @@ def main() -> int:
     p.add_argument("--model", default="bench-interleave-model",
                    help="model directory (written by make-model when missing)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="the full chunk, as serve's prefill_chunk (it takes 512 when the experts "
+                        "are in memory); also the most a step holds")
     p.add_argument("--streams", type=int, default=3)
     p.add_argument("--decode-context", type=int, default=600)
     p.add_argument("--positions", type=int, nargs="+", default=[0, 1000, 2000, 3400])
@@ -101,12 +104,14 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--prompt-tokens", type=int, default=3500, help="the prompt of the bound")
     args = p.parse_args()
-    model = Model.load(ensure_model(args.model, MAKE_MODEL), n_threads=args.threads)
+    full_chunk = args.prefill_chunk
+    model = Model.load(ensure_model(args.model, MAKE_MODEL), n_threads=args.threads,
+                       prefill_chunk=full_chunk)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
 
     def prefilled(n: int):
-        seq = model.new_sequence(capacity=n + PREFILL_CHUNK + 1)
+        seq = model.new_sequence(capacity=n + full_chunk + 1)
         if n:
             model.forward(seq, rng.integers(1, vocab, n))
         return seq
@@ -126,7 +131,7 @@ def main() -> int:
     rows = []
     for pos in args.positions:
         prompt = prefilled(pos)
-        whole = rng.integers(1, vocab, PREFILL_CHUNK)
+        whole = rng.integers(1, vocab, full_chunk)
 
         def full():
             model.forward_step([prompt], [whole])
@@ -150,24 +155,24 @@ def main() -> int:
                          "mixed_s": statistics.median(m),
                          "alone_s_per_token": statistics.median(a) / c,
                          "cost_per_token_over_full_chunk": statistics.median(
-                             (ai / c) / (fi / PREFILL_CHUNK) for ai, fi in zip(a, f)),
+                             (ai / c) / (fi / full_chunk) for ai, fi in zip(a, f)),
                          "decode_rows_added_over_decode_step": statistics.median(
                              (mi - ai) / di for ai, mi, di in zip(a, m, d))})
     decode_s = statistics.median(decode_times)
     mixed_cost = _fit([(r["chunk"], r["position"], r["mixed_s"]) for r in rows])
     alone_cost = _fit([(r["chunk"], r["position"], r["alone_s"]) for r in rows] +
-                      [(PREFILL_CHUNK, r["position"], r["alone_s"] / r["chunk"] * PREFILL_CHUNK /
+                      [(full_chunk, r["position"], r["alone_s"] / r["chunk"] * full_chunk /
                         r["cost_per_token_over_full_chunk"]) for r in rows])
     print(json.dumps({
         "model": args.model, "threads": args.threads, "streams": args.streams,
         "decode_context": args.decode_context, "decode_step_s": decode_s,
-        "full_chunk": PREFILL_CHUNK,
+        "full_chunk": full_chunk,
         "steps": rows,
         "decode_rows_added_over_decode_step_median": statistics.median(
             r["decode_rows_added_over_decode_step"] for r in rows),
         "bound": {"prompt_tokens": args.prompt_tokens,
                   "fit_mixed_s": mixed_cost, "fit_alone_s": alone_cost,
-                  "by_ratio": [_bound(r, decode_s, mixed_cost, alone_cost, args.prompt_tokens)
+                  "by_ratio": [_bound(r, decode_s, mixed_cost, alone_cost, args.prompt_tokens, full_chunk)
                                for r in (2.0, 2.5, 3.0, 3.5, 4.0, 5.0)]}}, indent=2))
     return 0
 
