@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.engine.engine import EngineRequest, RequestStats
-from daemon.api.harmony import HarmonyParser, harmony_json_grammar, is_harmony
+from daemon.api.harmony import HarmonyParser, harmony_grammar, harmony_json_grammar, is_harmony
 from daemon.api.reasoning import (REASONING_EFFORTS, AnswerParser, effort_variables, opens_thinking,
                                   split_with, thinks)
 from daemon.api.tools import (ToolCall, ToolError, ToolRequest, history_arguments_as_text, parse_tools,
@@ -540,7 +540,9 @@ def parse_request(body: Any, *, chat: bool, model_names: tuple[str, ...], tokeni
         reasoning_started = reasoning and opens_thinking(text)
         if tool_req is not None and tool_req.constrained:
             try:
-                constraint = grammars.spec_lark(tool_req.grammar(tokenizer.added_tokens, reasoning_started))
+                constraint = grammars.spec_lark(
+                    harmony_grammar(tool_req.chosen()) if tool_req.format == "harmony"
+                    else tool_req.grammar(tokenizer.added_tokens, reasoning_started))
             except ValueError as e:
                 raise bad(f"the tools' parameters cannot be used: {e}", "tools") from None
     else:

@@ -160,19 +160,20 @@ class ToolRequest:
     def template_tools(self) -> list[dict]:
         return [t.template_entry(described=self.format == "harmony") for t in self.tools]
 
+    def chosen(self) -> list[Tool]:
+        """The tools a constrained answer may call: all, or the one tool_choice names."""
+        return [t for t in self.tools if self.choice != "function" or t.name == self.name]
+
     def grammar(self, tokens: Mapping[str, int], thinking_open: bool = False) -> str:
-        """The Lark grammar (llguidance's dialect) of a constrained choice's output.
+        """The Lark grammar (llguidance's dialect) of a constrained choice's output, for
+        the formats of FORMATS (harmony's is daemon/api/harmony.py's harmony_grammar).
         tokens: the model tokenizer's added tokens (text -> id; `Tokenizer.added_tokens`),
         which decide whether a marker is written as its token or as text (`LarkText`).
         thinking_open: the prompt ends inside an open <think> (DeepSeek-V3.1's with
         thinking on): the output closes it first, `</think>`, so that the call is the
         answer and not reasoning (DeepSeek-V3.1's model card gives tool calls in the
         answer, after the think block)."""
-        tools = [t for t in self.tools if self.choice != "function" or t.name == self.name]
-        if self.format == "harmony":
-            from daemon.api.harmony import harmony_grammar     # (harmony imports this module)
-            return harmony_grammar(tools)
-        lark = FORMATS[self.format].grammar(tools, self.parallel, LarkText(tokens))
+        lark = FORMATS[self.format].grammar(self.chosen(), self.parallel, LarkText(tokens))
         if not thinking_open:
             return lark
         assert lark.startswith("start: ")

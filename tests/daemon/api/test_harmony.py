@@ -140,7 +140,7 @@ def test_the_format_is_read_off_the_template():
     assert is_harmony(GPT_OSS_TEMPLATE) and detect_format(GPT_OSS_TEMPLATE) == "harmony"
     assert not is_harmony(QWEN3_TEMPLATE) and not is_harmony(GLM45_TEMPLATE) and not is_harmony(None)
     req = parse_tools({"tools": [WEATHER], "tool_choice": "required"}, GPT_OSS_TEMPLATE)
-    assert req.format == "harmony" and "to=functions." in req.grammar({})
+    assert req.format == "harmony" and "to=functions." in harmony_grammar(req.chosen())
 
 
 # ------------------------------------------------------------------ make-model's gpt_oss
