@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import llguidance
 import pytest
-import tokenizers
+from tool_grammar import matcher, takes_whole
 from daemon_proc import openai_client, serving
 
 from daemon.api import chat as chat_api
@@ -218,15 +217,6 @@ def test_the_request_passes_openais_history_to_the_template_with_object_argument
 
 # ------------------------------------------------------------------ the grammar
 
-def _matcher(model_dir, grammar):
-    """The tokenizer and a matcher of grammar(LarkText of the tokenizer's added tokens)."""
-    text = (model_dir / "tokenizer.json").read_text()
-    tok = tokenizers.Tokenizer.from_str(text)
-    ll = llguidance.LLTokenizer(text, n_vocab=tok.get_vocab_size())
-    lark = grammar(LarkText({t.content: i for i, t in tok.get_added_tokens_decoder().items()}))
-    return tok, llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
-
-
 @pytest.mark.parametrize("text, ok", [
     (CALL, True),
     (CALL.replace("Oslo", "Rome"), False),                       # not in the enum
@@ -237,10 +227,8 @@ def _matcher(model_dir, grammar):
 ])
 def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
     tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in (WEATHER, TIME)]
-    tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, False, text))
-    assert not m.is_error(), m.get_error()
-    took = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
-    assert (took and m.is_stopped()) is ok
+    tok, m = matcher(model_dir, lambda text: hermes_grammar(tools, False, text))
+    assert takes_whole(tok, m, text) is ok
 
 
 def test_a_marker_is_written_as_the_token_where_the_tokenizer_has_one_and_as_text_elsewhere(model_dir):
@@ -249,7 +237,7 @@ def test_a_marker_is_written_as_the_token_where_the_tokenizer_has_one_and_as_tex
     assert LarkText({"<arg_key>": 3})("<arg_key>city</arg_key>") == '<[3]> "city</arg_key>"'
     # Qwen3's tokenizer has them: the grammar takes the token, not the text spelled out
     tools = [Tool("get_time", None, SCHEMAS["get_time"])]
-    tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, False, text))
+    tok, m = matcher(model_dir, lambda text: hermes_grammar(tools, False, text))
     spelled = [i for piece in ("<", "tool", "_call", ">") for i in tok.encode(piece, add_special_tokens=False).ids]
     assert tok.token_to_id("<tool_call>") not in spelled and not m.consume_token(spelled[0])
 
@@ -262,7 +250,7 @@ def test_arguments_take_no_key_their_schema_does_not_list_unless_it_says_so(mode
     extra = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3, "city": "Oslo"}}\n</tool_call>'
     for parameters, ok in ((listed, False), ({**listed, "additionalProperties": True}, True)):
         tool = Tool("get_time", None, parameters)
-        tok, m = _matcher(model_dir, lambda text: hermes_grammar([tool], False, text))
+        tok, m = matcher(model_dir, lambda text: hermes_grammar([tool], False, text))
         took = all(m.consume_token(i) for i in tok.encode(extra, add_special_tokens=False).ids)
         assert (took and m.is_stopped()) is ok
         assert tool.parameters == parameters and tool.template_entry()["function"]["parameters"] == parameters
@@ -270,7 +258,7 @@ def test_arguments_take_no_key_their_schema_does_not_list_unless_it_says_so(mode
 
 def test_a_parallel_grammar_takes_several_calls_and_may_end_after_any(model_dir):
     tools = [Tool("get_time", None, SCHEMAS["get_time"])]
-    tok, m = _matcher(model_dir, lambda text: hermes_grammar(tools, True, text))
+    tok, m = matcher(model_dir, lambda text: hermes_grammar(tools, True, text))
     one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
     assert all(m.consume_token(t) for t in tok.encode(one, add_special_tokens=False).ids)
     assert m.is_accepting() and not m.is_stopped()

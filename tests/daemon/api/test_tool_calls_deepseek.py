@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import llguidance
 import pytest
-import tokenizers
+
+from tool_grammar import matcher, takes_whole
 
 from daemon.api import chat as chat_api
 from daemon.api.reasoning import opens_thinking, split_answer
 from daemon.api.tools import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, THINK_CLOSE,
-                              CallParser, LarkText, Tool, ToolRequest, deepseek_grammar, deepseek_system_text,
+                              CallParser, Tool, ToolRequest, deepseek_grammar, deepseek_system_text,
                               detect_format, split_calls)
 from ext.makemodel import DEEPSEEK_V31_TEMPLATE, make_model
 from ext.tokenizer import Tokenizer
@@ -87,15 +87,6 @@ def test_a_whole_answer_and_the_format_read_off_the_template():
     assert detect_format(DEEPSEEK_V31_TEMPLATE) == "deepseek"
 
 
-def _matcher(model_dir, grammar):
-    """The tokenizer and a matcher of grammar(LarkText of the tokenizer's added tokens)."""
-    text = (model_dir / "tokenizer.json").read_text()
-    tok = tokenizers.Tokenizer.from_str(text)
-    ll = llguidance.LLTokenizer(text, n_vocab=tok.get_vocab_size())
-    lark = grammar(LarkText({t.content: i for i, t in tok.get_added_tokens_decoder().items()}))
-    return tok, llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
-
-
 ONE = DS_CALLS_BEGIN + _call("get_weather", '{"city": "Oslo", "days": 3}') + DS_CALLS_END
 
 
@@ -109,17 +100,15 @@ ONE = DS_CALLS_BEGIN + _call("get_weather", '{"city": "Oslo", "days": 3}') + DS_
     ("Sure. " + ONE, False),                                      # a required call comes first
 ])
 def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
-    tok, m = _matcher(model_dir, lambda text: deepseek_grammar(list(TOOLS), False, text))
-    assert not m.is_error(), m.get_error()
-    took = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
-    assert (took and m.is_stopped()) is ok
+    tok, m = matcher(model_dir, lambda text: deepseek_grammar(list(TOOLS), False, text))
+    assert takes_whole(tok, m, text) is ok
     if ok:
         [call] = split_calls(text, TOOLS, "deepseek")[1]
         jsonschema.validate(json.loads(call.arguments), TOOLS[0].parameters)
 
 
 def test_a_parallel_grammar_takes_calls_back_to_back(model_dir):
-    tok, m = _matcher(model_dir, lambda text: deepseek_grammar(list(TOOLS), True, text))
+    tok, m = matcher(model_dir, lambda text: deepseek_grammar(list(TOOLS), True, text))
     two = ONE.replace(DS_CALLS_END, _call("get_weather", '{"city": "Lima"}') + DS_CALLS_END)
     assert all(m.consume_token(t) for t in tok.encode(two, add_special_tokens=False).ids) and m.is_stopped()
 
@@ -127,7 +116,7 @@ def test_a_parallel_grammar_takes_calls_back_to_back(model_dir):
 def test_with_thinking_open_in_the_prompt_the_grammar_closes_it_before_the_calls(model_dir):
     request = ToolRequest(TOOLS, "required", None, False, "deepseek")
     for text, ok in ((THINK_CLOSE + ONE, True), (ONE, False), ("hm" + THINK_CLOSE + ONE, False)):
-        tok, m = _matcher(model_dir, lambda lark: request.grammar(lark.tokens, thinking_open=True))
+        tok, m = matcher(model_dir, lambda lark: request.grammar(lark.tokens, thinking_open=True))
         took = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
         assert (took and m.is_stopped()) is ok, text
     thought, content, calls = split_answer(THINK_CLOSE + ONE, reasoning=True, started=True,

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import llguidance
 import pytest
-import tokenizers
+from tool_grammar import matcher, takes_whole
 from daemon_proc import openai_client, serving
 
 from daemon.api.tools import CallParser, LarkText, Tool, glm_grammar, split_calls
@@ -55,15 +54,6 @@ def test_text_beside_the_pairs_or_no_name_is_not_a_call():
     assert split_calls("<tool_call>\n</tool_call>", TOOLS, "glm")[1] == []
 
 
-def _matcher(model_dir, grammar):
-    """The tokenizer and a matcher of grammar(LarkText of the tokenizer's added tokens)."""
-    text = (model_dir / "tokenizer.json").read_text()
-    tok = tokenizers.Tokenizer.from_str(text)
-    ll = llguidance.LLTokenizer(text, n_vocab=tok.get_vocab_size())
-    lark = grammar(LarkText({t.content: i for i, t in tok.get_added_tokens_decoder().items()}))
-    return tok, llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
-
-
 @pytest.mark.parametrize("text, ok", [
     ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
      "<arg_key>unit</arg_key>\n<arg_value>C</arg_value>\n</tool_call>", True),
@@ -81,10 +71,8 @@ def _matcher(model_dir, grammar):
      "<arg_key>unit</arg_key>\n<arg_value>C</arg_value>\n</tool_call>", False),      # > maxLength
 ])
 def test_the_grammar_takes_exactly_the_tools_calls(model_dir, text, ok):
-    tok, m = _matcher(model_dir, lambda text: glm_grammar(list(TOOLS), False, text))
-    assert not m.is_error(), m.get_error()
-    took = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
-    assert (took and m.is_stopped()) is ok
+    tok, m = matcher(model_dir, lambda text: glm_grammar(list(TOOLS), False, text))
+    assert takes_whole(tok, m, text) is ok
     if ok:
         [call] = split_calls(text, TOOLS, "glm")[1]
         jsonschema.validate(json.loads(call.arguments), TOOLS[0].parameters)
